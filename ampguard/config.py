@@ -1,0 +1,150 @@
+"""GuardConfig: every knob of the guard, validated at construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["GuardConfig"]
+
+_ON_SPIKE = ("warn", "skip")
+_ON_DIVERGENCE = ("warn", "raise")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class GuardConfig:
+    """How the guard decides. Every field has a default that changes nothing numerically:
+    with ``GuardConfig()`` a healthy run is bitwise identical to the plain GradScaler loop.
+
+    A bad value raises ``ValueError`` naming the field, the value and what is allowed.
+    Build one from a mapping (e.g. a YAML file) with :meth:`from_dict`, which also rejects
+    unknown keys by name.
+    """
+
+    hysteresis: int = 1
+    """Back the loss scale off only after this many *consecutive* overflowing steps (>= 1).
+    Every overflowing step is still skipped. 1 is GradScaler's behaviour."""
+
+    min_scale: float = 1.0
+    """Floor of the loss scale (> 0). Reaching it records a ``scale_floor`` anomaly: an fp16
+    run whose scale collapses to the floor is usually broken, not unlucky."""
+
+    max_scale: float | None = None
+    """Ceiling of the loss scale (None: unbounded, as GradScaler). Must be >= ``min_scale``."""
+
+    max_consecutive_skips: int | None = None
+    """Raise :class:`~ampguard.NonFiniteError` when this many steps in a row were skipped
+    (None: never). Every rank raises at the same step."""
+
+    grad_spike_factor: float | None = None
+    """Flag a step whose gradient norm exceeds this factor (> 1) times its running average
+    (None: off). What happens is set by ``on_spike``."""
+
+    loss_spike_factor: float | None = None
+    """Flag a step whose loss exceeds this factor (> 1) times its running average (None: off)."""
+
+    spike_warmup: int = 20
+    """Healthy steps the running averages need before spikes are flagged (>= 1)."""
+
+    spike_ema_decay: float = 0.98
+    """Decay of the running averages used by the spike detectors, in (0, 1)."""
+
+    on_spike: str = "warn"
+    """"warn": record an anomaly and step anyway; "skip": also skip the step (no scale change)."""
+
+    clip_grad_norm: float | None = None
+    """Clip the unscaled gradients to this global L2 norm (> 0), using the norm the guard
+    already computed: no second pass over the gradients. None: no clipping."""
+
+    history_size: int = 1024
+    """How many step reports ``opt.history`` retains (>= 1)."""
+
+    max_anomalies: int = 10_000
+    """How many anomalies ``opt.anomalies`` retains, oldest dropped first (>= 1)."""
+
+    param_norms_every: int | None = None
+    """Copy per-parameter gradient norms to the host every N steps, for histograms (None:
+    only on steps with non-finite gradients, where they name the parameters)."""
+
+    consistency_every: int | None = None
+    """Every N steps, compare step count, skip count, loss scale and a parameter fingerprint
+    across ranks (None: off). Costs one extra small collective on those steps."""
+
+    on_divergence: str = "warn"
+    """What a failed consistency check does: "warn" (record a ``rank_divergence`` anomaly)
+    or "raise" (also raise :class:`~ampguard.RankDivergenceError` on every rank)."""
+
+    def __post_init__(self) -> None:
+        _int_at_least("hysteresis", self.hysteresis, 1)
+        _positive_float("min_scale", self.min_scale)
+        if self.max_scale is not None:
+            _positive_float("max_scale", self.max_scale)
+            if self.max_scale < self.min_scale:
+                raise ValueError(
+                    f"GuardConfig.max_scale={self.max_scale!r} is below min_scale={self.min_scale!r}; "
+                    "allowed: None or a value >= min_scale"
+                )
+        _optional_int_at_least("max_consecutive_skips", self.max_consecutive_skips, 1)
+        for name in ("grad_spike_factor", "loss_spike_factor"):
+            value = getattr(self, name)
+            if value is not None and not (_is_real(value) and math.isfinite(value) and value > 1):
+                raise ValueError(f"GuardConfig.{name}={value!r}; allowed: None or a finite number > 1")
+        _int_at_least("spike_warmup", self.spike_warmup, 1)
+        if not (_is_real(self.spike_ema_decay) and 0 < self.spike_ema_decay < 1):
+            raise ValueError(
+                f"GuardConfig.spike_ema_decay={self.spike_ema_decay!r}; allowed: a number in (0, 1)"
+            )
+        _choice("on_spike", self.on_spike, _ON_SPIKE)
+        if self.clip_grad_norm is not None:
+            _positive_float("clip_grad_norm", self.clip_grad_norm)
+        _int_at_least("history_size", self.history_size, 1)
+        _int_at_least("max_anomalies", self.max_anomalies, 1)
+        _optional_int_at_least("param_norms_every", self.param_norms_every, 1)
+        _optional_int_at_least("consistency_every", self.consistency_every, 1)
+        _choice("on_divergence", self.on_divergence, _ON_DIVERGENCE)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> GuardConfig:
+        """Build a config from a mapping; an unknown key raises ValueError naming it."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = [k for k in values if k not in known]
+        if unknown:
+            hints = []
+            for key in unknown:
+                close = difflib.get_close_matches(str(key), sorted(known), n=1)
+                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ValueError(
+                f"unknown GuardConfig key(s): {', '.join(hints)}; known keys: {', '.join(sorted(known))}"
+            )
+        return cls(**dict(values))
+
+    def replace(self, **changes: Any) -> GuardConfig:
+        """A copy with some fields changed (validated like the original)."""
+        return GuardConfig.from_dict({**dataclasses.asdict(self), **changes})
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int_at_least(name: str, value: Any, low: int) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: an int >= {low}")
+
+
+def _optional_int_at_least(name: str, value: Any, low: int) -> None:
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: None or an int >= {low}")
+
+
+def _positive_float(name: str, value: Any) -> None:
+    if not (_is_real(value) and math.isfinite(value) and value > 0):
+        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: a finite number > 0")
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: {' | '.join(map(repr, allowed))}")

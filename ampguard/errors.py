@@ -1,0 +1,47 @@
+"""The exceptions ampguard raises. Every one derives from :class:`AmpGuardError`."""
+
+from __future__ import annotations
+
+__all__ = [
+    "AmpGuardError",
+    "BackendUnavailableError",
+    "GuardStateError",
+    "NonFiniteError",
+    "RankDivergenceError",
+]
+
+
+class AmpGuardError(Exception):
+    """Base class of every error ampguard raises on purpose."""
+
+
+class GuardStateError(AmpGuardError, RuntimeError):
+    """A method was called in a state where it cannot run (a call-order mistake).
+
+    The message names what was called, in which state, and what to call instead.
+    Nothing was changed: model, optimizer and scaler are as they were before the call.
+    """
+
+
+class NonFiniteError(AmpGuardError, FloatingPointError):
+    """Training cannot go on: ``GuardConfig.max_consecutive_skips`` steps in a row were skipped.
+
+    ``report`` is the :class:`~ampguard.StepReport` of the last skipped step. In a
+    distributed run every rank raises it at the same step.
+    """
+
+    def __init__(self, message: str, report: object | None = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class RankDivergenceError(AmpGuardError):
+    """Ranks disagree on step count, skip count, loss scale or parameters (``on_divergence="raise"``)."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+class BackendUnavailableError(AmpGuardError, ImportError):
+    """An optional dependency is missing. The message names the pip extra that installs it."""

@@ -1,0 +1,209 @@
+"""Fault injection: put NaN / +inf / -inf into the loss, a gradient or a module's output,
+at chosen steps and ranks. For ampguard's own tests and for yours.
+
+>>> from ampguard import faults
+>>> injection = faults.inject(opt, model,
+...     faults.loss("nan", steps=[5]),
+...     faults.grad("fc1.weight", "inf", steps=range(10, 13), ranks=[1]),
+...     faults.output("blocks.2.mlp", "nan", steps=[20]))
+>>> ...                 # train as usual
+>>> injection.fired     # [(step, rank, fault), ...] what was injected, when
+>>> injection.remove()  # or use it as a context manager
+
+Steps are the guarded optimizer's step numbers (``opt.step_count`` while the step is being
+computed). Ranks default to every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+__all__ = ["Fault", "Injection", "grad", "inject", "loss", "output"]
+
+_VALUES = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """One scheduled fault. Build it with :func:`loss`, :func:`grad` or :func:`output`."""
+
+    where: str
+    """"loss" | "grad" | "output"."""
+    value: float
+    """The injected value: NaN, inf or -inf (or any float, e.g. 1e6 to force an fp16 overflow)."""
+    steps: frozenset[int] | None
+    """Steps at which it fires (None: every step)."""
+    ranks: frozenset[int] | None = None
+    """Ranks on which it fires (None: every rank)."""
+    target: str | None = None
+    """Parameter name (grad) or module name (output), as in ``named_parameters``/``named_modules``."""
+    after_reduction: bool = False
+    """grad only: corrupt the gradient after the ranks reduced it (at the start of ``step()``),
+    rather than in backward, before reduction."""
+    mode: str = "add"
+    """loss only: "add" puts the value into the loss alone (gradients stay finite); "mul" multiplies
+    the loss by it, so the gradients become non-finite too."""
+
+    def active(self, step: int, rank: int) -> bool:
+        return (self.steps is None or step in self.steps) and (self.ranks is None or rank in self.ranks)
+
+
+def _value(value: float | str) -> float:
+    if isinstance(value, str):
+        if value.lower() not in _VALUES:
+            raise ValueError(f"fault value {value!r}; allowed: 'nan', 'inf', '-inf' or a float")
+        return _VALUES[value.lower()]
+    return float(value)
+
+
+def _set(values: Iterable[int] | int | None) -> frozenset[int] | None:
+    if values is None:
+        return None
+    if isinstance(values, int):
+        return frozenset([values])
+    return frozenset(int(v) for v in values)
+
+
+def loss(value: float | str = "nan", *, steps: Iterable[int] | int | None, ranks: Iterable[int] | int | None = None,
+         mode: str = "add") -> Fault:
+    """Make the loss non-finite at ``steps`` (see :attr:`Fault.mode`)."""
+    if mode not in ("add", "mul"):
+        raise ValueError(f"mode={mode!r}; allowed: 'add' | 'mul'")
+    return Fault("loss", _value(value), _set(steps), _set(ranks), mode=mode)
+
+
+def grad(param: str, value: float | str = "nan", *, steps: Iterable[int] | int | None,
+         ranks: Iterable[int] | int | None = None, after_reduction: bool = False) -> Fault:
+    """Put ``value`` into the first element of parameter ``param``'s gradient at ``steps``."""
+    return Fault("grad", _value(value), _set(steps), _set(ranks), target=param, after_reduction=after_reduction)
+
+
+def output(module: str, value: float | str = "nan", *, steps: Iterable[int] | int | None,
+           ranks: Iterable[int] | int | None = None) -> Fault:
+    """Put ``value`` into the first element of module ``module``'s forward output at ``steps``.
+    A large finite value (e.g. ``1e5``) overflows fp16 downstream: a realistic overflow."""
+    return Fault("output", _value(value), _set(steps), _set(ranks), target=module)
+
+
+class Injection:
+    """Active faults; remove them with :meth:`remove` (or leave the ``with`` block)."""
+
+    def __init__(self, opt: Any, model: torch.nn.Module | None, faults: Iterable[Fault]) -> None:
+        self.opt = opt
+        self.faults = list(faults)
+        self.fired: list[tuple[int, int, Fault]] = []
+        self._handles: list[Any] = []
+        self._callbacks: list[tuple[list[Any], Any]] = []
+        model = model if model is not None else getattr(opt, "model", None)
+        module_root = getattr(model, "module", model)
+        self.rank = int(getattr(getattr(opt, "backend", None), "rank", 0))
+        for f in self.faults:
+            if not isinstance(f, Fault):
+                raise TypeError(f"inject() takes Fault objects (faults.loss/grad/output), got {type(f).__name__}")
+            if f.where == "loss":
+                self._add_callback(opt._loss_transforms, self._loss_transform(f))
+            elif f.where == "grad":
+                param = self._find(module_root, f.target, "parameter")
+                if f.after_reduction:
+                    self._add_callback(opt._pre_unscale_callbacks, self._after_reduction(f, param))
+                else:
+                    self._handles.append(param.register_hook(self._grad_hook(f)))
+            elif f.where == "output":
+                module = self._find(module_root, f.target, "module")
+                self._handles.append(module.register_forward_hook(self._output_hook(f)))
+            else:
+                raise ValueError(f"unknown fault location {f.where!r}")
+
+    def _find(self, root: torch.nn.Module | None, name: str | None, what: str) -> Any:
+        if root is None:
+            raise ValueError(f"a {what} fault needs the model: pass it to inject() or to ampguard.wrap(model=...)")
+        table = dict(root.named_parameters()) if what == "parameter" else dict(root.named_modules())
+        if name not in table:
+            raise ValueError(f"no {what} named {name!r}; known: {', '.join(list(table)[:20])}")
+        return table[name]
+
+    def _add_callback(self, registry: list[Any], fn: Any) -> None:
+        registry.append(fn)
+        self._callbacks.append((registry, fn))
+
+    def _fires(self, f: Fault) -> bool:
+        step = self.opt.step_count
+        if f.active(step, self.rank):
+            self.fired.append((step, self.rank, f))
+            return True
+        return False
+
+    def _loss_transform(self, f: Fault) -> Any:
+        def transform(value: torch.Tensor, step: int) -> torch.Tensor:
+            if not self._fires(f):
+                return value
+            return value * f.value if f.mode == "mul" else value + f.value
+
+        return transform
+
+    def _grad_hook(self, f: Fault) -> Any:
+        def hook(g: torch.Tensor) -> torch.Tensor | None:
+            if not self._fires(f):
+                return None
+            g = g.clone()
+            g.view(-1)[0] = f.value
+            return g
+
+        return hook
+
+    def _after_reduction(self, f: Fault, param: torch.Tensor) -> Any:
+        def callback(step: int) -> None:
+            if param.grad is not None and self._fires(f):
+                with torch.no_grad():
+                    param.grad.view(-1)[0] = f.value
+
+        return callback
+
+    def _output_hook(self, f: Fault) -> Any:
+        def hook(module: torch.nn.Module, args: Any, out: Any) -> Any:
+            if not torch.is_grad_enabled() or not self._fires(f):
+                return None
+            t = out[0] if isinstance(out, (tuple, list)) else out
+            if not isinstance(t, torch.Tensor):
+                return None
+            mask = torch.zeros_like(t)
+            mask.view(-1)[0] = 1
+            t2 = torch.where(mask.bool(), torch.full_like(t, f.value), t)
+            if isinstance(out, tuple):
+                return (t2, *out[1:])
+            if isinstance(out, list):
+                return [t2, *out[1:]]
+            return t2
+
+        return hook
+
+    def remove(self) -> None:
+        """Remove every hook and callback this injection installed. Idempotent."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for registry, fn in self._callbacks:
+            if fn in registry:
+                registry.remove(fn)
+        self._callbacks.clear()
+
+    def __enter__(self) -> Injection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def inject(opt: Any, model: torch.nn.Module | None = None, *faults: Fault) -> Injection:
+    """Install ``faults`` on a guarded optimizer (and its model). Returns the :class:`Injection`."""
+    if not hasattr(opt, "_loss_transforms"):
+        raise TypeError("inject() needs the optimizer returned by ampguard.wrap()")
+    if isinstance(model, Fault):
+        faults = (model, *faults)
+        model = None
+    return Injection(opt, model, faults)

@@ -1,0 +1,199 @@
+"""What the host learns about a step: :class:`StepReport` and :class:`Anomaly`.
+
+Only these plain-Python records cross from the step into host-side policies and
+exporters: no tensor, no optimizer, no CUDA handle is reachable from them, so an
+exporter can never slow down or break a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+__all__ = ["ANOMALY_KINDS", "SKIP_REASONS", "Anomaly", "History", "RunInfo", "StepReport"]
+
+#: Values ``StepReport.reason`` takes on a skipped step, in order of precedence.
+SKIP_REASONS = ("nonfinite_loss", "nonfinite_grad", "grad_spike", "loss_spike")
+
+#: Values ``Anomaly.kind`` takes.
+ANOMALY_KINDS = (
+    "nonfinite_loss",  # the loss was NaN/inf (bf16/fp32, or fp16 whatever the scale)
+    "nonfinite_grad",  # a gradient was NaN/inf without loss scaling (bf16/fp32)
+    "overflow",  # fp16: a scaled gradient overflowed; the scale backs off (after hysteresis)
+    "grad_spike",  # the gradient norm exceeded grad_spike_factor x its running average
+    "loss_spike",  # the loss exceeded loss_spike_factor x its running average
+    "scale_floor",  # the loss scale reached GuardConfig.min_scale
+    "rank_divergence",  # ranks disagree on step/skip count, scale or parameters
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepReport:
+    """What one call of ``GuardedOptimizer.step()`` saw and decided. Plain Python values only."""
+
+    step: int
+    """0-based index of the ``step()`` call this report describes (skipped steps count)."""
+    skipped: bool
+    """True when the inner optimizer did not update the parameters on this step."""
+    reason: str | None
+    """Why the step was skipped (one of :data:`SKIP_REASONS`), or None."""
+    loss: float
+    """The loss given to ``backward()`` (unscaled; the mean when several backward calls
+    accumulated into this step; NaN when non-finite)."""
+    loss_scale: float
+    """The scale that multiplied this step's loss (1.0 without loss scaling)."""
+    next_loss_scale: float
+    """The scale the next step will use (after backoff, growth, floor and ceiling)."""
+    grad_norm: float
+    """Global L2 norm of the unscaled gradients (before clipping); NaN/inf allowed."""
+    nonfinite_grads: int
+    """Number of gradient *tensors* holding a NaN or inf (summed over ranks)."""
+    nonfinite_loss: bool
+    """True when the loss was NaN or inf on any rank."""
+    nonfinite_ranks: tuple[int, ...] = ()
+    """Ranks where the non-finite values originated; ``()`` on one process."""
+    clip_coef: float = 1.0
+    """Factor the gradients were multiplied by for ``clip_grad_norm`` (1.0 when not clipped)."""
+    grad_spike: bool = False
+    """The gradient norm was flagged as a spike (acted on per ``on_spike``)."""
+    loss_spike: bool = False
+    """The loss was flagged as a spike (acted on per ``on_spike``)."""
+    world_size: int = 1
+    """Number of ranks that took part in the decision."""
+    rank: int = 0
+    """The rank that produced this report (every rank's report holds the same decision)."""
+    param_norms: tuple[float, ...] | None = None
+    """Per-parameter gradient norms (in ``GuardedOptimizer.param_names`` order), only on steps
+    where they were requested (``GuardConfig.param_norms_every``) or the gradients were non-finite."""
+    wall_time: float = 0.0
+    """``time.time()`` when the host materialised this report."""
+
+    @property
+    def nonfinite(self) -> bool:
+        """True when the loss or any gradient was non-finite."""
+        return self.nonfinite_loss or self.nonfinite_grads > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (non-finite floats become the strings "nan", "inf", "-inf")."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            out[f.name] = _jsonable(getattr(self, f.name))
+        return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Anomaly:
+    """Something the guard noticed. ``opt.anomalies`` keeps them in order."""
+
+    step: int
+    """The step it was seen on."""
+    kind: str
+    """One of :data:`ANOMALY_KINDS`."""
+    detail: str
+    """A sentence for a human."""
+    ranks: tuple[int, ...] = ()
+    """Ranks involved (where it originated); ``()`` on one process."""
+    params: tuple[str, ...] = ()
+    """Names of the first parameters whose gradients were non-finite, when known."""
+    module: str | None = None
+    """Qualified name of the first module that produced a non-finite value (forensics)."""
+    phase: str | None = None
+    """"forward" | "backward" | "loss" (forensics)."""
+    cause: str | None = None
+    """"overflow" | "nan" | "transient" (forensics)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+class History(Sequence[StepReport]):
+    """The last ``maxlen`` step reports, indexed by step number.
+
+    ``history[s]`` is the report of step ``s`` (``history[-1]`` the latest); a step that
+    has been evicted raises ``IndexError`` naming ``GuardConfig.history_size``.
+    ``len(history)`` is the number of steps reported so far (evicted ones included), so
+    indices stay equal to step numbers; iteration yields the retained reports.
+    """
+
+    def __init__(self, maxlen: int) -> None:
+        self._items: deque[StepReport] = deque(maxlen=maxlen)
+        self._count = 0
+
+    def append(self, report: StepReport) -> None:
+        if report.step != self._count:
+            raise ValueError(f"history expects step {self._count}, got {report.step}")
+        self._items.append(report)
+        self._count += 1
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> StepReport: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[StepReport]: ...
+
+    def __getitem__(self, index: int | slice) -> StepReport | Sequence[StepReport]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._count)) if i >= self.first_step]
+        if index < 0:
+            index += self._count
+        if not 0 <= index < self._count:
+            raise IndexError(f"step {index} has not been reported (steps reported: {self._count})")
+        first = self.first_step
+        if index < first:
+            raise IndexError(
+                f"step {index} was evicted: history keeps the last {self._items.maxlen} steps "
+                "(raise GuardConfig.history_size to keep more)"
+            )
+        return self._items[index - first]
+
+    def __iter__(self) -> Iterator[StepReport]:
+        return iter(self._items)
+
+    @property
+    def first_step(self) -> int:
+        """Step number of the oldest retained report."""
+        return self._count - len(self._items)
+
+    def __repr__(self) -> str:
+        return f"History(steps={self._count}, retained={len(self._items)})"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RunInfo:
+    """Facts about the run, fixed at ``wrap()`` time and handed to every exporter's ``open()``."""
+
+    run_id: str
+    """Identifier shared by every rank of the run (``AMPGUARD_RUN_ID`` or generated on rank 0
+    and broadcast by the distributed backends)."""
+    rank: int
+    local_rank: int
+    world_size: int
+    precision: str
+    """"fp16" | "bf16" | "fp32"."""
+    backend: str
+    """"local" | "torch.distributed" | "horovod"."""
+    device: str
+    """The guard's device, e.g. "cuda:0" or "cpu"."""
+    param_names: tuple[str, ...]
+    """Parameter names, in the order of ``StepReport.param_norms``."""
+    versions: tuple[tuple[str, str], ...] = ()
+    """(package, version) pairs: ampguard, torch, python."""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        d["versions"] = dict(self.versions)
+        return d
