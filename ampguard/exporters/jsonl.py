@@ -1,0 +1,127 @@
+"""JsonlExporter: a durable, append-only event log (one JSON object per line).
+
+Records, in the order they happen:
+
+- ``{"event": "run", ...RunInfo, "time": ...}``: first, when the guard opens the log.
+- ``{"event": "anomaly", "step", "rank", "kind", "reason", ...Anomaly, "report": {...}}``: one per
+  anomaly, flushed **and fsynced** before ``export()`` returns, so a run killed with SIGKILL
+  (or a node that loses power after the call) loses none of them.
+- ``{"event": "skipped", "step", "rank", "skipped": true, "reason", ...StepReport}``: one per
+  skipped step (fsynced with it: a skipped step is an event too).
+- ``{"event": "step", ...StepReport}``: one per healthy step, only with ``every_step=True``;
+  flushed to the OS at once, fsynced every ``fsync_every`` steps (the log stays cheap).
+- ``{"event": "close", "steps": n, "time": ...}``: last, from ``close()``.
+
+Non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON).
+
+Per-rank files: ``path`` may hold ``{rank}`` (``"logs/events-{rank}.jsonl"``); a ``path`` that is
+an existing directory, or ends with ``/``, gets ``events-rank{R}.jsonl`` inside. Otherwise the
+path is used as is on rank 0, and ranks > 0 append ``.rank{R}`` before the suffix
+(``events.jsonl`` -> ``events.rank1.jsonl``): two ranks never write one file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from ..report import Anomaly, RunInfo, StepReport
+
+__all__ = ["JsonlExporter", "rank_path"]
+
+
+def rank_path(path: str | os.PathLike[str], rank: int) -> Path:
+    """The file rank ``rank`` writes for ``path`` (see the module docstring)."""
+    text = os.fspath(path)
+    if "{rank}" in text:
+        return Path(text.replace("{rank}", str(rank)))
+    p = Path(text)
+    if p.is_dir() or text.endswith(("/", os.sep)):
+        return p / f"events-rank{rank}.jsonl"
+    if rank == 0:
+        return p
+    return p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
+
+
+class JsonlExporter:
+    """Append the guard's events to a JSON-lines file per rank.
+
+    - ``path``: file, ``{rank}`` pattern, or directory (see module docstring). Parents are created.
+    - ``every_step``: also log healthy steps (one line each).
+    - ``fsync_every``: with ``every_step``, fsync healthy-step lines every N steps (anomalies and
+      skipped steps are always fsynced when written).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], every_step: bool = False, *, fsync_every: int = 100) -> None:
+        if not (isinstance(fsync_every, int) and fsync_every >= 1):
+            raise ValueError(f"JsonlExporter fsync_every={fsync_every!r}; allowed: an int >= 1")
+        self.path = path
+        self.every_step = every_step
+        self.fsync_every = fsync_every
+        self.file_path: Path | None = None
+        self._f: IO[str] | None = None
+        self._rank = 0
+        self._steps = 0
+        self._unsynced = 0
+
+    def open(self, info: RunInfo) -> None:
+        self._rank = info.rank
+        self.file_path = rank_path(self.path, info.rank)
+        self.file_path.parent.mkdir(parents=True, exist_ok=True)
+        # Line-buffered append: every record reaches the OS as soon as it is written.
+        self._f = open(self.file_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - closed in close()
+        self._write({"event": "run", **info.to_dict(), "time": time.time()}, sync=True)
+
+    def export(self, report: StepReport, anomalies: Sequence[Anomaly]) -> None:
+        if self._f is None:
+            return
+        self._steps += 1
+        values = report.to_dict()
+        for anomaly in anomalies:
+            record: dict[str, Any] = {
+                "event": "anomaly",
+                "step": anomaly.step,
+                "rank": report.rank,
+                "reason": report.reason,
+                **anomaly.to_dict(),
+                "report": values,
+            }
+            self._write(record, sync=False)
+        if report.skipped:
+            self._write({"event": "skipped", **values}, sync=False)
+        elif self.every_step:
+            self._write({"event": "step", **values}, sync=False)
+            self._unsynced += 1
+        if anomalies or report.skipped or self._unsynced >= self.fsync_every:
+            self._sync()
+
+    def close(self) -> None:
+        f, self._f = self._f, None
+        if f is None:
+            return
+        try:
+            self._f = f
+            self._write({"event": "close", "rank": self._rank, "steps": self._steps, "time": time.time()}, sync=True)
+        finally:
+            self._f = None
+            f.close()
+
+    # ------------------------------------------------------------------ internals
+    def _write(self, record: dict[str, Any], *, sync: bool) -> None:
+        assert self._f is not None  # internal: only called while open
+        self._f.write(json.dumps(record, allow_nan=False, separators=(",", ":")) + "\n")
+        if sync:
+            self._sync()
+
+    def _sync(self) -> None:
+        assert self._f is not None
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._unsynced = 0
+
+    def __repr__(self) -> str:
+        return f"JsonlExporter({os.fspath(self.file_path or self.path)!r}, every_step={self.every_step})"

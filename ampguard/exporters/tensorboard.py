@@ -1,0 +1,128 @@
+"""TensorBoardExporter: scalars per step and per-parameter gradient-norm histograms.
+
+tensorboard is optional (``pip install 'ampguard[tensorboard]'``); it is imported when the
+exporter opens, never by ``import ampguard``.
+
+Tags (under ``ampguard/``): ``loss``, ``loss_scale``, ``grad_norm``, ``skipped`` (0/1 per
+step), ``skipped_steps`` (running total), ``nonfinite_grads`` (tensors this step),
+``nonfinite_steps`` (running total); histograms ``param_grad_norms`` (every parameter's
+norm, one histogram) and ``grad_norm/<param name>`` (one per parameter), written every
+``histogram_every`` steps from ``StepReport.param_norms`` (finite values only; those steps
+need ``GuardConfig.param_norms_every`` to deliver norms). A non-finite loss or norm is not
+written as a scalar: the step shows up in ``skipped`` and ``nonfinite_*`` instead.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import BackendUnavailableError
+from ..report import Anomaly, RunInfo, StepReport
+
+__all__ = ["TensorBoardExporter"]
+
+
+def _summary_writer() -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:  # tensorboard not installed
+        raise BackendUnavailableError(
+            "TensorBoardExporter needs the tensorboard package: pip install 'ampguard[tensorboard]'"
+        ) from exc
+    return SummaryWriter
+
+
+class TensorBoardExporter:
+    """Write the guard's reports as TensorBoard events.
+
+    - ``log_dir``: where rank 0 writes (``all_ranks=True``: rank R writes ``log_dir/rank{R}``).
+    - ``all_ranks``: False (default) exports from rank 0 only (every rank holds the same global
+      decision); True gives every rank its own run directory.
+    - ``histogram_every``: per-parameter grad-norm histograms on steps ``s % N == 0`` that carry
+      per-parameter norms (None: never).
+    - ``flush_secs``: passed to ``SummaryWriter``.
+    """
+
+    def __init__(
+        self,
+        log_dir: str | os.PathLike[str],
+        all_ranks: bool = False,
+        histogram_every: int | None = 100,
+        *,
+        flush_secs: int = 30,
+    ) -> None:
+        if histogram_every is not None and not (isinstance(histogram_every, int) and histogram_every >= 1):
+            raise ValueError(f"TensorBoardExporter histogram_every={histogram_every!r}; allowed: None or an int >= 1")
+        self.log_dir = os.fspath(log_dir)
+        self.all_ranks = all_ranks
+        self.histogram_every = histogram_every
+        self.flush_secs = flush_secs
+        self.run_dir: str | None = None
+        self._writer: Any = None
+        self._names: tuple[str, ...] = ()
+        self._skipped = 0
+        self._nonfinite = 0
+        _summary_writer()  # fail at construction, naming the extra, when tensorboard is missing
+
+    def open(self, info: RunInfo) -> None:
+        if info.rank != 0 and not self.all_ranks:
+            return  # which rank logs is decided once, here
+        self.run_dir = os.path.join(self.log_dir, f"rank{info.rank}") if self.all_ranks else self.log_dir
+        self._names = info.param_names
+        self._writer = _summary_writer()(log_dir=self.run_dir, flush_secs=self.flush_secs)
+        self._writer.add_text("ampguard/run", _run_text(info), 0)
+
+    def export(self, report: StepReport, anomalies: Sequence[Anomaly]) -> None:
+        w = self._writer
+        if w is None:
+            return
+        s = report.step
+        if report.skipped:
+            self._skipped += 1
+        if report.nonfinite:
+            self._nonfinite += 1
+        for tag, value in (
+            ("loss", report.loss),
+            ("loss_scale", report.next_loss_scale),
+            ("grad_norm", report.grad_norm),
+        ):
+            if math.isfinite(value):
+                w.add_scalar(f"ampguard/{tag}", value, s, walltime=report.wall_time or None)
+        w.add_scalar("ampguard/skipped", float(report.skipped), s, walltime=report.wall_time or None)
+        w.add_scalar("ampguard/skipped_steps", self._skipped, s, walltime=report.wall_time or None)
+        w.add_scalar("ampguard/nonfinite_grads", report.nonfinite_grads, s, walltime=report.wall_time or None)
+        w.add_scalar("ampguard/nonfinite_steps", self._nonfinite, s, walltime=report.wall_time or None)
+        every = self.histogram_every
+        if every is not None and report.param_norms is not None and s % every == 0:
+            self._histograms(report)
+
+    def _histograms(self, report: StepReport) -> None:
+        import numpy as np
+
+        assert report.param_norms is not None
+        finite = [(i, n) for i, n in enumerate(report.param_norms) if math.isfinite(n)]
+        if not finite:
+            return
+        self._writer.add_histogram(
+            "ampguard/param_grad_norms", np.asarray([n for _, n in finite], dtype=np.float64), report.step
+        )
+        for i, n in finite:
+            name = self._names[i] if i < len(self._names) else f"param{i}"
+            self._writer.add_histogram(f"ampguard/grad_norm/{name}", np.asarray([n]), report.step)
+
+    def close(self) -> None:
+        w, self._writer = self._writer, None
+        if w is not None:
+            w.flush()
+            w.close()
+
+    def __repr__(self) -> str:
+        return f"TensorBoardExporter({self.log_dir!r}, all_ranks={self.all_ranks})"
+
+
+def _run_text(info: RunInfo) -> str:
+    rows = [f"| {k} | {v} |" for k, v in info.to_dict().items() if k != "param_names"]
+    return "| field | value |\n|---|---|\n" + "\n".join(rows)

@@ -1,0 +1,184 @@
+"""The metric catalogue: the one place ampguard's metric names, types, help texts and labels live.
+
+The Prometheus exporter, the Grafana dashboard and the Prometheus rules
+(:mod:`ampguard.dashboards`) are all built from :data:`CATALOGUE`; a test checks that no
+other module of ampguard spells a metric name.
+
+Conventions (Prometheus practice): ``ampguard_`` prefix, base units (seconds), ``_total``
+on counters, every series carries ``rank`` and ``local_rank``; ``job`` (and ``instance``)
+are left to service discovery. Every known label combination is created at 0 when the
+exporter opens, so ``increase()`` sees the very first NaN.
+
+Importing this module creates no metric and touches no registry: it is plain data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .report import ANOMALY_KINDS, SKIP_REASONS
+
+__all__ = [
+    "ANOMALIES",
+    "CATALOGUE",
+    "GRAD_NORM",
+    "GRAD_NORM_BUCKETS",
+    "GRAD_NORM_HISTOGRAM",
+    "LAST_STEP_TIMESTAMP",
+    "LOSS",
+    "LOSS_SCALE",
+    "NONFINITE_KINDS",
+    "NONFINITE_ORIGIN",
+    "NONFINITE_STEPS",
+    "RANK_DIVERGENCE",
+    "RANK_LABELS",
+    "RUN_INFO",
+    "RUN_INFO_LABELS",
+    "SCALE_BACKOFFS",
+    "SCALE_GROWTHS",
+    "SKIPPED_STEPS",
+    "STEPS",
+    "Metric",
+    "by_name",
+]
+
+#: Labels every ampguard series carries.
+RANK_LABELS = ("rank", "local_rank")
+
+#: Values of the ``kind`` label of :data:`NONFINITE_STEPS`.
+NONFINITE_KINDS = ("grad", "loss")
+
+#: Upper bounds of the finite grad-norm histogram: powers of 4 from 2**-20 to 2**20
+#: (gradient norms span many orders of magnitude; +Inf is added by the client).
+GRAD_NORM_BUCKETS = tuple(4.0**e for e in range(-10, 11))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Metric:
+    """One metric family, as Prometheus exposes it."""
+
+    name: str
+    """Full exposed name (``ampguard_steps_total``; for an info metric ``ampguard_run_info``)."""
+    type: str
+    """"counter" | "gauge" | "histogram" | "info"."""
+    help: str
+    """HELP text."""
+    labels: tuple[str, ...] = ()
+    """Labels beyond :data:`RANK_LABELS`."""
+    label_values: tuple[tuple[str, ...], ...] = ()
+    """Known values of each label in :attr:`labels` (same order); every combination exists at 0."""
+    unit: str = "short"
+    """Grafana unit of the value (used by the dashboard)."""
+
+    @property
+    def client_name(self) -> str:
+        """The name to give prometheus_client (it appends ``_total`` / ``_info`` itself)."""
+        suffix = {"counter": "_total", "info": "_info"}.get(self.type, "")
+        if suffix and self.name.endswith(suffix):
+            return self.name[: -len(suffix)]
+        return self.name
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        return (*self.labels, *RANK_LABELS)
+
+    def series(self, suffix: str = "") -> str:
+        """The name of a series of this family (``series("_bucket")`` for a histogram's buckets)."""
+        return self.name + suffix
+
+
+STEPS = Metric("ampguard_steps_total", "counter", "Optimizer steps attempted (skipped ones included).")
+SKIPPED_STEPS = Metric(
+    "ampguard_skipped_steps_total",
+    "counter",
+    "Steps whose parameter update was skipped, by reason (the exemplar carries the step number).",
+    labels=("reason",),
+    label_values=(SKIP_REASONS,),
+)
+NONFINITE_STEPS = Metric(
+    "ampguard_nonfinite_steps_total",
+    "counter",
+    "Steps that saw non-finite values: kind=loss when the loss was NaN/inf, kind=grad when only "
+    "gradients were (each step counts once).",
+    labels=("kind",),
+    label_values=(NONFINITE_KINDS,),
+)
+NONFINITE_ORIGIN = Metric(
+    "ampguard_nonfinite_origin_steps_total",
+    "counter",
+    "Non-finite steps whose NaN/inf originated on this rank (spots the one bad rank).",
+)
+LOSS_SCALE = Metric("ampguard_loss_scale", "gauge", "Loss scale the next step will use (1 without loss scaling).")
+GRAD_NORM = Metric(
+    "ampguard_grad_norm", "gauge", "Global L2 norm of the unscaled gradients of the last step (NaN/inf allowed)."
+)
+GRAD_NORM_HISTOGRAM = Metric(
+    "ampguard_grad_norm_finite",
+    "histogram",
+    "Distribution of the finite global gradient norms (non-finite norms are not observed).",
+)
+LOSS = Metric("ampguard_loss", "gauge", "Loss of the last step (unscaled; NaN when non-finite).")
+LAST_STEP_TIMESTAMP = Metric(
+    "ampguard_last_step_timestamp_seconds",
+    "gauge",
+    "Unix time at which the last step was reported (0 before the first step).",
+    unit="dateTimeAsIso",
+)
+SCALE_BACKOFFS = Metric("ampguard_scale_backoffs_total", "counter", "Times the loss scale was decreased.")
+SCALE_GROWTHS = Metric("ampguard_scale_growths_total", "counter", "Times the loss scale was increased.")
+RANK_DIVERGENCE = Metric(
+    "ampguard_rank_divergence_total",
+    "counter",
+    "Failed consistency checks: ranks disagreed on step/skip count, loss scale or parameters.",
+)
+ANOMALIES = Metric(
+    "ampguard_anomalies_total",
+    "counter",
+    "Anomalies the guard recorded, by kind.",
+    labels=("kind",),
+    label_values=(ANOMALY_KINDS,),
+)
+RUN_INFO = Metric(
+    "ampguard_run_info",
+    "info",
+    "The run: id, precision, backend, world size and versions (value always 1).",
+)
+
+#: Labels of :data:`RUN_INFO` beyond :data:`RANK_LABELS`.
+RUN_INFO_LABELS = (
+    "run_id",
+    "precision",
+    "backend",
+    "world_size",
+    "device",
+    "ampguard_version",
+    "torch_version",
+    "python_version",
+)
+
+#: Every metric family ampguard exports, in exposition order.
+CATALOGUE: tuple[Metric, ...] = (
+    STEPS,
+    SKIPPED_STEPS,
+    NONFINITE_STEPS,
+    NONFINITE_ORIGIN,
+    LOSS_SCALE,
+    GRAD_NORM,
+    GRAD_NORM_HISTOGRAM,
+    LOSS,
+    LAST_STEP_TIMESTAMP,
+    SCALE_BACKOFFS,
+    SCALE_GROWTHS,
+    RANK_DIVERGENCE,
+    ANOMALIES,
+    RUN_INFO,
+)
+
+
+
+def by_name(name: str) -> Metric:
+    """The catalogue entry exposed as ``name`` (a histogram's ``_bucket``/``_sum``/``_count`` too)."""
+    for m in CATALOGUE:
+        if name == m.name or (m.type == "histogram" and name in {m.name + s for s in ("_bucket", "_sum", "_count")}):
+            return m
+    raise KeyError(f"{name!r} is not in ampguard's metric catalogue (ampguard.metrics.CATALOGUE)")
