@@ -36,9 +36,8 @@ from typing import Any
 
 import torch
 
-from .backends.base import LocalBackend
 from .config import GuardConfig
-from .errors import GuardStateError, NonFiniteError
+from .errors import GuardStateError, NonFiniteError, RankDivergenceError
 from .exporters.base import Exporter, MultiExporter
 from .hardware import check_precision
 from .policies import ScalerView, SpikeState, decide
@@ -74,6 +73,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
     ``step()``, then ``zero_grad()``. Anything else raises :class:`GuardStateError` naming the
     call to make instead, before touching model, optimizer or scaler.
     """
+
+    # Declared so that a habitual ``scaler.step(opt)`` takes GradScaler's fused-optimizer path,
+    # which only multiplies the gradients by 1.0 before calling ``step()``: there the guard
+    # recognises the call and refuses it with nothing changed (see _check_step_call).
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -120,6 +124,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._history = History(config.history_size)
         self._anomalies: deque[Anomaly] = deque(maxlen=config.max_anomalies)
         self._closed = False
+        self._divergence: Anomaly | None = None  # a consistency check's finding, until reported
         # Extension points used by ampguard.faults (and the forensics module): callables run
         # in backward() on the loss, and in step() after gradient synchronisation.
         self._loss_transforms: list[Callable[[torch.Tensor, int], torch.Tensor]] = []
@@ -289,7 +294,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         synced = self._inner_step(skip, found_inf_per_device)
         if self.scaler is not None:
             self.scaler.update(new_scale=decision[Dec.NEXT_SCALE])
-            self.scaler._growth_tracker.copy_(tracker)  # type: ignore[union-attr]
+            self.scaler._growth_tracker.copy_(tracker)  # type: ignore[union-attr,arg-type]
 
         payload = torch.cat([decision, gathered.reshape(-1).float(), norms])
         self._enqueue(payload)
@@ -297,6 +302,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._loss_sum, self._loss_count = None, 0
         self._step += 1
         self._stage = "stepped"
+        every = self.config.consistency_every
+        if every is not None and self.backend.world_size > 1 and self._step % every == 0:
+            self._check_consistency()  # collective, on the same step everywhere
         if synced or self.device.type == "cpu":
             self._materialize()
             self._raise_escalation()
@@ -506,6 +514,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 pending.event.synchronize()  # waits for that step's copy only; usually done already
             values = pending.buf.tolist()
             report, anomalies = self._build_report(pending.step, values)
+            if self._divergence is not None and self._divergence.step == pending.step:
+                anomalies.append(self._divergence)
+                self._divergence = None
             self._history.append(report)
             self._anomalies.extend(anomalies)
             self._exporter.export(report, anomalies)
@@ -523,6 +534,28 @@ class GuardedOptimizer(torch.optim.Optimizer):
                     "Look at opt.anomalies for where it started.",
                     report,
                 )
+
+    def _check_consistency(self) -> None:
+        """Compare step/skip counts, loss scale and a parameter fingerprint across ranks
+        (:mod:`ampguard.consistency`). collective; synchronises the host. A mismatch becomes a
+        ``rank_divergence`` anomaly on the step just taken, and raises per ``on_divergence``."""
+        from .consistency import check
+
+        div = check(
+            self.backend,
+            step=self._step,
+            skipped=self._skipped_total,
+            scale=self.scaler._scale if self.scaler is not None and self.scaler._scale is not None else 1.0,
+            params=list(_params(self.optimizer)),
+            device=self.device,
+            compare_params=not self.backend.grads_sharded,
+        )
+        if div is None:
+            return
+        self._divergence = Anomaly(self._step - 1, "rank_divergence", div.describe(), div.ranks)
+        if self.config.on_divergence == "raise":
+            self._materialize()
+            raise RankDivergenceError(f"step {self._step - 1}: {div.describe()}", div.ranks)
 
     def _raise_escalation(self) -> None:
         if self._escalation is not None:
@@ -688,9 +721,7 @@ def wrap(
     scaler_enabled = scaler is not None and scaler.is_enabled()
 
     if precision == "auto":
-        if scaler_enabled:
-            precision = "fp16"
-        elif device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        if scaler_enabled or (device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0)):
             precision = "fp16"
         else:
             precision = "bf16"

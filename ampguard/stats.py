@@ -80,7 +80,7 @@ def grads_by_device_and_dtype(
     grads = [p.grad for p in params if p.grad is not None]
     if _group_tensors_by_device_and_dtype is not None:
         grouped = _group_tensors_by_device_and_dtype([grads])  # type: ignore[list-item]
-        return {key: list(tensors[0]) for key, (tensors, _) in grouped.items()}
+        return {key: list(tensors[0]) for key, (tensors, _) in grouped.items()}  # type: ignore[arg-type]
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for g in grads:  # pragma: no cover - torch without the helper
         groups[(g.device, g.dtype)].append(g)

@@ -1,0 +1,56 @@
+"""Tiny models and loops shared by the unit tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import ampguard
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def make_data(n: int = 12, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(n)]
+
+
+def make_opt(model: torch.nn.Module, kind: str = "adamw") -> torch.optim.Optimizer:
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if kind == "adamw_fused":
+        return torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    raise ValueError(kind)
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(x).float(), y)
+
+
+def guarded_steps(opt: ampguard.GuardedOptimizer, model: torch.nn.Module, data) -> None:
+    for x, y in data:
+        with opt.autocast():
+            loss = loss_of(model, x, y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"p.{n}": p.detach().clone() for n, p in model.named_parameters()}
+    for i, st in enumerate(opt.state.values()):
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"s.{i}.{k}"] = v.detach().clone()
+    return out
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs"
