@@ -43,7 +43,7 @@ class _QuietHandler(WSGIRequestHandler):
     # seconds instead of holding a server thread forever.
     timeout = 10
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - signature of the base
+    def log_message(self, format: str, *args: Any) -> None:
         pass
 
 

@@ -1,0 +1,671 @@
+"""The Grafana dashboard, Prometheus recording/alert rules and promtool rule tests, built from
+:mod:`ampguard.metrics` (metric names are never spelled here: every one comes from the catalogue).
+
+``write_all(out_dir)`` writes ``ampguard.json``, ``ampguard.rules.yml`` and
+``ampguard.rules.test.yml``; the checked-in copies in ``dashboards/`` are its output with
+the defaults (a test checks they are equal).
+
+What a "run" is for the rules: the Prometheus ``job`` (one scrape job per training run, as
+in the README examples). Every rank reports the same global decision, so run-level numbers
+take the ``max`` over ranks rather than the sum.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import metrics as M
+
+__all__ = [
+    "ALERTS",
+    "DEFAULT_BURST_THRESHOLD",
+    "build_dashboard",
+    "build_rule_tests",
+    "build_rules",
+    "dashboard_queries",
+    "render_dashboard",
+    "render_rule_tests",
+    "render_rules",
+    "write_all",
+]
+
+DEFAULT_BURST_THRESHOLD = 10
+DASHBOARD_UID = "ampguard-numerics"
+RULES_FILE = "ampguard.rules.yml"
+RULES_TEST_FILE = "ampguard.rules.test.yml"
+DASHBOARD_FILE = "ampguard.json"
+
+#: Alert names, in the order the rules file lists them.
+ALERTS = (
+    "AmpguardNonFiniteBurst",
+    "AmpguardLossScaleCollapse",
+    "AmpguardRankLossScaleMismatch",
+    "AmpguardHighSkipRatio",
+    "AmpguardTrainingStalled",
+    "AmpguardRankDivergence",
+)
+
+# Recording rule names (level:metric:operations).
+_REC_NONFINITE = "job:" + M.NONFINITE_STEPS.name.removesuffix("_total") + ":increase5m"
+_REC_SKIP_RATIO = "job:" + M.SKIPPED_STEPS.name.removesuffix("_total") + ":ratio_rate5m"
+_REC_SCALE_MIN = "job:" + M.LOSS_SCALE.name + ":min"
+_REC_SCALE_MAX = "job:" + M.LOSS_SCALE.name + ":max"
+_REC_STEPS_RATE = "job:" + M.STEPS.name.removesuffix("_total") + ":rate5m"
+
+
+def _sel(metric: str, selector: str) -> str:
+    return f"{metric}{{{selector}}}" if selector else metric
+
+
+# ---------------------------------------------------------------------------------- rules
+def build_rules(
+    *,
+    job_selector: str = "",
+    burst_threshold: int = DEFAULT_BURST_THRESHOLD,
+    fors: dict[str, str] | None = None,
+    interval: str | None = None,
+) -> dict[str, Any]:
+    """The Prometheus rules document.
+
+    - ``job_selector``: label matchers every rule's input series must match, e.g.
+      ``'job=~"train-.*"'`` (empty: all ampguard series).
+    - ``burst_threshold``: ``AmpguardNonFiniteBurst`` fires on more than this many non-finite
+      steps in 5 minutes for a run.
+    - ``fors``: override the ``for:`` of given alerts (tests use short ones).
+    - ``interval``: evaluation interval of the groups (None: Prometheus's global one).
+    """
+    if not (isinstance(burst_threshold, int) and burst_threshold >= 0):
+        raise ValueError(f"burst_threshold={burst_threshold!r}; allowed: an int >= 0")
+    s = job_selector
+    nonfinite = _sel(M.NONFINITE_STEPS.name, s)
+    skipped = _sel(M.SKIPPED_STEPS.name, s)
+    steps = _sel(M.STEPS.name, s)
+    scale = _sel(M.LOSS_SCALE.name, s)
+    last = _sel(M.LAST_STEP_TIMESTAMP.name, s)
+    divergence = _sel(M.RANK_DIVERGENCE.name, s)
+    recording = [
+        {
+            "record": _REC_NONFINITE,
+            "expr": f"max by (job) (sum without (kind) (increase({nonfinite}[5m])))",
+        },
+        {
+            "record": _REC_SKIP_RATIO,
+            "expr": f"max by (job) (sum without (reason) (rate({skipped}[5m])))\n"
+            f"  / max by (job) (rate({steps}[5m]) > 0)",
+        },
+        {"record": _REC_STEPS_RATE, "expr": f"max by (job) (rate({steps}[5m]))"},
+        {"record": _REC_SCALE_MIN, "expr": f"min by (job) ({scale})"},
+        {"record": _REC_SCALE_MAX, "expr": f"max by (job) ({scale})"},
+    ]
+    fors = dict(fors or {})
+
+    def alert(name: str, expr: str, for_: str, severity: str, summary: str, description: str) -> dict[str, Any]:
+        rule: dict[str, Any] = {"alert": name, "expr": expr}
+        rule["for"] = fors.pop(name, for_)
+        rule["labels"] = {"severity": severity}
+        rule["annotations"] = {"summary": summary, "description": description}
+        return rule
+
+    alerts = [
+        alert(
+            "AmpguardNonFiniteBurst",
+            f"{_REC_NONFINITE} > {burst_threshold}",
+            "0s",
+            "critical",
+            "NaN/inf burst in training job {{ $labels.job }}",
+            f"{{{{ $value | printf \"%.0f\" }}}} steps saw non-finite loss or gradients in the last 5 minutes "
+            f"(threshold {burst_threshold}). Open the ampguard event log (JsonlExporter) for the first anomaly.",
+        ),
+        alert(
+            "AmpguardLossScaleCollapse",
+            f"{scale} < 1",
+            "5m",
+            "warning",
+            "Loss scale below 1 on {{ $labels.job }} rank {{ $labels.rank }}",
+            "The fp16 loss scale has stayed below 1 ({{ $value }}) for 5 minutes: gradients overflow even "
+            "unscaled. The model likely needs bf16/fp32 for some layers or a fix.",
+        ),
+        alert(
+            "AmpguardRankLossScaleMismatch",
+            f"{_REC_SCALE_MAX} - {_REC_SCALE_MIN} > 0",
+            "5m",
+            "critical",
+            "Ranks of {{ $labels.job }} disagree on the loss scale",
+            "max - min of the loss scale across ranks has been {{ $value }} for 5 minutes: ranks are no longer "
+            "taking the same decisions (diverged state or a rank restarted alone).",
+        ),
+        alert(
+            "AmpguardHighSkipRatio",
+            f"{_REC_SKIP_RATIO} > 0.1",
+            "10m",
+            "warning",
+            "{{ $labels.job }} skips more than 10% of its steps",
+            "{{ $value | humanizePercentage }} of the steps of the last 5 minutes were skipped (non-finite values "
+            "or spikes): the run is making little progress.",
+        ),
+        alert(
+            "AmpguardTrainingStalled",
+            f"time() - max by (job, rank) ({last} > 0) > 600",
+            "5m",
+            "warning",
+            "{{ $labels.job }} rank {{ $labels.rank }} has not stepped for 10 minutes",
+            "The last step was {{ $value | humanizeDuration }} ago while the endpoint is still scraped: a hang "
+            "(collective deadlock, data loader, I/O).",
+        ),
+        alert(
+            "AmpguardRankDivergence",
+            f"max by (job) (increase({divergence}[10m])) > 0",
+            "0s",
+            "critical",
+            "Ranks of {{ $labels.job }} diverged",
+            "ampguard's consistency check found ranks disagreeing on step count, skip count, loss scale or "
+            "parameters ({{ $value }} failed checks in 10 minutes).",
+        ),
+    ]
+    if fors:
+        raise ValueError(f"fors names unknown alerts {sorted(fors)}; known: {', '.join(ALERTS)}")
+    groups = [
+        {"name": "ampguard.recording", "rules": recording},
+        {"name": "ampguard.alerts", "rules": alerts},
+    ]
+    if interval is not None:
+        for g in groups:
+            g["interval"] = interval
+    return {"groups": groups}
+
+
+def render_rules(**kwargs: Any) -> str:
+    header = "# Generated by ampguard.dashboards (python -m ampguard.dashboards); do not edit.\n"
+    return header + yaml.safe_dump(build_rules(**kwargs), sort_keys=False, width=110)
+
+
+# ---------------------------------------------------------------------------------- rule tests
+def _series(metric: str, labels: dict[str, str], values: str) -> dict[str, str]:
+    inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return {"series": f"{metric}{{{inner}}}", "values": values}
+
+
+def _render(text: str, labels: dict[str, str], value: str) -> str:
+    """Render an annotation template the way Prometheus does, for the values a test knows."""
+    text = re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels.get(m.group(1), ""), text)
+    return re.sub(r"\{\{ \$value[^}]*\}\}", value, text)
+
+
+def _expected(
+    rules: dict[str, Any], alert: str, labels: dict[str, str], value: str
+) -> dict[str, Any]:
+    rule = next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == alert)
+    return {
+        "exp_labels": {**rule["labels"], **labels},
+        "exp_annotations": {k: _render(v, labels, value) for k, v in rule["annotations"].items()},
+    }
+
+
+def build_rule_tests(*, burst_threshold: int = DEFAULT_BURST_THRESHOLD, rules_file: str = RULES_FILE) -> dict[str, Any]:
+    """promtool unit tests: every alert fires when it should and stays silent on a healthy run."""
+    rules = build_rules(burst_threshold=burst_threshold)
+    job = "train"
+    r0 = {"job": job, "instance": "node0:9400", "rank": "0", "local_rank": "0"}
+    r1 = {"job": job, "instance": "node0:9401", "rank": "1", "local_rank": "1"}
+    burst = burst_threshold + 5
+
+    def healthy(labels: dict[str, str], minutes: int) -> list[dict[str, str]]:
+        # 60 steps a minute, scrape every minute, nothing bad.
+        n = minutes
+        out = [
+            _series(M.STEPS.name, labels, f"0+60x{n}"),
+            _series(M.LOSS_SCALE.name, labels, f"65536x{n}"),
+            _series(M.LAST_STEP_TIMESTAMP.name, labels, f"60+60x{n}"),
+            _series(M.RANK_DIVERGENCE.name, labels, f"0x{n}"),
+        ]
+        for kind in M.NONFINITE_KINDS:
+            out.append(_series(M.NONFINITE_STEPS.name, {**labels, "kind": kind}, f"0x{n}"))
+        for reason in M.SKIPPED_STEPS.label_values[0]:
+            out.append(_series(M.SKIPPED_STEPS.name, {**labels, "reason": reason}, f"0x{n}"))
+        return out
+
+    def silent(minutes: int) -> list[dict[str, Any]]:
+        return [{"eval_time": f"{minutes}m", "alertname": a, "exp_alerts": []} for a in ALERTS]
+
+    def replace(series: list[dict[str, str]], metric: str, labels: dict[str, str], values: str) -> None:
+        wanted = _series(metric, labels, "")["series"]
+        for s in series:
+            if s["series"] == wanted:
+                s["values"] = values
+                return
+        series.append(_series(metric, labels, values))
+
+    tests: list[dict[str, Any]] = []
+    # 1. a healthy two-rank run: every alert silent
+    tests.append({"interval": "1m", "input_series": healthy(r0, 30) + healthy(r1, 30), "alert_rule_test": silent(30)})
+
+    # 2. a NaN burst on both ranks (every rank reports the global count)
+    s = healthy(r0, 20) + healthy(r1, 20)
+    for r in (r0, r1):
+        replace(s, M.NONFINITE_STEPS.name, {**r, "kind": "loss"}, f"0x10 {burst}x10")
+        replace(s, M.SKIPPED_STEPS.name, {**r, "reason": "nonfinite_loss"}, f"0x10 {burst}x10")
+    tests.append(
+        {
+            "interval": "1m",
+            "input_series": s,
+            "alert_rule_test": [
+                {"eval_time": "9m", "alertname": "AmpguardNonFiniteBurst", "exp_alerts": []},
+                {
+                    "eval_time": "12m",
+                    "alertname": "AmpguardNonFiniteBurst",
+                    "exp_alerts": [_expected(rules, "AmpguardNonFiniteBurst", {"job": job}, str(burst))],
+                },
+                {"eval_time": "19m", "alertname": "AmpguardNonFiniteBurst", "exp_alerts": []},
+            ],
+        }
+    )
+    # below the threshold: silent
+    s = healthy(r0, 20)
+    replace(s, M.NONFINITE_STEPS.name, {**r0, "kind": "grad"}, f"0x10 {burst_threshold // 2}x10")
+    tests.append(
+        {
+            "interval": "1m",
+            "input_series": s,
+            "alert_rule_test": [{"eval_time": "12m", "alertname": "AmpguardNonFiniteBurst", "exp_alerts": []}],
+        }
+    )
+
+    # 3. the loss scale collapses below 1 on rank 1 (and so differs between ranks)
+    s = healthy(r0, 30) + healthy(r1, 30)
+    replace(s, M.LOSS_SCALE.name, r1, "65536x10 0.5x20")
+    tests.append(
+        {
+            "interval": "1m",
+            "input_series": s,
+            "alert_rule_test": [
+                {"eval_time": "13m", "alertname": "AmpguardLossScaleCollapse", "exp_alerts": []},
+                {
+                    "eval_time": "20m",
+                    "alertname": "AmpguardLossScaleCollapse",
+                    "exp_alerts": [_expected(rules, "AmpguardLossScaleCollapse", r1, "0.5")],
+                },
+                {"eval_time": "13m", "alertname": "AmpguardRankLossScaleMismatch", "exp_alerts": []},
+                {
+                    "eval_time": "20m",
+                    "alertname": "AmpguardRankLossScaleMismatch",
+                    "exp_alerts": [_expected(rules, "AmpguardRankLossScaleMismatch", {"job": job}, "65535.5")],
+                },
+            ],
+        }
+    )
+
+    # 4. half the steps skipped for 20 minutes
+    s = healthy(r0, 40)
+    replace(s, M.SKIPPED_STEPS.name, {**r0, "reason": "nonfinite_grad"}, "0x10 0+30x30")
+    tests.append(
+        {
+            "interval": "1m",
+            "input_series": s,
+            "alert_rule_test": [
+                {"eval_time": "10m", "alertname": "AmpguardHighSkipRatio", "exp_alerts": []},
+                {
+                    "eval_time": "30m",
+                    "alertname": "AmpguardHighSkipRatio",
+                    "exp_alerts": [_expected(rules, "AmpguardHighSkipRatio", {"job": job}, "50%")],
+                },
+            ],
+        }
+    )
+
+    # 5. rank 0 stops stepping at minute 5 (its endpoint is still scraped)
+    s = healthy(r0, 30)
+    replace(s, M.STEPS.name, r0, "0+60x5 300x25")
+    replace(s, M.LAST_STEP_TIMESTAMP.name, r0, "60+60x5 360x25")
+    tests.append(
+        {
+            "interval": "1m",
+            "input_series": s,
+            "alert_rule_test": [
+                {"eval_time": "14m", "alertname": "AmpguardTrainingStalled", "exp_alerts": []},
+                {
+                    "eval_time": "25m",
+                    "alertname": "AmpguardTrainingStalled",
+                    "exp_alerts": [_expected(rules, "AmpguardTrainingStalled", {"job": job, "rank": "0"}, "19m 0s")],
+                },
+            ],
+        }
+    )
+    # a run that has not stepped yet (timestamp 0) is not "stalled"
+    s = healthy(r0, 30)
+    replace(s, M.STEPS.name, r0, "0x30")
+    replace(s, M.LAST_STEP_TIMESTAMP.name, r0, "0x30")
+    tests.append(
+        {
+            "interval": "1m",
+            "input_series": s,
+            "alert_rule_test": [{"eval_time": "30m", "alertname": "AmpguardTrainingStalled", "exp_alerts": []}],
+        }
+    )
+
+    # 6. a failed consistency check
+    s = healthy(r0, 20) + healthy(r1, 20)
+    replace(s, M.RANK_DIVERGENCE.name, r1, "0x10 1x10")
+    tests.append(
+        {
+            "interval": "1m",
+            "input_series": s,
+            "alert_rule_test": [
+                {"eval_time": "9m", "alertname": "AmpguardRankDivergence", "exp_alerts": []},
+                {
+                    "eval_time": "12m",
+                    "alertname": "AmpguardRankDivergence",
+                    "exp_alerts": [_expected(rules, "AmpguardRankDivergence", {"job": job}, "1")],
+                },
+            ],
+        }
+    )
+    return {"rule_files": [rules_file], "evaluation_interval": "1m", "tests": tests}
+
+
+def render_rule_tests(**kwargs: Any) -> str:
+    header = "# Generated by ampguard.dashboards; run with: promtool test rules ampguard.rules.test.yml\n"
+    return header + yaml.safe_dump(build_rule_tests(**kwargs), sort_keys=False, width=200)
+
+
+# ---------------------------------------------------------------------------------- dashboard
+_DS = {"type": "prometheus", "uid": "${datasource}"}
+_SEL = 'job=~"$job", rank=~"$rank"'
+_JOB = 'job=~"$job"'
+
+
+def _q(metric: M.Metric, suffix: str = "", selector: str = _SEL) -> str:
+    return f"{metric.series(suffix)}{{{selector}}}"
+
+
+def _target(expr: str, legend: str = "", ref: str = "A", **extra: Any) -> dict[str, Any]:
+    t: dict[str, Any] = {"datasource": _DS, "expr": expr, "refId": ref, "legendFormat": legend or "__auto"}
+    t.update(extra)
+    return t
+
+
+def _panel(
+    pid: int,
+    kind: str,
+    title: str,
+    description: str,
+    unit: str,
+    targets: list[dict[str, Any]],
+    grid: tuple[int, int, int, int],
+    **extra: Any,
+) -> dict[str, Any]:
+    x, y, w, h = grid
+    panel: dict[str, Any] = {
+        "id": pid,
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": _DS,
+        "gridPos": {"x": x, "y": y, "w": w, "h": h},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {},
+        "targets": targets,
+    }
+    for key, value in extra.items():
+        if key == "defaults":
+            panel["fieldConfig"]["defaults"].update(value)
+        else:
+            panel[key] = value
+    return panel
+
+
+def build_dashboard() -> dict[str, Any]:
+    """The Grafana dashboard (classic JSON model, schemaVersion 39)."""
+    rate = "$__rate_interval"
+    skipped, nonfinite, steps = M.SKIPPED_STEPS, M.NONFINITE_STEPS, M.STEPS
+    scale, last = M.LOSS_SCALE, M.LAST_STEP_TIMESTAMP
+    stat_opts = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}, "colorMode": "value"}
+    red_above = lambda v: {  # noqa: E731 - tiny local helper
+        "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None}, {"color": "red", "value": v}]}
+    }
+    panels: list[dict[str, Any]] = [
+        _panel(1, "row", "Health", "Run-level numbers; every rank holds the same global decision.", "none", [],
+               (0, 0, 24, 1), collapsed=False),
+        _panel(
+            2, "stat", "Non-finite steps", "Steps that saw NaN/inf loss or gradients since the run started "
+            "(max over ranks: every rank counts the same global steps).", "short",
+            [_target(f"max(sum without (kind) ({_q(nonfinite)}))", "non-finite steps")],
+            (0, 1, 5, 4), options=stat_opts, defaults=red_above(1),
+        ),
+        _panel(
+            3, "stat", "Skip ratio", "Fraction of steps skipped (non-finite values or spikes) over the rate "
+            "interval.", "percentunit",
+            [_target(f"max(sum without (reason) (rate({_q(skipped)}[{rate}])))\n  / max(rate({_q(steps)}[{rate}]))",
+                     "skip ratio")],
+            (5, 1, 5, 4), options=stat_opts, defaults=red_above(0.1),
+        ),
+        _panel(
+            4, "stat", "Lowest loss scale", "Smallest current loss scale across the selected ranks "
+            "(fp16; 1 for bf16/fp32). Below 1 means gradients overflow even unscaled.", "short",
+            [_target(f"min({_q(scale)})", "lowest loss scale")],
+            (10, 1, 5, 4), options=stat_opts,
+        ),
+        _panel(
+            5, "stat", "Seconds since last step", "Time since the most recent step of any selected rank; grows "
+            "when training hangs.", "s",
+            [_target(f"time() - max({_q(last)} > 0)", "since last step")],
+            (15, 1, 5, 4), options=stat_opts, defaults=red_above(600),
+        ),
+        _panel(
+            6, "stat", "Ranks up", "Metric endpoints of the job that Prometheus scraped successfully.", "short",
+            [_target(f"sum(up{{{_JOB}}})", "ranks up")],
+            (20, 1, 4, 4), options=stat_opts,
+        ),
+        _panel(
+            7, "timeseries", "Loss scale per rank", "Current fp16 loss scale of each rank (log2 axis). Ranks "
+            "must agree: a rank apart from the others has diverged.", "short",
+            [_target(_q(scale), "rank {{rank}}")],
+            (0, 5, 12, 8), defaults={"custom": {"scaleDistribution": {"type": "log", "log": 2}}},
+        ),
+        _panel(
+            8, "timeseries", "Skipped steps per rank", "Skipped steps per second, by rank and reason.", "cps",
+            [_target(f"sum by (rank, reason) (rate({_q(skipped)}[{rate}]))", "rank {{rank}} {{reason}}")],
+            (12, 5, 12, 8),
+        ),
+        _panel(
+            9, "timeseries", "Non-finite steps per rank", "Steps per second that saw NaN/inf, by rank and kind "
+            "(loss or grad).", "cps",
+            [_target(f"sum by (rank, kind) (rate({_q(nonfinite)}[{rate}]))", "rank {{rank}} {{kind}}")],
+            (0, 13, 12, 8),
+        ),
+        _panel(
+            10, "timeseries", "Non-finite origin per rank", "Non-finite steps per second whose NaN/inf started on "
+            "that rank: the one bad rank stands out.", "cps",
+            [_target(f"sum by (rank) (rate({_q(M.NONFINITE_ORIGIN)}[{rate}]))", "rank {{rank}}")],
+            (12, 13, 12, 8),
+        ),
+        _panel(
+            11, "heatmap", "Gradient norm distribution", "Finite global gradient norms per time bucket (histogram "
+            "buckets; non-finite norms are not observed).", "short",
+            [_target(f"sum by (le) (increase({_q(M.GRAD_NORM_HISTOGRAM, '_bucket')}[{rate}]))", "{{le}}",
+                     format="heatmap")],
+            (0, 21, 12, 8),
+            options={"calculate": False, "yAxis": {"unit": "short"}, "cellValues": {"unit": "short"}},
+        ),
+        _panel(
+            12, "timeseries", "Gradient norm (last step)", "Global L2 norm of the unscaled gradients at the last "
+            "step of each rank (gaps: NaN/inf).", "short",
+            [_target(_q(M.GRAD_NORM), "rank {{rank}}")],
+            (12, 21, 12, 8), defaults={"custom": {"scaleDistribution": {"type": "log", "log": 10}}},
+        ),
+        _panel(
+            13, "timeseries", "Loss", "Loss of the last step of each rank (gaps: NaN/inf).", "short",
+            [_target(_q(M.LOSS), "rank {{rank}}")],
+            (0, 29, 12, 8),
+        ),
+        _panel(
+            14, "timeseries", "Loss-scale changes", "Loss-scale backoffs and growths per second.", "cps",
+            [
+                _target(f"sum by (rank) (rate({_q(M.SCALE_BACKOFFS)}[{rate}]))", "rank {{rank}} backoff", "A"),
+                _target(f"sum by (rank) (rate({_q(M.SCALE_GROWTHS)}[{rate}]))", "rank {{rank}} growth", "B"),
+            ],
+            (12, 29, 12, 8),
+        ),
+        _panel(
+            15, "table", "Per-rank summary", "One row per rank: steps, skipped, non-finite origin, loss scale, "
+            "consistency failures. The bad rank is the odd one out.", "short",
+            [
+                _target(f"max by (rank) ({_q(steps)})", "", "A", instant=True, format="table"),
+                _target(f"sum by (rank) ({_q(skipped)})", "", "B", instant=True, format="table"),
+                _target(f"sum by (rank) ({_q(M.NONFINITE_ORIGIN)})", "", "C", instant=True, format="table"),
+                _target(f"max by (rank) ({_q(scale)})", "", "D", instant=True, format="table"),
+                _target(f"sum by (rank) ({_q(M.RANK_DIVERGENCE)})", "", "E", instant=True, format="table"),
+            ],
+            (0, 37, 24, 8),
+            transformations=[
+                {"id": "merge", "options": {}},
+                {
+                    "id": "organize",
+                    "options": {
+                        "excludeByName": {"Time": True},
+                        "renameByName": {
+                            "Value #A": "steps",
+                            "Value #B": "skipped",
+                            "Value #C": "non-finite origin",
+                            "Value #D": "loss scale",
+                            "Value #E": "divergence",
+                        },
+                    },
+                },
+            ],
+        ),
+    ]
+    annotations = [
+        {
+            "builtIn": 1,
+            "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+            "enable": True,
+            "hide": True,
+            "iconColor": "rgba(0, 211, 255, 1)",
+            "name": "Annotations & Alerts",
+            "type": "dashboard",
+        },
+        {
+            "datasource": _DS,
+            "enable": True,
+            "iconColor": "orange",
+            "name": "Skipped steps",
+            "expr": f"sum by (rank, reason) (increase({_q(skipped)}[{rate}])) > 0",
+            "step": "15s",
+            "titleFormat": "skipped steps",
+            "textFormat": "rank {{rank}}: {{reason}}",
+            "tagKeys": "rank,reason",
+        },
+        {
+            "datasource": _DS,
+            "enable": True,
+            "iconColor": "red",
+            "name": "Firing alerts",
+            "expr": f'ALERTS{{alertname=~"Ampguard.*", alertstate="firing", {_JOB}}}',
+            "step": "15s",
+            "titleFormat": "{{alertname}}",
+            "textFormat": "{{job}} {{rank}}",
+            "tagKeys": "alertname,severity",
+        },
+    ]
+    templating = [
+        {
+            "name": "datasource",
+            "label": "Data source",
+            "type": "datasource",
+            "query": "prometheus",
+            "current": {},
+            "hide": 0,
+            "refresh": 1,
+            "regex": "",
+        },
+        {
+            "name": "job",
+            "label": "Job",
+            "type": "query",
+            "datasource": _DS,
+            "query": {"query": f"label_values({M.STEPS.name}, job)", "refId": "job"},
+            "definition": f"label_values({M.STEPS.name}, job)",
+            "refresh": 2,
+            "includeAll": True,
+            "multi": True,
+            "current": {},
+            "sort": 1,
+        },
+        {
+            "name": "rank",
+            "label": "Rank",
+            "type": "query",
+            "datasource": _DS,
+            "query": {"query": f'label_values({M.STEPS.name}{{{_JOB}}}, rank)', "refId": "rank"},
+            "definition": f'label_values({M.STEPS.name}{{{_JOB}}}, rank)',
+            "refresh": 2,
+            "includeAll": True,
+            "multi": True,
+            "current": {},
+            "sort": 3,
+        },
+    ]
+    return {
+        "__inputs": [],
+        "uid": DASHBOARD_UID,
+        "title": "ampguard: training numerics",
+        "description": "Loss scale, non-finite values, skipped steps and gradient norms per rank, from ampguard's "
+        "PrometheusExporter.",
+        "tags": ["ampguard", "training", "pytorch"],
+        "timezone": "browser",
+        "editable": True,
+        "graphTooltip": 1,
+        "refresh": "30s",
+        "schemaVersion": 39,
+        "version": 1,
+        "time": {"from": "now-6h", "to": "now"},
+        "annotations": {"list": annotations},
+        "templating": {"list": templating},
+        "panels": panels,
+        "links": [],
+    }
+
+
+def dashboard_queries(dashboard: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """(panel title, PromQL expression) of every target of every panel."""
+    d = dashboard if dashboard is not None else build_dashboard()
+    return [(p["title"], t["expr"]) for p in d["panels"] for t in p.get("targets", [])]
+
+
+def render_dashboard() -> str:
+    return json.dumps(build_dashboard(), indent=2, sort_keys=False) + "\n"
+
+
+# ---------------------------------------------------------------------------------- files
+def write_all(
+    out_dir: str | os.PathLike[str] = "dashboards",
+    job_selector: str = "",
+    burst_threshold: int = DEFAULT_BURST_THRESHOLD,
+) -> list[Path]:
+    """Write the dashboard, the rules and their promtool tests into ``out_dir``; return the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {
+        DASHBOARD_FILE: render_dashboard(),
+        RULES_FILE: render_rules(job_selector=job_selector, burst_threshold=burst_threshold),
+        RULES_TEST_FILE: render_rule_tests(burst_threshold=burst_threshold),
+    }
+    paths = []
+    for name, text in files.items():
+        path = out / name
+        path.write_text(text, encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":  # python -m ampguard.dashboards [out_dir]
+    import sys
+
+    for p in write_all(sys.argv[1] if len(sys.argv) > 1 else "dashboards"):
+        print(p)
