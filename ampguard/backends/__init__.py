@@ -15,7 +15,32 @@ from .base import Collective, GatherHandle, LocalBackend, ReadyHandle
 __all__ = ["Collective", "GatherHandle", "LocalBackend", "ReadyHandle", "select_backend"]
 
 
+def _is_horovod_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    # hvd.DistributedOptimizer builds a class on the fly, whose methods come from
+    # horovod.torch.optimizer: detect it by module name, without importing horovod.
+    cls = type(optimizer)
+    return any(str(getattr(k, "__module__", "")).startswith("horovod") for k in cls.__mro__[:1]) or any(
+        str(getattr(getattr(cls, m, None), "__module__", "")).startswith("horovod")
+        for m in ("synchronize", "skip_synchronize")
+    )
+
+
 def select_backend(optimizer: torch.optim.Optimizer) -> Any:
-    """The backend ``wrap()`` uses when none is given: one process (more come with the
-    distributed backends)."""
+    """The backend ``wrap()`` uses when none is given:
+
+    - a Horovod ``DistributedOptimizer`` -> :class:`~ampguard.backends.horovod.HorovodBackend`;
+    - an initialised torch.distributed with more than one rank ->
+      :class:`~ampguard.backends.torch_dist.TorchDistBackend` over the default group;
+    - else :class:`LocalBackend` (one process).
+    """
+    if _is_horovod_optimizer(optimizer):
+        from .horovod import HorovodBackend
+
+        return HorovodBackend()
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        from .torch_dist import TorchDistBackend
+
+        return TorchDistBackend()
     return LocalBackend()
