@@ -177,8 +177,14 @@ CATALOGUE: tuple[Metric, ...] = (
 
 
 def by_name(name: str) -> Metric:
-    """The catalogue entry exposed as ``name`` (a histogram's ``_bucket``/``_sum``/``_count`` too)."""
+    """The catalogue entry a series named ``name`` belongs to (``_bucket``/``_sum``/``_count`` of a
+    histogram, and the ``_created`` series prometheus_client adds to counters and histograms, too)."""
     for m in CATALOGUE:
-        if name == m.name or (m.type == "histogram" and name in {m.name + s for s in ("_bucket", "_sum", "_count")}):
+        names = {m.name}
+        if m.type == "histogram":
+            names |= {m.name + s for s in ("_bucket", "_sum", "_count", "_created")}
+        elif m.type == "counter":
+            names.add(m.client_name + "_created")
+        if name in names:
             return m
     raise KeyError(f"{name!r} is not in ampguard's metric catalogue (ampguard.metrics.CATALOGUE)")
