@@ -8,10 +8,48 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["GuardConfig"]
+__all__ = ["Escalation", "GuardConfig"]
 
 _ON_SPIKE = ("warn", "skip")
 _ON_DIVERGENCE = ("warn", "raise")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class Escalation:
+    """The recovery ladder past skip and backoff: roll back, then stop.
+
+    skip -> back off the scale (every non-finite step) -> roll back to the last good snapshot
+    (when ``rollback_after`` non-finite steps fall within ``window`` steps) -> stop with a
+    checkpoint and a diagnosis (when that happens again after ``max_rollbacks`` rollbacks).
+    Every rank takes the same rung at the same step: the counts come from the agreed reports.
+    """
+
+    rollback_after: int = 3
+    """Non-finite steps within ``window`` steps that trigger a rollback (>= 1)."""
+
+    window: int = 100
+    """Length of the sliding window, in steps (>= 1)."""
+
+    snapshot_every: int | None = 50
+    """Take an in-memory snapshot (model + optimizer state, on the model's device) after every
+    N-th clean step (None: no snapshot; then rollback needs ``on_rollback``)."""
+
+    snapshot_device: str | None = "cpu"
+    """Where snapshots live: "cpu" (default; costs host memory and a copy), or None for the
+    parameters' own device (faster, costs device memory)."""
+
+    max_rollbacks: int = 2
+    """Rollbacks allowed; the next trigger stops training (>= 0)."""
+
+    def __post_init__(self) -> None:
+        _int_at_least("escalation.rollback_after", self.rollback_after, 1)
+        _int_at_least("escalation.window", self.window, 1)
+        _optional_int_at_least("escalation.snapshot_every", self.snapshot_every, 1)
+        _int_at_least("escalation.max_rollbacks", self.max_rollbacks, 0)
+        if self.snapshot_device not in (None, "cpu"):
+            raise ValueError(
+                f"GuardConfig.escalation.snapshot_device={self.snapshot_device!r}; allowed: 'cpu' | None"
+            )
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -77,6 +115,17 @@ class GuardConfig:
     """What a failed consistency check does: "warn" (record a ``rank_divergence`` anomaly)
     or "raise" (also raise :class:`~ampguard.RankDivergenceError` on every rank)."""
 
+    forensics: bool = True
+    """After a non-finite step, arm module hooks on ``wrap(model=...)`` to name the first module
+    that goes non-finite next (healthy runs never register a hook). Needs ``model``."""
+
+    forensics_window: int = 50
+    """Clean steps after which armed forensics hooks are removed again (>= 1)."""
+
+    escalation: Escalation | None = None
+    """The rollback/stop ladder (None: skip and back off only). A dict of
+    :class:`Escalation` fields is accepted by :meth:`from_dict`."""
+
     def __post_init__(self) -> None:
         _int_at_least("hysteresis", self.hysteresis, 1)
         _positive_float("min_scale", self.min_scale)
@@ -105,6 +154,11 @@ class GuardConfig:
         _optional_int_at_least("param_norms_every", self.param_norms_every, 1)
         _optional_int_at_least("consistency_every", self.consistency_every, 1)
         _choice("on_divergence", self.on_divergence, _ON_DIVERGENCE)
+        _int_at_least("forensics_window", self.forensics_window, 1)
+        if self.escalation is not None and not isinstance(self.escalation, Escalation):
+            raise ValueError(
+                f"GuardConfig.escalation={self.escalation!r}; allowed: None or an ampguard.Escalation"
+            )
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> GuardConfig:
@@ -119,11 +173,23 @@ class GuardConfig:
             raise ValueError(
                 f"unknown GuardConfig key(s): {', '.join(hints)}; known keys: {', '.join(sorted(known))}"
             )
-        return cls(**dict(values))
+        values = dict(values)
+        if isinstance(values.get("escalation"), Mapping):
+            esc = dict(values["escalation"])
+            known_esc = {f.name for f in dataclasses.fields(Escalation)}
+            bad = [k for k in esc if k not in known_esc]
+            if bad:
+                raise ValueError(
+                    f"unknown GuardConfig.escalation key(s): {', '.join(map(repr, bad))}; "
+                    f"known keys: {', '.join(sorted(known_esc))}"
+                )
+            values["escalation"] = Escalation(**esc)
+        return cls(**values)
 
     def replace(self, **changes: Any) -> GuardConfig:
         """A copy with some fields changed (validated like the original)."""
-        return GuardConfig.from_dict({**dataclasses.asdict(self), **changes})
+        current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return GuardConfig.from_dict({**current, **changes})
 
 
 def _is_real(value: Any) -> bool:

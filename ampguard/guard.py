@@ -24,6 +24,7 @@ One step, and where the host waits for the device (the only places it does):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import platform
@@ -38,7 +39,9 @@ import torch
 
 from .config import GuardConfig
 from .errors import GuardStateError, NonFiniteError, RankDivergenceError
+from .escalation import Ladder
 from .exporters.base import Exporter, MultiExporter
+from .forensics import Finding, Localizer
 from .hardware import check_precision
 from .policies import ScalerView, SpikeState, decide
 from .report import Anomaly, History, RunInfo, StepReport
@@ -90,6 +93,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         exporters: Sequence[Exporter],
         backend: Any,
         device: torch.device,
+        on_rollback: Callable[[Any, int], None] | None = None,
+        on_abort: Callable[[Any, str], None] | None = None,
     ) -> None:
         # torch.optim.Optimizer.__init__ is not called: it would build param_groups of its own.
         # These are the attributes its methods (hooks, profiling, repr) rely on.
@@ -125,6 +130,21 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._anomalies: deque[Anomaly] = deque(maxlen=config.max_anomalies)
         self._closed = False
         self._divergence: Anomaly | None = None  # a consistency check's finding, until reported
+        # Forensics: no hook until a non-finite step; findings wait for their step's report.
+        self._localizer: Localizer | None = None
+        self._armed_clean = 0
+        self._findings: dict[int, Finding] = {}
+        self._replaying = False
+        self._replay_loss: torch.Tensor | None = None
+        # Escalation ladder (None: skip and back off only) and the quarantine of batch ids.
+        self._ladder = (
+            Ladder(config.escalation, on_rollback=on_rollback, on_abort=on_abort)
+            if config.escalation is not None
+            else None
+        )
+        self.quarantine: list[Any] = []
+        self._batch_ids: list[Any] = []
+        self._step_batch_ids: dict[int, list[Any]] = {}
         # Extension points used by ampguard.faults (and the forensics module): callables run
         # in backward() on the loss, and in step() after gradient synchronisation.
         self._loss_transforms: list[Callable[[torch.Tensor, int], torch.Tensor]] = []
@@ -203,10 +223,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
             device_type=self.device.type, dtype=self.dtype, enabled=enabled and self.precision != "fp32"
         )
 
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, *, batch_id: Any = None, **kwargs: Any) -> None:
         """Back-propagate ``loss`` (scaled by the loss scale in fp16) and keep it, on device, for
         the step's checks. Call it once per micro-batch; ``kwargs`` go to ``Tensor.backward``.
-        No host sync."""
+        ``batch_id`` (any value): recorded into ``opt.quarantine`` if this step goes non-finite,
+        so a resumed run can skip the batch. No host sync."""
         self._check_open("backward")
         if not isinstance(loss, torch.Tensor):
             raise TypeError(f"backward() expects the loss tensor, got {type(loss).__name__}")
@@ -222,6 +243,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
             )
         for transform in self._loss_transforms:
             loss = transform(loss, self._step)
+        if self._replaying:  # a replay closure's backward: same scale, nothing accumulated
+            self._replay_loss = loss.detach().float().reshape(())
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward(**kwargs)
+            return
+        if batch_id is not None:
+            self._batch_ids.append(batch_id)
         detached = loss.detach().float().reshape(())
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         self._loss_count += 1
@@ -238,10 +265,23 @@ class GuardedOptimizer(torch.optim.Optimizer):
 
         collective: every rank must call it, once per iteration. Host syncs: see the module
         docstring (none beyond GradScaler's and the optimizer's own).
+
+        ``closure`` (optional, as for ``torch.optim.LBFGS``): a function that zeroes the gradients,
+        recomputes the loss of the *same batch* and calls ``opt.backward(loss)``. If no
+        ``backward()`` preceded this call, it is called first to produce the gradients. On a
+        non-finite step the guard replays it with forensics hooks armed, at the same loss scale,
+        to name the culprit on this step (one host sync to learn the step was non-finite).
         """
+        if closure is not None and self._stage != "backward":
+            self._check_open("step")
+            with torch.enable_grad():
+                closure()
         self._check_step_call(closure)
         self._materialize()  # the previous step's report, if it was left pending
         self._raise_escalation()
+        if self._ladder is not None and self._ladder.pending_rollback is not None:
+            self._rollback_consuming_step()
+            return
         inner = self.optimizer
         self.backend.before_unscale(inner)
         for callback in self._pre_unscale_callbacks:
@@ -291,10 +331,19 @@ class GuardedOptimizer(torch.optim.Optimizer):
             for grads in groups.values():
                 torch._foreach_mul_(grads, coef.to(grads[0].device))
 
+        if self._localizer is not None and self._localizer.armed:  # armed only after an anomaly
+            self._collect_finding(decision)
         synced = self._inner_step(skip, found_inf_per_device)
         if self.scaler is not None:
             self.scaler.update(new_scale=decision[Dec.NEXT_SCALE])
             self.scaler._growth_tracker.copy_(tracker)  # type: ignore[union-attr,arg-type]
+        if closure is not None and self.model is not None and self.config.forensics:
+            # SYNC (closure steps only): was this step non-finite? Then replay it, hooks armed.
+            if bool(decision[Dec.LOSS_NONFINITE] + decision[Dec.GRAD_NONFINITE] > 0):
+                self._replay(closure, decision)
+        if self._batch_ids:
+            self._step_batch_ids[self._step] = self._batch_ids
+            self._batch_ids = []
 
         payload = torch.cat([decision, gathered.reshape(-1).float(), norms])
         self._enqueue(payload)
@@ -308,6 +357,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if synced or self.device.type == "cpu":
             self._materialize()
             self._raise_escalation()
+            if self._ladder is not None and self._ladder.pending_rollback is not None:
+                self._ladder.rollback(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (and any loss kept from a ``backward()`` not followed by ``step()``)."""
@@ -394,6 +445,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 "grad_ema": float(self._spikes.grad_ema.item()),
                 "loss_ema": float(self._spikes.loss_ema.item()),
                 "ema_count": int(self._spikes.count.item()),
+                "quarantine": list(self.quarantine),
+                "escalation": self._ladder.state_dict() if self._ladder is not None else None,
             },
         }
 
@@ -426,6 +479,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._spikes.grad_ema.fill_(float(g["grad_ema"]))
         self._spikes.loss_ema.fill_(float(g["loss_ema"]))
         self._spikes.count.fill_(int(g["ema_count"]))
+        self.quarantine = list(g.get("quarantine", ()))
+        if self._ladder is not None and g.get("escalation"):
+            self._ladder.load_state_dict(g["escalation"])
         self._stage = "ready"
 
     # ------------------------------------------------------------------ internals
@@ -446,11 +502,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
             raise GuardStateError(
                 "scaler.step(opt) was called on a guarded optimizer: the guard already unscales, checks and "
                 "steps. Replace `scaler.step(opt); scaler.update()` with `opt.step()`. Nothing was changed."
-            )
-        if closure is not None:
-            raise GuardStateError(
-                "step(closure) is not supported yet: call opt.backward(loss) and then opt.step() without a "
-                "closure. Nothing was changed."
             )
         if self._stage != "backward":
             what = "step()" if self._stage == "stepped" else "zero_grad()"
@@ -517,6 +568,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             if self._divergence is not None and self._divergence.step == pending.step:
                 anomalies.append(self._divergence)
                 self._divergence = None
+            anomalies = self._after_report(report, anomalies)
             self._history.append(report)
             self._anomalies.extend(anomalies)
             self._exporter.export(report, anomalies)
@@ -556,6 +608,99 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self.config.on_divergence == "raise":
             self._materialize()
             raise RankDivergenceError(f"step {self._step - 1}: {div.describe()}", div.ranks)
+
+    def _after_report(self, report: StepReport, anomalies: list[Anomaly]) -> list[Anomaly]:
+        """Host-side follow-up of one report: forensics arming and findings, quarantine, ladder."""
+        finding = self._findings.pop(report.step, None)
+        if finding is not None and anomalies and anomalies[0].kind in ("nonfinite_loss", "nonfinite_grad", "overflow"):
+            first = anomalies[0]
+            anomalies[0] = dataclasses.replace(
+                first, module=finding.module, phase=finding.phase, cause=finding.cause,
+                detail=f"{first.detail}. Forensics: {finding.detail}",
+            )
+        ids = self._step_batch_ids.pop(report.step, None)
+        if report.nonfinite:
+            if ids:
+                self.quarantine.extend(ids)
+            self._armed_clean = 0
+            if self._localizer is None and self.config.forensics and self.model is not None:
+                self._localizer = Localizer(self.model)  # hooks from the next forward on
+        elif self._localizer is not None:
+            self._armed_clean += 1
+            if self._armed_clean >= self.config.forensics_window:
+                self._localizer.remove()
+                self._localizer = None
+        if self._ladder is not None:
+            extra, diagnosis = self._ladder.observe(self, report)
+            anomalies = [*anomalies, *extra]
+            if diagnosis is not None and self._escalation is None:
+                if self._ladder.on_abort is not None:
+                    self._ladder.on_abort(self, diagnosis)
+                self._escalation = NonFiniteError(diagnosis, report)
+        return anomalies
+
+    def _collect_finding(self, decision: torch.Tensor) -> None:
+        """Armed steps only: read the hooks' flags (one host sync) and keep what they name."""
+        assert self._localizer is not None  # internal
+        loss_finite = not bool(decision[Dec.LOSS_NONFINITE] > 0)  # SYNC (armed steps only)
+        grad_bad = bool(decision[Dec.GRAD_NONFINITE] > 0)
+        finding = self._localizer.collect(loss_finite=loss_finite, fp16_scaling=self.scaler is not None)
+        if finding is not None and (grad_bad or not loss_finite):
+            self._findings[self._step] = finding
+
+    def _replay(self, closure: Callable[[], Any], decision: torch.Tensor) -> None:
+        """Re-run ``closure`` on the same batch at this step's loss scale with hooks armed."""
+        assert self.model is not None  # internal: only called with a model
+        localizer = self._localizer if self._localizer is not None else Localizer(self.model)
+        temporary = self._localizer is None
+        new_scale = None
+        if self.scaler is not None:
+            new_scale = self.scaler._scale.clone()  # type: ignore[union-attr]
+            self.scaler._scale.copy_(decision[Dec.SCALE])  # type: ignore[union-attr]
+        self._replaying, self._replay_loss = True, None
+        try:
+            localizer.reset()
+            with torch.enable_grad():
+                closure()
+            loss_finite = self._replay_loss is not None and bool(torch.isfinite(self._replay_loss))
+            grads_finite = all(
+                bool(torch.isfinite(p.grad).all()) for p in _params(self.optimizer) if p.grad is not None
+            )
+            if loss_finite and grads_finite:
+                finding: Finding | None = Finding(
+                    "", "loss", "transient", "", math.nan, "a replay of the same batch was clean: suspect hardware or a race"
+                )
+                localizer.reset()
+            else:
+                finding = localizer.collect(loss_finite=loss_finite, fp16_scaling=self.scaler is not None)
+                if finding is None:
+                    finding = Finding("", "backward", "nan", "", math.nan,
+                                      "the replay was non-finite again, outside any module hook")
+            self._findings[self._step] = finding
+        finally:
+            self._replaying = False
+            if self.scaler is not None and new_scale is not None:
+                self.scaler._scale.copy_(new_scale)  # type: ignore[union-attr]
+            if temporary:
+                localizer.remove()
+            self.backend.zero_grad(self.optimizer, True)
+
+    def _rollback_consuming_step(self) -> None:
+        """A rollback decided at the start of this step (lagged report): restore, and spend this
+        step on it, identically on every rank (no collective runs on this step anywhere)."""
+        assert self._ladder is not None  # internal
+        self._ladder.rollback(self)
+        self.backend.zero_grad(self.optimizer, True)
+        scale = self.get_scale()
+        report = StepReport(step=self._step, skipped=True, reason="rollback", loss=math.nan, loss_scale=scale,
+                            next_loss_scale=scale, grad_norm=math.nan, nonfinite_grads=0, nonfinite_loss=False,
+                            world_size=self.backend.world_size, rank=self.backend.rank, wall_time=time.time())
+        self._history.append(report)
+        self._exporter.export(report, [])
+        self._skipped_total += 1
+        self._loss_sum, self._loss_count, self._batch_ids = None, 0, []
+        self._step += 1
+        self._stage = "stepped"
 
     def _raise_escalation(self) -> None:
         if self._escalation is not None:
@@ -679,6 +824,8 @@ def wrap(
     config: GuardConfig | dict[str, Any] | None = None,
     exporters: Sequence[Exporter] = (),
     collective: Any = None,
+    on_rollback: Callable[[Any, int], None] | None = None,
+    on_abort: Callable[[Any, str], None] | None = None,
 ) -> GuardedOptimizer:
     """Wrap ``optimizer`` so every step is checked, agreed across ranks, and reported.
 
@@ -690,6 +837,9 @@ def wrap(
     - ``scaler``: used as is (its init_scale, growth/backoff factors and interval hold).
     - ``config``: a :class:`GuardConfig`, or a dict of its fields (unknown keys are an error).
     - ``exporters``: where reports go (Prometheus, TensorBoard, JSONL, or your own).
+    - ``on_rollback(opt, step)`` / ``on_abort(opt, diagnosis)``: callbacks for the escalation
+      ladder (``GuardConfig.escalation``): restore your own checkpoint instead of the in-memory
+      snapshot; save a checkpoint before training stops.
     - ``collective``: the backend; by default chosen from the environment (a Horovod
       ``DistributedOptimizer`` -> Horovod; an initialised torch.distributed -> torch.distributed;
       else one process).
@@ -764,5 +914,7 @@ def wrap(
         exporters=exporters,
         backend=collective,
         device=device,
+        on_rollback=on_rollback,
+        on_abort=on_abort,
     )
 

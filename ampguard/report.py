@@ -16,7 +16,7 @@ from typing import Any, overload
 __all__ = ["ANOMALY_KINDS", "SKIP_REASONS", "Anomaly", "History", "RunInfo", "StepReport"]
 
 #: Values ``StepReport.reason`` takes on a skipped step, in order of precedence.
-SKIP_REASONS = ("nonfinite_loss", "nonfinite_grad", "grad_spike", "loss_spike")
+SKIP_REASONS = ("nonfinite_loss", "nonfinite_grad", "grad_spike", "loss_spike", "rollback")
 
 #: Values ``Anomaly.kind`` takes.
 ANOMALY_KINDS = (
@@ -27,6 +27,8 @@ ANOMALY_KINDS = (
     "loss_spike",  # the loss exceeded loss_spike_factor x its running average
     "scale_floor",  # the loss scale reached GuardConfig.min_scale
     "rank_divergence",  # ranks disagree on step/skip count, scale or parameters
+    "rollback",  # the escalation ladder restored the last good snapshot
+    "abort",  # the escalation ladder stopped training (NonFiniteError follows)
 )
 
 

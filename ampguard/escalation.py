@@ -1,0 +1,119 @@
+"""The escalation ladder past skip and backoff: snapshot, roll back, stop.
+
+Driven only by agreed :class:`~ampguard.report.StepReport` values, at the guard's fixed
+materialisation points, so every rank climbs the same rung at the same step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .config import Escalation
+from .report import Anomaly, StepReport
+
+__all__ = ["Ladder"]
+
+
+def _to(obj: Any, device: str | None) -> Any:
+    """Deep copy of a state_dict with every tensor cloned (to ``device`` when given)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        return t.to(device, copy=True) if device is not None else t.clone()
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to(v, device) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to(v, device) for v in obj)
+    return obj
+
+
+class Ladder:
+    """Counts non-finite steps in a sliding window and decides when to roll back or stop."""
+
+    def __init__(
+        self,
+        config: Escalation,
+        *,
+        on_rollback: Callable[[Any, int], None] | None,
+        on_abort: Callable[[Any, str], None] | None,
+    ) -> None:
+        self.config = config
+        self.on_rollback = on_rollback
+        self.on_abort = on_abort
+        self.recent: deque[int] = deque()  # steps of non-finite reports within the window
+        self.rollbacks = 0
+        self.snapshot: dict[str, Any] | None = None
+        self.snapshot_step: int | None = None
+        self.pending_rollback: Anomaly | None = None
+
+    def observe(self, guard: Any, report: StepReport) -> tuple[list[Anomaly], str | None]:
+        """Fold one report in. Returns anomalies to record, and a diagnosis when training must stop."""
+        c = self.config
+        while self.recent and self.recent[0] <= report.step - c.window:
+            self.recent.popleft()
+        if not report.nonfinite:
+            every = c.snapshot_every
+            if every is not None and not report.skipped and (report.step + 1) % every == 0 and guard.model is not None:
+                self.take_snapshot(guard, report.step)
+            return [], None
+        self.recent.append(report.step)
+        if len(self.recent) < c.rollback_after:
+            return [], None
+        count = len(self.recent)
+        self.recent.clear()
+        can_roll = self.on_rollback is not None or self.snapshot is not None
+        if self.rollbacks < c.max_rollbacks and can_roll:
+            target = "your on_rollback checkpoint" if self.on_rollback else f"the snapshot after step {self.snapshot_step}"
+            anomaly = Anomaly(report.step, "rollback", f"{count} non-finite steps within {c.window} steps: rolling "
+                              f"back to {target} (rollback {self.rollbacks + 1} of {c.max_rollbacks})",
+                              report.nonfinite_ranks)
+            self.pending_rollback = anomaly
+            return [anomaly], None
+        why = ("no snapshot to roll back to (set Escalation.snapshot_every or pass on_rollback)" if not can_roll
+               else f"{self.rollbacks} rollback(s) did not help")
+        diagnosis = self.diagnose(guard, report, count, why)
+        return [Anomaly(report.step, "abort", diagnosis, report.nonfinite_ranks)], diagnosis
+
+    def diagnose(self, guard: Any, report: StepReport, count: int, why: str) -> str:
+        located = [a for a in guard._anomalies if a.module is not None][-3:]
+        where = "; ".join(f"step {a.step}: {a.module or '(model)'} {a.phase} ({a.cause})" for a in located)
+        return (
+            f"training stopped at step {report.step}: {count} non-finite steps within {self.config.window} steps "
+            f"and {why}. Last report: reason={report.reason}, loss={report.loss}, grad_norm={report.grad_norm}, "
+            f"loss_scale={report.loss_scale}, ranks={list(report.nonfinite_ranks) or 'local'}."
+            + (f" Localised: {where}." if where else "")
+        )
+
+    @torch.no_grad()
+    def take_snapshot(self, guard: Any, step: int) -> None:
+        device = self.config.snapshot_device
+        self.snapshot = {
+            "model": _to(guard.model.state_dict(), device),
+            "optimizer": _to(guard.optimizer.state_dict(), device),
+        }
+        self.snapshot_step = step
+
+    @torch.no_grad()
+    def rollback(self, guard: Any) -> None:
+        """Restore the snapshot (or call ``on_rollback``). The loss scale is *not* restored: the
+        backed-off scale is part of the recovery."""
+        self.pending_rollback = None
+        self.rollbacks += 1
+        if self.on_rollback is not None:
+            self.on_rollback(guard, guard.step_count)
+            return
+        assert self.snapshot is not None  # internal: observe() only schedules a rollback with one
+        guard.model.load_state_dict(_to(self.snapshot["model"], None))
+        guard.optimizer.load_state_dict(_to(self.snapshot["optimizer"], None))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"recent": list(self.recent), "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.recent = deque(int(s) for s in state.get("recent", ()))
+        self.rollbacks = int(state.get("rollbacks", 0))

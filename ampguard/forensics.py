@@ -1,0 +1,207 @@
+"""Where a non-finite value came from (module, phase, rank) and why (overflow, NaN, transient).
+
+Healthy runs pay nothing: no hook exists until a step goes non-finite. Then the guard arms
+a :class:`Localizer` on the model for the following steps (``GuardConfig.forensics_window``
+clean steps, then it disarms). While armed, every module's forward output, and the
+gradients arriving at and leaving every module, are checked on device; the flags are read
+with one host sync per step (armed steps only). On the next non-finite step it names the
+**first** module, in execution order, whose forward output, or whose backward gradient,
+became non-finite.
+
+With a replay closure (``opt.step(closure)``) the guard replays a non-finite step with the
+hooks armed at the same loss scale, so the culprit is named on the step itself, and a
+replay that comes out clean is classified ``"transient"``.
+
+Classification (``Anomaly.cause``):
+
+- ``"overflow"``: the culprit's computation is finite in fp32 but exceeds fp16's range
+  (max-abs > 65504), or a backward gradient went to ±inf under fp16 loss scaling;
+- ``"nan"``: the culprit's computation is non-finite in fp32 too (log of 0, 0/0, bad data);
+- ``"transient"``: recomputing the culprit (or replaying the batch) is clean.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+__all__ = ["FP16_MAX", "Finding", "Localizer"]
+
+FP16_MAX = 65504.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Finding:
+    """What the localizer found on one step."""
+
+    module: str
+    """Qualified name as the user wrote it (no DDP ``module.`` prefix); "" for the model root."""
+    phase: str
+    """"forward" | "backward" | "loss"."""
+    cause: str
+    """"overflow" | "nan" | "transient"."""
+    dtype: str
+    """dtype of the non-finite tensor."""
+    input_max_abs: float
+    """max |x| of the culprit's (finite) input, or NaN where unknown."""
+    detail: str
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                return v
+    if isinstance(value, dict):
+        for v in value.values():
+            if isinstance(v, torch.Tensor):
+                return v
+    return None
+
+
+def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_floating_point():
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    return torch.isfinite(t).all()
+
+
+class Localizer:
+    """Hooks on every module of ``model``; one record per hook firing, flags kept on device."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        root = getattr(model, "module", model)  # DDP/FSDP wrappers: names as the user wrote them
+        self.root = root
+        self.modules = [(name, m) for name, m in root.named_modules()]
+        self._handles: list[Any] = []
+        self._recomputing = False
+        self.reset()
+        for idx, (_, m) in enumerate(self.modules):
+            self._handles.append(m.register_forward_pre_hook(self._pre_hook(idx)))
+            self._handles.append(m.register_forward_hook(self._fwd_hook(idx)))
+
+    # Each record: (order, module index, phase, finite flag tensor, tensor dtype).
+    def reset(self) -> None:
+        self._fwd: list[tuple[int, torch.Tensor, torch.Tensor, str, torch.Tensor | None]] = []
+        self._bwd_out: dict[int, torch.Tensor] = {}  # module -> finite flag of grad at its output
+        self._bwd_in: list[tuple[int, torch.Tensor, str]] = []  # (module, finite flag of grad at its input, dtype)
+        self._inputs: dict[int, tuple[Any, ...]] = {}
+        self._order = 0
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.reset()
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._handles)
+
+    def _pre_hook(self, idx: int) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+            if self._recomputing or not torch.is_grad_enabled():
+                return
+            self._inputs[idx] = args
+            x = _first_tensor(args)
+            if x is not None and x.requires_grad and x.is_floating_point():
+                x.register_hook(self._in_grad_hook(idx))
+
+        return hook
+
+    def _fwd_hook(self, idx: int) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            if self._recomputing or not torch.is_grad_enabled():
+                return
+            t = _first_tensor(out)
+            if t is None or not t.is_floating_point():
+                return
+            x = _first_tensor(args)
+            in_max = x.detach().abs().max().float() if x is not None and x.is_floating_point() and x.numel() else None
+            self._fwd.append((self._order, torch.tensor(idx), _all_finite(t.detach()), str(t.dtype), in_max))
+            self._order += 1
+            if t.requires_grad:
+                t.register_hook(self._out_grad_hook(idx))
+
+        return hook
+
+    def _out_grad_hook(self, idx: int) -> Any:
+        def hook(g: torch.Tensor) -> None:
+            self._bwd_out[idx] = _all_finite(g)
+
+        return hook
+
+    def _in_grad_hook(self, idx: int) -> Any:
+        def hook(g: torch.Tensor) -> None:
+            self._bwd_in.append((idx, _all_finite(g), str(g.dtype)))
+
+        return hook
+
+    def collect(self, *, loss_finite: bool, fp16_scaling: bool) -> Finding | None:
+        """Read the flags (one host sync) and name the first culprit, or None if all were finite."""
+        finding = None
+        if self._fwd:
+            flags = torch.stack([f[2] for f in self._fwd]).cpu().tolist()
+            for (order, idx_t, _, dtype, in_max), ok in zip(self._fwd, flags):
+                if not ok:
+                    finding = self._forward_finding(int(idx_t), dtype, in_max)
+                    break
+        if finding is None and not loss_finite:
+            finding = Finding("", "loss", "nan", "float32", float("nan"),
+                              "the forward outputs were finite; the loss itself was non-finite")
+        if finding is None and self._bwd_in:
+            # Backward order: the first module whose input-gradient is non-finite while the gradient
+            # arriving at its output was finite produced it.
+            flags = torch.stack([f[1] for f in self._bwd_in]).cpu().tolist()
+            out_flags = {k: bool(v) for k, v in zip(self._bwd_out, torch.stack(list(self._bwd_out.values()))
+                                                     .cpu().tolist())} if self._bwd_out else {}
+            for (idx, _, dtype), ok in zip(self._bwd_in, flags):
+                if not ok and out_flags.get(idx, True):
+                    name = self.modules[idx][0]
+                    cause = "overflow" if fp16_scaling else "nan"
+                    finding = Finding(name, "backward", cause, dtype, float("nan"),
+                                      f"the gradient leaving {name or 'the model'} in backward became non-finite"
+                                      f" ({dtype}) while the gradient arriving at its output was finite")
+                    break
+        self.reset()
+        return finding
+
+    def _forward_finding(self, idx: int, dtype: str, in_max: torch.Tensor | None) -> Finding:
+        name, module = self.modules[idx]
+        in_max_f = float(in_max) if in_max is not None else float("nan")
+        cause = self._classify_forward(idx, module)
+        label = name or "the model"
+        detail = {
+            "overflow": f"{label}'s output overflowed {dtype} (finite in fp32, beyond ±{FP16_MAX:g})",
+            "nan": f"{label}'s output is non-finite in fp32 too: a genuine NaN/inf (bad input or math)",
+            "transient": f"{label}'s output was non-finite but recomputing it is clean: transient or injected",
+        }[cause]
+        return Finding(name, "forward", cause, dtype, in_max_f, f"{detail}; input max |x| = {in_max_f:.4g}")
+
+    @torch.no_grad()
+    def _classify_forward(self, idx: int, module: torch.nn.Module) -> str:
+        args = self._inputs.get(idx)
+        if args is None:
+            return "nan"
+        self._recomputing = True
+        try:
+            fp32_args = tuple(a.detach().float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                              for a in args)
+            device_type = next((a.device.type for a in fp32_args if isinstance(a, torch.Tensor)), "cpu")
+            with torch.autocast(device_type=device_type, enabled=False):
+                out = _first_tensor(module(*fp32_args))
+            if out is None:
+                return "nan"
+            out = out.float()
+            if not bool(torch.isfinite(out).all()):
+                return "nan"
+            if float(out.abs().max()) > FP16_MAX:
+                return "overflow"
+            return "transient"
+        except Exception:  # a module that cannot be re-run on its saved input: say what we know
+            return "nan"
+        finally:
+            self._recomputing = False
