@@ -1,0 +1,163 @@
+"""The generated dashboard and rules: checked-in == generated, and the checks grafana's
+dashboard-linter applies (no Grafana server runs here)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ampguard import dashboards
+from ampguard import metrics as M
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKED_IN = ROOT / "dashboards"
+DASH = dashboards.build_dashboard()
+RANGE_FN = re.compile(r"\b(rate|irate|increase|delta|idelta|deriv)\(([^()]*)\[([^\]]+)\]\)")
+METRIC = re.compile(r"(?<![:\w])(ampguard_[a-z0-9_]+)(?![:\w])")  # not inside a recording-rule name
+
+
+def _panels() -> list[dict]:
+    return [p for p in DASH["panels"] if p["type"] != "row"]
+
+
+def _exprs() -> list[tuple[str, str]]:
+    exprs = [(p["title"], t["expr"]) for p in _panels() for t in p["targets"]]
+    exprs += [(a["name"], a["expr"]) for a in DASH["annotations"]["list"] if "expr" in a]
+    return exprs
+
+
+def test_checked_in_files_equal_what_the_generator_writes(tmp_path):
+    written = dashboards.write_all(tmp_path)
+    assert sorted(p.name for p in written) == sorted(
+        [dashboards.DASHBOARD_FILE, dashboards.RULES_FILE, dashboards.RULES_TEST_FILE])
+    for path in written:
+        checked_in = CHECKED_IN / path.name
+        assert checked_in.exists(), f"{checked_in} missing: run python -m ampguard.dashboards"
+        assert checked_in.read_text() == path.read_text(), (
+            f"{checked_in} is stale: regenerate with python -m ampguard.dashboards")
+    json.loads((CHECKED_IN / dashboards.DASHBOARD_FILE).read_text())
+
+
+# ---------------------------------------------------------------------------------- dashboard lint
+def test_template_variables():
+    variables = {v["name"]: v for v in DASH["templating"]["list"]}
+    ds = variables["datasource"]
+    assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+    for name in ("job", "rank"):
+        v = variables[name]
+        assert v["type"] == "query" and v["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        assert v["includeAll"] and v["multi"]
+        assert v["definition"].startswith("label_values(") and v["definition"].endswith(f", {name})")
+    assert 'job=~"$job"' in variables["rank"]["definition"]  # rank options follow the chosen job
+
+
+def test_every_panel_uses_the_datasource_variable_and_has_unit_and_description():
+    ids = [p["id"] for p in DASH["panels"]]
+    assert len(ids) == len(set(ids))
+    for p in _panels():
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        assert p["targets"], p["title"]
+        for t in p["targets"]:
+            assert t["datasource"] == p["datasource"], p["title"]
+        assert p["fieldConfig"]["defaults"].get("unit"), p["title"]
+        assert len(p["description"]) > 20, p["title"]
+        assert p["title"] and p["gridPos"]["w"] > 0 and p["gridPos"]["h"] > 0
+    assert DASH["uid"] and DASH["title"] and DASH["schemaVersion"] >= 36
+
+
+def test_every_query_is_templated_on_job_and_rank():
+    for title, expr in _exprs():
+        selectors = re.findall(r"\{([^{}]*)\}", re.sub(r"\{\{[^}]*\}\}", "", expr))
+        assert selectors, (title, expr)
+        for sel in selectors:
+            assert 'job=~"$job"' in sel, (title, expr)
+            if "up{" not in expr and "ALERTS{" not in expr:
+                assert 'rank=~"$rank"' in sel, (title, expr)
+
+
+def test_rate_and_increase_use_rate_interval():
+    found = 0
+    for title, expr in _exprs():
+        for _fn, _arg, window in RANGE_FN.findall(expr):
+            found += 1
+            assert window == "$__rate_interval", (title, expr)
+        assert not re.search(r"\[\d+[smhd]\]", expr), (title, expr)  # no fixed windows
+    assert found >= 5
+
+
+def test_queries_use_only_catalogue_metrics_and_counters_only_under_rate():
+    for title, expr in _exprs():
+        for name in METRIC.findall(expr):
+            metric = M.by_name(name)
+            if metric.type == "counter" and "rate(" not in expr and "increase(" not in expr:
+                # a raw counter is shown only as a run total (stat, table)
+                assert any(p["type"] in ("stat", "table") for p in _panels() if p["title"] == title), (title, expr)
+
+
+def test_required_panels_are_there():
+    types = {p["title"]: p["type"] for p in _panels()}
+    for title, kind in {
+        "Non-finite steps": "stat",
+        "Skip ratio": "stat",
+        "Lowest loss scale": "stat",
+        "Seconds since last step": "stat",
+        "Ranks up": "stat",
+        "Loss scale per rank": "timeseries",
+        "Skipped steps per rank": "timeseries",
+        "Non-finite steps per rank": "timeseries",
+        "Gradient norm distribution": "heatmap",
+        "Gradient norm (last step)": "timeseries",
+        "Per-rank summary": "table",
+    }.items():
+        assert types.get(title) == kind, title
+    scale = next(p for p in _panels() if p["title"] == "Loss scale per rank")
+    assert scale["fieldConfig"]["defaults"]["custom"]["scaleDistribution"] == {"type": "log", "log": 2}
+    names = [a["name"] for a in DASH["annotations"]["list"]]
+    assert "Skipped steps" in names and "Firing alerts" in names
+
+
+# ---------------------------------------------------------------------------------- rules
+def test_rules_have_every_alert_with_severity_summary_description():
+    rules = dashboards.build_rules()
+    alerts = {r["alert"]: r for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    assert tuple(alerts) == dashboards.ALERTS
+    for name, rule in alerts.items():
+        assert rule["labels"]["severity"] in ("warning", "critical"), name
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
+        assert re.fullmatch(r"\d+[smh]", rule["for"]), name
+    records = [r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r]
+    assert all(re.fullmatch(r"[a-z_]+:[a-z0-9_]+:[a-z0-9_]+", r) for r in records), records
+    for g in rules["groups"]:
+        for r in g["rules"]:
+            for name in METRIC.findall(r["expr"]):
+                M.by_name(name)
+
+
+def test_burst_threshold_selector_and_fors_are_configurable():
+    rules = dashboards.build_rules(burst_threshold=25, job_selector='job=~"llm-.*"',
+                                   fors={"AmpguardNonFiniteBurst": "1s"}, interval="5s")
+    burst = next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == "AmpguardNonFiniteBurst")
+    assert burst["expr"].endswith("> 25") and burst["for"] == "1s"
+    assert all(g["interval"] == "5s" for g in rules["groups"])
+    recording = [r["expr"] for g in rules["groups"] for r in g["rules"] if "record" in r]
+    assert all('{job=~"llm-.*"}' in e for e in recording)
+    assert dashboards.build_rules()["groups"][1]["rules"][0]["expr"].endswith("> 10")
+    with pytest.raises(ValueError, match="unknown alerts"):
+        dashboards.build_rules(fors={"Nope": "1s"})
+    with pytest.raises(ValueError, match="burst_threshold"):
+        dashboards.build_rules(burst_threshold=-1)
+
+
+def test_rule_tests_cover_every_alert_firing_and_silent():
+    doc = yaml.safe_load((CHECKED_IN / dashboards.RULES_TEST_FILE).read_text())
+    fires: set[str] = set()
+    silent: set[str] = set()
+    for t in doc["tests"]:
+        for case in t["alert_rule_test"]:
+            (fires if case["exp_alerts"] else silent).add(case["alertname"])
+    assert fires == set(dashboards.ALERTS) and silent == set(dashboards.ALERTS)
+    assert doc["rule_files"] == [dashboards.RULES_FILE]
