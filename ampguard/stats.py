@@ -77,7 +77,9 @@ def grads_by_device_and_dtype(
 ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     """The params' gradients grouped exactly as ``clip_grad_norm_`` groups them (same helper,
     same order), so norms derived from them are bitwise clip_grad_norm_'s."""
-    grads = [p.grad for p in params if p.grad is not None]
+    # Sharded (DTensor, FSDP2) gradients: this rank's shard, as a plain tensor sharing its storage.
+    # Norms are then local (decide() adds the squares across ranks) and no op dispatches a collective.
+    grads = [_local(p.grad) for p in params if p.grad is not None]
     if _group_tensors_by_device_and_dtype is not None:
         grouped = _group_tensors_by_device_and_dtype([grads])  # type: ignore[list-item]
         return {key: list(tensors[0]) for key, (tensors, _) in grouped.items()}  # type: ignore[arg-type]
@@ -85,6 +87,11 @@ def grads_by_device_and_dtype(
     for g in grads:  # pragma: no cover - torch without the helper
         groups[(g.device, g.dtype)].append(g)
     return groups
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def per_tensor_norms(
