@@ -68,7 +68,9 @@ class Ladder:
         self.recent.clear()
         can_roll = self.on_rollback is not None or self.snapshot is not None
         if self.rollbacks < c.max_rollbacks and can_roll:
-            target = "your on_rollback checkpoint" if self.on_rollback else f"the snapshot after step {self.snapshot_step}"
+            target = (
+                "your on_rollback checkpoint" if self.on_rollback else f"the snapshot after step {self.snapshot_step}"
+            )
             anomaly = Anomaly(report.step, "rollback", f"{count} non-finite steps within {c.window} steps: rolling "
                               f"back to {target} (rollback {self.rollbacks + 1} of {c.max_rollbacks})",
                               report.nonfinite_ranks)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Fault", "Injection", "grad", "inject", "loss", "output"]
+__all__ = ["Fault", "Injection", "backward", "grad", "inject", "loss", "output"]
 
 _VALUES = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf}
 
@@ -33,7 +33,7 @@ class Fault:
     """One scheduled fault. Build it with :func:`loss`, :func:`grad` or :func:`output`."""
 
     where: str
-    """"loss" | "grad" | "output"."""
+    """"loss" | "grad" | "output" | "backward"."""
     value: float
     """The injected value: NaN, inf or -inf (or any float, e.g. 1e6 to force an fp16 overflow)."""
     steps: frozenset[int] | None
@@ -59,6 +59,11 @@ def _value(value: float | str) -> float:
             raise ValueError(f"fault value {value!r}; allowed: 'nan', 'inf', '-inf' or a float")
         return _VALUES[value.lower()]
     return float(value)
+
+
+def _poke(t: torch.Tensor, value: float) -> None:
+    """Write ``value`` into the first element of ``t`` in place, whatever its strides."""
+    t[(0,) * t.dim()] = value
 
 
 def _set(values: Iterable[int] | int | None) -> frozenset[int] | None:
@@ -90,6 +95,28 @@ def output(module: str, value: float | str = "nan", *, steps: Iterable[int] | in
     return Fault("output", _value(value), _set(steps), _set(ranks), target=module)
 
 
+def backward(module: str, value: float | str = "nan", *, steps: Iterable[int] | int | None,
+             ranks: Iterable[int] | int | None = None) -> Fault:
+    """Put ``value`` into the gradient that module ``module``'s backward produces (the gradient
+    with respect to its first input), at ``steps``: a fault *in* that module's backward pass."""
+    return Fault("backward", _value(value), _set(steps), _set(ranks), target=module)
+
+
+class _CorruptGrad(torch.autograd.Function):
+    """Identity forward; backward puts ``value`` into the first element of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, value: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.value = value
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        g = g.clone()
+        _poke(g, ctx.value)
+        return g, None
+
+
 class Injection:
     """Active faults; remove them with :meth:`remove` (or leave the ``with`` block)."""
 
@@ -116,6 +143,9 @@ class Injection:
             elif f.where == "output":
                 module = self._find(module_root, f.target, "module")
                 self._handles.append(module.register_forward_hook(self._output_hook(f)))
+            elif f.where == "backward":
+                module = self._find(module_root, f.target, "module")
+                self._handles.append(module.register_forward_pre_hook(self._backward_hook(f)))
             else:
                 raise ValueError(f"unknown fault location {f.where!r}")
 
@@ -151,7 +181,7 @@ class Injection:
             if not self._fires(f):
                 return None
             g = g.clone()
-            g.view(-1)[0] = f.value
+            _poke(g, f.value)
             return g
 
         return hook
@@ -160,7 +190,7 @@ class Injection:
         def callback(step: int) -> None:
             if param.grad is not None and self._fires(f):
                 with torch.no_grad():
-                    param.grad.view(-1)[0] = f.value
+                    _poke(param.grad, f.value)
 
         return callback
 
@@ -171,14 +201,24 @@ class Injection:
             t = out[0] if isinstance(out, (tuple, list)) else out
             if not isinstance(t, torch.Tensor):
                 return None
-            mask = torch.zeros_like(t)
-            mask.view(-1)[0] = 1
-            t2 = torch.where(mask.bool(), torch.full_like(t, f.value), t)
+            mask = torch.zeros(t.shape, dtype=torch.bool, device=t.device)
+            _poke(mask, True)
+            t2 = torch.where(mask, torch.full_like(t, f.value), t)
             if isinstance(out, tuple):
                 return (t2, *out[1:])
             if isinstance(out, list):
                 return [t2, *out[1:]]
             return t2
+
+        return hook
+
+    def _backward_hook(self, f: Fault) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
+            if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
+                return None
+            if not args[0].requires_grad or not self._fires(f):
+                return None
+            return (_CorruptGrad.apply(args[0], f.value), *args[1:])
 
         return hook
 

@@ -80,14 +80,16 @@ class Localizer:
         self._recomputing = False
         self.reset()
         for idx, (_, m) in enumerate(self.modules):
-            self._handles.append(m.register_forward_pre_hook(self._pre_hook(idx)))
+            # prepend: see the inputs as the caller passed them, before other pre-hooks replace them
+            self._handles.append(m.register_forward_pre_hook(self._pre_hook(idx), prepend=True))
             self._handles.append(m.register_forward_hook(self._fwd_hook(idx)))
 
     # Each record: (order, module index, phase, finite flag tensor, tensor dtype).
     def reset(self) -> None:
-        self._fwd: list[tuple[int, torch.Tensor, torch.Tensor, str, torch.Tensor | None]] = []
+        self._fwd: list[tuple[int, int, torch.Tensor, str, torch.Tensor | None]] = []
         self._bwd_out: dict[int, torch.Tensor] = {}  # module -> finite flag of grad at its output
-        self._bwd_in: list[tuple[int, torch.Tensor, str]] = []  # (module, finite flag of grad at its input, dtype)
+        # (module, finite flag of the gradient at its input, dtype, which input tensor)
+        self._bwd_in: list[tuple[int, torch.Tensor, str, int]] = []
         self._inputs: dict[int, tuple[Any, ...]] = {}
         self._order = 0
 
@@ -108,7 +110,7 @@ class Localizer:
             self._inputs[idx] = args
             x = _first_tensor(args)
             if x is not None and x.requires_grad and x.is_floating_point():
-                x.register_hook(self._in_grad_hook(idx))
+                x.register_hook(self._in_grad_hook(idx, id(x)))
 
         return hook
 
@@ -121,7 +123,7 @@ class Localizer:
                 return
             x = _first_tensor(args)
             in_max = x.detach().abs().max().float() if x is not None and x.is_floating_point() and x.numel() else None
-            self._fwd.append((self._order, torch.tensor(idx), _all_finite(t.detach()), str(t.dtype), in_max))
+            self._fwd.append((self._order, idx, _all_finite(t.detach()), str(t.dtype), in_max))
             self._order += 1
             if t.requires_grad:
                 t.register_hook(self._out_grad_hook(idx))
@@ -134,9 +136,9 @@ class Localizer:
 
         return hook
 
-    def _in_grad_hook(self, idx: int) -> Any:
+    def _in_grad_hook(self, idx: int, key: int) -> Any:
         def hook(g: torch.Tensor) -> None:
-            self._bwd_in.append((idx, _all_finite(g), str(g.dtype)))
+            self._bwd_in.append((idx, _all_finite(g), str(g.dtype), key))
 
         return hook
 
@@ -145,9 +147,9 @@ class Localizer:
         finding = None
         if self._fwd:
             flags = torch.stack([f[2] for f in self._fwd]).cpu().tolist()
-            for (order, idx_t, _, dtype, in_max), ok in zip(self._fwd, flags):
+            for (_, idx, _, dtype, in_max), ok in zip(self._fwd, flags):
                 if not ok:
-                    finding = self._forward_finding(int(idx_t), dtype, in_max)
+                    finding = self._forward_finding(idx, dtype, in_max)
                     break
         if finding is None and not loss_finite:
             finding = Finding("", "loss", "nan", "float32", float("nan"),
@@ -158,16 +160,24 @@ class Localizer:
             flags = torch.stack([f[1] for f in self._bwd_in]).cpu().tolist()
             out_flags = {k: bool(v) for k, v in zip(self._bwd_out, torch.stack(list(self._bwd_out.values()))
                                                      .cpu().tolist())} if self._bwd_out else {}
-            for (idx, _, dtype), ok in zip(self._bwd_in, flags):
-                if not ok and out_flags.get(idx, True):
-                    name = self.modules[idx][0]
-                    cause = "overflow" if fp16_scaling else "nan"
-                    finding = Finding(name, "backward", cause, dtype, float("nan"),
-                                      f"the gradient leaving {name or 'the model'} in backward became non-finite"
-                                      f" ({dtype}) while the gradient arriving at its output was finite")
-                    break
+            candidates = [(idx, dtype, key) for (idx, _, dtype, key), ok in zip(self._bwd_in, flags)
+                          if not ok and out_flags.get(idx, True)]
+            if candidates:
+                # Modules sharing one input tensor (a block and its first sub-layer) get the same
+                # gradient; the deepest of them is the one whose backward wrote into it.
+                key = candidates[0][2]
+                idx, dtype, _ = max((c for c in candidates if c[2] == key), key=lambda c: self._depth(c[0]))
+                name = self.modules[idx][0]
+                cause = "overflow" if fp16_scaling else "nan"
+                finding = Finding(name, "backward", cause, dtype, float("nan"),
+                                  f"the gradient leaving {name or 'the model'} in backward became non-finite"
+                                  f" ({dtype}) while the gradient arriving at its output was finite")
         self.reset()
         return finding
+
+    def _depth(self, idx: int) -> int:
+        name = self.modules[idx][0]
+        return name.count(".") + 1 if name else 0
 
     def _forward_finding(self, idx: int, dtype: str, in_max: torch.Tensor | None) -> Finding:
         name, module = self.modules[idx]

@@ -337,10 +337,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.update(new_scale=decision[Dec.NEXT_SCALE])
             self.scaler._growth_tracker.copy_(tracker)  # type: ignore[union-attr,arg-type]
-        if closure is not None and self.model is not None and self.config.forensics:
-            # SYNC (closure steps only): was this step non-finite? Then replay it, hooks armed.
-            if bool(decision[Dec.LOSS_NONFINITE] + decision[Dec.GRAD_NONFINITE] > 0):
-                self._replay(closure, decision)
+        # SYNC (closure steps only): was this step non-finite? Then replay it, hooks armed.
+        if (closure is not None and self.model is not None and self.config.forensics
+                and bool(decision[Dec.LOSS_NONFINITE] + decision[Dec.GRAD_NONFINITE] > 0)):
+            self._replay(closure, decision)
         if self._batch_ids:
             self._step_batch_ids[self._step] = self._batch_ids
             self._batch_ids = []
@@ -667,15 +667,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 bool(torch.isfinite(p.grad).all()) for p in _params(self.optimizer) if p.grad is not None
             )
             if loss_finite and grads_finite:
-                finding: Finding | None = Finding(
-                    "", "loss", "transient", "", math.nan, "a replay of the same batch was clean: suspect hardware or a race"
-                )
+                finding = Finding("", "loss", "transient", "", math.nan,
+                                  "a replay of the same batch was clean: suspect hardware or a race")
                 localizer.reset()
             else:
-                finding = localizer.collect(loss_finite=loss_finite, fp16_scaling=self.scaler is not None)
-                if finding is None:
-                    finding = Finding("", "backward", "nan", "", math.nan,
-                                      "the replay was non-finite again, outside any module hook")
+                found = localizer.collect(loss_finite=loss_finite, fp16_scaling=self.scaler is not None)
+                finding = found or Finding("", "backward", "nan", "", math.nan,
+                                           "the replay was non-finite again, outside any module hook")
             self._findings[self._step] = finding
         finally:
             self._replaying = False
