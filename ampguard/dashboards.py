@@ -207,10 +207,18 @@ def _expected(
     }
 
 
-def build_rule_tests(*, burst_threshold: int = DEFAULT_BURST_THRESHOLD, rules_file: str = RULES_FILE) -> dict[str, Any]:
-    """promtool unit tests: every alert fires when it should and stays silent on a healthy run."""
-    rules = build_rules(burst_threshold=burst_threshold)
-    job = "train"
+def build_rule_tests(
+    *,
+    burst_threshold: int = DEFAULT_BURST_THRESHOLD,
+    job_selector: str = "",
+    test_job: str = "train",
+    rules_file: str = RULES_FILE,
+) -> dict[str, Any]:
+    """promtool unit tests: every alert fires when it should and stays silent on a healthy run.
+
+    The synthetic series carry ``job=test_job``: with a ``job_selector``, pick a job it matches."""
+    rules = build_rules(burst_threshold=burst_threshold, job_selector=job_selector)
+    job = test_job
     r0 = {"job": job, "instance": "node0:9400", "rank": "0", "local_rank": "0"}
     r1 = {"job": job, "instance": "node0:9401", "rank": "1", "local_rank": "1"}
     burst = burst_threshold + 5
@@ -647,14 +655,21 @@ def write_all(
     out_dir: str | os.PathLike[str] = "dashboards",
     job_selector: str = "",
     burst_threshold: int = DEFAULT_BURST_THRESHOLD,
+    test_job: str = "train",
 ) -> list[Path]:
-    """Write the dashboard, the rules and their promtool tests into ``out_dir``; return the paths."""
+    """Write the dashboard, the rules and their promtool tests into ``out_dir``; return the paths.
+
+    ``job_selector`` (e.g. ``'job=~"llm-.*"'``) restricts every rule to matching series;
+    ``burst_threshold`` is AmpguardNonFiniteBurst's threshold; ``test_job`` is the job label of
+    the rule tests' synthetic series (it must match ``job_selector``)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     files = {
         DASHBOARD_FILE: render_dashboard(),
         RULES_FILE: render_rules(job_selector=job_selector, burst_threshold=burst_threshold),
-        RULES_TEST_FILE: render_rule_tests(burst_threshold=burst_threshold),
+        RULES_TEST_FILE: render_rule_tests(
+            burst_threshold=burst_threshold, job_selector=job_selector, test_job=test_job
+        ),
     }
     paths = []
     for name, text in files.items():

@@ -377,3 +377,10 @@ def test_promtool_checks_and_tests_the_generated_rules(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "> 3" in (tmp_path / dashboards.RULES_FILE).read_text()
+    # a job selector, with a test job it matches
+    sel = tmp_path / "sel"
+    dashboards.write_all(sel, job_selector='job=~"llm-.*"', test_job="llm-7b")
+    res = subprocess.run([PROMTOOL, "test", "rules", dashboards.RULES_TEST_FILE], cwd=sel,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert '{job=~"llm-.*"}' in (sel / dashboards.RULES_FILE).read_text()
