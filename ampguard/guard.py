@@ -779,9 +779,15 @@ def _origin_ranks(rows: list[list[float]]) -> tuple[int, ...]:
     """Ranks where the non-finite values originated, from every rank's local vector."""
     loss_bad = {r for r, row in enumerate(rows) if row[Loc.LOSS_NONFINITE] > 0}
     pre = {r for r, row in enumerate(rows) if row[Loc.PRE_REDUCTION] > 0}
-    post = {r for r, row in enumerate(rows) if row[Loc.NONFINITE_TENSORS] > 0 or row[Loc.FOUND_INF] > 0}
+    # Counted tensors first: with sharded (DTensor) gradients GradScaler's found_inf is already
+    # reduced across ranks (DTensor's unscale all-reduces it), so only the counts are local.
+    post = {r for r, row in enumerate(rows) if row[Loc.NONFINITE_TENSORS] > 0} or {
+        r for r, row in enumerate(rows) if row[Loc.FOUND_INF] > 0
+    }
     origin = loss_bad | pre
-    if post and len(post) < len(rows):  # corrupted after reduction on some ranks only
+    # corrupted after reduction on some ranks only (when nothing was non-finite before it: with
+    # sharded gradients a rank's bad contribution lands in whichever ranks own those shards)
+    if post and not pre and len(post) < len(rows):
         origin |= post
     if not origin:
         origin = post
