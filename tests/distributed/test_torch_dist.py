@@ -15,7 +15,7 @@ import ampguard
 from ampguard import faults
 from ampguard.backends.torch_dist import TorchDistBackend, compose_comm_hook
 
-from ._common import assert_same_everywhere, spawn, standard_faults, tiny_model, train
+from ._common import GradPoison, assert_same_everywhere, spawn, standard_faults, tiny_model, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -128,24 +128,29 @@ def _run_fsdp2(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
 
     def build() -> torch.nn.Module:
         model = tiny_model()
-        for layer in (model[0], model[2], model[4]):
+        model.insert(1, GradPoison())  # between the first Linear and its ReLU
+        model[1].my_rank = rank
+        for layer in (model[0], model[3], model[5]):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
 
-    # faults on rank 1 only. FSDP2's gradients are produced by the reduce-scatter, so a
-    # pre-reduction gradient fault goes on the unsharded parameter's hook: faults.output in the
-    # first layer's output gives rank 1 a non-finite local gradient before reduction.
+    # faults on rank 1 only. FSDP2's sharded parameters get their gradients from the
+    # reduce-scatter, so the before-reduction gradient fault is a GradPoison layer (an inf in
+    # rank 1's backward at step 4), not faults.grad.
     model = build()
     opt = ampguard.wrap(_adamw(model, fused), model=model, precision="fp16")
     assert opt.backend.grads_sharded
-    fs = [
-        faults.loss("nan", steps=[2], ranks=[1]),
-        faults.output("2", 1e30, steps=[4], ranks=[1]),
-        faults.grad("0.weight", "nan", steps=[6], ranks=[1], after_reduction=True),
-    ]
-    with faults.inject(opt, model, *fs):
-        out["faults"] = train(opt, model, rank, STEPS)
+    model[1].opt, model[1].steps, model[1].rank = opt, {4}, 1
+
+    def after_reduction(step: int) -> None:
+        # rank 1's shard of a reduced gradient, corrupted locally (faults.grad(after_reduction=True)
+        # would write through the DTensor, which dispatches a collective on rank 1 alone)
+        if step == 6 and rank == 1:
+            model[0].weight.grad.to_local().view(-1)[0] = float("nan")
+
+    with faults.inject(opt, model, faults.loss("nan", steps=[2], ranks=[1])):
+        out["faults"] = train(opt, model, rank, STEPS, before_step=after_reduction)
     opt.close()
 
     # the global norm of sharded gradients equals the unsharded model's (checked in the parent)
@@ -176,6 +181,7 @@ def test_fsdp2_one_decision_on_every_rank(fused: bool) -> None:
 
     # the reference: the same model, unsharded, one process, same input (2 ranks averaged = same)
     model = tiny_model()
+    model.insert(1, torch.nn.Identity())
     loss = model(torch.ones(4, 8)).square().mean()
     loss.backward()
     ref = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item()
