@@ -48,6 +48,9 @@ class Fault:
     mode: str = "add"
     """loss only: "add" puts the value into the loss alone (gradients stay finite); "mul" multiplies
     the loss by it, so the gradients become non-finite too."""
+    transient: bool = False
+    """Fire at most once per step: a replay of the same step (``opt.step(closure)``) is clean, as
+    with a hardware glitch or a race."""
 
     def active(self, step: int, rank: int) -> bool:
         return (self.steps is None or step in self.steps) and (self.ranks is None or rank in self.ranks)
@@ -75,31 +78,32 @@ def _set(values: Iterable[int] | int | None) -> frozenset[int] | None:
 
 
 def loss(value: float | str = "nan", *, steps: Iterable[int] | int | None, ranks: Iterable[int] | int | None = None,
-         mode: str = "add") -> Fault:
+         mode: str = "add", transient: bool = False) -> Fault:
     """Make the loss non-finite at ``steps`` (see :attr:`Fault.mode`)."""
     if mode not in ("add", "mul"):
         raise ValueError(f"mode={mode!r}; allowed: 'add' | 'mul'")
-    return Fault("loss", _value(value), _set(steps), _set(ranks), mode=mode)
+    return Fault("loss", _value(value), _set(steps), _set(ranks), mode=mode, transient=transient)
 
 
 def grad(param: str, value: float | str = "nan", *, steps: Iterable[int] | int | None,
-         ranks: Iterable[int] | int | None = None, after_reduction: bool = False) -> Fault:
+         ranks: Iterable[int] | int | None = None, after_reduction: bool = False, transient: bool = False) -> Fault:
     """Put ``value`` into the first element of parameter ``param``'s gradient at ``steps``."""
-    return Fault("grad", _value(value), _set(steps), _set(ranks), target=param, after_reduction=after_reduction)
+    return Fault("grad", _value(value), _set(steps), _set(ranks), target=param, after_reduction=after_reduction,
+                 transient=transient)
 
 
 def output(module: str, value: float | str = "nan", *, steps: Iterable[int] | int | None,
-           ranks: Iterable[int] | int | None = None) -> Fault:
+           ranks: Iterable[int] | int | None = None, transient: bool = False) -> Fault:
     """Put ``value`` into the first element of module ``module``'s forward output at ``steps``.
     A large finite value (e.g. ``1e5``) overflows fp16 downstream: a realistic overflow."""
-    return Fault("output", _value(value), _set(steps), _set(ranks), target=module)
+    return Fault("output", _value(value), _set(steps), _set(ranks), target=module, transient=transient)
 
 
 def backward(module: str, value: float | str = "nan", *, steps: Iterable[int] | int | None,
-             ranks: Iterable[int] | int | None = None) -> Fault:
+             ranks: Iterable[int] | int | None = None, transient: bool = False) -> Fault:
     """Put ``value`` into the gradient that module ``module``'s backward produces (the gradient
     with respect to its first input), at ``steps``: a fault *in* that module's backward pass."""
-    return Fault("backward", _value(value), _set(steps), _set(ranks), target=module)
+    return Fault("backward", _value(value), _set(steps), _set(ranks), target=module, transient=transient)
 
 
 class _CorruptGrad(torch.autograd.Function):
@@ -124,6 +128,7 @@ class Injection:
         self.opt = opt
         self.faults = list(faults)
         self.fired: list[tuple[int, int, Fault]] = []
+        self._fired_once: set[tuple[int, int]] = set()
         self._handles: list[Any] = []
         self._callbacks: list[tuple[list[Any], Any]] = []
         model = model if model is not None else getattr(opt, "model", None)
@@ -163,7 +168,10 @@ class Injection:
 
     def _fires(self, f: Fault) -> bool:
         step = self.opt.step_count
+        if f.transient and (step, id(f)) in self._fired_once:
+            return False
         if f.active(step, self.rank):
+            self._fired_once.add((step, id(f)))
             self.fired.append((step, self.rank, f))
             return True
         return False

@@ -245,3 +245,13 @@ def test_rollback_without_snapshot_or_callback_stops_with_reason():
             opt.step()
             opt.zero_grad()
     assert math.isnan(opt.history[2].loss)
+
+
+def test_transient_fault_flag_is_clean_on_replay():
+    model = lm()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16")
+    inj = faults.inject(opt, faults.output("blocks.2.attn", "nan", steps=[1], transient=True))
+    train(opt, model, batches(3), closure=True)
+    t = located(opt, 1)
+    assert t.cause == "transient"
+    assert [s for s, _, _ in inj.fired] == [1]  # not again on the replay
