@@ -210,6 +210,8 @@ def test_two_rank_training_scraped_by_real_prometheus(prometheus_server, tmp_pat
 
     base_port = _free_ports(WORLD)
     init_port = _free_ports(1)
+    while base_port <= init_port < base_port + WORLD:
+        init_port = _free_ports(1)
     work = tmp_path / "work"
     work.mkdir()
     rules = dashboards.render_rules(fors={"AmpguardNonFiniteBurst": "2s"}, interval="1s")
