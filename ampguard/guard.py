@@ -746,6 +746,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 scale_txt = f"; loss scale backed off {d[Dec.SCALE]:g} -> {d[Dec.NEXT_SCALE]:g}"
             elif grad_bad:
                 scale_txt = f"; loss scale kept at {d[Dec.SCALE]:g} (hysteresis={self.config.hysteresis})"
+            elif d[Dec.SKIP] > 0:
+                scale_txt = f"; loss scale held at {d[Dec.SCALE]:g} (the gradients were finite)"
         where = f" on rank(s) {list(ranks)}" if ranks else ""
         if loss_bad:
             anomalies.append(
