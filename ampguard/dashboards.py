@@ -96,8 +96,7 @@ def build_rules(
         },
         {
             "record": _REC_SKIP_RATIO,
-            "expr": f"max by (job) (sum without (reason) (rate({skipped}[5m])))\n"
-            f"  / max by (job) (rate({steps}[5m]) > 0)",
+            "expr": f"max by (job) (sum without (reason) (rate({skipped}[5m]))) / max by (job) (rate({steps}[5m]) > 0)",
         },
         {"record": _REC_STEPS_RATE, "expr": f"max by (job) (rate({steps}[5m]))"},
         {"record": _REC_SCALE_MIN, "expr": f"min by (job) ({scale})"},
