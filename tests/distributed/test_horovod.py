@@ -1,0 +1,133 @@
+"""Horovod on 2 real ranks (horovod.run, gloo, CPU): the synchronize / unscale / step order,
+one decision on every rank, attribution through the wrapped compression, consistency checks,
+escalation, backward_passes_per_step, Compression.fp16, Adasum refused, state broadcast.
+All scenarios run inside one launch (a launch costs seconds)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ampguard
+from ampguard import faults
+
+from ._common import assert_same_everywhere, standard_faults, tiny_model, train
+
+pytestmark = [pytest.mark.horovod, pytest.mark.timeout(240)]
+
+hvd_run = pytest.importorskip("horovod.runner").run
+REPO = str(Path(__file__).resolve().parents[2])
+
+
+def _body() -> dict[str, Any]:
+    import horovod.torch as hvd
+
+    hvd.init()
+    torch.set_num_threads(1)
+    rank = hvd.rank()
+    out: dict[str, Any] = {"rank": rank}
+
+    def dist_opt(model: torch.nn.Module, fused: bool = False, **kw: Any) -> Any:
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        return hvd.DistributedOptimizer(inner, named_parameters=model.named_parameters(), **kw)
+
+    # 1. faults on rank 1 only (loss @2, gradient before @4 / after @6 reduction), fp16, fused and not
+    for fused in (False, True):
+        model = tiny_model()
+        opt = ampguard.wrap(dist_opt(model, fused), model=model, precision="fp16")
+        out["backend"] = opt.backend.name
+        with faults.inject(opt, model, *standard_faults("0.weight")):
+            out[f"faults_{fused}"] = train(opt, model, rank, 8)
+        opt.close()
+
+    # 2. backward_passes_per_step=2 with Compression.fp16; an inf in rank 1's gradient at step 3
+    model = tiny_model()
+    opt = ampguard.wrap(
+        dist_opt(model, backward_passes_per_step=2, compression=hvd.Compression.fp16),
+        model=model, precision="fp16", scaler=torch.amp.GradScaler("cpu", init_scale=256.0),
+    )
+    with faults.inject(opt, model, faults.grad("2.weight", "inf", steps=[3], ranks=[1])):
+        out["bpps"] = train(opt, model, rank, 6, micro_batches=2)
+    opt.close()
+
+    # 3. bf16 with Compression.fp16 warns
+    model = tiny_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = ampguard.wrap(dist_opt(model, compression=hvd.Compression.fp16), model=model, precision="bf16")
+    out["bf16_fp16_warning"] = any("Compression.fp16" in str(w.message) for w in caught)
+    opt.close()
+
+    # 4. a parameter perturbed on rank 1: rank_divergence naming it; and on_divergence="raise"
+    for mode in ("warn", "raise"):
+        model = tiny_model()
+        opt = ampguard.wrap(dist_opt(model), model=model, precision="bf16",
+                            config={"consistency_every": 2, "on_divergence": mode})
+
+        def perturb(step: int, model: torch.nn.Module = model) -> None:
+            if step == 2 and rank == 1:
+                with torch.no_grad():
+                    model[0].bias[0] += 1.0
+
+        out[f"divergence_{mode}"] = train(opt, model, rank, 6, before_step=perturb)
+        opt.close()
+
+    # 5. max_consecutive_skips: NonFiniteError on every rank at the same step
+    model = tiny_model()
+    opt = ampguard.wrap(dist_opt(model), model=model, precision="fp16", config={"max_consecutive_skips": 3})
+    with faults.inject(opt, model, faults.loss("nan", steps=range(2, 100), ranks=[0])):
+        out["escalate"] = train(opt, model, rank, 8)
+    opt.close()
+
+    # 6. Adasum is refused with a clear error
+    model = tiny_model()
+    try:
+        ampguard.wrap(dist_opt(model, op=hvd.Adasum), model=model, precision="bf16")
+        out["adasum"] = None
+    except ValueError as e:
+        out["adasum"] = str(e)
+
+    # 7. state broadcast: rank 0's scale and counters reach a rank that starts fresh
+    from ampguard.backends.horovod import broadcast_guard_state
+
+    model = tiny_model()
+    opt = ampguard.wrap(dist_opt(model), model=model, precision="fp16")
+    if rank == 0:
+        opt.scaler.update(new_scale=torch.tensor(1024.0))
+        opt._step, opt._skipped_total = 7, 2
+    broadcast_guard_state(opt, root_rank=0)
+    out["broadcast"] = (opt.get_scale(), opt.step_count, opt.skipped_steps)
+    opt.close()
+    hvd.shutdown()
+    return out
+
+
+def test_horovod_one_decision_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the ranks inherit this process's environment: make the repo importable there
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    res = hvd_run(_body, num_proc=2, use_gloo=True, hosts="localhost:2", start_timeout=60)
+    res = sorted(res, key=lambda r: r["rank"])
+    assert all(r["backend"] == "horovod" for r in res)
+
+    for fused in (False, True):
+        runs = [r[f"faults_{fused}"] for r in res]
+        assert_same_everywhere(runs, skipped=[2, 4, 6], origin=1)
+        assert runs[0]["reasons"] == {2: "nonfinite_loss", 4: "nonfinite_grad", 6: "nonfinite_grad"}
+        assert runs[0]["scale"] < 65536.0
+
+    assert_same_everywhere([r["bpps"] for r in res], skipped=[3], origin=1)
+    assert all(r["bf16_fp16_warning"] for r in res)
+
+    for r in res:
+        first = r["divergence_warn"]["anomalies"][0]
+        assert first[:3] == (3, "rank_divergence", (1,)), first
+        assert r["divergence_raise"]["error"] == ("RankDivergenceError", 3)
+        assert r["escalate"]["error"] == ("NonFiniteError", 4)
+        assert r["escalate"]["skipped"] == [2, 3, 4]
+        assert r["adasum"] is not None and "Adasum" in r["adasum"]
+        assert r["broadcast"] == (1024.0, 7, 2)
