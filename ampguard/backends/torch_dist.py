@@ -191,7 +191,7 @@ class TorchDistBackend(LocalBackend):
         assert flag is not None  # internal: set in attach
 
         def hook(g: torch.Tensor) -> None:
-            _nonfinite_into(flag, g.to_local() if _is_dtensor(g) else g)
+            _nonfinite_into(flag, g.to_local() if _is_dtensor(g) else g)  # type: ignore[attr-defined]
 
         if self.grads_sharded and model is not None:
             # FSDP2: the sharded DTensor parameters get their gradients from the reduce-scatter,
