@@ -9,7 +9,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import faults
-from .config import GuardConfig
+from .config import Escalation, GuardConfig
 from .errors import (
     AmpGuardError,
     BackendUnavailableError,
@@ -20,12 +20,18 @@ from .errors import (
 from .exporters.base import Exporter, MultiExporter, NullExporter
 from .guard import GuardedOptimizer, wrap
 from .hardware import UnsupportedPrecisionError
+from .preflight import Recommendation, preflight
 from .report import Anomaly, History, RunInfo, StepReport
 
 __all__ = [
     "AmpGuardError",
+    "JsonlExporter",
+    "PortInUseError",
+    "PrometheusExporter",
+    "TensorBoardExporter",
     "Anomaly",
     "BackendUnavailableError",
+    "Escalation",
     "Exporter",
     "GuardConfig",
     "GuardStateError",
@@ -35,10 +41,29 @@ __all__ = [
     "NonFiniteError",
     "NullExporter",
     "RankDivergenceError",
+    "Recommendation",
     "RunInfo",
     "StepReport",
     "UnsupportedPrecisionError",
     "__version__",
     "faults",
+    "preflight",
     "wrap",
 ]
+
+
+# The exporters that import optional or heavy parts load on first use: ``import ampguard``
+# imports no tensorboard and starts no server.
+_LAZY = {"PrometheusExporter", "JsonlExporter", "TensorBoardExporter", "PortInUseError"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        from . import exporters
+
+        return getattr(exporters, name)
+    raise AttributeError(f"module 'ampguard' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -247,8 +247,9 @@ class Injection:
         self.remove()
 
 
-def inject(opt: Any, model: torch.nn.Module | None = None, *faults: Fault) -> Injection:
-    """Install ``faults`` on a guarded optimizer (and its model). Returns the :class:`Injection`."""
+def inject(opt: Any, model: torch.nn.Module | Fault | None = None, *faults: Fault) -> Injection:
+    """Install ``faults`` on a guarded optimizer (and its model: by default ``wrap(model=...)``'s).
+    Returns the :class:`Injection`."""
     if not hasattr(opt, "_loss_transforms"):
         raise TypeError("inject() needs the optimizer returned by ampguard.wrap()")
     if isinstance(model, Fault):

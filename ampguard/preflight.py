@@ -1,0 +1,296 @@
+"""Preflight: try the run on one device, small, before going wide.
+
+:func:`preflight` builds a fresh model, optimizer and batches from your factories for each
+candidate precision, trains a few steps with the guard on, and recommends a precision, an
+initial loss scale (the largest power of two below every scale that overflowed in the
+trial, divided by ``2**margin``), a growth interval, and a :class:`~ampguard.GuardConfig` you can pass
+straight to :func:`~ampguard.wrap`. It measures (never estimates) the overflow rate, the
+gradient-norm range and, on CUDA, the peak memory against an fp32 trial. Your own model and
+optimizer are never touched: everything is built fresh by the factories.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import GuardConfig
+from .errors import AmpGuardError
+from .hardware import UnsupportedPrecisionError, check_precision
+
+__all__ = ["Recommendation", "Trial", "preflight", "preflight_main"]
+
+_PROBE_SCALE = 2.0**24  # start high: the backoffs in the first steps find the usable scale
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """What one precision did in the preflight run."""
+
+    precision: str
+    steps: int
+    skipped: int
+    overflow_steps: int
+    """Steps whose gradients overflowed (fp16) or were non-finite, after the scale settled."""
+    settle_steps: int
+    """Leading steps spent backing the probe scale off (fp16) before the first clean step."""
+    overflow_rate: float
+    """``overflow_steps / (steps - settle_steps)``."""
+    largest_clean_scale: float | None
+    """fp16: the largest power of two below every scale that overflowed during the trial."""
+    grad_norm_min: float
+    grad_norm_max: float
+    loss_first: float
+    loss_last: float
+    peak_memory_bytes: int | None
+    """``torch.cuda.max_memory_allocated`` over the trial; None off CUDA (nothing rather than a wrong number)."""
+    error: str | None = None
+    """Why the trial could not run (e.g. the device cannot run this precision)."""
+    first_anomaly: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+    """The preflight's advice. ``opt = ampguard.wrap(optimizer, model=model, **rec.wrap_kwargs())``."""
+
+    precision: str
+    init_scale: float | None
+    growth_interval: int | None
+    config: GuardConfig
+    trials: tuple[Trial, ...]
+    fp32_peak_memory_bytes: int | None
+    reason: str
+
+    def scaler_kwargs(self) -> dict[str, Any]:
+        """Arguments for ``torch.amp.GradScaler(device, **kwargs)`` ({} without loss scaling)."""
+        if self.init_scale is None:
+            return {}
+        return {"init_scale": self.init_scale, "growth_interval": self.growth_interval}
+
+    def wrap_kwargs(self, device: str | torch.device = "cuda") -> dict[str, Any]:
+        """``precision``, ``config`` and (fp16) a ``scaler`` built from :meth:`scaler_kwargs`."""
+        kw: dict[str, Any] = {"precision": self.precision, "config": self.config}
+        if self.precision == "fp16":
+            kw["scaler"] = torch.amp.GradScaler(torch.device(device).type, **self.scaler_kwargs())
+        return kw
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["config"] = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+        return d
+
+    def __str__(self) -> str:
+        lines = [f"preflight recommendation: precision={self.precision}"
+                 + (f", init_scale={self.init_scale:g}, growth_interval={self.growth_interval}"
+                    if self.init_scale is not None else ""),
+                 f"  why: {self.reason}"]
+        for t in self.trials:
+            if t.error:
+                lines.append(f"  {t.precision:>4}: not run: {t.error}")
+                continue
+            mem = f", peak memory {t.peak_memory_bytes / 2**20:.1f} MiB" if t.peak_memory_bytes is not None else ""
+            if t.peak_memory_bytes is not None and self.fp32_peak_memory_bytes:
+                mem += f" ({t.peak_memory_bytes / self.fp32_peak_memory_bytes:.2f}x fp32)"
+            scale = f", largest clean scale {t.largest_clean_scale:g}" if t.largest_clean_scale else ""
+            lines.append(
+                f"  {t.precision:>4}: {t.steps} steps, {t.skipped} skipped ({t.settle_steps} settling the scale), "
+                f"overflow rate {t.overflow_rate:.3f}{scale}, grad norm {t.grad_norm_min:.3g}..{t.grad_norm_max:.3g}, "
+                f"loss {t.loss_first:.4g} -> {t.loss_last:.4g}{mem}"
+                + (f"; first anomaly: {t.first_anomaly}" if t.first_anomaly else "")
+            )
+        return "\n".join(lines)
+
+
+def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], Any],
+           optimizer_fn: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer], loss_fn: Callable[..., Any],
+           precision: str, steps: int, device: torch.device, growth_interval: int) -> Trial:
+    from .guard import wrap
+
+    try:
+        check_precision(precision, device)
+    except UnsupportedPrecisionError as exc:
+        return Trial(precision, 0, 0, 0, 0, math.nan, None, math.nan, math.nan, math.nan, math.nan, None, str(exc))
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    model = model_fn().to(device)
+    inner = optimizer_fn(model.parameters())
+    scaler = None
+    if precision == "fp16":
+        scaler = torch.amp.GradScaler(device.type, init_scale=_PROBE_SCALE, growth_interval=growth_interval)
+    opt = wrap(inner, model=model, precision=precision, scaler=scaler,
+               config=GuardConfig(min_scale=2.0**-14, forensics=False, history_size=max(steps, 1)))
+    for i in range(steps):
+        batch = batch_fn(i)
+        with opt.autocast():
+            loss = loss_fn(model, batch)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    opt.flush()
+    peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
+    reports = list(opt.history)
+    opt.close()
+    settle = 0
+    if precision == "fp16":
+        for r in reports:
+            if not r.skipped:
+                break
+            settle += 1
+    after = reports[settle:]
+    bad = sum(r.nonfinite for r in after)
+    clean = [r for r in reports if not r.skipped]
+    norms = [r.grad_norm for r in clean if math.isfinite(r.grad_norm)]
+    losses = [r.loss for r in clean if math.isfinite(r.loss)]
+    anomalies = [a for a in opt.anomalies if a.step >= settle]
+    return Trial(
+        precision=precision,
+        steps=len(reports),
+        skipped=sum(r.skipped for r in reports),
+        overflow_steps=bad,
+        settle_steps=settle,
+        overflow_rate=bad / max(len(after), 1),
+        largest_clean_scale=_largest_clean(reports) if precision == "fp16" else None,
+        grad_norm_min=min(norms, default=math.nan),
+        grad_norm_max=max(norms, default=math.nan),
+        loss_first=losses[0] if losses else math.nan,
+        loss_last=losses[-1] if losses else math.nan,
+        peak_memory_bytes=peak,
+        first_anomaly=f"step {anomalies[0].step}: {anomalies[0].detail}" if anomalies else None,
+    )
+
+
+def _largest_clean(reports: Sequence[Any]) -> float:
+    """The largest power of two below every scale at which the gradients overflowed."""
+    overflowed = [r.loss_scale for r in reports if r.nonfinite_grads > 0]
+    if not overflowed:
+        return max(r.loss_scale for r in reports)
+    return float(2.0 ** (math.ceil(math.log2(min(overflowed))) - 1))
+
+
+def _default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    out = model(x)
+    if y.dtype in (torch.long, torch.int64, torch.int32):
+        return torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
+    return torch.nn.functional.mse_loss(out.float(), y.float())
+
+
+def preflight(
+    model_fn: Callable[[], torch.nn.Module],
+    batch_fn: Callable[[int], Any],
+    optimizer_fn: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer],
+    *,
+    steps: int = 50,
+    precision: Sequence[str] | str = ("fp16", "bf16"),
+    device: str | torch.device | None = None,
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+    margin: int = 1,
+    growth_interval: int = 2000,
+) -> Recommendation:
+    """Try each candidate precision on one device for ``steps`` steps and recommend one.
+
+    - ``model_fn()`` -> a fresh model; ``batch_fn(i)`` -> batch ``i`` (already on ``device``, or
+      moved by your loss); ``optimizer_fn(params)`` -> a fresh optimizer.
+    - ``loss_fn(model, batch)`` -> scalar loss; default: ``batch = (x, y)``, cross-entropy for
+      integer targets, MSE otherwise.
+    - ``margin``: the recommended ``init_scale`` is the largest clean power of two / ``2**margin``.
+
+    Runs on one device (default: CUDA if available, else CPU); synchronises freely: it is a
+    trial, not a training run. Also runs an fp32 trial on CUDA to measure the memory saved.
+    """
+    if isinstance(precision, str):
+        precision = (precision,)
+    bad = [p for p in precision if p not in ("fp16", "bf16", "fp32")]
+    if bad or not precision:
+        raise ValueError(f"preflight precision={tuple(precision)!r}; allowed: a sequence of 'fp16', 'bf16', 'fp32'")
+    if not (isinstance(steps, int) and steps >= 5):
+        raise ValueError(f"preflight steps={steps!r}; allowed: an int >= 5")
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    loss_fn = loss_fn or _default_loss
+    trials = [_trial(model_fn, batch_fn, optimizer_fn, loss_fn, p, steps, dev, growth_interval) for p in precision]
+    fp32_peak = None
+    if dev.type == "cuda":
+        fp32 = next((t for t in trials if t.precision == "fp32"), None) or _trial(
+            model_fn, batch_fn, optimizer_fn, loss_fn, "fp32", min(steps, 5), dev, growth_interval)
+        fp32_peak = fp32.peak_memory_bytes
+
+    usable = [t for t in trials if t.error is None and t.steps and t.overflow_rate < 0.05
+              and math.isfinite(t.loss_last)]
+    order = {"bf16": 0, "fp16": 1, "fp32": 2}  # bf16 needs no scaler; fp16 next; fp32 last
+    if not usable:
+        ran = [t for t in trials if t.error is None]
+        if not ran:
+            raise AmpGuardError("preflight could not run any candidate precision: "
+                                + "; ".join(f"{t.precision}: {t.error}" for t in trials))
+        choice = min(ran, key=lambda t: (t.overflow_rate, order[t.precision]))
+        reason = (f"no candidate stayed below a 5% non-finite rate; {choice.precision} did best "
+                  f"({choice.overflow_rate:.1%}): fix the model or data before a long run")
+    else:
+        choice = min(usable, key=lambda t: order[t.precision])
+        reason = f"{choice.precision} trained {choice.steps} steps with {choice.overflow_rate:.1%} non-finite steps"
+        if choice.precision == "bf16":
+            reason += " and needs no loss scaling"
+    init_scale = interval = None
+    if choice.precision == "fp16":
+        largest = choice.largest_clean_scale or 1.0
+        init_scale = float(2.0 ** max(0, math.floor(math.log2(largest)) - margin))
+        interval = growth_interval
+        reason += f"; init_scale {init_scale:g} = largest clean scale {largest:g} / 2**{margin}"
+    config = GuardConfig(hysteresis=2 if choice.precision == "fp16" else 1)
+    return Recommendation(choice.precision, init_scale, interval, config, tuple(trials), fp32_peak, reason)
+
+
+def _load(spec: str) -> Callable[[], dict[str, Any]]:
+    path, _, name = spec.partition(":")
+    if not name:
+        raise ValueError(f"--script {spec!r}: expected FILE.py:FUNCTION")
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--script: no such file {path!r}")
+    module_spec = importlib.util.spec_from_file_location(file.stem, file)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.path.insert(0, str(file.parent.resolve()))
+    module_spec.loader.exec_module(module)
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"--script: {path} has no function {name!r}")
+    return fn  # type: ignore[no-any-return]
+
+
+def preflight_main(argv: list[str]) -> int:
+    """``ampguard preflight --script train.py:make_preflight [--steps N] [--precision fp16,bf16]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="ampguard preflight",
+        description="Try a short run on one device for each precision and recommend precision, initial loss "
+        "scale and config. FUNCTION() returns a dict with model_fn, batch_fn, optimizer_fn (and optionally "
+        "loss_fn) as taken by ampguard.preflight().",
+    )
+    p.add_argument("--script", required=True, help="FILE.py:FUNCTION")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--precision", default="fp16,bf16", help="comma-separated candidates (default: fp16,bf16)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", action="store_true", help="print the recommendation as JSON")
+    args = p.parse_args(argv)
+    try:
+        factories = _load(args.script)()
+        rec = preflight(factories["model_fn"], factories["batch_fn"], factories["optimizer_fn"],
+                        loss_fn=factories.get("loss_fn"), steps=args.steps,
+                        precision=tuple(s.strip() for s in args.precision.split(",") if s.strip()), device=args.device)
+    except (ValueError, KeyError, AmpGuardError) as exc:
+        print(f"ampguard preflight: error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(rec.to_dict(), indent=2, default=str) if args.json else rec)
+    return 0
