@@ -32,6 +32,10 @@ from .base import GatherHandle, LocalBackend
 __all__ = ["FlaggingCommHook", "TorchDistBackend", "compose_comm_hook"]
 
 
+# torch >= 2.10 names it all_gather_single (all_gather_into_tensor warns there); older: the latter.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class _WorkHandle:
     """An all-gather in flight on a torch.distributed ``Work``."""
 
@@ -149,7 +153,7 @@ class TorchDistBackend(LocalBackend):
         collective: every rank must call it."""
         vec = vec.contiguous()
         out = vec.new_empty(self.world_size * vec.numel())  # flat: gloo insists, NCCL accepts
-        work = dist.all_gather_into_tensor(out, vec, group=self.group, async_op=True)
+        work = _all_gather_single(out, vec, group=self.group, async_op=True)
         return _WorkHandle(work, out.view(self.world_size, vec.numel()))
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
