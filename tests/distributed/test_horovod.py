@@ -6,6 +6,8 @@ All scenarios run inside one launch (a launch costs seconds)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -131,3 +133,25 @@ def test_horovod_one_decision_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> 
         assert r["escalate"]["skipped"] == [2, 3, 4]
         assert r["adasum"] is not None and "Adasum" in r["adasum"]
         assert r["broadcast"] == (1024.0, 7, 2)
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_import_ampguard_does_not_import_horovod() -> None:
+    proc = _python("import sys, ampguard, ampguard.backends; assert 'horovod' not in sys.modules, 'imported'")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_missing_horovod_names_the_extra() -> None:
+    # a Python where horovod cannot be imported (sys.modules entry None makes the import fail)
+    proc = _python(
+        "import sys; sys.modules['horovod'] = None; sys.modules['horovod.torch'] = None\n"
+        "from ampguard.backends.horovod import HorovodBackend\n"
+        "import ampguard\n"
+        "try:\n    HorovodBackend()\nexcept ampguard.BackendUnavailableError as e:\n    print('ERR', e)\n"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "ERR" in proc.stdout and "ampguard[horovod]" in proc.stdout

@@ -84,6 +84,14 @@ def _run_ddp(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
     with faults.inject(opt, model, faults.loss("nan", steps=range(2, 100), ranks=[0])):
         out["escalate"] = train(opt, model, rank, STEPS)
     opt.close()
+
+    # 5. an explicit process group, passed as collective= (wrap() accepts a backend instance)
+    group = dist.new_group([0, 1])
+    model = DDP(tiny_model(), process_group=group)
+    opt = ampguard.wrap(_adamw(model, fused), model=model, precision="bf16", collective=TorchDistBackend(group=group))
+    with faults.inject(opt, model, faults.loss("nan", steps=[1], ranks=[0])):
+        out["group"] = train(opt, model, rank, 3)
+    opt.close()
     return out
 
 
@@ -116,6 +124,8 @@ def test_ddp_one_decision_on_every_rank(fused: bool) -> None:
         assert r["escalate"]["error"] == ("NonFiniteError", 4)
         assert r["escalate"]["skipped"] == [2, 3, 4]
         assert r["escalate"]["nonfinite_ranks"][2] == (0,)
+
+    assert_same_everywhere([r["group"] for r in res], skipped=[1], origin=0)
 
 
 # ---------------------------------------------------------------------------------- FSDP2
