@@ -528,8 +528,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """Step the inner optimizer unless ``skip`` (device 0/1 float). Returns whether it synced."""
         inner = self.optimizer
         if self.scaler is not None:
-            for t in found_inf_per_device.values():
+            for dev, t in found_inf_per_device.items():
                 t.copy_(skip)  # GradScaler skips exactly when the guard decided to
+                # ShardedGradScaler's found_inf has shape [1]; fused optimizers' kernels need 0-d
+                found_inf_per_device[dev] = t.reshape(())
             with self.backend.step_context(inner):
                 self.scaler.step(inner)  # non-fused: GradScaler's own found_inf.item() (a sync)
             return not self._fused
