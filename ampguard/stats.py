@@ -141,7 +141,7 @@ def local_vector(
             loss_bad,
             total.float(),
             nonfinite,
-            zero if found_inf is None else found_inf.float().to(device),
+            zero if found_inf is None else found_inf.float().to(device).reshape(()),  # ShardedGradScaler: [1]
             zero if pre_reduction is None else pre_reduction.float().to(device),
             torch.ones((), dtype=torch.float32, device=device) if scale is None else scale.float(),
         ]

@@ -106,6 +106,21 @@ def _is_ddp(model: Any) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
+def _is_sharded_fsdp1(model: Any) -> bool:
+    """FSDP1 (FullyShardedDataParallel) with a sharding strategy: each rank holds a shard of the
+    flat gradients (use ShardedGradScaler with it)."""
+    if model is None:
+        return False
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    except ImportError:  # pragma: no cover
+        return False
+    for m in model.modules():
+        if isinstance(m, FullyShardedDataParallel):
+            return getattr(m, "sharding_strategy", None) != ShardingStrategy.NO_SHARD
+    return False
+
+
 def _is_dtensor(t: Any) -> bool:
     try:
         from torch.distributed.tensor import DTensor
@@ -167,7 +182,7 @@ class TorchDistBackend(LocalBackend):
     def attach(self, guard: Any) -> None:
         """Detect sharded gradients (FSDP2) and install the pre-reduction check."""
         params = [p for group in guard.optimizer.param_groups for p in group["params"]]
-        self.grads_sharded = any(_is_dtensor(p) for p in params)
+        self.grads_sharded = any(_is_dtensor(p) for p in params) or _is_sharded_fsdp1(guard.model)
         device = guard.device
         self._flag = torch.zeros((), dtype=torch.float32, device=device)
         if not self._want_pre_reduction:

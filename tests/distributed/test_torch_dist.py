@@ -198,3 +198,34 @@ def test_fsdp2_one_decision_on_every_rank(fused: bool) -> None:
     for r in res:
         assert r["norm"] == pytest.approx(ref, rel=2e-2)  # bf16 autocast vs fp32 reference
         assert r["escalate"]["error"] == ("NonFiniteError", 2)
+
+
+# ---------------------------------------------------------------------------------- FSDP1
+def _run_fsdp1(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    model = FSDP(tiny_model(), device_id=torch.device("cpu"))
+    opt = ampguard.wrap(_adamw(model, fused), model=model, precision="fp16",
+                        scaler=ShardedGradScaler(device="cpu"))
+    assert opt.backend.grads_sharded
+
+    def after_reduction(step: int) -> None:
+        if step == 4 and rank == 1:
+            next(iter(model.parameters())).grad.view(-1)[0] = float("nan")  # rank 1's shard only
+
+    with faults.inject(opt, model, faults.loss("nan", steps=[2], ranks=[1])):
+        out = train(opt, model, rank, 6, before_step=after_reduction)
+    with FSDP.summon_full_params(model):  # collective: the unsharded parameters, for comparison
+        out["params"] = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    opt.close()
+    return out
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
+def test_fsdp1_sharded_grad_scaler(fused: bool) -> None:
+    # FSDP1 + ShardedGradScaler; pre-reduction attribution is
+    # not observed there (no hook sees FSDP1's unsharded flat gradient), so the loss and the local
+    # after-reduction corruption are the faults
+    res = spawn(_run_fsdp1, fused=fused)
+    assert_same_everywhere(res, skipped=[2, 4], origin=1)
