@@ -135,16 +135,16 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, run_dir: str, in
         config = ampguard.GuardConfig(hysteresis=2, loss_spike_factor=1.3, grad_spike_factor=20.0, spike_warmup=10,
                                       max_consecutive_skips=25, consistency_every=20, forensics_window=200)
         inner = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
-        scaler = torch.amp.GradScaler(device.type, init_scale=2.0**12) if args.precision == "fp16" else None
+        scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
         opt = ampguard.wrap(inner, model=ddp, precision=args.precision, scaler=scaler, config=config,
                             exporters=exporters)
         plan = fault_plan(args.steps)
         if not args.no_faults:
             o = plan["overflow"]
             faults.inject(opt,
-                          # a huge but finite activation: fp16 overflows in backward, at every scale
-                          # the burst sees until hysteresis and backoff have brought it down
-                          faults.output("blocks.0.mlp.1", 3.0e4, steps=range(o, o + 3)),
+                          # a huge but finite activation before the output layer: the scaled gradient of
+                          # the head overflows fp16 in backward (hysteresis 2: the 2nd one backs off)
+                          faults.output("ln", 6.0e4, steps=range(o, o + 3)),
                           faults.grad("blocks.1.mlp.0.weight", "nan", steps=[plan["one_rank_nan"]], ranks=[1]),
                           faults.output("blocks.1", "nan", steps=[plan["transient"]], ranks=[0], transient=True))
         g = torch.Generator().manual_seed(1000 + rank)

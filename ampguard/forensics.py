@@ -47,6 +47,8 @@ class Finding:
     input_max_abs: float
     """max |x| of the culprit's (finite) input, or NaN where unknown."""
     detail: str
+    rank: int | None = None
+    """The rank whose view this is (in a distributed run, the first rank where it originated)."""
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -172,8 +174,30 @@ class Localizer:
                 finding = Finding(name, "backward", cause, dtype, float("nan"),
                                   f"the gradient leaving {name or 'the model'} in backward became non-finite"
                                   f" ({dtype}) while the gradient arriving at its output was finite")
+        if finding is None:
+            finding = self._param_finding(fp16_scaling)
         self.reset()
         return finding
+
+    def _param_finding(self, fp16_scaling: bool) -> Finding | None:
+        """No module output or input-gradient was non-finite, yet a parameter gradient is (a hook,
+        a custom autograd function, corruption between backward and step): name the module that
+        owns the first such parameter in backward order (the reverse of the module order)."""
+        for name, module in reversed(self.modules):
+            for pname, p in module.named_parameters(recurse=False):
+                g = p.grad
+                if g is None:
+                    continue
+                g = g.to_local() if callable(getattr(g, "to_local", None)) else g
+                if bool(torch.isfinite(g).all()):
+                    continue
+                has_nan = bool(torch.isnan(g).any())
+                cause = "overflow" if fp16_scaling and not has_nan else "nan"
+                full = f"{name}.{pname}" if name else pname
+                return Finding(name, "backward", cause, str(g.dtype), float("nan"),
+                               f"the gradient of {full} is non-finite ({'NaN' if has_nan else 'inf'}) while every "
+                               "module's output and input gradients were finite")
+        return None
 
     def _depth(self, idx: int) -> int:
         name = self.modules[idx][0]

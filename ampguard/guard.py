@@ -332,7 +332,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 torch._foreach_mul_(grads, coef.to(grads[0].device))
 
         if self._localizer is not None and self._localizer.armed:  # armed only after an anomaly
-            self._collect_finding(decision)
+            self._collect_finding(decision, gathered)
         synced = self._inner_step(skip, found_inf_per_device)
         if self.scaler is not None:
             self.scaler.update(new_scale=decision[Dec.NEXT_SCALE])
@@ -340,7 +340,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         # SYNC (closure steps only): was this step non-finite? Then replay it, hooks armed.
         if (closure is not None and self.model is not None and self.config.forensics
                 and bool(decision[Dec.LOSS_NONFINITE] + decision[Dec.GRAD_NONFINITE] > 0)):
-            self._replay(closure, decision)
+            self._replay(closure, decision, gathered)
         if self._batch_ids:
             self._step_batch_ids[self._step] = self._batch_ids
             self._batch_ids = []
@@ -616,8 +616,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
         finding = self._findings.pop(report.step, None)
         if finding is not None and anomalies and anomalies[0].kind in ("nonfinite_loss", "nonfinite_grad", "overflow"):
             first = anomalies[0]
+            kind = first.kind
+            if kind == "overflow" and finding.cause != "overflow":
+                kind = "nonfinite_grad"  # fp16, but forensics found a NaN the scale did not cause
             anomalies[0] = dataclasses.replace(
-                first, module=finding.module, phase=finding.phase, cause=finding.cause,
+                first, kind=kind, module=finding.module, phase=finding.phase, cause=finding.cause,
                 detail=f"{first.detail}. Forensics: {finding.detail}",
             )
         ids = self._step_batch_ids.pop(report.step, None)
@@ -641,16 +644,39 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 self._escalation = NonFiniteError(diagnosis, report)
         return anomalies
 
-    def _collect_finding(self, decision: torch.Tensor) -> None:
+    def _collect_finding(self, decision: torch.Tensor, gathered: torch.Tensor) -> None:
         """Armed steps only: read the hooks' flags (one host sync) and keep what they name."""
         assert self._localizer is not None  # internal
         loss_finite = not bool(decision[Dec.LOSS_NONFINITE] > 0)  # SYNC (armed steps only)
         grad_bad = bool(decision[Dec.GRAD_NONFINITE] > 0)
-        finding = self._localizer.collect(loss_finite=loss_finite, fp16_scaling=self.scaler is not None)
-        if finding is not None and (grad_bad or not loss_finite):
-            self._findings[self._step] = finding
+        local_loss_finite = not bool(gathered[self.backend.rank, Loc.LOSS_NONFINITE] > 0)
+        finding = self._localizer.collect(loss_finite=local_loss_finite, fp16_scaling=self.scaler is not None)
+        if grad_bad or not loss_finite:  # the same on every rank: the share below is a collective
+            finding = self._share(finding, gathered)
+            if finding is not None:
+                self._findings[self._step] = finding
 
-    def _replay(self, closure: Callable[[], Any], decision: torch.Tensor) -> None:
+    def _share(self, finding: Finding | None, gathered: torch.Tensor) -> Finding | None:
+        """Every rank localises its own; all agree on the view of the first rank where the
+        non-finite values originated. collective (non-finite armed steps only; blocks)."""
+        gather = getattr(self.backend, "all_gather_object", None)
+        if self.backend.world_size == 1 or gather is None:
+            return dataclasses.replace(finding, rank=self.backend.rank) if finding is not None else None
+        views = gather(finding)
+        rows = gathered.float().cpu().tolist()
+        origins = _origin_ranks([list(r) for r in rows])
+        order = [*origins, *(r for r in range(len(views)) if r not in origins)]
+        candidates = [r for r in order if views[r] is not None]
+        candidates.sort(key=lambda r: views[r].phase == "loss")  # a module beats "the loss itself"
+        if not candidates:
+            return None
+        r = candidates[0]
+        view = views[r]
+        prefix = f"rank {r}: "
+        return dataclasses.replace(view, rank=r, detail=view.detail if view.detail.startswith(prefix)
+                                   else prefix + view.detail)
+
+    def _replay(self, closure: Callable[[], Any], decision: torch.Tensor, gathered: torch.Tensor) -> None:
         """Re-run ``closure`` on the same batch at this step's loss scale with hooks armed."""
         assert self.model is not None  # internal: only called with a model
         localizer = self._localizer if self._localizer is not None else Localizer(self.model)
@@ -668,15 +694,25 @@ class GuardedOptimizer(torch.optim.Optimizer):
             grads_finite = all(
                 bool(torch.isfinite(p.grad).all()) for p in _params(self.optimizer) if p.grad is not None
             )
+            first_pass = self._findings.get(self._step)  # what armed hooks saw on the first pass
+            if first_pass is not None and first_pass.rank != self.backend.rank:
+                first_pass = None  # another rank's view; this rank localises its own replay
             if loss_finite and grads_finite:
-                finding = Finding("", "loss", "transient", "", math.nan,
-                                  "a replay of the same batch was clean: suspect hardware or a race")
+                if first_pass is not None:
+                    finding = dataclasses.replace(
+                        first_pass, cause="transient",
+                        detail=f"{first_pass.detail}; a replay of the same batch was clean: suspect hardware or a race")
+                else:
+                    finding = Finding("", "loss", "transient", "", math.nan,
+                                      "a replay of the same batch was clean: suspect hardware or a race")
                 localizer.reset()
             else:
                 found = localizer.collect(loss_finite=loss_finite, fp16_scaling=self.scaler is not None)
                 finding = found or Finding("", "backward", "nan", "", math.nan,
                                            "the replay was non-finite again, outside any module hook")
-            self._findings[self._step] = finding
+            shared = self._share(finding, gathered)
+            if shared is not None:
+                self._findings[self._step] = shared
         finally:
             self._replaying = False
             if self.scaler is not None and new_scale is not None:
