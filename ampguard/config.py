@@ -122,6 +122,11 @@ class GuardConfig:
     forensics_window: int = 50
     """Clean steps after which armed forensics hooks are removed again (>= 1)."""
 
+    track_memory: bool = True
+    """On CUDA, report each step's peak allocated/reserved device memory. The guard resets the
+    allocator's peak counters after reading them each step, so ``torch.cuda.max_memory_allocated()``
+    then reads the current step's peak; set False to keep those counters to yourself."""
+
     escalation: Escalation | None = None
     """The rollback/stop ladder (None: skip and back off only). A dict of
     :class:`Escalation` fields is accepted by :meth:`from_dict`."""

@@ -528,6 +528,19 @@ def build_dashboard() -> dict[str, Any]:
             (12, 29, 12, 8),
         ),
         _panel(
+            16, "timeseries", "Device memory peak per rank", "Peak CUDA memory of the last step, allocated and "
+            "reserved by the caching allocator (empty for CPU runs). Half of why one trains in mixed precision.",
+            "bytes",
+            [_target(f"max by (rank, kind) ({_q(M.DEVICE_MEMORY_PEAK)})", "rank {{rank}} {{kind}}")],
+            (0, 37, 12, 8),
+        ),
+        _panel(
+            17, "timeseries", "Transient faults per rank", "Non-finite steps a replay did not reproduce, by the "
+            "rank they started on: repeated ones on one rank point at bad hardware.", "short",
+            [_target(f"sum by (rank) (increase({_q(M.TRANSIENT_FAULTS)}[{rate}]))", "rank {{rank}}")],
+            (12, 37, 12, 8),
+        ),
+        _panel(
             15, "table", "Per-rank summary", "One row per rank: steps, skipped, non-finite origin, loss scale, "
             "consistency failures. The bad rank is the odd one out.", "short",
             [
@@ -537,7 +550,7 @@ def build_dashboard() -> dict[str, Any]:
                 _target(f"max by (rank) ({_q(scale)})", "", "D", instant=True, format="table"),
                 _target(f"sum by (rank) ({_q(M.RANK_DIVERGENCE)})", "", "E", instant=True, format="table"),
             ],
-            (0, 37, 24, 8),
+            (0, 45, 24, 8),
             transformations=[
                 {"id": "merge", "options": {}},
                 {

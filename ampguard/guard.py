@@ -59,10 +59,10 @@ _READY, _UNSCALED = "READY", "UNSCALED"
 
 
 class _Pending:
-    __slots__ = ("buf", "event", "step")
+    __slots__ = ("buf", "event", "memory", "step")
 
-    def __init__(self, step: int, buf: torch.Tensor, event: Any) -> None:
-        self.step, self.buf, self.event = step, buf, event
+    def __init__(self, step: int, buf: torch.Tensor, event: Any, memory: tuple[int, int] | None) -> None:
+        self.step, self.buf, self.event, self.memory = step, buf, event, memory
 
 
 class GuardedOptimizer(torch.optim.Optimizer):
@@ -557,7 +557,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
             event.record()
         else:
             buf, event = payload.to("cpu", copy=True), None
-        self._pending.append(_Pending(self._step, buf, event))
+        memory = None
+        if self.device.type == "cuda" and self.config.track_memory:
+            # Host-side counters of the caching allocator: no device sync.
+            memory = (torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._pending.append(_Pending(self._step, buf, event, memory))
 
     def _materialize(self) -> None:
         """Turn every pending step's values into a StepReport, in step order, and export it."""
@@ -567,6 +572,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 pending.event.synchronize()  # waits for that step's copy only; usually done already
             values = pending.buf.tolist()
             report, anomalies = self._build_report(pending.step, values)
+            if pending.memory is not None:
+                report = dataclasses.replace(
+                    report, memory_allocated_peak=pending.memory[0], memory_reserved_peak=pending.memory[1]
+                )
             if self._divergence is not None and self._divergence.step == pending.step:
                 anomalies.append(self._divergence)
                 self._divergence = None

@@ -21,6 +21,8 @@ from .report import ANOMALY_KINDS, SKIP_REASONS
 __all__ = [
     "ANOMALIES",
     "CATALOGUE",
+    "DEVICE_MEMORY_PEAK",
+    "MEMORY_KINDS",
     "GRAD_NORM",
     "GRAD_NORM_BUCKETS",
     "GRAD_NORM_HISTOGRAM",
@@ -38,6 +40,7 @@ __all__ = [
     "SCALE_GROWTHS",
     "SKIPPED_STEPS",
     "STEPS",
+    "TRANSIENT_FAULTS",
     "Metric",
     "by_name",
 ]
@@ -138,6 +141,22 @@ ANOMALIES = Metric(
     labels=("kind",),
     label_values=(ANOMALY_KINDS,),
 )
+TRANSIENT_FAULTS = Metric(
+    "ampguard_transient_faults_total",
+    "counter",
+    "Non-finite steps that originated on this rank and that a replay of the same batch did not reproduce "
+    "(forensics cause=transient): repeated ones on one rank point at bad hardware.",
+)
+#: Values of the ``kind`` label of :data:`DEVICE_MEMORY_PEAK`.
+MEMORY_KINDS = ("allocated", "reserved")
+DEVICE_MEMORY_PEAK = Metric(
+    "ampguard_device_memory_peak_bytes",
+    "gauge",
+    "Peak device memory of the last step on this rank (CUDA caching allocator; NaN off CUDA).",
+    labels=("kind",),
+    label_values=(MEMORY_KINDS,),
+    unit="bytes",
+)
 RUN_INFO = Metric(
     "ampguard_run_info",
     "info",
@@ -171,6 +190,8 @@ CATALOGUE: tuple[Metric, ...] = (
     SCALE_GROWTHS,
     RANK_DIVERGENCE,
     ANOMALIES,
+    TRANSIENT_FAULTS,
+    DEVICE_MEMORY_PEAK,
     RUN_INFO,
 )
 

@@ -72,6 +72,11 @@ class StepReport:
     where they were requested (``GuardConfig.param_norms_every``) or the gradients were non-finite."""
     wall_time: float = 0.0
     """``time.time()`` when the host materialised this report."""
+    memory_allocated_peak: int | None = None
+    """Peak bytes allocated on this rank's CUDA device during this step (the caching allocator's
+    host-side counter: no sync). None off CUDA: nothing rather than a wrong number."""
+    memory_reserved_peak: int | None = None
+    """Peak bytes the caching allocator reserved on this rank's CUDA device during this step."""
 
     @property
     def nonfinite(self) -> bool:

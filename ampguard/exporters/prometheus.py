@@ -191,6 +191,8 @@ class PrometheusExporter:
         m[M.LOSS.name].labels(**labels).set(float("nan"))
         m[M.GRAD_NORM.name].labels(**labels).set(float("nan"))
         m[M.LOSS_SCALE.name].labels(**labels).set(float("nan"))
+        for kind in M.MEMORY_KINDS:  # NaN until a CUDA step reports it (off CUDA: stays NaN)
+            m[M.DEVICE_MEMORY_PEAK.name].labels(kind=kind, **labels).set(float("nan"))
         if self.serve:
             self.start(info.local_rank)
 
@@ -226,6 +228,12 @@ class PrometheusExporter:
                 m[M.ANOMALIES.name].labels(kind=anomaly.kind, **labels).inc()
             if anomaly.kind == "rank_divergence":
                 m[M.RANK_DIVERGENCE.name].labels(**labels).inc()
+            if anomaly.cause == "transient" and (not anomaly.ranks or report.rank in anomaly.ranks):
+                m[M.TRANSIENT_FAULTS.name].labels(**labels).inc()
+        if report.memory_allocated_peak is not None:
+            m[M.DEVICE_MEMORY_PEAK.name].labels(kind="allocated", **labels).set(report.memory_allocated_peak)
+        if report.memory_reserved_peak is not None:
+            m[M.DEVICE_MEMORY_PEAK.name].labels(kind="reserved", **labels).set(report.memory_reserved_peak)
 
     def close(self) -> None:
         """Stop serving and free the port. The registered metrics stay in ``registry``."""
