@@ -30,7 +30,7 @@ prometheus:
 	bash scripts/install_prometheus.sh
 
 demo: install
-	$(PY) examples/train_single.py
+	$(VENV)/bin/ampguard demo
 
 test: install horovod prometheus
 	$(PY) -m ruff check ampguard tests examples benchmarks

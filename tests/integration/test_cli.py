@@ -1,0 +1,111 @@
+"""The ``ampguard`` command, run for real in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+CLI = [sys.executable, "-m", "ampguard.cli"]
+
+
+def _free_port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+        try:
+            with socket.socket() as b, socket.socket() as c:
+                b.bind(("127.0.0.1", port))
+                c.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+def test_help_and_usage_errors():
+    out = subprocess.run([*CLI, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    for command in ("demo", "report", "dashboards", "preflight"):
+        assert command in out.stdout
+        sub = subprocess.run([*CLI, command, "--help"], capture_output=True, text=True, timeout=120)
+        assert sub.returncode == 0 and "usage: ampguard " + command in sub.stdout
+    assert subprocess.run(CLI, capture_output=True, text=True, timeout=120).returncode == 2
+    bad = subprocess.run([*CLI, "frobnicate"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown command 'frobnicate'" in bad.stderr
+    bad = subprocess.run([*CLI, "demo", "--steps", "3"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--steps must be >= 20" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_dashboards_command_writes_valid_rules(tmp_path):
+    out = subprocess.run([*CLI, "dashboards", "--out", str(tmp_path), "--burst-threshold", "3",
+                          "--job-selector", 'job=~"llm-.*"', "--test-job", "llm-7b"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["ampguard.json", "ampguard.rules.test.yml", "ampguard.rules.yml"]
+    rules = (tmp_path / "ampguard.rules.yml").read_text()
+    assert '> 3' in rules and 'job=~"llm-.*"' in rules
+    json.loads((tmp_path / "ampguard.json").read_text())
+    if shutil.which("promtool"):
+        check = subprocess.run(["promtool", "test", "rules", "ampguard.rules.test.yml"], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=120)
+        assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_demo_end_to_end(tmp_path):
+    port = _free_port_pair()
+    proc = subprocess.Popen([*CLI, "demo", "--steps", "40", "--out", str(tmp_path), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    scraped = ""
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/metrics", timeout=2) as r:
+                    body = r.read().decode()
+                if 'ampguard_steps_total{local_rank="1",rank="1"}' in body and "} 0.0" not in body.split(
+                        'ampguard_steps_total{local_rank="1",rank="1"}')[1][:8]:
+                    scraped = body
+                    break
+            except OSError:
+                pass
+            time.sleep(0.3)
+        output, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output
+    assert scraped, "rank 1's Prometheus endpoint never served a step while the demo ran"
+    assert "ampguard_loss_scale" in scraped
+
+    (run_dir,) = [p for p in Path(tmp_path).iterdir() if p.is_dir()]
+    picture = run_dir / "report.png"
+    assert picture.exists() and picture.stat().st_size > 50_000
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # The summary's numbers against the event logs themselves.
+    skipped_steps = set()
+    anomaly_kinds = set()
+    for log in sorted(run_dir.glob("events-rank*.jsonl")):
+        for line in log.read_text().splitlines():
+            rec = json.loads(line)
+            if rec["event"] == "skipped":
+                skipped_steps.add(rec["step"])
+            if rec["event"] == "anomaly":
+                anomaly_kinds.add(rec["kind"])
+    assert summary["skipped"] == len(skipped_steps) >= 5  # 3-step overflow burst, one-rank NaN, transient
+    assert {"overflow", "nonfinite_grad", "loss_spike", "nonfinite_loss"} <= anomaly_kinds
+    assert (run_dir / "tensorboard").is_dir()
+    assert "report picture:" in output and "Prometheus, rank 1" in output
+    located = [a for a in summary["anomalies"] if a.get("module")]
+    assert any(a["cause"] == "transient" for a in located), summary["anomalies"]
