@@ -212,7 +212,7 @@ class TorchDistBackend(LocalBackend):
         def hook(g: torch.Tensor) -> None:
             _nonfinite_into(flag, g.to_local() if _is_dtensor(g) else g)  # type: ignore[attr-defined]
 
-        if self.grads_sharded and model is not None:
+        if model is not None and any(_is_dtensor(p) for p in params):
             # FSDP2: the sharded DTensor parameters get their gradients from the reduce-scatter,
             # not from autograd. The unsharded parameters that forward uses are in the graph: a
             # hook on them sees this rank's own gradient before the reduce-scatter. They exist

@@ -205,10 +205,14 @@ def _run_fsdp1(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    model = FSDP(tiny_model(), device_id=torch.device("cpu"))
+    net = tiny_model()
+    net.insert(1, GradPoison())  # an inf in rank 1's own gradients at step 3, before the reduce-scatter
+    net[1].my_rank, net[1].rank, net[1].steps = rank, 1, {3}
+    model = FSDP(net, device_id=torch.device("cpu"))
     opt = ampguard.wrap(_adamw(model, fused), model=model, precision="fp16",
                         scaler=ShardedGradScaler(device="cpu"))
     assert opt.backend.grads_sharded
+    net[1].opt = opt
 
     def after_reduction(step: int) -> None:
         if step == 4 and rank == 1:
@@ -224,8 +228,6 @@ def _run_fsdp1(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
 
 @pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw-fused"])
 def test_fsdp1_sharded_grad_scaler(fused: bool) -> None:
-    # FSDP1 + ShardedGradScaler; pre-reduction attribution is
-    # not observed there (no hook sees FSDP1's unsharded flat gradient), so the loss and the local
-    # after-reduction corruption are the faults
+    # FSDP1 + ShardedGradScaler: loss (2), before (3) and after (4) reduction, all on rank 1
     res = spawn(_run_fsdp1, fused=fused)
-    assert_same_everywhere(res, skipped=[2, 4], origin=1)
+    assert_same_everywhere(res, skipped=[2, 3, 4], origin=1)
