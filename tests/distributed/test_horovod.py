@@ -41,7 +41,8 @@ def _body() -> dict[str, Any]:
     # 1. faults on rank 1 only (loss @2, gradient before @4 / after @6 reduction), fp16, fused and not
     for fused in (False, True):
         model = tiny_model()
-        opt = ampguard.wrap(dist_opt(model, fused), model=model, precision="fp16")
+        opt = ampguard.wrap(dist_opt(model, fused), model=model, precision="fp16",
+                            config={"consistency_every": 1})
         out["backend"] = opt.backend.name
         with faults.inject(opt, model, *standard_faults("0.weight")):
             out[f"faults_{fused}"] = train(opt, model, rank, 8)
@@ -119,6 +120,7 @@ def test_horovod_one_decision_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> 
     for fused in (False, True):
         runs = [r[f"faults_{fused}"] for r in res]
         assert_same_everywhere(runs, skipped=[2, 4, 6], origin=1)
+        assert not [a for r in runs for a in r["anomalies"] if a[1] == "rank_divergence"]
         assert runs[0]["reasons"] == {2: "nonfinite_loss", 4: "nonfinite_grad", 6: "nonfinite_grad"}
         assert runs[0]["scale"] < 65536.0
 
