@@ -72,8 +72,9 @@ class _FlaggingCompression:
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         compressed, ctx = self.inner.compress(tensor)
         if compressed.is_floating_point():
-            bad = torch.logical_not(torch.isfinite(compressed).all())
-            torch.maximum(self.flag, bad.to(self.flag.device, self.flag.dtype, non_blocking=True), out=self.flag)
+            from .torch_dist import _nonfinite_into  # a float32 sum: NaN/inf propagate, one read
+
+            _nonfinite_into(self.flag, compressed)
         return compressed, ctx
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:

@@ -52,8 +52,13 @@ class _WorkHandle:
 
 
 def _nonfinite_into(flag: torch.Tensor, t: torch.Tensor) -> None:
-    """flag = max(flag, any non-finite in t), on device, without reading anything back."""
-    bad = torch.logical_not(torch.isfinite(t).all()).to(device=flag.device, dtype=flag.dtype, non_blocking=True)
+    """flag = max(flag, any non-finite in t), on device, without reading anything back.
+
+    A float32 sum propagates NaN/inf and is one streaming read with no temporary (about 30x
+    cheaper on CPU than ``isfinite(t).all()``, which materialises a mask); finite values whose
+    sum exceeds float32's range (~3e38) would also flag, a case the norms flag anyway."""
+    total = torch.sum(t, dtype=torch.float32) if t.is_floating_point() else torch.zeros((), device=t.device)
+    bad = torch.logical_not(torch.isfinite(total)).to(device=flag.device, dtype=flag.dtype, non_blocking=True)
     torch.maximum(flag, bad, out=flag)
 
 
@@ -62,7 +67,7 @@ class FlaggingCommHook:
     the reduction, then delegates to ``user_hook`` (or to DDP's default all-reduce).
 
     Build it with :func:`compose_comm_hook`; the guard finds it on the DDP model and reads
-    :attr:`flag`. Costs one ``isfinite().all()`` per bucket; no host sync.
+    :attr:`flag`. Costs one float32 sum per bucket (a read of it); no host sync.
     """
 
     def __init__(self, user_hook: Callable[[Any, Any], Any] | None = None) -> None:
@@ -200,7 +205,7 @@ class TorchDistBackend(LocalBackend):
             warnings.warn(
                 "the DDP model already has a communication hook that was not built with "
                 "ampguard.backends.torch_dist.compose_comm_hook(); pre-reduction attribution falls back to "
-                "per-parameter tensor hooks (one extra isfinite pass per backward).",
+                "per-parameter tensor hooks (one extra read of the gradients per backward).",
                 stacklevel=3,
             )
         self._install_tensor_hooks(model, params)
