@@ -326,13 +326,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
             grads_sharded=self.backend.grads_sharded,
         )
         skip = decision[Dec.SKIP]
+        if self._localizer is not None and self._localizer.armed:  # armed only after an anomaly
+            self._collect_finding(decision, gathered)  # before clipping multiplies an inf by 0
         if self.config.clip_grad_norm is not None:
             coef = decision[Dec.CLIP_COEF]
             for grads in groups.values():
                 torch._foreach_mul_(grads, coef.to(grads[0].device))
-
-        if self._localizer is not None and self._localizer.armed:  # armed only after an anomaly
-            self._collect_finding(decision, gathered)
         synced = self._inner_step(skip, found_inf_per_device)
         if self.scaler is not None:
             self.scaler.update(new_scale=decision[Dec.NEXT_SCALE])

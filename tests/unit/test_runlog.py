@@ -106,6 +106,8 @@ def test_summary_numbers_match_the_guard(good):
     assert r0["closed"] and r0["steps"] == STEPS and r0["skipped"] == 4
     localised = [a for a in s["anomalies"] if a["module"]]
     assert [(a["step"], a["kind"], a["module"], a["phase"], a["cause"]) for a in localised] == [
+        (8, "overflow", "2", "backward", "overflow"),  # an inf in 2.weight's gradient: owner module named
+        (9, "overflow", "2", "backward", "overflow"),
         (14, "nonfinite_loss", "0", "forward", "transient")]
     assert s["anomalies_by_kind"] == dict(Counter(a.kind for a in opt.anomalies))
     json.dumps(s, allow_nan=False)  # strict JSON
