@@ -214,8 +214,13 @@ class TorchDistBackend(LocalBackend):
         flag = self._flag
         assert flag is not None  # internal: set in attach
 
-        def hook(g: torch.Tensor) -> None:
-            _nonfinite_into(flag, g.to_local() if _is_dtensor(g) else g)  # type: ignore[attr-defined]
+        # Post-accumulate-grad hooks: they run after every tensor hook on the parameter (so they see
+        # what those hooks made of the gradient) and before the AccumulateGrad node's post hooks,
+        # where DDP and FSDP1 start the reduction.
+        def hook(p: torch.Tensor) -> None:
+            g = p.grad
+            if g is not None:
+                _nonfinite_into(flag, g.to_local() if _is_dtensor(g) else g)  # type: ignore[attr-defined]
 
         if model is not None and any(_is_dtensor(p) for p in params):
             # FSDP2: the sharded DTensor parameters get their gradients from the reduce-scatter,
@@ -230,7 +235,7 @@ class TorchDistBackend(LocalBackend):
                     unsharded = getattr(fp, "_unsharded_param", None)
                     if unsharded is not None and id(unsharded) not in hooked and unsharded.requires_grad:
                         hooked.add(id(unsharded))
-                        self._handles.append(unsharded.register_hook(hook))
+                        self._handles.append(unsharded.register_post_accumulate_grad_hook(hook))
 
             for module in model.modules():
                 if hasattr(module, "_get_fsdp_state"):
@@ -238,7 +243,7 @@ class TorchDistBackend(LocalBackend):
             return
         for p in params:
             if p.requires_grad:
-                self._handles.append(p.register_hook(hook))
+                self._handles.append(p.register_post_accumulate_grad_hook(hook))
 
     def pre_reduction_flags(self) -> torch.Tensor | None:
         if self._comm_hook is not None:

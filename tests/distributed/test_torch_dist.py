@@ -92,6 +92,17 @@ def _run_ddp(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
     with faults.inject(opt, model, faults.loss("nan", steps=[1], ranks=[0])):
         out["group"] = train(opt, model, rank, 3)
     opt.close()
+
+    # 6. a user comm hook that was not composed: a warning, and attribution through tensor hooks
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    model = DDP(tiny_model())
+    model.register_comm_hook(None, allreduce_hook)
+    with pytest.warns(UserWarning, match="compose_comm_hook"):
+        opt = ampguard.wrap(_adamw(model, fused), model=model, precision="bf16")
+    with faults.inject(opt, model, faults.grad("4.weight", "nan", steps=[1], ranks=[1])):
+        out["raw_hook"] = train(opt, model, rank, 3)
+    opt.close()
     return out
 
 
@@ -127,6 +138,7 @@ def test_ddp_one_decision_on_every_rank(fused: bool) -> None:
         assert r["escalate"]["nonfinite_ranks"][2] == (0,)
 
     assert_same_everywhere([r["group"] for r in res], skipped=[1], origin=0)
+    assert_same_everywhere([r["raw_hook"] for r in res], skipped=[1], origin=1)
 
 
 # ---------------------------------------------------------------------------------- FSDP2
