@@ -137,7 +137,13 @@ def _is_dtensor(t: Any) -> bool:
 class TorchDistBackend(LocalBackend):
     """The guard's collective over a torch.distributed process group (NCCL, Gloo, ...).
 
-    ``group``: the process group whose ranks take the decision together (default: the world).
+    - ``group``: the process group whose ranks take the decision together (default: the world).
+    - ``pre_reduction``: observe each rank's own gradients before they are reduced, for
+      ``StepReport.nonfinite_ranks`` (DDP: a comm hook, which replaces DDP's built-in C++
+      all-reduce by the same all-reduce called from Python, plus one float32 sum per bucket;
+      FSDP: post-accumulate-grad hooks). ``False`` leaves DDP's reducer untouched; attribution
+      then rests on the losses and on which ranks' reduced gradients were non-finite.
+
     ``torch.distributed`` must be initialised before this is built. Every method that talks
     to other ranks is a collective: every rank of ``group`` must call it, in the same order.
     """
@@ -197,7 +203,8 @@ class TorchDistBackend(LocalBackend):
             hook = _find_comm_hook(model)
             if hook is None and not getattr(model, "_comm_hooks", None):
                 composed = compose_comm_hook()
-                model.register_comm_hook(self.group, composed)
+                # state = DDP's own process group: the default all-reduce then reduces over it
+                model.register_comm_hook(getattr(model, "process_group", None), composed)
                 hook = composed.ampguard_check  # type: ignore[attr-defined]
             if hook is not None:
                 self._comm_hook = hook
