@@ -102,9 +102,14 @@ def _body() -> dict[str, Any]:
     opt = ampguard.wrap(dist_opt(model), model=model, precision="fp16")
     if rank == 0:
         opt.scaler.update(new_scale=torch.tensor(1024.0))
-        opt._step, opt._skipped_total = 7, 2
+        opt._step, opt._skipped_total, opt._history._count = 7, 2, 7  # as if resumed at step 7
     broadcast_guard_state(opt, root_rank=0)
     out["broadcast"] = (opt.get_scale(), opt.step_count, opt.skipped_steps)
+    # Horovod's zero_grad() takes no set_to_none; the guard's does, both ways
+    opt.backward(model(torch.ones(2, 8)).square().mean())
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    out["zeroed"] = all(p.grad is not None and not p.grad.any() for p in model.parameters())
     opt.close()
     hvd.shutdown()
     return out
@@ -135,6 +140,7 @@ def test_horovod_one_decision_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> 
         assert r["escalate"]["skipped"] == [2, 3, 4]
         assert r["adasum"] is not None and "Adasum" in r["adasum"]
         assert r["broadcast"] == (1024.0, 7, 2)
+        assert r["zeroed"]
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:
