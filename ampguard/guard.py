@@ -130,6 +130,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._anomalies: deque[Anomaly] = deque(maxlen=config.max_anomalies)
         self._closed = False
         self._divergence: Anomaly | None = None  # a consistency check's finding, until reported
+        self._graph: tuple[Any, Any, torch.Tensor, Any] | None = None  # CUDA graph of the decision
+        self._graph_failed = False
         # Forensics: no hook until a non-finite step; findings wait for their step's report.
         self._localizer: Localizer | None = None
         self._armed_clean = 0
@@ -317,14 +319,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             device=self.device,
         )
         gathered = self.backend.all_gather(vec).wait()
-        decision, tracker = decide(
-            gathered,
-            config=self.config,
-            spikes=self._spikes,
-            scale_state=self._scale_state,
-            scaler=scaler_view,
-            grads_sharded=self.backend.grads_sharded,
-        )
+        decision, tracker = self._decide(gathered, scaler_view)
         skip = decision[Dec.SKIP]
         if self._localizer is not None and self._localizer.armed:  # armed only after an anomaly
             self._collect_finding(decision, gathered)  # before clipping multiplies an inf by 0
@@ -509,6 +504,38 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 "opt.backward(loss) (not loss.backward(): the guard must scale and check it) before opt.step(). "
                 "Nothing was changed."
             )
+
+    def _decide(self, gathered: torch.Tensor, scaler_view: ScalerView | None) -> tuple[torch.Tensor, Any]:
+        """:func:`~ampguard.policies.decide`; on CUDA replayed from a CUDA graph captured on the
+        second step (``GuardConfig.cuda_graph``): ~70 tiny kernels become one launch."""
+
+        def run(g: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            return decide(g, config=self.config, spikes=self._spikes, scale_state=self._scale_state,
+                          scaler=scaler_view, grads_sharded=self.backend.grads_sharded)
+
+        if self.device.type != "cuda" or not self.config.cuda_graph or self._graph_failed:
+            return run(gathered)
+        key = (tuple(gathered.shape), None if scaler_view is None else
+               (scaler_view.growth_factor, scaler_view.backoff_factor, scaler_view.growth_interval))
+        if self._graph is None or self._graph[0] != key:
+            if self._step == 0:  # the first step runs eagerly: it initialises lazy state
+                return run(gathered)
+            try:
+                static_in = gathered.clone()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):  # records (does not run) the kernels; one-time sync
+                    static_out = run(static_in)
+                self._graph = (key, graph, static_in, static_out)
+            except Exception as exc:  # capture is an optimisation: never fail a step over it
+                self._graph_failed = True
+                warnings.warn(f"ampguard: CUDA graph capture of the step decision failed ({exc}); running it "
+                              "eagerly (set GuardConfig(cuda_graph=False) to silence this)", RuntimeWarning,
+                              stacklevel=3)
+                return run(gathered)
+        _, graph, static_in, static_out = self._graph
+        static_in.copy_(gathered)
+        graph.replay()
+        return static_out
 
     def _unscale(self) -> dict[torch.device, torch.Tensor]:
         scaler = self.scaler

@@ -57,28 +57,30 @@ def decide(
     in place. Returns ``(decision, new_growth_tracker)`` (the tracker is None without a scaler)."""
     g = gathered
     dev = g.device
-    loss_bad = g[:, Loc.LOSS_NONFINITE].amax() > 0
-    loss = g[:, Loc.LOSS].mean()
-    if grads_sharded:  # each rank holds a shard: the global norm adds the squares
+    world = g.shape[0]
+    cmax = g.amax(0) if world > 1 else g[0]  # NaN propagates: a NaN norm on any rank is NaN here
+    csum = g.sum(0) if world > 1 else g[0]
+    loss_bad = cmax[Loc.LOSS_NONFINITE] > 0
+    loss = csum[Loc.LOSS] / world
+    if grads_sharded and world > 1:  # each rank holds a shard: the global norm adds the squares
         grad_norm = torch.linalg.vector_norm(g[:, Loc.GRAD_NORM], 2.0)
-    elif g.shape[0] == 1:
-        grad_norm = g[0, Loc.GRAD_NORM]
-    else:  # replicated gradients: equal everywhere when healthy; NaN/inf if any rank's is
-        grad_norm = g[:, Loc.GRAD_NORM].amax()
-    nonfinite_tensors = g[:, Loc.NONFINITE_TENSORS].sum()
-    grad_bad = (nonfinite_tensors > 0) | (g[:, Loc.FOUND_INF].amax() > 0) | ~torch.isfinite(grad_norm)
+    else:  # one rank, or replicated gradients: equal everywhere when healthy, NaN/inf if any rank's is
+        grad_norm = cmax[Loc.GRAD_NORM]
+    nonfinite_tensors = csum[Loc.NONFINITE_TENSORS]
+    grad_bad = (nonfinite_tensors > 0) | (cmax[Loc.FOUND_INF] > 0) | ~torch.isfinite(grad_norm)
     nonfinite = loss_bad | grad_bad
 
-    warm = spikes.count >= config.spike_warmup
     false = torch.zeros((), dtype=torch.bool, device=dev)
-    grad_spike = false
-    loss_spike = false
-    if config.grad_spike_factor is not None:
-        grad_spike = warm & ~nonfinite & (grad_norm > config.grad_spike_factor * spikes.grad_ema)
-    if config.loss_spike_factor is not None:
-        loss_spike = warm & ~nonfinite & (loss > config.loss_spike_factor * spikes.loss_ema)
+    grad_spike = loss_spike = false
+    spikes_on = config.grad_spike_factor is not None or config.loss_spike_factor is not None
+    if spikes_on:
+        warm = (spikes.count >= config.spike_warmup) & ~nonfinite
+        if config.grad_spike_factor is not None:
+            grad_spike = warm & (grad_norm > config.grad_spike_factor * spikes.grad_ema)
+        if config.loss_spike_factor is not None:
+            loss_spike = warm & (loss > config.loss_spike_factor * spikes.loss_ema)
     spike = grad_spike | loss_spike
-    skip = nonfinite | (spike if config.on_spike == "skip" else false)
+    skip = nonfinite | spike if config.on_spike == "skip" else nonfinite
 
     reason = torch.where(
         loss_bad,
@@ -86,16 +88,16 @@ def decide(
         torch.where(grad_bad, 2.0, torch.where(skip & grad_spike, 3.0, torch.where(skip & loss_spike, 4.0, 0.0))),
     )
 
-    healthy = ~nonfinite & ~spike
-    d = config.spike_ema_decay
-    first = spikes.count == 0
-    spikes.grad_ema.copy_(
-        torch.where(healthy, torch.where(first, grad_norm, d * spikes.grad_ema + (1 - d) * grad_norm), spikes.grad_ema)
-    )
-    spikes.loss_ema.copy_(
-        torch.where(healthy, torch.where(first, loss, d * spikes.loss_ema + (1 - d) * loss), spikes.loss_ema)
-    )
-    spikes.count.add_(healthy.int())
+    if spikes_on:  # running averages of healthy steps (only kept when a detector needs them)
+        healthy = ~nonfinite & ~spike
+        d = config.spike_ema_decay
+        pair = torch.stack([grad_norm, loss])
+        ema = torch.stack([spikes.grad_ema, spikes.loss_ema])
+        new = torch.where(spikes.count == 0, pair, d * ema + (1 - d) * pair)
+        new = torch.where(healthy, new, ema)
+        spikes.grad_ema.copy_(new[0])
+        spikes.loss_ema.copy_(new[1])
+        spikes.count.add_(healthy.int())
 
     if config.clip_grad_norm is not None:
         # The expression of torch.nn.utils.clip_grad_norm_, so the coefficient is bitwise its.
@@ -103,7 +105,6 @@ def decide(
     else:
         clip_coef = torch.ones((), dtype=torch.float32, device=dev)
 
-    one = torch.ones((), dtype=torch.float32, device=dev)
     new_tracker = None
     if scaler is not None:
         scale = scaler.scale
@@ -121,28 +122,13 @@ def decide(
             max_scale=config.max_scale,
         )
     else:
-        scale = new_scale = one
+        scale = new_scale = torch.ones((), dtype=torch.float32, device=dev)
         backoff = growth = floor_hit = false
 
-    out = torch.stack(
-        [
-            skip.float(),
-            reason.float(),
-            loss.float(),
-            grad_norm.float(),
-            nonfinite_tensors.float(),
-            loss_bad.float(),
-            grad_bad.float(),
-            grad_spike.float(),
-            loss_spike.float(),
-            clip_coef.float(),
-            scale.float().reshape(()),
-            new_scale.float().reshape(()),
-            backoff.float(),
-            growth.float(),
-            floor_hit.float(),
-        ]
-    )
+    values = torch.stack([loss, grad_norm, nonfinite_tensors, clip_coef, scale.reshape(()), new_scale.reshape(()),
+                          reason])
+    flags = torch.stack([skip, loss_bad, grad_bad, grad_spike, loss_spike, backoff, growth, floor_hit])
+    out = torch.cat([values.float(), flags.float()])
     if out.shape[0] != DECISION_K:  # pragma: no cover - layout invariant (see stats.Dec)
         raise AssertionError("decision vector layout out of date")
     return out, new_tracker

@@ -48,20 +48,21 @@ LOCAL_K = 7
 
 
 class Dec:
-    """Indices into the decision vector (identical on every rank)."""
+    """Indices into the decision vector (identical on every rank). Values first, then 0/1 flags,
+    so the vector is assembled with two stacks."""
 
-    SKIP = 0  # 1.0: the inner optimizer does not step
-    REASON = 1  # 0 none, 1 nonfinite_loss, 2 nonfinite_grad, 3 grad_spike, 4 loss_spike
-    LOSS = 2  # mean loss over ranks
-    GRAD_NORM = 3  # global gradient norm
-    NONFINITE_TENSORS = 4  # summed over ranks
-    LOSS_NONFINITE = 5  # any rank
-    GRAD_NONFINITE = 6  # any rank (non-finite tensors or GradScaler found_inf)
-    GRAD_SPIKE = 7
-    LOSS_SPIKE = 8
-    CLIP_COEF = 9
-    SCALE = 10
-    NEXT_SCALE = 11
+    LOSS = 0  # mean loss over ranks
+    GRAD_NORM = 1  # global gradient norm
+    NONFINITE_TENSORS = 2  # summed over ranks
+    CLIP_COEF = 3
+    SCALE = 4
+    NEXT_SCALE = 5
+    REASON = 6  # 0 none, 1 nonfinite_loss, 2 nonfinite_grad, 3 grad_spike, 4 loss_spike
+    SKIP = 7  # 1.0: the inner optimizer does not step
+    LOSS_NONFINITE = 8  # any rank
+    GRAD_NONFINITE = 9  # any rank (non-finite tensors or GradScaler found_inf)
+    GRAD_SPIKE = 10
+    LOSS_SPIKE = 11
     BACKOFF = 12  # 1.0 when the scale was backed off this step
     GROWTH = 13  # 1.0 when the scale grew this step
     FLOOR = 14  # 1.0 when a backoff hit min_scale
@@ -103,12 +104,17 @@ def per_tensor_norms(
     The order and the kernels are those of ``torch.nn.utils.clip_grad_norm_``, so the total
     norm derived from this vector is bitwise the one clip_grad_norm_ would compute.
     """
-    norms: list[torch.Tensor] = []
-    for grads in groups.values():
-        norms.extend(torch._foreach_norm(grads, 2.0))
-    if not norms:
+    parts: list[torch.Tensor] = []
+    for (dev, _), grads in groups.items():
+        n = torch.stack(torch._foreach_norm(grads, 2.0))  # one stack per group, no per-tensor copies
+        if n.dtype != torch.float32:
+            n = n.float()
+        if dev != device:
+            n = n.to(device=device, non_blocking=True)
+        parts.append(n)
+    if not parts:
         return torch.zeros(0, dtype=torch.float32, device=device)
-    return torch.stack([n.to(device=device, non_blocking=True) for n in norms]).float()
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def local_vector(

@@ -304,6 +304,12 @@ def build_variant(kind: str, fused: bool, ctx: dict[str, Any]) -> Variant:
     g = ampguard.wrap(opt, model=model, scaler=scaler, precision="fp16", config=cfg, exporters=exporters)
     if kind == "guard_lazy":
         _make_lazy(g)
+    if kind == "guard_armed":
+        # Forensics hooks armed on every step (as after an anomaly, for forensics_window steps):
+        # the cost a run pays only while it is being investigated; healthy runs never arm them.
+        from ampguard.forensics import Localizer
+
+        g._localizer = Localizer(model)
 
     def gstep() -> None:
         with autocast():
@@ -420,6 +426,7 @@ def summarise(variants: list[Variant]) -> dict[str, Any]:
         "guard_clip": "clip",
         "guard_exporters": "plain",
         "guard_lazy": "plain",
+        "guard_armed": "plain",
     }
     for name, e in out.items():
         kind, opt = name.rsplit("_", 1)
