@@ -197,8 +197,13 @@ class Injection:
     def _after_reduction(self, f: Fault, param: torch.Tensor) -> Any:
         def callback(step: int) -> None:
             if param.grad is not None and self._fires(f):
+                g = param.grad
+                # A sharded (FSDP2 DTensor) gradient: write this rank's shard, locally. Writing
+                # through the DTensor would start a collective on this rank alone.
+                to_local = getattr(g, "to_local", None)
+                local = to_local() if callable(to_local) else g
                 with torch.no_grad():
-                    _poke(param.grad, f.value)
+                    _poke(local, f.value)
 
         return callback
 

@@ -694,10 +694,9 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def _share(self, finding: Finding | None, gathered: torch.Tensor) -> Finding | None:
         """Every rank localises its own; all agree on the view of the first rank where the
         non-finite values originated. collective (non-finite armed steps only; blocks)."""
-        gather = getattr(self.backend, "all_gather_object", None)
-        if self.backend.world_size == 1 or gather is None:
+        if self.backend.world_size == 1:
             return dataclasses.replace(finding, rank=self.backend.rank) if finding is not None else None
-        views = gather(finding)
+        views = self.backend.all_gather_object(finding)
         rows = gathered.float().cpu().tolist()
         origins = _origin_ranks([list(r) for r in rows])
         order = [*origins, *(r for r in range(len(views)) if r not in origins)]

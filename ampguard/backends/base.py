@@ -54,6 +54,9 @@ class Collective(Protocol):
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Send a picklable object from ``src`` to every rank (set-up time only: blocks)."""
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's picklable ``obj``, in rank order (forensics on non-finite steps only: blocks)."""
+
 
 class LocalBackend:
     """One process: the gather is the identity, and nothing needs synchronising.
@@ -75,6 +78,10 @@ class LocalBackend:
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` in rank order (set-up and forensics only: blocks)."""
+        return [obj]
 
     def attach(self, guard: Any) -> None:
         """Called once by ``wrap()`` with the guard (to install hooks that count non-finite

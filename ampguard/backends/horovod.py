@@ -127,6 +127,11 @@ class HorovodBackend(LocalBackend):
         self._calls += 1
         return self._hvd.broadcast_object(obj, root_rank=src, name=f"ampguard.bcast.{self._calls}")
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (forensics findings; non-finite steps only). collective; blocks."""
+        self._calls += 1
+        return list(self._hvd.allgather_object(obj, name=f"ampguard.gather.{self._calls}"))
+
     # ------------------------------------------------------------------ ordering
     def attach(self, guard: Any) -> None:
         opt = guard.optimizer

@@ -189,6 +189,13 @@ class TorchDistBackend(LocalBackend):
         dist.broadcast_object_list(box, src=global_src, group=self.group)
         return box[0]
 
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every group rank's ``obj``, in rank order (forensics findings; non-finite steps only).
+        collective; blocks."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     # ------------------------------------------------------------------ hooks
     def attach(self, guard: Any) -> None:
         """Detect sharded gradients (FSDP2) and install the pre-reduction check."""
