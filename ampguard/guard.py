@@ -304,8 +304,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
                 growth_interval=self.scaler.get_growth_interval(),
             )
         found_inf = None
-        if found_inf_per_device:
-            found_inf = sum(t.to(self.device, non_blocking=True) for t in found_inf_per_device.values())
+        if len(found_inf_per_device) == 1:
+            (found_inf,) = found_inf_per_device.values()
+        elif found_inf_per_device:
+            found_inf = torch.stack(
+                [t.to(self.device, non_blocking=True).reshape(()) for t in found_inf_per_device.values()]
+            ).sum()
 
         groups = grads_by_device_and_dtype(params)
         norms = per_tensor_norms(groups, self.device)

@@ -133,23 +133,35 @@ def local_vector(
         total = torch.linalg.vector_norm(tensor_norms, 2.0)
     else:
         total = torch.zeros((), dtype=torch.float32, device=device)
-    nonfinite = (~torch.isfinite(tensor_norms)).sum().float()
+    nonfinite = (~torch.isfinite(tensor_norms)).sum()
+    zero, one, nan = _constants(device)
     if loss_sum is None:
-        loss = torch.full((), math.nan, dtype=torch.float32, device=device)
-        loss_bad = torch.zeros((), dtype=torch.float32, device=device)
+        loss, loss_bad = nan, zero
     else:
-        loss = loss_sum / max(loss_count, 1)
-        loss_bad = (~torch.isfinite(loss_sum)).float()
-    zero = torch.zeros((), dtype=torch.float32, device=device)
+        loss = loss_sum if loss_count == 1 else loss_sum / loss_count
+        loss_bad = ~torch.isfinite(loss_sum)
     vec = torch.stack(
         [
             loss,
             loss_bad,
-            total.float(),
+            total,
             nonfinite,
-            zero if found_inf is None else found_inf.float().to(device).reshape(()),  # ShardedGradScaler: [1]
-            zero if pre_reduction is None else pre_reduction.float().to(device),
-            torch.ones((), dtype=torch.float32, device=device) if scale is None else scale.float(),
+            zero if found_inf is None else found_inf.to(device).reshape(()),  # ShardedGradScaler: [1]
+            zero if pre_reduction is None else pre_reduction.to(device),
+            one if scale is None else scale,
         ]
-    )
+    ).float()
     return vec, total
+
+
+_CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """0, 1 and NaN as float32 0-d tensors on ``device``, made once (only ever read)."""
+    c = _CONSTANTS.get(device)
+    if c is None:
+        c = _CONSTANTS[device] = tuple(  # type: ignore[assignment]
+            torch.full((), v, dtype=torch.float32, device=device) for v in (0.0, 1.0, math.nan)
+        )
+    return c  # type: ignore[return-value]
