@@ -233,11 +233,13 @@ def _live(procs: Any, tail: _Tail, steps: int, plain: bool) -> None:
             use_rich = False
     if not use_rich:
         last_printed = -1
+        seen: set[tuple[Any, Any]] = set()
         while True:
             done = procs.join(timeout=0.5)
             for r, rec in tail.poll():
                 ev = rec.get("event")
-                if ev == "anomaly":
+                if ev == "anomaly" and (rec.get("step"), rec.get("kind")) not in seen:  # once, not per rank
+                    seen.add((rec.get("step"), rec.get("kind")))
                     where = f" [{rec.get('module')}, {rec.get('phase')}, {rec.get('cause')}]" if rec.get("module") \
                         is not None else ""
                     print(f"  ! step {rec['step']} rank {r} {rec.get('kind')}: {rec.get('detail')}{where}", flush=True)
