@@ -132,6 +132,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._divergence: Anomaly | None = None  # a consistency check's finding, until reported
         self._graph: tuple[Any, Any, torch.Tensor, Any] | None = None  # CUDA graph of the decision
         self._graph_failed = False
+        self._decided_eagerly = False
         # Forensics: no hook until a non-finite step; findings wait for their step's report.
         self._localizer: Localizer | None = None
         self._armed_clean = 0
@@ -522,7 +523,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         key = (tuple(gathered.shape), None if scaler_view is None else
                (scaler_view.growth_factor, scaler_view.backoff_factor, scaler_view.growth_interval))
         if self._graph is None or self._graph[0] != key:
-            if self._step == 0:  # the first step runs eagerly: it initialises lazy state
+            if not self._decided_eagerly:  # the first decision of this process runs eagerly (lazy init)
+                self._decided_eagerly = True
                 return run(gathered)
             try:
                 static_in = gathered.clone()
