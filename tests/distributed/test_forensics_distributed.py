@@ -72,3 +72,30 @@ def test_fault_on_one_rank_is_localised_and_agreed(closure):
     assert results[0]["skipped"] == results[1]["skipped"]
     for p0, p1 in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(p0, p1)
+
+
+def _run_fsdp2_module_faults(rank: int, world: int) -> list[tuple[int, str | None, tuple[int, ...]]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16")
+    # faults.grad cannot reach FSDP2's sharded parameters before the reduce-scatter; module
+    # faults act on the unsharded computation, so they can.
+    faults.inject(opt, faults.backward("2", "inf", steps=[2], ranks=[1]),
+                  faults.output("0", "nan", steps=[4], ranks=[0]))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+        with opt.autocast():
+            loss = F.mse_loss(model(x).float(), y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    return [(r.step, r.reason, r.nonfinite_ranks) for r in opt.history if r.skipped]
+
+
+def test_fsdp2_module_faults_on_one_rank():
+    r0, r1 = spawn(_run_fsdp2_module_faults)
+    assert r0 == r1 == [(2, "nonfinite_grad", (1,)), (4, "nonfinite_loss", (0,))]
