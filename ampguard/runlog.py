@@ -637,8 +637,9 @@ def plot(run: Run, out_png: str | os.PathLike[str], *, width_px: int = 1600, hei
         if ax.get_yscale() == "log":  # plain numbers (2, 3, 0.5), not 2x10^0
             lo, hi = ax.get_ylim()
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-            if hi / max(lo, 1e-300) < 100:
-                ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            if hi / max(lo, 1e-300) < 100:  # label the 2s and 5s between decades, not every minor tick
+                ax.yaxis.set_minor_formatter(FuncFormatter(
+                    lambda v, _: f"{v:g}" if v > 0 and f"{v:e}"[0] in "25" else ""))
             else:
                 ax.yaxis.set_minor_formatter(NullFormatter())
     for ax in axes:
