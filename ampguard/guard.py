@@ -732,6 +732,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             localizer.reset()
             with torch.enable_grad():
                 closure()
+            self.backend.before_unscale(self.optimizer)  # Horovod: finish the replay's all-reduce
             loss_finite = self._replay_loss is not None and bool(torch.isfinite(self._replay_loss))
             grads_finite = all(
                 bool(torch.isfinite(p.grad).all()) for p in _params(self.optimizer) if p.grad is not None

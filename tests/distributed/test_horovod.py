@@ -87,6 +87,25 @@ def _body() -> dict[str, Any]:
         out["escalate"] = train(opt, model, rank, 8)
     opt.close()
 
+    # 5b. replay closure under Horovod (synchronize after the replay's backward): a one-off fault on
+    # rank 1 is classified transient on its own step, and the ranks stay together
+    model = tiny_model()
+    opt = ampguard.wrap(dist_opt(model), model=model, precision="bf16")
+    faults.inject(opt, model, faults.output("0", "nan", steps=[2], ranks=[1], transient=True))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        x = torch.randn(4, 8, generator=g)
+
+        def closure(x: torch.Tensor = x) -> None:
+            opt.zero_grad()
+            opt.backward(model(x).square().mean())
+
+        opt.step(closure)
+        opt.zero_grad()
+    out["replay"] = [(a.step, a.module, a.phase, a.cause, a.ranks) for a in opt.anomalies]
+    out["replay_params"] = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+
     # 6. Adasum is refused with a clear error
     model = tiny_model()
     try:
@@ -141,6 +160,9 @@ def test_horovod_one_decision_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> 
         assert r["adasum"] is not None and "Adasum" in r["adasum"]
         assert r["broadcast"] == (1024.0, 7, 2)
         assert r["zeroed"]
+        # a first anomaly: no hooks were armed on the first pass, so the clean replay says only "transient"
+        assert r["replay"] == [(2, "", "loss", "transient", (1,))], r["replay"]
+    assert all(torch.equal(a, b) for a, b in zip(res[0]["replay_params"], res[1]["replay_params"]))
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:
