@@ -18,6 +18,7 @@ logs under ``<out>/<run id>/``; at the end it prints a summary and writes the re
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -155,7 +156,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, run_dir: str, in
                 batch = torch.randint(0, len(chars), batch.shape, generator=g)  # noise: the loss jumps
             batch = batch.to(device)
 
-            def closure(batch: torch.Tensor = batch, step: int = step) -> None:
+            def closure(batch: torch.Tensor = batch, step: int = step, opt: Any = opt, ddp: Any = ddp) -> None:
                 opt.zero_grad(set_to_none=True)
                 with opt.autocast():
                     logits = ddp(batch[:, :-1])
@@ -165,6 +166,10 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, run_dir: str, in
             opt.step(closure)  # the closure lets the guard replay a non-finite step to localise it
             opt.zero_grad(set_to_none=True)
         opt.close()
+        # Leave together and free DDP before the group goes: else gloo may abort at exit.
+        dist.barrier()
+        del opt, ddp, model, closure
+        gc.collect()
     finally:
         dist.destroy_process_group()
 

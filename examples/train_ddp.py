@@ -11,6 +11,7 @@ identical parameters. Exit code 0 when that holds.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -70,6 +71,11 @@ def main() -> int:
     if rank == 0:
         print("ranks agree" if ok else "RANKS DISAGREE")
     opt.close()
+    # Leave together, and free DDP (its reducer holds the process group) before destroying the
+    # group: otherwise gloo can abort at exit ("terminate called without an active exception").
+    dist.barrier()
+    del opt, model, injection
+    gc.collect()
     dist.destroy_process_group()
     return 0 if ok else 1
 

@@ -6,6 +6,7 @@ log of a run killed with SIGKILL."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -140,6 +141,9 @@ def _rank_main(rank: int, world: int, base_port: int, init_port: int, workdir: s
         while not (work / "stop").exists() and time.monotonic() < deadline:
             time.sleep(0.2)
         opt.close()
+        dist.barrier()  # leave together, DDP freed first: else gloo may abort at exit
+        del opt, model
+        gc.collect()
     finally:
         dist.destroy_process_group()
 
