@@ -9,6 +9,7 @@ hangs it.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import socket
@@ -45,6 +46,10 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, body: Callable[..
         )
         try:
             result = ("ok", body(rank, world_size, **kwargs))
+            # Free the body's DDP/FSDP objects (reference cycles included) and leave together
+            # before the group goes: gloo can abort at exit otherwise. Bounded by the group timeout.
+            gc.collect()
+            dist.barrier()
         finally:
             dist.destroy_process_group()
     except BaseException as e:  # reported to the parent, which re-raises
