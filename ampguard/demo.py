@@ -267,8 +267,9 @@ def _live(procs: Any, tail: _Tail, steps: int, plain: bool) -> None:
                           str(tail.skips[r]), why if rec else "-")
         bar_w = 40
         filled = int(bar_w * done_steps / max(steps, 1))
+        recent = list(dict.fromkeys((a["step"], a.get("kind")) for a in tail.anomalies))[-4:]  # once per step
         table.caption = "[" + "#" * filled + "." * (bar_w - filled) + "]  " + "; ".join(
-            f"step {a['step']} r{a.get('rank')} {a.get('kind')}" for a in tail.anomalies[-4:])
+            f"step {step} {kind}" for step, kind in recent)
         return table
 
     with Live(render(), refresh_per_second=4) as live:
