@@ -144,13 +144,24 @@ class TorchDistBackend(LocalBackend):
       FSDP: post-accumulate-grad hooks). ``False`` leaves DDP's reducer untouched; attribution
       then rests on the losses and on which ranks' reduced gradients were non-finite.
 
+    - ``gather``: how the per-step vectors travel. "all_gather" (one hop per rank in a ring:
+      latency grows linearly with the world size); "all_reduce" (each rank writes its row of a
+      zeroed ``[world, k]`` matrix and a sum all-reduce assembles it: the same matrix, bit for
+      bit, in O(log world) hops where the transport uses a tree, e.g. NCCL); "auto" (the
+      default): all_reduce above ``ALL_REDUCE_ABOVE`` ranks. ``benchmarks/scaling.py`` has the
+      model behind the threshold.
+
     ``torch.distributed`` must be initialised before this is built. Every method that talks
     to other ranks is a collective: every rank of ``group`` must call it, in the same order.
     """
 
     name = "torch.distributed"
+    #: World size above which ``gather="auto"`` assembles the matrix with an all-reduce.
+    ALL_REDUCE_ABOVE = 64
 
-    def __init__(self, group: Any = None, *, pre_reduction: bool = True) -> None:
+    def __init__(self, group: Any = None, *, pre_reduction: bool = True, gather: str = "auto") -> None:
+        if gather not in ("auto", "all_gather", "all_reduce"):
+            raise ValueError(f"TorchDistBackend gather={gather!r}; allowed: 'auto' | 'all_gather' | 'all_reduce'")
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "TorchDistBackend needs an initialised torch.distributed: call "
@@ -168,6 +179,8 @@ class TorchDistBackend(LocalBackend):
             )
             self.local_rank = self.rank % local_world if local_world else self.rank
         self.grads_sharded = False
+        self.gather = gather if gather != "auto" else (
+            "all_reduce" if self.world_size > self.ALL_REDUCE_ABOVE else "all_gather")
         self._want_pre_reduction = pre_reduction
         self._flag: torch.Tensor | None = None
         self._comm_hook: FlaggingCommHook | None = None
@@ -178,6 +191,12 @@ class TorchDistBackend(LocalBackend):
         """Start gathering ``vec`` (1-D, same length on every rank) into ``[world_size, k]``.
         collective: every rank must call it."""
         vec = vec.contiguous()
+        if self.gather == "all_reduce":
+            # x + 0 == x exactly (NaN and inf included): the summed matrix is the gathered one.
+            out = vec.new_zeros(self.world_size, vec.numel())
+            out[self.rank].copy_(vec)
+            work = dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            return _WorkHandle(work, out)
         out = vec.new_empty(self.world_size * vec.numel())  # flat: gloo insists, NCCL accepts
         work = _all_gather_single(out, vec, group=self.group, async_op=True)
         return _WorkHandle(work, out.view(self.world_size, vec.numel()))

@@ -99,3 +99,37 @@ def _run_fsdp2_module_faults(rank: int, world: int) -> list[tuple[int, str | Non
 def test_fsdp2_module_faults_on_one_rank():
     r0, r1 = spawn(_run_fsdp2_module_faults)
     assert r0 == r1 == [(2, "nonfinite_grad", (1,)), (4, "nonfinite_loss", (0,))]
+
+
+def _run_gather_mode(rank: int, world: int, mode: str) -> dict[str, Any]:
+    from ampguard.backends.torch_dist import TorchDistBackend
+
+    model = torch.nn.parallel.DistributedDataParallel(_model())
+    backend = TorchDistBackend(gather=mode)
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="fp16",
+                        scaler=torch.amp.GradScaler("cpu", init_scale=256.0), collective=backend)
+    faults.inject(opt, faults.loss("nan", steps=[2], ranks=[1]), faults.grad("4.weight", "inf", steps=[5], ranks=[0]))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(8):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)
+        with opt.autocast():
+            loss = F.mse_loss(model(x).float(), y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    return {"gather": backend.gather,
+            "reports": [(r.step, r.skipped, r.reason, r.nonfinite_ranks, r.loss_scale, r.grad_norm, r.loss)
+                        for r in opt.history],
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_all_reduce_assembly_equals_all_gather():
+    """The large-world path (a sum all-reduce of one row per rank) decides exactly as the all-gather."""
+    a = spawn(_run_gather_mode, mode="all_gather")
+    b = spawn(_run_gather_mode, mode="all_reduce")
+    assert [r["gather"] for r in a] == ["all_gather"] * 2 and [r["gather"] for r in b] == ["all_reduce"] * 2
+    for ra, rb in zip(a, b):
+        assert str(ra["reports"]) == str(rb["reports"])  # str: NaN losses compare equal as text
+        assert all(torch.equal(x, y) for x, y in zip(ra["params"], rb["params"]))
+    assert [r[3] for r in a[0]["reports"] if r[1]] == [(1,), (0,)]
