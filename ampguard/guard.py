@@ -279,7 +279,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._check_open("step")
             with torch.enable_grad():
                 closure()
-        self._check_step_call(closure)
+        self._check_step_call()
         self._materialize()  # the previous step's report, if it was left pending
         self._raise_escalation()
         if self._ladder is not None and self._ladder.pending_rollback is not None:
@@ -488,7 +488,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if self._closed:
             raise GuardStateError(f"{call}() called after close(); wrap the optimizer again to keep training")
 
-    def _check_step_call(self, closure: Any) -> None:
+    def _check_step_call(self) -> None:
         self._check_open("step")
         by_scaler = "found_inf" in self.__dict__ or "grad_scale" in self.__dict__
         if by_scaler:
