@@ -202,35 +202,3 @@ def assert_same_everywhere(results: list[dict[str, Any]], *, skipped: list[int],
 
 def _nan_equal(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b))
-
-
-class _Poison(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, active: bool) -> torch.Tensor:  # type: ignore[override]
-        ctx.active = active
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        if ctx.active:
-            g = g.clone()
-            g.view(-1)[0] = float("inf")
-        return g, None
-
-
-class GradPoison(torch.nn.Module):
-    """Identity in forward; in backward, an inf in the gradient flowing through it on the given
-    steps and rank. The gradients of the layers before it become non-finite on that rank only,
-    before any reduction, while the loss stays finite (for FSDP2, whose sharded parameters get
-    their gradients from the reduce-scatter, where a tensor hook on them would see the reduced one)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.opt: Any = None
-        self.steps: set[int] = set()
-        self.rank = -1
-        self.my_rank = -2
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        active = self.opt is not None and self.opt.step_count in self.steps and self.rank == self.my_rank
-        return _Poison.apply(x, active)

@@ -15,7 +15,7 @@ import ampguard
 from ampguard import faults
 from ampguard.backends.torch_dist import TorchDistBackend, compose_comm_hook
 
-from ._common import GradPoison, assert_same_everywhere, spawn, standard_faults, tiny_model, train
+from ._common import assert_same_everywhere, spawn, standard_faults, tiny_model, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -151,20 +151,18 @@ def _run_fsdp2(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
 
     def build() -> torch.nn.Module:
         model = tiny_model()
-        model.insert(1, GradPoison())  # between the first Linear and its ReLU
-        model[1].my_rank = rank
-        for layer in (model[0], model[3], model[5]):
+        for layer in (model[0], model[2], model[4]):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
 
     # faults on rank 1 only. FSDP2's sharded parameters get their gradients from the
-    # reduce-scatter, so the before-reduction gradient fault is a GradPoison layer (an inf in
-    # rank 1's backward at step 4), not faults.grad.
+    # reduce-scatter, so the before-reduction gradient fault is faults.backward on the first ReLU
+    # (an inf in the gradient its backward hands the first Linear, on rank 1 at step 4), not
+    # faults.grad.
     model = build()
     opt = ampguard.wrap(_adamw(model, fused), model=model, precision="fp16", config={"consistency_every": 1})
     assert opt.backend.grads_sharded
-    model[1].opt, model[1].steps, model[1].rank = opt, {4}, 1
 
     def after_reduction(step: int) -> None:
         # rank 1's shard of a reduced gradient, corrupted locally (faults.grad(after_reduction=True)
@@ -172,7 +170,8 @@ def _run_fsdp2(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
         if step == 6 and rank == 1:
             model[0].weight.grad.to_local().view(-1)[0] = float("nan")
 
-    with faults.inject(opt, model, faults.loss("nan", steps=[2], ranks=[1])):
+    with faults.inject(opt, model, faults.loss("nan", steps=[2], ranks=[1]),
+                       faults.backward("1", "inf", steps=[4], ranks=[1])):
         out["faults"] = train(opt, model, rank, STEPS, before_step=after_reduction)
     opt.close()
 
@@ -221,19 +220,19 @@ def _run_fsdp1(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     net = tiny_model()
-    net.insert(1, GradPoison())  # an inf in rank 1's own gradients at step 3, before the reduce-scatter
-    net[1].my_rank, net[1].rank, net[1].steps = rank, 1, {3}
     model = FSDP(net, device_id=torch.device("cpu"))
     opt = ampguard.wrap(_adamw(model, fused), model=model, precision="fp16",
                         scaler=ShardedGradScaler(device="cpu"))
     assert opt.backend.grads_sharded
-    net[1].opt = opt
 
     def after_reduction(step: int) -> None:
         if step == 4 and rank == 1:
             next(iter(model.parameters())).grad.view(-1)[0] = float("nan")  # rank 1's shard only
 
-    with faults.inject(opt, model, faults.loss("nan", steps=[2], ranks=[1])):
+    # before the reduce-scatter: an inf in rank 1's own gradients at step 3 (faults.backward on
+    # the first ReLU hands the first Linear a non-finite gradient)
+    with faults.inject(opt, model, faults.loss("nan", steps=[2], ranks=[1]),
+                       faults.backward("1", "inf", steps=[3], ranks=[1])):
         out = train(opt, model, rank, 6, before_step=after_reduction)
     with FSDP.summon_full_params(model):  # collective: the unsharded parameters, for comparison
         out["params"] = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
