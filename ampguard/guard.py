@@ -290,7 +290,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         for callback in self._pre_unscale_callbacks:
             callback(self._step)
 
-        params = [p for group in inner.param_groups for p in group["params"]]
+        params = list(_params(inner))
         found_inf_per_device: dict[torch.device, torch.Tensor] = {}
         scale = None
         scaler_view = None
