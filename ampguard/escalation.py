@@ -14,6 +14,7 @@ import torch
 
 from .config import Escalation
 from .report import Anomaly, StepReport
+from .vocab import AnomalyKind
 
 __all__ = ["Ladder"]
 
@@ -71,15 +72,15 @@ class Ladder:
             target = (
                 "your on_rollback checkpoint" if self.on_rollback else f"the snapshot after step {self.snapshot_step}"
             )
-            anomaly = Anomaly(report.step, "rollback", f"{count} non-finite steps within {c.window} steps: rolling "
-                              f"back to {target} (rollback {self.rollbacks + 1} of {c.max_rollbacks})",
-                              report.nonfinite_ranks)
+            anomaly = Anomaly(report.step, AnomalyKind.ROLLBACK,
+                              f"{count} non-finite steps within {c.window} steps: rolling back to {target} "
+                              f"(rollback {self.rollbacks + 1} of {c.max_rollbacks})", report.nonfinite_ranks)
             self.pending_rollback = anomaly
             return [anomaly], None
         why = ("no snapshot to roll back to (set Escalation.snapshot_every or pass on_rollback)" if not can_roll
                else f"{self.rollbacks} rollback(s) did not help")
         diagnosis = self.diagnose(guard, report, count, why)
-        return [Anomaly(report.step, "abort", diagnosis, report.nonfinite_ranks)], diagnosis
+        return [Anomaly(report.step, AnomalyKind.ABORT, diagnosis, report.nonfinite_ranks)], diagnosis
 
     def diagnose(self, guard: Any, report: StepReport, count: int, why: str) -> str:
         located = [a for a in guard._anomalies if a.module is not None][-3:]

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from .vocab import Cause, Phase
+
 __all__ = ["FP16_MAX", "Finding", "Localizer"]
 
 FP16_MAX = 65504.0
@@ -38,9 +40,9 @@ class Finding:
 
     module: str
     """Qualified name as the user wrote it (no DDP ``module.`` prefix); "" for the model root."""
-    phase: str
+    phase: Phase
     """"forward" | "backward" | "loss"."""
-    cause: str
+    cause: Cause
     """"overflow" | "nan" | "transient"."""
     dtype: str
     """dtype of the non-finite tensor."""
@@ -154,7 +156,7 @@ class Localizer:
                     finding = self._forward_finding(idx, dtype, in_max)
                     break
         if finding is None and not loss_finite:
-            finding = Finding("", "loss", "nan", "float32", float("nan"),
+            finding = Finding("", Phase.LOSS, Cause.NAN, "float32", float("nan"),
                               "the forward outputs were finite; the loss itself was non-finite")
         if finding is None and self._bwd_in:
             # Backward order: the first module whose input-gradient is non-finite while the gradient
@@ -170,8 +172,8 @@ class Localizer:
                 key = candidates[0][2]
                 idx, dtype, _ = max((c for c in candidates if c[2] == key), key=lambda c: self._depth(c[0]))
                 name = self.modules[idx][0]
-                cause = "overflow" if fp16_scaling else "nan"
-                finding = Finding(name, "backward", cause, dtype, float("nan"),
+                cause = Cause.OVERFLOW if fp16_scaling else Cause.NAN
+                finding = Finding(name, Phase.BACKWARD, cause, dtype, float("nan"),
                                   f"the gradient leaving {name or 'the model'} in backward became non-finite"
                                   f" ({dtype}) while the gradient arriving at its output was finite")
         if finding is None:
@@ -192,9 +194,9 @@ class Localizer:
                 if bool(torch.isfinite(g).all()):
                     continue
                 has_nan = bool(torch.isnan(g).any())
-                cause = "overflow" if fp16_scaling and not has_nan else "nan"
+                cause = Cause.OVERFLOW if fp16_scaling and not has_nan else Cause.NAN
                 full = f"{name}.{pname}" if name else pname
-                return Finding(name, "backward", cause, str(g.dtype), float("nan"),
+                return Finding(name, Phase.BACKWARD, cause, str(g.dtype), float("nan"),
                                f"the gradient of {full} is non-finite ({'NaN' if has_nan else 'inf'}) while every "
                                "module's output and input gradients were finite")
         return None
@@ -213,13 +215,13 @@ class Localizer:
             "nan": f"{label}'s output is non-finite in fp32 too: a genuine NaN/inf (bad input or math)",
             "transient": f"{label}'s output was non-finite but recomputing it is clean: transient or injected",
         }[cause]
-        return Finding(name, "forward", cause, dtype, in_max_f, f"{detail}; input max |x| = {in_max_f:.4g}")
+        return Finding(name, Phase.FORWARD, cause, dtype, in_max_f, f"{detail}; input max |x| = {in_max_f:.4g}")
 
     @torch.no_grad()
-    def _classify_forward(self, idx: int, module: torch.nn.Module) -> str:
+    def _classify_forward(self, idx: int, module: torch.nn.Module) -> Cause:
         args = self._inputs.get(idx)
         if args is None:
-            return "nan"
+            return Cause.NAN
         self._recomputing = True
         try:
             fp32_args = tuple(a.detach().float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
@@ -228,14 +230,14 @@ class Localizer:
             with torch.autocast(device_type=device_type, enabled=False):
                 out = _first_tensor(module(*fp32_args))
             if out is None:
-                return "nan"
+                return Cause.NAN
             out = out.float()
             if not bool(torch.isfinite(out).all()):
-                return "nan"
+                return Cause.NAN
             if float(out.abs().max()) > FP16_MAX:
-                return "overflow"
-            return "transient"
+                return Cause.OVERFLOW
+            return Cause.TRANSIENT
         except Exception:  # a module that cannot be re-run on its saved input: say what we know
-            return "nan"
+            return Cause.NAN
         finally:
             self._recomputing = False

@@ -47,6 +47,7 @@ from .policies import ScalerView, SpikeState, decide
 from .report import Anomaly, History, RunInfo, StepReport
 from .scaling import ScaleState
 from .stats import DECISION_K, LOCAL_K, REASONS, Dec, Loc, grads_by_device_and_dtype, local_vector, per_tensor_norms
+from .vocab import AnomalyKind, Cause, Phase, SkipReason
 
 __all__ = ["GuardedOptimizer", "wrap"]
 
@@ -649,7 +650,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         )
         if div is None:
             return
-        self._divergence = Anomaly(self._step - 1, "rank_divergence", div.describe(), div.ranks)
+        self._divergence = Anomaly(self._step - 1, AnomalyKind.RANK_DIVERGENCE, div.describe(), div.ranks)
         if self.config.on_divergence == "raise":
             self._materialize()
             raise RankDivergenceError(f"step {self._step - 1}: {div.describe()}", div.ranks)
@@ -661,7 +662,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
             first = anomalies[0]
             kind = first.kind
             if kind == "overflow" and finding.cause != "overflow":
-                kind = "nonfinite_grad"  # fp16, but forensics found a NaN the scale did not cause
+                kind = AnomalyKind.NONFINITE_GRAD  # fp16, but forensics found a NaN the scale did not cause
             anomalies[0] = dataclasses.replace(
                 first, kind=kind, module=finding.module, phase=finding.phase, cause=finding.cause,
                 detail=f"{first.detail}. Forensics: {finding.detail}",
@@ -743,15 +744,15 @@ class GuardedOptimizer(torch.optim.Optimizer):
             if loss_finite and grads_finite:
                 if first_pass is not None:
                     finding = dataclasses.replace(
-                        first_pass, cause="transient",
+                        first_pass, cause=Cause.TRANSIENT,
                         detail=f"{first_pass.detail}; a replay of the same batch was clean: suspect hardware or a race")
                 else:
-                    finding = Finding("", "loss", "transient", "", math.nan,
+                    finding = Finding("", Phase.LOSS, Cause.TRANSIENT, "", math.nan,
                                       "a replay of the same batch was clean: suspect hardware or a race")
                 localizer.reset()
             else:
                 found = localizer.collect(loss_finite=loss_finite, fp16_scaling=self.scaler is not None)
-                finding = found or Finding("", "backward", "nan", "", math.nan,
+                finding = found or Finding("", Phase.BACKWARD, Cause.NAN, "", math.nan,
                                            "the replay was non-finite again, outside any module hook")
             shared = self._share(finding, gathered)
             if shared is not None:
@@ -771,7 +772,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._ladder.rollback(self)
         self.backend.zero_grad(self.optimizer, True)
         scale = self.get_scale()
-        report = StepReport(step=self._step, skipped=True, reason="rollback", loss=math.nan, loss_scale=scale,
+        report = StepReport(step=self._step, skipped=True, reason=SkipReason.ROLLBACK, loss=math.nan, loss_scale=scale,
                             next_loss_scale=scale, grad_norm=math.nan, nonfinite_grads=0, nonfinite_loss=False,
                             world_size=self.backend.world_size, rank=self.backend.rank, wall_time=time.time())
         self._history.append(report)
@@ -804,7 +805,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         report = StepReport(
             step=step,
             skipped=d[Dec.SKIP] > 0,
-            reason=REASONS[int(d[Dec.REASON])],
+            reason=REASONS[int(d[Dec.REASON])],  # type: ignore[arg-type]
             loss=d[Dec.LOSS],
             loss_scale=d[Dec.SCALE],
             next_loss_scale=d[Dec.NEXT_SCALE],
@@ -832,11 +833,11 @@ class GuardedOptimizer(torch.optim.Optimizer):
         where = f" on rank(s) {list(ranks)}" if ranks else ""
         if loss_bad:
             anomalies.append(
-                Anomaly(step, "nonfinite_loss", f"loss was {d[Dec.LOSS]}{where}; step skipped{scale_txt}", ranks,
-                        bad_params[:8], phase="loss")
+                Anomaly(step, AnomalyKind.NONFINITE_LOSS, f"loss was {d[Dec.LOSS]}{where}; step skipped{scale_txt}",
+                        ranks, bad_params[:8], phase=Phase.LOSS)
             )
         elif grad_bad:
-            kind = "overflow" if self.scaler is not None else "nonfinite_grad"
+            kind = AnomalyKind.OVERFLOW if self.scaler is not None else AnomalyKind.NONFINITE_GRAD
             what = f"{int(d[Dec.NONFINITE_TENSORS])} gradient tensor(s) non-finite"
             if kind == "overflow":
                 what += f" at loss scale {d[Dec.SCALE]:g}"
@@ -845,14 +846,14 @@ class GuardedOptimizer(torch.optim.Optimizer):
                                      bad_params[:8]))
         if report.grad_spike:
             act = "skipped" if report.skipped else "taken (on_spike='warn')"
-            anomalies.append(Anomaly(step, "grad_spike", f"gradient norm {report.grad_norm:.4g} exceeded "
+            anomalies.append(Anomaly(step, AnomalyKind.GRAD_SPIKE, f"gradient norm {report.grad_norm:.4g} exceeded "
                                      f"{self.config.grad_spike_factor}x its running average; step {act}", ranks))
         if report.loss_spike:
             act = "skipped" if report.skipped else "taken (on_spike='warn')"
-            anomalies.append(Anomaly(step, "loss_spike", f"loss {report.loss:.4g} exceeded "
+            anomalies.append(Anomaly(step, AnomalyKind.LOSS_SPIKE, f"loss {report.loss:.4g} exceeded "
                                      f"{self.config.loss_spike_factor}x its running average; step {act}", ranks))
         if d[Dec.FLOOR] > 0:
-            anomalies.append(Anomaly(step, "scale_floor", f"loss scale reached the floor min_scale="
+            anomalies.append(Anomaly(step, AnomalyKind.SCALE_FLOOR, f"loss scale reached the floor min_scale="
                                      f"{self.config.min_scale:g}: fp16 overflows persist at the smallest allowed "
                                      "scale, the model likely needs bf16/fp32 or a fix", ranks))
         return report, anomalies

@@ -13,23 +13,15 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
 
+from .vocab import AnomalyKind, Cause, Phase, SkipReason
+
 __all__ = ["ANOMALY_KINDS", "SKIP_REASONS", "Anomaly", "History", "RunInfo", "StepReport"]
 
 #: Values ``StepReport.reason`` takes on a skipped step, in order of precedence.
-SKIP_REASONS = ("nonfinite_loss", "nonfinite_grad", "grad_spike", "loss_spike", "rollback")
+SKIP_REASONS: tuple[str, ...] = tuple(r.value for r in SkipReason)
 
 #: Values ``Anomaly.kind`` takes.
-ANOMALY_KINDS = (
-    "nonfinite_loss",  # the loss was NaN/inf (bf16/fp32, or fp16 whatever the scale)
-    "nonfinite_grad",  # a gradient was NaN/inf without loss scaling (bf16/fp32)
-    "overflow",  # fp16: a scaled gradient overflowed; the scale backs off (after hysteresis)
-    "grad_spike",  # the gradient norm exceeded grad_spike_factor x its running average
-    "loss_spike",  # the loss exceeded loss_spike_factor x its running average
-    "scale_floor",  # the loss scale reached GuardConfig.min_scale
-    "rank_divergence",  # ranks disagree on step/skip count, scale or parameters
-    "rollback",  # the escalation ladder restored the last good snapshot
-    "abort",  # the escalation ladder stopped training (NonFiniteError follows)
-)
+ANOMALY_KINDS: tuple[str, ...] = tuple(k.value for k in AnomalyKind)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -40,8 +32,8 @@ class StepReport:
     """0-based index of the ``step()`` call this report describes (skipped steps count)."""
     skipped: bool
     """True when the inner optimizer did not update the parameters on this step."""
-    reason: str | None
-    """Why the step was skipped (one of :data:`SKIP_REASONS`), or None."""
+    reason: SkipReason | None
+    """Why the step was skipped, or None."""
     loss: float
     """The loss given to ``backward()`` (unscaled; the mean when several backward calls
     accumulated into this step; NaN when non-finite)."""
@@ -77,6 +69,10 @@ class StepReport:
     host-side counter: no sync). None off CUDA: nothing rather than a wrong number."""
     memory_reserved_peak: int | None = None
     """Peak bytes the caching allocator reserved on this rank's CUDA device during this step."""
+    scale_backoff: bool = False
+    """The loss scale was backed off after this step (``next_loss_scale < loss_scale``)."""
+    scale_growth: bool = False
+    """The loss scale grew after this step (``next_loss_scale > loss_scale``)."""
 
     @property
     def nonfinite(self) -> bool:
@@ -97,8 +93,8 @@ class Anomaly:
 
     step: int
     """The step it was seen on."""
-    kind: str
-    """One of :data:`ANOMALY_KINDS`."""
+    kind: AnomalyKind
+    """What it is about (a ``str``: the JSONL and Prometheus spelling)."""
     detail: str
     """A sentence for a human."""
     ranks: tuple[int, ...] = ()
@@ -107,16 +103,18 @@ class Anomaly:
     """Names of the first parameters whose gradients were non-finite, when known."""
     module: str | None = None
     """Qualified name of the first module that produced a non-finite value (forensics)."""
-    phase: str | None = None
-    """"forward" | "backward" | "loss" (forensics)."""
-    cause: str | None = None
-    """"overflow" | "nan" | "transient" (forensics)."""
+    phase: Phase | None = None
+    """Where the first non-finite value appeared (forensics)."""
+    cause: Cause | None = None
+    """Why (forensics)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
 def _jsonable(value: Any) -> Any:
+    if isinstance(value, str):
+        return str(value)  # a vocab enum becomes its plain string
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, tuple):

@@ -1,0 +1,84 @@
+"""The words ampguard's records use, spelled once each.
+
+Every enum here is a ``str`` subclass whose values are the strings users already see in
+JSONL logs, Prometheus labels and ``StepReport``/``Anomaly`` fields: ``SkipReason.NONFINITE_LOSS
+== "nonfinite_loss"`` is true, ``json.dumps`` writes the plain string, and ``str()`` gives
+the value (not ``SkipReason.NONFINITE_LOSS``) on every supported Python.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+__all__ = ["AnomalyKind", "Cause", "OnSpike", "Phase", "Precision", "SkipReason"]
+
+
+class _StrEnum(str, enum.Enum):
+    """``enum.StrEnum`` for Python 3.10 too: ``str(member)`` and ``format(member)`` are the value."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, format_spec: str) -> str:
+        return format(str(self.value), format_spec)
+
+
+class SkipReason(_StrEnum):
+    """Why a step was skipped (``StepReport.reason``), in order of precedence."""
+
+    NONFINITE_LOSS = "nonfinite_loss"
+    NONFINITE_GRAD = "nonfinite_grad"
+    GRAD_SPIKE = "grad_spike"
+    LOSS_SPIKE = "loss_spike"
+    ROLLBACK = "rollback"
+
+
+class AnomalyKind(_StrEnum):
+    """What an :class:`~ampguard.Anomaly` is about (``Anomaly.kind``)."""
+
+    NONFINITE_LOSS = "nonfinite_loss"
+    """The loss was NaN/inf (bf16/fp32, or fp16 whatever the scale)."""
+    NONFINITE_GRAD = "nonfinite_grad"
+    """A gradient was NaN/inf without loss scaling (bf16/fp32), or forensics found a NaN that the
+    fp16 scale did not cause."""
+    OVERFLOW = "overflow"
+    """fp16: a scaled gradient overflowed; the scale backs off (after hysteresis)."""
+    GRAD_SPIKE = "grad_spike"
+    """The gradient norm exceeded ``grad_spike_factor`` x its running average."""
+    LOSS_SPIKE = "loss_spike"
+    """The loss exceeded ``loss_spike_factor`` x its running average."""
+    SCALE_FLOOR = "scale_floor"
+    """The loss scale reached ``GuardConfig.min_scale``."""
+    RANK_DIVERGENCE = "rank_divergence"
+    """Ranks disagree on step/skip count, scale or parameters."""
+    ROLLBACK = "rollback"
+    """The escalation ladder restored the last good snapshot."""
+    ABORT = "abort"
+    """The escalation ladder stopped training (NonFiniteError follows)."""
+
+
+class Phase(_StrEnum):
+    """Where forensics saw the first non-finite value (``Anomaly.phase``)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    LOSS = "loss"
+
+
+class Cause(_StrEnum):
+    """Why forensics thinks it went non-finite (``Anomaly.cause``)."""
+
+    OVERFLOW = "overflow"
+    """Finite in fp32, beyond fp16's range in the run's precision."""
+    NAN = "nan"
+    """Non-finite in fp32 too: a genuine NaN/inf (bad input or math)."""
+    TRANSIENT = "transient"
+    """A replay of the same batch was clean: suspect hardware or a race."""
+
+
+Precision = Literal["auto", "fp16", "bf16", "fp32"]
+"""``wrap(precision=...)``: "auto" resolves to one of the other three."""
+
+OnSpike = Literal["warn", "skip"]
+"""``GuardConfig.on_spike``."""
