@@ -6,9 +6,8 @@ no global state. Everything happens in :func:`wrap` and the objects it returns.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from . import faults
+from ._version import __version__
 from .config import Escalation, GuardConfig
 from .errors import (
     AmpGuardError,
@@ -18,7 +17,8 @@ from .errors import (
     RankDivergenceError,
 )
 from .exporters.base import Exporter, MultiExporter, NullExporter
-from .guard import GuardedOptimizer, wrap
+from .factory import wrap
+from .guard import GuardedOptimizer
 from .hardware import UnsupportedPrecisionError
 from .preflight import Recommendation, preflight
 from .report import Anomaly, History, RunInfo, StepReport

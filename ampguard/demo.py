@@ -163,7 +163,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, run_dir: str, in
                 loss = F.cross_entropy(logits.float().reshape(-1, len(chars)), batch[:, 1:].reshape(-1))
                 opt.backward(loss, batch_id=f"rank{rank}:step{step}")
 
-            opt.step(closure)  # the closure lets the guard replay a non-finite step to localise it
+            opt.step(closure, replay=True)  # the guard may replay a non-finite step to localise it
             opt.zero_grad(set_to_none=True)
         opt.close()
         # Leave together and free DDP before the group goes: else gloo may abort at exit.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "AmpGuardError",
+    "BackendError",
     "BackendUnavailableError",
     "GuardStateError",
     "NonFiniteError",
@@ -45,3 +46,8 @@ class RankDivergenceError(AmpGuardError):
 
 class BackendUnavailableError(AmpGuardError, ImportError):
     """An optional dependency is missing. The message names the pip extra that installs it."""
+
+
+class BackendError(AmpGuardError, RuntimeError):
+    """A backend cannot work in this process as it is set up (e.g. torch.distributed or Horovod
+    not initialised). The message says what to call first."""

@@ -6,8 +6,9 @@ materialisation points, so every rank climbs the same rung at the same step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from .config import Escalation
 from .report import Anomaly, StepReport
 from .vocab import AnomalyKind
 
-__all__ = ["Ladder"]
+__all__ = ["Ladder", "Observed"]
 
 
 def _to(obj: Any, device: str | None) -> Any:
@@ -33,8 +34,23 @@ def _to(obj: Any, device: str | None) -> Any:
     return obj
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Observed:
+    """What one report means for the ladder."""
+
+    anomalies: list[Anomaly]
+    diagnosis: str | None
+    """Set when training must stop."""
+    snapshot: bool
+    """Take a snapshot of the model after this step (at the guard's next fixed point)."""
+
+
 class Ladder:
-    """Counts non-finite steps in a sliding window and decides when to roll back or stop."""
+    """Counts non-finite steps in a sliding window and decides when to roll back or stop.
+
+    :meth:`observe` only decides (it is run when a report is decoded, which may be early on one
+    rank); snapshots, rollbacks and ``on_abort`` are carried out by the guard at fixed points.
+    """
 
     def __init__(
         self,
@@ -51,39 +67,42 @@ class Ladder:
         self.snapshot: dict[str, Any] | None = None
         self.snapshot_step: int | None = None
         self.pending_rollback: Anomaly | None = None
+        self.pending_snapshot: int | None = None
+        """A step after which a snapshot is wanted and not yet taken (the guard takes it)."""
 
-    def observe(self, guard: Any, report: StepReport) -> tuple[list[Anomaly], str | None]:
-        """Fold one report in. Returns anomalies to record, and a diagnosis when training must stop."""
+    def observe(self, report: StepReport, *, can_snapshot: bool, anomalies: Sequence[Anomaly]) -> Observed:
+        """Fold one report in. ``anomalies``: those recorded so far (for the diagnosis)."""
         c = self.config
         while self.recent and self.recent[0] <= report.step - c.window:
             self.recent.popleft()
         if not report.nonfinite:
             every = c.snapshot_every
-            if every is not None and not report.skipped and (report.step + 1) % every == 0 and guard.model is not None:
-                self.take_snapshot(guard, report.step)
-            return [], None
+            want = every is not None and not report.skipped and (report.step + 1) % every == 0 and can_snapshot
+            if want:
+                self.pending_snapshot = report.step
+            return Observed([], None, want)
         self.recent.append(report.step)
         if len(self.recent) < c.rollback_after:
-            return [], None
+            return Observed([], None, False)
         count = len(self.recent)
         self.recent.clear()
-        can_roll = self.on_rollback is not None or self.snapshot is not None
+        # a snapshot wanted but not yet taken counts: it is taken before the rollback is carried out
+        can_roll = self.on_rollback is not None or self.snapshot is not None or self.pending_snapshot is not None
         if self.rollbacks < c.max_rollbacks and can_roll:
-            target = (
-                "your on_rollback checkpoint" if self.on_rollback else f"the snapshot after step {self.snapshot_step}"
-            )
+            last = self.pending_snapshot if self.pending_snapshot is not None else self.snapshot_step
+            target = "your on_rollback checkpoint" if self.on_rollback else f"the snapshot after step {last}"
             anomaly = Anomaly(report.step, AnomalyKind.ROLLBACK,
                               f"{count} non-finite steps within {c.window} steps: rolling back to {target} "
                               f"(rollback {self.rollbacks + 1} of {c.max_rollbacks})", report.nonfinite_ranks)
             self.pending_rollback = anomaly
-            return [anomaly], None
+            return Observed([anomaly], None, False)
         why = ("no snapshot to roll back to (set Escalation.snapshot_every or pass on_rollback)" if not can_roll
                else f"{self.rollbacks} rollback(s) did not help")
-        diagnosis = self.diagnose(guard, report, count, why)
-        return [Anomaly(report.step, AnomalyKind.ABORT, diagnosis, report.nonfinite_ranks)], diagnosis
+        diagnosis = self.diagnose(report, count, why, anomalies)
+        return Observed([Anomaly(report.step, AnomalyKind.ABORT, diagnosis, report.nonfinite_ranks)], diagnosis, False)
 
-    def diagnose(self, guard: Any, report: StepReport, count: int, why: str) -> str:
-        located = [a for a in guard._anomalies if a.module is not None][-3:]
+    def diagnose(self, report: StepReport, count: int, why: str, anomalies: Sequence[Anomaly]) -> str:
+        located = [a for a in anomalies if a.module is not None][-3:]
         where = "; ".join(f"step {a.step}: {a.module or '(model)'} {a.phase} ({a.cause})" for a in located)
         return (
             f"training stopped at step {report.step}: {count} non-finite steps within {self.config.window} steps "
@@ -93,26 +112,24 @@ class Ladder:
         )
 
     @torch.no_grad()
-    def take_snapshot(self, guard: Any, step: int) -> None:
+    def take_snapshot(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
         device = self.config.snapshot_device
-        self.snapshot = {
-            "model": _to(guard.model.state_dict(), device),
-            "optimizer": _to(guard.optimizer.state_dict(), device),
-        }
+        self.snapshot = {"model": _to(model.state_dict(), device), "optimizer": _to(optimizer.state_dict(), device)}
         self.snapshot_step = step
+        self.pending_snapshot = None
 
     @torch.no_grad()
-    def rollback(self, guard: Any) -> None:
-        """Restore the snapshot (or call ``on_rollback``). The loss scale is *not* restored: the
-        backed-off scale is part of the recovery."""
+    def rollback(self, opt: Any, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> None:
+        """Restore the snapshot (or call ``on_rollback(opt, opt.step_count)``). The loss scale is
+        *not* restored: the backed-off scale is part of the recovery."""
         self.pending_rollback = None
         self.rollbacks += 1
         if self.on_rollback is not None:
-            self.on_rollback(guard, guard.step_count)
+            self.on_rollback(opt, opt.step_count)
             return
-        assert self.snapshot is not None  # internal: observe() only schedules a rollback with one
-        guard.model.load_state_dict(_to(self.snapshot["model"], None))
-        guard.optimizer.load_state_dict(_to(self.snapshot["optimizer"], None))
+        assert self.snapshot is not None and model is not None  # internal: observe() checked
+        model.load_state_dict(_to(self.snapshot["model"], None))
+        optimizer.load_state_dict(_to(self.snapshot["optimizer"], None))
 
     def state_dict(self) -> dict[str, Any]:
         return {"recent": list(self.recent), "rollbacks": self.rollbacks}

@@ -49,7 +49,7 @@ class Fault:
     """loss only: "add" puts the value into the loss alone (gradients stay finite); "mul" multiplies
     the loss by it, so the gradients become non-finite too."""
     transient: bool = False
-    """Fire at most once per step: a replay of the same step (``opt.step(closure)``) is clean, as
+    """Fire at most once per step: a replay of the same step (``opt.step(closure, replay=True)``) is clean, as
     with a hardware glitch or a race."""
 
     def active(self, step: int, rank: int) -> bool:
@@ -130,7 +130,7 @@ class Injection:
         self.fired: list[tuple[int, int, Fault]] = []
         self._fired_once: set[tuple[int, int]] = set()
         self._handles: list[Any] = []
-        self._callbacks: list[tuple[list[Any], Any]] = []
+
         model = model if model is not None else getattr(opt, "model", None)
         module_root = getattr(model, "module", model)
         self.rank = int(getattr(getattr(opt, "backend", None), "rank", 0))
@@ -138,11 +138,11 @@ class Injection:
             if not isinstance(f, Fault):
                 raise TypeError(f"inject() takes Fault objects (faults.loss/grad/output), got {type(f).__name__}")
             if f.where == "loss":
-                self._add_callback(opt._loss_transforms, self._loss_transform(f))
+                self._handles.append(opt.register_loss_hook(self._loss_transform(f)))
             elif f.where == "grad":
                 param = self._find(module_root, f.target, "parameter")
                 if f.after_reduction:
-                    self._add_callback(opt._pre_unscale_callbacks, self._after_reduction(f, param))
+                    self._handles.append(opt.register_pre_unscale_hook(self._after_reduction(f, param)))
                 else:
                     self._handles.append(param.register_hook(self._grad_hook(f)))
             elif f.where == "output":
@@ -161,10 +161,6 @@ class Injection:
         if name not in table:
             raise ValueError(f"no {what} named {name!r}; known: {', '.join(list(table)[:20])}")
         return table[name]
-
-    def _add_callback(self, registry: list[Any], fn: Any) -> None:
-        registry.append(fn)
-        self._callbacks.append((registry, fn))
 
     def _fires(self, f: Fault) -> bool:
         step = self.opt.step_count
@@ -240,10 +236,6 @@ class Injection:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        for registry, fn in self._callbacks:
-            if fn in registry:
-                registry.remove(fn)
-        self._callbacks.clear()
 
     def __enter__(self) -> Injection:
         return self
@@ -255,7 +247,7 @@ class Injection:
 def inject(opt: Any, model: torch.nn.Module | Fault | None = None, *faults: Fault) -> Injection:
     """Install ``faults`` on a guarded optimizer (and its model: by default ``wrap(model=...)``'s).
     Returns the :class:`Injection`."""
-    if not hasattr(opt, "_loss_transforms"):
+    if not hasattr(opt, "register_loss_hook"):
         raise TypeError("inject() needs the optimizer returned by ampguard.wrap()")
     if isinstance(model, Fault):
         faults = (model, *faults)

@@ -8,7 +8,7 @@ with one host sync per step (armed steps only). On the next non-finite step it n
 **first** module, in execution order, whose forward output, or whose backward gradient,
 became non-finite.
 
-With a replay closure (``opt.step(closure)``) the guard replays a non-finite step with the
+With a replay closure (``opt.step(closure, replay=True)``) the guard replays a non-finite step with the
 hooks armed at the same loss scale, so the culprit is named on the step itself, and a
 replay that comes out clean is classified ``"transient"``.
 

@@ -13,10 +13,10 @@ import dataclasses
 import torch
 
 from .config import GuardConfig
-from .scaling import ScaleState, next_scale
+from .scaling import ScalerView, ScaleState, next_scale
 from .stats import DECISION_K, Loc
 
-__all__ = ["SpikeState", "decide"]
+__all__ = ["ScalerView", "SpikeState", "decide"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -31,17 +31,6 @@ class SpikeState:
     def fresh(cls, device: torch.device) -> SpikeState:
         z = torch.zeros((), dtype=torch.float32, device=device)
         return cls(grad_ema=z.clone(), loss_ema=z.clone(), count=torch.zeros((), dtype=torch.int32, device=device))
-
-
-@dataclasses.dataclass(slots=True)
-class ScalerView:
-    """What :func:`decide` needs of a GradScaler (None when there is no loss scaling)."""
-
-    scale: torch.Tensor
-    growth_tracker: torch.Tensor
-    growth_factor: float
-    backoff_factor: float
-    growth_interval: int
 
 
 def decide(

@@ -112,7 +112,7 @@ class Recommendation:
 def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], Any],
            optimizer_fn: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer], loss_fn: Callable[..., Any],
            precision: str, steps: int, device: torch.device, growth_interval: int) -> Trial:
-    from .guard import wrap
+    from .factory import wrap
 
     try:
         check_precision(precision, device)
@@ -127,7 +127,7 @@ def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], An
     scaler = None
     if precision == "fp16":
         scaler = torch.amp.GradScaler(device.type, init_scale=_PROBE_SCALE, growth_interval=growth_interval)
-    opt = wrap(inner, model=model, precision=precision, scaler=scaler,
+    opt = wrap(inner, model=model, precision=precision, scaler=scaler,  # type: ignore[arg-type]
                config=GuardConfig(min_scale=2.0**-14, forensics=False, history_size=max(steps, 1)))
     for i in range(steps):
         batch = batch_fn(i)

@@ -1,4 +1,10 @@
-"""Loss-scale control on top of GradScaler: hysteresis, floor and ceiling, on device.
+"""Loss scaling: the one adapter to ``torch.amp.GradScaler``, and the scale rule on device.
+
+:class:`GradScalerAdapter` is the only place in ampguard that touches GradScaler's private
+state (``_scale``, ``_growth_tracker``, ``_per_optimizer_states``, ``_device``,
+``_lazy_init_scale_growth_tracker``): a torch upgrade that moves them breaks here, and only
+here. It also decides what the *public* GradScaler calls mean on a guarded optimizer
+(``scaler.step(opt)``, ``scaler.unscale_(opt)``, ``scaler.update()``): see :meth:`attach`.
 
 GradScaler's own rule (``torch._amp_update_scale_``) backs off on every overflowing step and
 grows after ``growth_interval`` clean ones. :func:`next_scale` computes the same rule with
@@ -9,11 +15,212 @@ hysteresis 1 and a scale inside [min, max] the result is bitwise GradScaler's.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["ScaleState", "next_scale"]
+from .errors import GuardStateError
+
+__all__ = ["GradScalerAdapter", "ScaleState", "ScalerView", "next_scale"]
+
+# GradScaler's per-optimizer stages (torch.amp.grad_scaler.OptState), compared by name so a
+# torch that moves the enum keeps working.
+_READY, _UNSCALED = "READY", "UNSCALED"
+
+
+@dataclasses.dataclass(slots=True)
+class ScalerView:
+    """What the decision needs of a GradScaler (None when there is no loss scaling)."""
+
+    scale: torch.Tensor
+    growth_tracker: torch.Tensor
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+
+
+class GradScalerAdapter:
+    """The guard's view of, and hold on, one ``torch.amp.GradScaler``.
+
+    Reads: :attr:`scale` (the device tensor), :meth:`view`. Writes: :meth:`unscale` (adopting an
+    ``unscale_`` already done this iteration), :meth:`force_found_inf`, :meth:`update` (new scale
+    and growth tracker), :meth:`at_scale` (run at a given scale, for a replay).
+
+    :meth:`attach` makes the scaler's own public methods guard-aware, on this scaler instance
+    only (nothing global; :meth:`detach` undoes it):
+
+    - ``scaler.unscale_(opt)`` (or of ``opt.optimizer``): the guard's :meth:`GuardedOptimizer.unscale_`,
+      which unscales once and measures the gradients before the caller clips them.
+    - ``scaler.step(opt)``: refused with :class:`GuardStateError` before anything changes (the guard
+      steps itself: the habit from the plain loop is a mistake), unless :attr:`route_steps` is set
+      (framework integrations, whose own code calls ``scaler.step``): then it is ``opt.step()``.
+    - ``scaler.update()`` after a guarded step: the guard already updated the scale; refused, or a
+      no-op with :attr:`route_steps`.
+    - ``scaler.scale(loss)``: noted, so that a step whose gradients were never scaled by this scaler
+      is caught (see :attr:`scaled_since_step`).
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+        self.route_steps = False
+        """Framework integrations set this: ``scaler.step(opt)`` runs the guarded step."""
+        self.scaled_since_step = False
+        """``scaler.scale()`` ran since the last guarded step (fp16: the gradients are scaled)."""
+        self._updated_by_guard = False
+        self._targets: tuple[int, ...] = ()
+        self._saved: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ reads
+    @property
+    def device_type(self) -> str:
+        """The device type the scaler was built for ("cuda", "cpu", ...)."""
+        return str(self.scaler._device)
+
+    def ensure_initialized(self, device: torch.device) -> None:
+        """Create the scale and growth tracker now (GradScaler does it lazily on first ``scale()``),
+        so the state is complete before step 0. No-op when they exist."""
+        if self.scaler._scale is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self.scaler._lazy_init_scale_growth_tracker(device)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The loss scale, a 1-element device tensor (no sync)."""
+        scale = self.scaler._scale
+        if scale is None:  # pragma: no cover - ensure_initialized() runs at wrap()
+            raise GuardStateError("the GradScaler has no scale yet")
+        return scale
+
+    def view(self) -> ScalerView:
+        return ScalerView(
+            scale=self.scale,
+            growth_tracker=self.scaler._growth_tracker,  # type: ignore[arg-type]
+            growth_factor=self.scaler.get_growth_factor(),
+            backoff_factor=self.scaler.get_backoff_factor(),
+            growth_interval=self.scaler.get_growth_interval(),
+        )
+
+    # ------------------------------------------------------------------ writes
+    def unscale(self, guard: object, inner: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """Unscale ``inner``'s gradients unless that was done this iteration (also when someone
+        called ``scaler.unscale_`` on the guard itself before :meth:`attach`), and return
+        GradScaler's ``found_inf`` per device. No sync."""
+        states = self.scaler._per_optimizer_states
+        mine = states.get(id(guard))
+        if mine is not None and mine["stage"].name == _UNSCALED:
+            states[id(inner)] = states.pop(id(guard))
+        elif states[id(inner)]["stage"].name == _READY:
+            self._call("unscale_", inner)
+        return states[id(inner)]["found_inf_per_device"]
+
+    def unscaled(self, inner: torch.optim.Optimizer) -> bool:
+        """Whether ``inner``'s gradients were unscaled this iteration."""
+        state = self.scaler._per_optimizer_states.get(id(inner))
+        return state is not None and state["stage"].name == _UNSCALED
+
+    @staticmethod
+    def force_found_inf(found_inf_per_device: dict[torch.device, torch.Tensor], skip: torch.Tensor) -> None:
+        """Make GradScaler skip exactly when the guard decided to: ``found_inf := skip`` in place.
+        (ShardedGradScaler's found_inf has shape [1]; fused optimizers' kernels need 0-d.)"""
+        for dev, t in found_inf_per_device.items():
+            t.copy_(skip)
+            found_inf_per_device[dev] = t.reshape(())
+
+    def step(self, inner: torch.optim.Optimizer) -> None:
+        """GradScaler's own step of the inner optimizer (non-fused: its ``found_inf.item()``)."""
+        self._call("step", inner)
+
+    def update(self, new_scale: torch.Tensor, tracker: torch.Tensor | None) -> None:
+        """Set the next scale and growth tracker (both device tensors: no sync)."""
+        self._call("update", new_scale=new_scale)
+        if tracker is not None:
+            self.scaler._growth_tracker.copy_(tracker)  # type: ignore[union-attr]
+        self._updated_by_guard = True
+        self.scaled_since_step = False
+
+    @contextlib.contextmanager
+    def at_scale(self, scale: torch.Tensor) -> Iterator[None]:
+        """Run the block with the loss scale set to ``scale``, then restore the current one."""
+        saved = self.scale.clone()
+        self.scale.copy_(scale)
+        try:
+            yield
+        finally:
+            self.scale.copy_(saved)
+
+    def forget(self, optimizer: object) -> None:
+        """Drop GradScaler's per-iteration record of ``optimizer`` (after a refused call)."""
+        self.scaler._per_optimizer_states.pop(id(optimizer), None)
+
+    def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """GradScaler's own method, bypassing what :meth:`attach` put on the instance."""
+        original = self._saved.get(name) or getattr(type(self.scaler), name).__get__(self.scaler)
+        return original(*args, **kwargs)
+
+    # ------------------------------------------------------------------ the scaler's public calls
+    def attach(self, guard: Any) -> None:
+        """Make ``scaler.step/unscale_/update/scale`` guard-aware on this instance (see the class
+        docstring). Calls about other optimizers go to GradScaler unchanged."""
+        if self._targets:
+            return
+        self._targets = (id(guard), id(guard.optimizer))
+        scaler = self.scaler
+        for name in ("step", "unscale_", "update", "scale"):
+            self._saved[name] = scaler.__dict__.get(name)  # someone else's instance patch, if any
+        def _class(name: str) -> Callable[..., Any]:
+            return self._saved[name] or getattr(type(scaler), name).__get__(scaler)
+
+        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if id(optimizer) not in self._targets:
+                return _class("step")(optimizer, *args, **kwargs)
+            if self.route_steps:
+                return guard.step(*args, **kwargs)
+            self.forget(optimizer)
+            raise GuardStateError(
+                "scaler.step(opt) was called on a guarded optimizer: the guard already unscales, checks and "
+                "steps. Replace `scaler.step(opt); scaler.update()` with `opt.step()`. Nothing was changed."
+            )
+
+        def unscale_(optimizer: Any) -> None:
+            if id(optimizer) not in self._targets:
+                return _class("unscale_")(optimizer)  # type: ignore[no-any-return]
+            guard.unscale_()
+            return None
+
+        def update(new_scale: Any = None) -> None:
+            if self._updated_by_guard and new_scale is None:
+                if self.route_steps:
+                    self._updated_by_guard = False
+                    return None
+                raise GuardStateError(
+                    "scaler.update() after opt.step(): the guarded step already updated the loss scale. Remove "
+                    "the scaler.update() call. Nothing was changed."
+                )
+            return _class("update")(new_scale)  # type: ignore[no-any-return]
+
+        def scale(outputs: Any) -> Any:
+            self.scaled_since_step = True
+            return _class("scale")(outputs)
+
+        scaler.step = step  # type: ignore[method-assign]
+        scaler.unscale_ = unscale_  # type: ignore[method-assign]
+        scaler.update = update  # type: ignore[method-assign]
+        scaler.scale = scale  # type: ignore[method-assign]
+
+    def detach(self) -> None:
+        """Undo :meth:`attach`: the scaler's methods are GradScaler's (or whatever they were) again."""
+        for name, previous in self._saved.items():
+            if previous is None:
+                self.scaler.__dict__.pop(name, None)
+            else:
+                setattr(self.scaler, name, previous)
+        self._saved.clear()
+        self._targets = ()
 
 
 @dataclasses.dataclass(slots=True)
@@ -46,9 +253,9 @@ def next_scale(
 
     ``overflow`` (bool, 0-d): the gradients were non-finite on some rank. ``held`` (bool): the
     step was skipped for another reason (a spike, a non-finite loss with finite gradients):
-    the scale and the growth count stay as they are. Updates ``state`` and ``growth_tracker``
-    in place. Returns ``(new_scale, new_tracker, backoff, growth, floor_hit)``; the last three
-    are bool tensors for the report.
+    the scale and the growth count stay as they are. Updates ``state`` in place; ``growth_tracker``
+    is only read (the new tracker is returned). Returns ``(new_scale, new_tracker, backoff, growth,
+    floor_hit)``; the last three are bool tensors for the report.
     """
     run = torch.where(overflow, state.overflow_run + 1, torch.zeros_like(state.overflow_run))
     backoff = overflow & (run >= hysteresis)

@@ -10,11 +10,15 @@ gathered ``[world_size, LOCAL_K]`` matrix, so every rank takes the same decision
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import math
 from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
+
+from .vocab import SkipReason
 
 try:  # the helper clip_grad_norm_ itself uses; private, hence the fallback
     from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
@@ -24,30 +28,39 @@ except ImportError:  # pragma: no cover
 __all__ = [
     "DECISION_K",
     "LOCAL_K",
+    "REASONS",
     "Dec",
+    "Decision",
+    "GradGroups",
     "Loc",
     "grads_by_device_and_dtype",
     "local_vector",
+    "origin_ranks",
     "per_tensor_norms",
 ]
 
 
-class Loc:
+class Loc(enum.IntEnum):
     """Indices into the per-rank local vector."""
 
-    LOSS = 0  # mean of the losses given to backward() since the last step (this rank)
-    LOSS_NONFINITE = 1  # 1.0 when any of those losses was NaN/inf
-    GRAD_NORM = 2  # L2 norm of this rank's (unscaled) gradients, or of its shard (FSDP)
-    NONFINITE_TENSORS = 3  # number of this rank's gradient tensors holding NaN/inf
-    FOUND_INF = 4  # GradScaler's found_inf summed over devices (0 without a scaler)
-    PRE_REDUCTION = 5  # 1.0 when this rank's own contribution was non-finite before reduction
-    SCALE = 6  # the loss scale that scaled this step's loss (1.0 without scaling)
+    LOSS = 0
+    """The loss of this optimizer step on this rank (see ``GuardedOptimizer.observe_loss``)."""
+    LOSS_NONFINITE = 1
+    """1.0 when any micro-batch loss of this step was NaN/inf."""
+    GRAD_NORM = 2
+    """L2 norm of this rank's (unscaled) gradients, or of its shard (FSDP)."""
+    NONFINITE_TENSORS = 3
+    """Number of this rank's gradient tensors holding NaN/inf."""
+    FOUND_INF = 4
+    """GradScaler's found_inf summed over devices (0 without a scaler)."""
+    PRE_REDUCTION = 5
+    """1.0 when this rank's own contribution was non-finite before reduction."""
 
 
-LOCAL_K = 7
+LOCAL_K = len(Loc)
 
 
-class Dec:
+class Dec(enum.IntEnum):
     """Indices into the decision vector (identical on every rank). Values first, then 0/1 flags,
     so the vector is assembled with two stacks."""
 
@@ -57,7 +70,7 @@ class Dec:
     CLIP_COEF = 3
     SCALE = 4
     NEXT_SCALE = 5
-    REASON = 6  # 0 none, 1 nonfinite_loss, 2 nonfinite_grad, 3 grad_spike, 4 loss_spike
+    REASON = 6  # index into REASONS
     SKIP = 7  # 1.0: the inner optimizer does not step
     LOSS_NONFINITE = 8  # any rank
     GRAD_NONFINITE = 9  # any rank (non-finite tensors or GradScaler found_inf)
@@ -68,26 +81,81 @@ class Dec:
     FLOOR = 14  # 1.0 when a backoff hit min_scale
 
 
-DECISION_K = 15
+DECISION_K = len(Dec)
 
-REASONS = (None, "nonfinite_loss", "nonfinite_grad", "grad_spike", "loss_spike")
+#: ``Dec.REASON`` values, as written by :func:`ampguard.policies.decide`.
+REASONS: tuple[SkipReason | None, ...] = (
+    None, SkipReason.NONFINITE_LOSS, SkipReason.NONFINITE_GRAD, SkipReason.GRAD_SPIKE, SkipReason.LOSS_SPIKE,
+)
 
 
-def grads_by_device_and_dtype(
-    params: Sequence[torch.Tensor],
-) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decision:
+    """The decision vector, decoded once on the host (every rank holds the same one)."""
+
+    loss: float
+    grad_norm: float
+    nonfinite_tensors: int
+    clip_coef: float
+    scale: float
+    next_scale: float
+    reason: SkipReason | None
+    skip: bool
+    loss_nonfinite: bool
+    grad_nonfinite: bool
+    grad_spike: bool
+    loss_spike: bool
+    backoff: bool
+    growth: bool
+    floor: bool
+
+    @classmethod
+    def decode(cls, d: Sequence[float]) -> Decision:
+        return cls(
+            loss=d[Dec.LOSS], grad_norm=d[Dec.GRAD_NORM], nonfinite_tensors=int(d[Dec.NONFINITE_TENSORS]),
+            clip_coef=d[Dec.CLIP_COEF], scale=d[Dec.SCALE], next_scale=d[Dec.NEXT_SCALE],
+            reason=REASONS[int(d[Dec.REASON])], skip=d[Dec.SKIP] > 0, loss_nonfinite=d[Dec.LOSS_NONFINITE] > 0,
+            grad_nonfinite=d[Dec.GRAD_NONFINITE] > 0, grad_spike=d[Dec.GRAD_SPIKE] > 0,
+            loss_spike=d[Dec.LOSS_SPIKE] > 0, backoff=d[Dec.BACKOFF] > 0, growth=d[Dec.GROWTH] > 0,
+            floor=d[Dec.FLOOR] > 0,
+        )
+
+
+@dataclasses.dataclass(slots=True)
+class GradGroups:
+    """The gradients of one step, grouped by (device, dtype) as ``clip_grad_norm_`` groups them,
+    with the index (in ``param_groups`` order) of the parameter each gradient belongs to. The
+    indices travel with the gradients through the grouping, so a norm can never be given the
+    name of another parameter (frozen and unused parameters have no gradient and no entry)."""
+
+    tensors: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
+    index: list[int]
+    """``index[k]`` is the parameter of the k-th norm of :func:`per_tensor_norms` (group order)."""
+
+
+def grads_by_device_and_dtype(params: Sequence[torch.Tensor]) -> GradGroups:
     """The params' gradients grouped exactly as ``clip_grad_norm_`` groups them (same helper,
-    same order), so norms derived from them are bitwise clip_grad_norm_'s."""
+    same order), so norms derived from them are bitwise clip_grad_norm_'s; each with the index
+    of its parameter in ``params``."""
     # Sharded (DTensor, FSDP2) gradients: this rank's shard, as a plain tensor sharing its storage.
     # Norms are then local (decide() adds the squares across ranks) and no op dispatches a collective.
-    grads = [_local(p.grad) for p in params if p.grad is not None]
+    present = [i for i, p in enumerate(params) if p.grad is not None]
+    grads = [_local(params[i].grad) for i in present]  # type: ignore[arg-type]
     if _group_tensors_by_device_and_dtype is not None:
-        grouped = _group_tensors_by_device_and_dtype([grads])  # type: ignore[list-item]
-        return {key: list(tensors[0]) for key, (tensors, _) in grouped.items()}  # type: ignore[arg-type]
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
-    for g in grads:  # pragma: no cover - torch without the helper
+        # with_indices: the helper reports where each tensor came from, so the index survives
+        # whatever order it groups in.
+        grouped = _group_tensors_by_device_and_dtype([grads], with_indices=True)  # type: ignore[list-item]
+        tensors: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {
+            key: list(ts[0]) for key, (ts, _) in grouped.items()  # type: ignore[arg-type,misc]
+        }
+        index = [present[k] for _, (_, idx) in grouped.items() for k in idx]
+        return GradGroups(tensors, index)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)  # pragma: no cover
+    where: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)  # pragma: no cover
+    for i, g in zip(present, grads):  # pragma: no cover - torch without the helper
         groups[(g.device, g.dtype)].append(g)
-    return groups
+        where[(g.device, g.dtype)].append(i)
+    return GradGroups(dict(groups), [i for key in groups for i in where[key]])  # pragma: no cover
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -95,9 +163,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def per_tensor_norms(
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]], device: torch.device
-) -> torch.Tensor:
+def per_tensor_norms(groups: GradGroups, device: torch.device) -> torch.Tensor:
     """L2 norm of every gradient tensor, in group order, stacked on ``device``.
 
     One ``torch._foreach_norm`` per (device, dtype) group: a single read of the gradients.
@@ -105,7 +171,7 @@ def per_tensor_norms(
     norm derived from this vector is bitwise the one clip_grad_norm_ would compute.
     """
     parts: list[torch.Tensor] = []
-    for (dev, _), grads in groups.items():
+    for (dev, _), grads in groups.tensors.items():
         n = torch.stack(torch._foreach_norm(grads, 2.0))  # one stack per group, no per-tensor copies
         if n.dtype != torch.float32:
             n = n.float()
@@ -119,39 +185,31 @@ def per_tensor_norms(
 
 def local_vector(
     *,
-    loss_sum: torch.Tensor | None,
-    loss_count: int,
+    loss: torch.Tensor | None,
     tensor_norms: torch.Tensor,
     found_inf: torch.Tensor | None,
     pre_reduction: torch.Tensor | None,
-    scale: torch.Tensor | None,
     device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack this rank's statistics into the ``LOCAL_K`` vector; also return the local total norm
-    (the 0-d tensor clip_grad_norm_ would return for these gradients)."""
+) -> torch.Tensor:
+    """Pack this rank's statistics into the ``LOCAL_K`` vector (:class:`Loc`). ``loss``: this
+    step's loss on device (None: no loss was given for this step)."""
     if tensor_norms.numel():
         total = torch.linalg.vector_norm(tensor_norms, 2.0)
     else:
         total = torch.zeros((), dtype=torch.float32, device=device)
     nonfinite = (~torch.isfinite(tensor_norms)).sum()
-    zero, one, nan = _constants(device)
-    if loss_sum is None:
-        loss, loss_bad = nan, zero
-    else:
-        loss = loss_sum if loss_count == 1 else loss_sum / loss_count
-        loss_bad = ~torch.isfinite(loss_sum)
+    zero, _, nan = _constants(device)
     vec = torch.stack(
         [
-            loss,
-            loss_bad,
+            nan if loss is None else loss,
+            zero if loss is None else ~torch.isfinite(loss),
             total,
             nonfinite,
             zero if found_inf is None else found_inf.to(device).reshape(()),  # ShardedGradScaler: [1]
             zero if pre_reduction is None else pre_reduction.to(device),
-            one if scale is None else scale,
         ]
     ).float()
-    return vec, total
+    return vec
 
 
 _CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -165,3 +223,22 @@ def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.
             torch.full((), v, dtype=torch.float32, device=device) for v in (0.0, 1.0, math.nan)
         )
     return c  # type: ignore[return-value]
+
+
+def origin_ranks(rows: Sequence[Sequence[float]]) -> tuple[int, ...]:
+    """Ranks where the non-finite values originated, from every rank's local vector (host floats)."""
+    loss_bad = {r for r, row in enumerate(rows) if row[Loc.LOSS_NONFINITE] > 0}
+    pre = {r for r, row in enumerate(rows) if row[Loc.PRE_REDUCTION] > 0}
+    # Counted tensors first: with sharded (DTensor) gradients GradScaler's found_inf is already
+    # reduced across ranks (DTensor's unscale all-reduces it), so only the counts are local.
+    post = {r for r, row in enumerate(rows) if row[Loc.NONFINITE_TENSORS] > 0} or {
+        r for r, row in enumerate(rows) if row[Loc.FOUND_INF] > 0
+    }
+    origin = loss_bad | pre
+    # corrupted after reduction on some ranks only (when nothing was non-finite before it: with
+    # sharded gradients a rank's bad contribution lands in whichever ranks own those shards)
+    if post and not pre and len(post) < len(rows):
+        origin |= post
+    if not origin:
+        origin = post
+    return tuple(sorted(origin))

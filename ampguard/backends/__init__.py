@@ -6,13 +6,11 @@ backends are loaded only when selected.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from .base import Collective, GatherHandle, LocalBackend, ReadyHandle
+from .base import Backend, Collective, GatherHandle, LocalBackend, ReadyHandle
 
-__all__ = ["Collective", "GatherHandle", "LocalBackend", "ReadyHandle", "select_backend"]
+__all__ = ["Backend", "Collective", "GatherHandle", "LocalBackend", "ReadyHandle", "select_backend"]
 
 
 def _is_horovod_optimizer(optimizer: torch.optim.Optimizer) -> bool:
@@ -21,7 +19,7 @@ def _is_horovod_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return str(getattr(type(optimizer), "__module__", "")).startswith("horovod")
 
 
-def select_backend(optimizer: torch.optim.Optimizer) -> Any:
+def select_backend(optimizer: torch.optim.Optimizer) -> Backend:
     """The backend ``wrap()`` uses when none is given:
 
     - a Horovod ``DistributedOptimizer`` -> :class:`~ampguard.backends.horovod.HorovodBackend`;

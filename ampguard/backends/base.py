@@ -1,4 +1,4 @@
-"""The Collective protocol and the single-process backend.
+"""The Backend protocol and the single-process backend.
 
 A *backend* tells the guard how its world is laid out (rank, world size), moves the packed
 per-step statistics between ranks (one all-gather per step) and knows how its framework
@@ -14,7 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Collective", "GatherHandle", "LocalBackend", "ReadyHandle"]
+__all__ = ["Backend", "Collective", "GatherHandle", "LocalBackend", "ReadyHandle"]
 
 
 @runtime_checkable
@@ -39,14 +39,22 @@ class ReadyHandle:
 
 
 @runtime_checkable
-class Collective(Protocol):
-    """How the guard talks to the other ranks. Every method is a collective: every rank must
-    call it, in the same order."""
+class Backend(Protocol):
+    """Everything the guard asks of its backend. ``LocalBackend`` implements it for one process;
+    ``TorchDistBackend`` and ``HorovodBackend`` derive from it.
 
+    The transport methods (``all_gather``, ``broadcast_object``, ``all_gather_object``) are
+    collectives: every rank calls them, in the same order. The hooks put the framework's gradient
+    reduction in the right place relative to unscaling and stepping.
+    """
+
+    name: str
     rank: int
     local_rank: int
     world_size: int
-    name: str
+    grads_sharded: bool
+    """True when each rank holds a shard of every gradient (FSDP): the global norm is then the
+    square root of the *sum* over ranks of the local sums of squares."""
 
     def all_gather(self, vec: torch.Tensor) -> GatherHandle:
         """Start gathering a 1-D float tensor of the same length ``k`` from every rank."""
@@ -56,6 +64,34 @@ class Collective(Protocol):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (forensics on non-finite steps only: blocks)."""
+
+    def attach(self, guard: Any) -> None:
+        """Called once by ``wrap()`` with the guard (reads ``guard.optimizer``, ``guard.model``,
+        ``guard.device``, ``guard.precision``), to install what attribution needs."""
+
+    def before_unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Finish the gradient reduction before the gradients are read (Horovod: synchronize())."""
+
+    def step_context(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager[None]:
+        """Wraps the inner optimizer's step (Horovod: skip_synchronize())."""
+
+    def pre_reduction_flags(self) -> torch.Tensor | None:
+        """A device scalar: 1.0 when this rank's own gradient contribution held a non-finite value
+        before it was reduced (None: not observed by this backend)."""
+
+    def reset_pre_reduction(self) -> None:
+        """Clear what ``pre_reduction_flags`` accumulated (called after each step)."""
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, set_to_none: bool) -> None:
+        """Clear the gradients (Horovod: also its pending-handle bookkeeping)."""
+
+    def close(self) -> None:
+        """Remove what :meth:`attach` installed. Idempotent."""
+
+
+#: Deprecated name of :class:`Backend` (``wrap(collective=...)`` is now ``wrap(backend=...)``);
+#: kept for one release.
+Collective = Backend
 
 
 class LocalBackend:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..errors import BackendUnavailableError
+from ..errors import BackendError, BackendUnavailableError
 from .base import GatherHandle, LocalBackend
 
 __all__ = ["HorovodBackend", "broadcast_guard_state"]
@@ -108,7 +108,7 @@ class HorovodBackend(LocalBackend):
             self.local_rank = int(hvd.local_rank())
             self.world_size = int(hvd.size())
         except ValueError as e:  # horovod's "not initialized" error
-            raise RuntimeError(f"HorovodBackend needs hvd.init() to have been called first ({e})") from e
+            raise BackendError(f"HorovodBackend needs hvd.init() to have been called first ({e})") from e
         self._hvd = hvd
         self._calls = 0
         self._flag: torch.Tensor | None = None

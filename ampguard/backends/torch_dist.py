@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import BackendError
 from .base import GatherHandle, LocalBackend
 
 __all__ = ["FlaggingCommHook", "TorchDistBackend", "compose_comm_hook"]
@@ -163,7 +164,7 @@ class TorchDistBackend(LocalBackend):
         if gather not in ("auto", "all_gather", "all_reduce"):
             raise ValueError(f"TorchDistBackend gather={gather!r}; allowed: 'auto' | 'all_gather' | 'all_reduce'")
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(
+            raise BackendError(
                 "TorchDistBackend needs an initialised torch.distributed: call "
                 "torch.distributed.init_process_group(...) first (torchrun sets the environment)"
             )

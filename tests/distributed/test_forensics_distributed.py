@@ -43,7 +43,7 @@ def _run_forensics(rank: int, world: int, closure: bool) -> dict[str, Any]:
             opt.backward(loss)
 
         if closure:
-            opt.step(run)
+            opt.step(run, replay=True)
         else:
             run()
             opt.step()

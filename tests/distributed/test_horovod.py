@@ -100,7 +100,7 @@ def _body() -> dict[str, Any]:
             opt.zero_grad()
             opt.backward(model(x).square().mean())
 
-        opt.step(closure)
+        opt.step(closure, replay=True)
         opt.zero_grad()
     out["replay"] = [(a.step, a.module, a.phase, a.cause, a.ranks) for a in opt.anomalies]
     out["replay_params"] = [p.detach().clone() for p in model.parameters()]

@@ -57,22 +57,63 @@ def test_user_unscale_before_step_is_adopted_not_done_twice():
     assert_same(snapshot(ref, ref_opt), snapshot(model, opt))
 
 
-def test_step_without_backward_is_refused():
+def test_step_after_a_backward_the_guard_did_not_run_is_guarded():
+    """A framework's (or the user's) own loss.backward() feeds the guarded step: it still checks,
+    decides and steps (bf16: nothing to scale)."""
     model = make_model()
-    opt = ampguard.wrap(make_opt(model), model=model)
+    opt = ampguard.wrap(make_opt(model), model=model, precision="bf16")
     x, y = make_data(1)[0]
-    loss_of(model, x, y).backward()  # loss.backward() instead of opt.backward(loss)
+    with opt.autocast():
+        loss = loss_of(model, x, y)
+    opt.observe_loss(loss)
+    loss.backward()
     before = snapshot(model, opt)
-    with pytest.raises(ampguard.GuardStateError, match=r"opt.backward\(loss\)"):
+    opt.step()
+    report = opt.last_report
+    assert not report.skipped and report.loss == pytest.approx(loss.item()) and report.grad_norm > 0
+    name, first = next(iter(model.named_parameters()))
+    assert not torch.equal(before[f"p.{name}"], first)  # the inner optimizer stepped
+
+
+def test_fp16_step_on_gradients_the_guards_scaler_did_not_scale_is_refused():
+    model = make_model()
+    opt = ampguard.wrap(make_opt(model), model=model, precision="fp16")
+    x, y = make_data(1)[0]
+    with opt.autocast():
+        loss_of(model, x, y).backward()  # not scaled: unscaling would shrink the update by the scale
+    before = snapshot(model, opt)
+    with pytest.raises(ampguard.GuardStateError, match=r"opt.scaler did not scale"):
         opt.step()
     assert_same(before, snapshot(model, opt))
+    opt.zero_grad()
+    with opt.autocast():
+        opt.scaler.scale(loss_of(model, x, y)).backward()  # the shared scaler: legitimate
+    opt.step()
+    assert opt.last_report is not None and not opt.last_report.skipped
+
+
+def test_call_order_is_enforced_before_anything_changes():
+    model = make_model()
+    opt = ampguard.wrap(make_opt(model), model=model)
     _backward(opt, model, make_data(1)[0])
     opt.step()
-    with pytest.raises(ampguard.GuardStateError, match=r"after step\(\) with no opt.backward"):
+    before = snapshot(model, opt)
+    grads = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ampguard.GuardStateError, match=r"after step\(\) with no backward"):
         opt.step()
+    # backward -> step -> backward without zero_grad() would add to the old gradients
+    with pytest.raises(ampguard.GuardStateError, match=r"backward\(\) after step\(\) without zero_grad\(\)"):
+        _backward(opt, model, make_data(1)[0])
+    assert_same(before, snapshot(model, opt))
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
     opt.zero_grad()
     with pytest.raises(ampguard.GuardStateError, match=r"after zero_grad\(\)"):
         opt.step()
+    # accumulation (several backward() before one step()) stays legal
+    _backward(opt, model, make_data(1)[0])
+    _backward(opt, model, make_data(2)[1])
+    opt.step()
+    assert opt.step_count == 2
 
 
 def test_wrapping_twice_is_refused():

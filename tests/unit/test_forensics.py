@@ -62,7 +62,7 @@ def train(opt, model, data, closure: bool = False):
             opt.backward(F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)))
 
         if closure:
-            opt.step(run)
+            opt.step(run, replay=True)
         else:
             run()
             opt.step()

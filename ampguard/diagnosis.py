@@ -1,0 +1,169 @@
+"""The guard's forensics state: when hooks are armed, what they found, and the replay.
+
+:class:`~ampguard.forensics.Localizer` does the looking; :class:`Forensics` decides when to
+look and carries what was found to the report of its step. Healthy runs pay nothing: no hook
+exists until a step goes non-finite. Arming and disarming happen only at the guard's fixed
+points (``after_report``), the same step on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .config import GuardConfig
+from .forensics import Finding, Localizer
+from .report import Anomaly, StepReport
+from .stats import Dec, Loc, origin_ranks
+from .vocab import AnomalyKind, Cause, Phase
+
+__all__ = ["Forensics", "annotate"]
+
+_NONFINITE_KINDS = (AnomalyKind.NONFINITE_LOSS, AnomalyKind.NONFINITE_GRAD, AnomalyKind.OVERFLOW)
+
+
+def annotate(anomalies: list[Anomaly], finding: Finding | None) -> list[Anomaly]:
+    """The step's first non-finite anomaly, with what forensics found (module, phase, cause)."""
+    if finding is None or not anomalies or anomalies[0].kind not in _NONFINITE_KINDS:
+        return anomalies
+    first = anomalies[0]
+    kind = first.kind
+    if kind == AnomalyKind.OVERFLOW and finding.cause != Cause.OVERFLOW:
+        kind = AnomalyKind.NONFINITE_GRAD  # fp16, but forensics found a NaN the scale did not cause
+    anomalies[0] = dataclasses.replace(
+        first, kind=kind, module=finding.module, phase=finding.phase, cause=finding.cause,
+        detail=f"{first.detail}. Forensics: {finding.detail}",
+    )
+    return anomalies
+
+
+class Forensics:
+    """Arms a :class:`Localizer` after a non-finite step, collects findings on armed steps, and
+    replays a step on request. ``findings`` is the reporter's dict: a finding waits there for
+    its step's report."""
+
+    def __init__(self, *, model: torch.nn.Module | None, config: GuardConfig, backend: Any, fp16: bool,
+                 findings: dict[int, Finding]) -> None:
+        self.model = model
+        self.config = config
+        self.backend = backend
+        self.fp16 = fp16
+        self.findings = findings
+        self.localizer: Localizer | None = None
+        self._clean = 0
+        self.replaying = False
+        """True while a replay closure runs: its ``backward()`` scales and back-propagates only."""
+        self.replay_loss: torch.Tensor | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.forensics and self.model is not None
+
+    @property
+    def armed(self) -> bool:
+        return self.localizer is not None and self.localizer.armed
+
+    def after_report(self, report: StepReport) -> None:
+        """Fixed point: arm after a non-finite step (hooks from the next forward on), disarm after
+        ``forensics_window`` clean ones."""
+        if report.nonfinite:
+            self._clean = 0
+            if self.localizer is None and self.enabled:
+                assert self.model is not None  # internal: enabled
+                self.localizer = Localizer(self.model)
+        elif self.localizer is not None:
+            self._clean += 1
+            if self._clean >= self.config.forensics_window:
+                self.remove()
+
+    def remove(self) -> None:
+        if self.localizer is not None:
+            self.localizer.remove()
+            self.localizer = None
+
+    def collect(self, step: int, decision: torch.Tensor, gathered: torch.Tensor) -> None:
+        """Armed steps only: read the hooks' flags (one host sync) and keep what they name.
+        Before clipping, which would turn an inf times a 0 coefficient into NaN."""
+        assert self.localizer is not None  # internal: only called when armed
+        loss_finite = not bool(decision[Dec.LOSS_NONFINITE] > 0)  # SYNC (armed steps only)
+        grad_bad = bool(decision[Dec.GRAD_NONFINITE] > 0)
+        local_loss_finite = not bool(gathered[self.backend.rank, Loc.LOSS_NONFINITE] > 0)
+        finding = self.localizer.collect(loss_finite=local_loss_finite, fp16_scaling=self.fp16)
+        if grad_bad or not loss_finite:  # the same on every rank: the share below is a collective
+            self._keep(step, self.share(finding, gathered))
+
+    def share(self, finding: Finding | None, gathered: torch.Tensor) -> Finding | None:
+        """Every rank localises its own; all agree on the view of the first rank where the
+        non-finite values originated. collective (non-finite armed steps only; blocks)."""
+        rank = self.backend.rank
+        if self.backend.world_size == 1:
+            return dataclasses.replace(finding, rank=rank) if finding is not None else None
+        views = self.backend.all_gather_object(finding)
+        origins = origin_ranks(gathered.float().cpu().tolist())
+        order = [*origins, *(r for r in range(len(views)) if r not in origins)]
+        candidates = [r for r in order if views[r] is not None]
+        candidates.sort(key=lambda r: views[r].phase == Phase.LOSS)  # a module beats "the loss itself"
+        if not candidates:
+            return None
+        r = candidates[0]
+        view = views[r]
+        prefix = f"rank {r}: "
+        detail = view.detail if view.detail.startswith(prefix) else prefix + view.detail
+        return dataclasses.replace(view, rank=r, detail=detail)
+
+    def replay(self, step: int, closure: Callable[[], Any], *, scale: Any, gathered: torch.Tensor,
+               optimizer: torch.optim.Optimizer) -> None:
+        """Re-run ``closure`` on the same batch, with hooks armed, at the loss scale of the step
+        (``scale``: a context manager factory, or None without loss scaling)."""
+        assert self.model is not None  # internal: only called with a model
+        localizer = self.localizer if self.localizer is not None else Localizer(self.model)
+        temporary = self.localizer is None
+        self.replaying, self.replay_loss = True, None
+        try:
+            localizer.reset()
+            with torch.enable_grad(), (scale() if scale is not None else _nullcontext()):
+                closure()
+                self.backend.before_unscale(optimizer)  # Horovod: finish the replay's all-reduce
+            self._keep(step, self.share(self._replay_finding(step, localizer, optimizer), gathered))
+        finally:
+            self.replaying = False
+            if temporary:
+                localizer.remove()
+            self.backend.zero_grad(optimizer, True)
+
+    def _replay_finding(self, step: int, localizer: Localizer, optimizer: torch.optim.Optimizer) -> Finding:
+        loss_finite = self.replay_loss is not None and bool(torch.isfinite(self.replay_loss))
+        grads_finite = all(
+            bool(torch.isfinite(p.grad).all())
+            for group in optimizer.param_groups for p in group["params"] if p.grad is not None
+        )
+        first_pass = self.findings.get(step)  # what armed hooks saw on the first pass
+        if first_pass is not None and first_pass.rank != self.backend.rank:
+            first_pass = None  # another rank's view; this rank localises its own replay
+        if loss_finite and grads_finite:
+            localizer.reset()
+            if first_pass is not None:
+                return dataclasses.replace(
+                    first_pass, cause=Cause.TRANSIENT,
+                    detail=f"{first_pass.detail}; a replay of the same batch was clean: suspect hardware or a race")
+            return Finding("", Phase.LOSS, Cause.TRANSIENT, "", math.nan,
+                           "a replay of the same batch was clean: suspect hardware or a race")
+        found = localizer.collect(loss_finite=loss_finite, fp16_scaling=self.fp16)
+        return found or Finding("", Phase.BACKWARD, Cause.NAN, "", math.nan,
+                                "the replay was non-finite again, outside any module hook")
+
+    def _keep(self, step: int, finding: Finding | None) -> None:
+        if finding is not None:
+            self.findings[step] = finding
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

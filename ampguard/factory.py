@@ -1,0 +1,154 @@
+"""``wrap()``: check what the user handed over, resolve precision, scaler and backend, and build
+the :class:`~ampguard.guard.GuardedOptimizer`. Nothing is changed before every check passed."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ._version import __version__
+from .config import GuardConfig
+from .errors import GuardStateError
+from .exporters.base import Exporter
+from .guard import GuardedOptimizer, param_names
+from .hardware import check_precision
+from .report import RunInfo
+from .scaling import GradScalerAdapter
+from .vocab import Precision
+
+__all__ = ["param_names", "wrap"]  # param_names: re-exported for callers of the old guard module
+
+_PRECISIONS = ("auto", "fp16", "bf16", "fp32")
+
+
+def _resolve_precision(precision: str, scaler: torch.amp.GradScaler | None,
+                       device: torch.device) -> tuple[str, torch.amp.GradScaler | None]:
+    """The precision to run and the scaler to use for it (a new one for fp16 when none is given)."""
+    scaler_enabled = scaler is not None and scaler.is_enabled()
+    if precision == "auto":
+        old_cuda = device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0)
+        precision = "fp16" if scaler_enabled or old_cuda else "bf16"
+    if precision != "fp16":
+        if scaler_enabled:
+            raise ValueError(f"precision={precision!r} with an enabled GradScaler: loss scaling is for fp16. Drop the "
+                             "scaler or use precision='fp16'.")
+        return precision, None
+    if scaler is not None and not scaler_enabled:
+        raise ValueError("precision='fp16' with a disabled GradScaler: fp16 gradients need loss scaling. Pass an "
+                         "enabled scaler, no scaler (the guard makes one), or precision='bf16'/'fp32'.")
+    if scaler is None:
+        scaler = torch.amp.GradScaler(device.type)
+    if GradScalerAdapter(scaler).device_type != device.type:
+        raise ValueError(f"the GradScaler was made for {GradScalerAdapter(scaler).device_type!r} but the parameters "
+                         f"are on {device}; use torch.amp.GradScaler({device.type!r})")
+    return precision, scaler
+
+
+def _run_info(precision: str, device: torch.device) -> Callable[[GuardedOptimizer], RunInfo]:
+    def build(guard: GuardedOptimizer) -> RunInfo:
+        backend = guard.backend
+        run_id = os.environ.get("AMPGUARD_RUN_ID") or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        run_id = backend.broadcast_object(run_id, 0)  # collective: same id on every rank
+        return RunInfo(run_id=str(run_id), rank=backend.rank, local_rank=backend.local_rank,
+                       world_size=backend.world_size, precision=precision, backend=backend.name, device=str(device),
+                       param_names=guard.param_names,
+                       versions=(("ampguard", __version__), ("torch", torch.__version__),
+                                 ("python", platform.python_version())))
+
+    return build
+
+
+def _framework_adopter(optimizer: torch.optim.Optimizer) -> Callable[..., Any] | None:
+    """A framework's optimizer wrapper that ``wrap()`` hands to its integration instead."""
+    module = type(optimizer).__module__
+    if module.startswith("accelerate."):
+        from .integrations.accelerate import wrap_prepared
+
+        return wrap_prepared
+    return None
+
+
+def wrap(
+    optimizer: torch.optim.Optimizer,
+    *,
+    model: torch.nn.Module | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    precision: Precision = "auto",
+    config: GuardConfig | dict[str, Any] | None = None,
+    exporters: Sequence[Exporter] = (),
+    backend: Any = None,
+    on_rollback: Callable[[Any, int], None] | None = None,
+    on_abort: Callable[[Any, str], None] | None = None,
+    collective: Any = None,
+) -> Any:
+    """Wrap ``optimizer`` so every step is checked, agreed across ranks, and reported.
+
+    - ``precision``: "fp16" (loss scaling: ``scaler`` if given, else a new
+      ``torch.amp.GradScaler`` for the parameters' device with its defaults), "bf16" or "fp32"
+      (no loss scaling; non-finite steps are still skipped), or "auto": "fp16" when an enabled
+      ``scaler`` is given; otherwise "bf16" where the device runs it (CPU, CUDA compute
+      capability >= 8.0), else "fp16" with a new scaler.
+    - ``scaler``: used as is (its init_scale, growth/backoff factors and interval hold), and
+      shared: ``scaler.scale(loss).backward()`` feeds the guarded step.
+    - ``config``: a :class:`GuardConfig`, or a dict of its fields (unknown keys are an error).
+    - ``exporters``: where reports go (Prometheus, TensorBoard, JSONL, or your own).
+    - ``on_rollback(opt, step)`` / ``on_abort(opt, diagnosis)``: callbacks for the escalation
+      ladder (``GuardConfig.escalation``).
+    - ``backend``: how ranks talk (:class:`~ampguard.backends.Backend`); by default chosen from the
+      environment (a Horovod ``DistributedOptimizer`` -> Horovod; an initialised
+      torch.distributed -> torch.distributed; else one process). ``collective=`` is its
+      deprecated name.
+    - An accelerate ``AcceleratedOptimizer`` (after ``accelerator.prepare``) is guarded in place:
+      see :mod:`ampguard.integrations.accelerate`.
+
+    collective: in a distributed run every rank must call ``wrap()`` (it agrees on a run id).
+    Raises ``TypeError``/``ValueError``/``GuardStateError``/
+    :class:`~ampguard.hardware.UnsupportedPrecisionError` on bad input, before changing anything.
+    """
+    if collective is not None:
+        if backend is not None:
+            raise TypeError("pass the backend once: backend=... (collective= is its deprecated name)")
+        warnings.warn("wrap(collective=...) is deprecated; use wrap(backend=...)", DeprecationWarning, stacklevel=2)
+        backend = collective
+    if isinstance(optimizer, GuardedOptimizer):
+        raise GuardStateError(
+            "this optimizer is already guarded; wrap the inner optimizer once (opt.optimizer is the inner one)"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"wrap() expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    adopt = _framework_adopter(optimizer)
+    if adopt is not None:
+        return adopt(optimizer, model=model, scaler=scaler, precision=precision, config=config,
+                     exporters=exporters, backend=backend, on_rollback=on_rollback, on_abort=on_abort)
+    if config is None:
+        config = GuardConfig()
+    elif isinstance(config, dict):
+        config = GuardConfig.from_dict(config)
+    elif not isinstance(config, GuardConfig):
+        raise TypeError(f"config must be a GuardConfig or a dict of its fields, got {type(config).__name__}")
+    if precision not in _PRECISIONS:
+        raise ValueError(f"precision={precision!r}; allowed: {' | '.join(map(repr, _PRECISIONS))}")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params:
+        raise ValueError("the optimizer has no parameters: there is nothing to guard (check its param_groups)")
+    device = params[0].device
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+    resolved, scaler = _resolve_precision(precision, scaler, device)
+    check_precision(resolved, device)
+    if backend is None:
+        from .backends import select_backend
+
+        backend = select_backend(optimizer)
+    if scaler is not None:
+        GradScalerAdapter(scaler).ensure_initialized(device)  # so the state is complete before step 0
+    return GuardedOptimizer(optimizer, precision=resolved, scaler=scaler, config=config, model=model,
+                            exporters=exporters, backend=backend, device=device,
+                            run_info=_run_info(resolved, device), on_rollback=on_rollback, on_abort=on_abort)

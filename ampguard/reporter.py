@@ -1,0 +1,243 @@
+"""From a step's device vector to :class:`StepReport` and :class:`Anomaly` records on the host.
+
+:meth:`Reporter.enqueue` copies a step's payload off the device without waiting for it.
+:meth:`Reporter.decode` turns every payload that has arrived into records, in step order: it
+decodes the decision once into a typed :class:`~ampguard.stats.Decision`, builds the report and
+the anomalies, and keeps counters, history, quarantine and the escalation ladder's window up to
+date. Decoding has no effect outside this object: it is what the guard's *readers*
+(``last_report``, ``history``, ...) run, so a rank that reads early changes nothing. What a
+report asks the guard to *do* (arm forensics, snapshot, roll back, stop, export) is queued as
+:class:`Actions` and carried out by the guard at fixed points inside ``step()``, at the same
+step on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .config import GuardConfig
+from .diagnosis import annotate
+from .errors import NonFiniteError
+from .escalation import Ladder
+from .exporters.base import MultiExporter
+from .forensics import Finding
+from .report import Anomaly, History, StepReport
+from .stats import DECISION_K, LOCAL_K, Decision, origin_ranks
+from .vocab import AnomalyKind, Phase, SkipReason
+
+__all__ = ["Actions", "Reporter"]
+
+
+class _Pending:
+    __slots__ = ("batch_ids", "buf", "event", "index", "memory", "step")
+
+    def __init__(self, step: int, buf: torch.Tensor, event: Any, memory: tuple[int, int] | None,
+                 index: list[int], batch_ids: list[Any]) -> None:
+        self.step, self.buf, self.event, self.memory = step, buf, event, memory
+        self.index, self.batch_ids = index, batch_ids
+
+
+@dataclasses.dataclass(slots=True)
+class Actions:
+    """What decoded reports ask of the guard, carried out at its next fixed point."""
+
+    reports: list[StepReport] = dataclasses.field(default_factory=list)
+    """Decoded, not yet acted on (forensics arming follows them)."""
+    snapshots: list[int] = dataclasses.field(default_factory=list)
+    """Steps after which the ladder wants a snapshot."""
+    abort: tuple[str, StepReport] | None = None
+    """The ladder's diagnosis, and the report it stopped at."""
+    escalation: Exception | None = None
+    """An error to raise at the fixed point (consecutive skips, abort)."""
+
+
+class Reporter:
+    """Pending payloads, decoding, and every host-side record of the run."""
+
+    def __init__(
+        self,
+        *,
+        config: GuardConfig,
+        rank: int,
+        world_size: int,
+        names: Callable[[], tuple[str, ...]],
+        exporter: MultiExporter,
+        scaled: bool,
+        ladder: Ladder | None,
+        can_snapshot: bool,
+        track_memory: torch.device | None,
+    ) -> None:
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.names = names
+        self.exporter = exporter
+        self.scaled = scaled
+        self.ladder = ladder
+        self.can_snapshot = can_snapshot
+        self.track_memory = track_memory
+        self.history = History(config.history_size)
+        self.anomalies: deque[Anomaly] = deque(maxlen=config.max_anomalies)
+        self.skipped_total = 0
+        self.consecutive_skips = 0
+        self.quarantine: list[Any] = []
+        self.findings: dict[int, Finding] = {}
+        """Forensics' findings by step, waiting for their step's report."""
+        self.divergence: Anomaly | None = None
+        """A consistency check's finding, until its step is reported."""
+        self.actions = Actions()
+        self._pending: deque[_Pending] = deque()
+        self._unexported: list[tuple[StepReport, list[Anomaly]]] = []
+
+    # ------------------------------------------------------------------ device -> host
+    def enqueue(self, step: int, payload: torch.Tensor, index: list[int], batch_ids: list[Any]) -> None:
+        """Start copying ``payload`` to the host (non_blocking into pinned memory on CUDA)."""
+        if payload.device.type == "cuda":
+            buf = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
+            buf.copy_(payload, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            buf, event = payload.to("cpu", copy=True), None
+        memory = None
+        if self.track_memory is not None:
+            # Host-side counters of the caching allocator: no device sync. One nested-stats call
+            # (torch.cuda.max_memory_allocated flattens and sorts every statistic, twice the cost).
+            stats = torch.cuda.memory_stats_as_nested_dict(self.track_memory)
+            memory = (int(stats["allocated_bytes"]["all"]["peak"]), int(stats["reserved_bytes"]["all"]["peak"]))
+            torch.cuda.reset_peak_memory_stats(self.track_memory)
+        self._pending.append(_Pending(step, buf, event, memory, index, batch_ids))
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._pending)
+
+    def clear_pending(self) -> None:
+        self._pending.clear()
+
+    def decode(self) -> None:
+        """Turn every pending payload into records, in step order. Waits only for those copies."""
+        while self._pending:
+            pending = self._pending.popleft()
+            if pending.event is not None:
+                pending.event.synchronize()  # that step's copy only; usually done already
+            report, anomalies = self.build(pending.step, pending.buf.tolist(), pending.index)
+            if pending.memory is not None:
+                report = dataclasses.replace(
+                    report, memory_allocated_peak=pending.memory[0], memory_reserved_peak=pending.memory[1]
+                )
+            self.record(report, anomalies, pending.batch_ids)
+
+    def record(self, report: StepReport, anomalies: list[Anomaly], batch_ids: Sequence[Any] = (), *,
+               consecutive: bool = True) -> None:
+        """Fold one report into the records (history, counters, quarantine, the ladder's window).
+        ``consecutive=False``: a rollback's own step, which does not count as a skip in a row."""
+        if self.divergence is not None and self.divergence.step == report.step:
+            anomalies.append(self.divergence)
+            self.divergence = None
+        anomalies = annotate(anomalies, self.findings.pop(report.step, None))
+        if report.nonfinite and batch_ids:
+            self.quarantine.extend(batch_ids)
+        if self.ladder is not None and report.reason != SkipReason.ROLLBACK:
+            seen = self.ladder.observe(report, can_snapshot=self.can_snapshot, anomalies=[*self.anomalies, *anomalies])
+            anomalies.extend(seen.anomalies)
+            if seen.snapshot:
+                self.actions.snapshots.append(report.step)
+            if seen.diagnosis is not None and self.actions.escalation is None:
+                self.actions.abort = (seen.diagnosis, report)
+                self.actions.escalation = NonFiniteError(seen.diagnosis, report)
+        self.history.append(report)
+        self.anomalies.extend(anomalies)
+        self._unexported.append((report, anomalies))
+        self.actions.reports.append(report)
+        if report.skipped:
+            self.skipped_total += 1
+            self.consecutive_skips += 1 if consecutive else 0
+        else:
+            self.consecutive_skips = 0
+        limit = self.config.max_consecutive_skips
+        if limit is not None and self.consecutive_skips >= limit and self.actions.escalation is None:
+            self.actions.escalation = NonFiniteError(
+                f"{self.consecutive_skips} consecutive steps skipped (GuardConfig.max_consecutive_skips="
+                f"{limit}); last at step {report.step}: {report.reason}, loss={report.loss}, "
+                f"grad_norm={report.grad_norm}, loss_scale={report.loss_scale}. "
+                "Look at opt.anomalies for where it started.",
+                report,
+            )
+
+    def take_actions(self) -> Actions:
+        actions, self.actions = self.actions, Actions()
+        return actions
+
+    def export_pending(self) -> None:
+        """Hand every decoded record to the exporters (local I/O only)."""
+        for report, anomalies in self._unexported:
+            self.exporter.export(report, anomalies)
+        self._unexported.clear()
+
+    # ------------------------------------------------------------------ building
+    def build(self, step: int, values: list[float], index: list[int]) -> tuple[StepReport, list[Anomaly]]:
+        d = Decision.decode(values[:DECISION_K])
+        world = self.world_size
+        g = values[DECISION_K : DECISION_K + world * LOCAL_K]
+        rows = [g[r * LOCAL_K : (r + 1) * LOCAL_K] for r in range(world)]
+        names = self.names()
+        # Attribution by construction: the k-th norm belongs to parameter index[k].
+        norms = [math.nan] * len(names)
+        for i, n in zip(index, values[DECISION_K + world * LOCAL_K :]):
+            norms[i] = n
+        bad_params = tuple(names[i] for i in sorted(index) if not math.isfinite(norms[i]))
+        ranks = origin_ranks(rows) if world > 1 else ()
+        every = self.config.param_norms_every
+        want_norms = d.grad_nonfinite or (every is not None and step % every == 0)
+        report = StepReport(
+            step=step, skipped=d.skip, reason=d.reason, loss=d.loss, loss_scale=d.scale,
+            next_loss_scale=d.next_scale, grad_norm=d.grad_norm, nonfinite_grads=d.nonfinite_tensors,
+            nonfinite_loss=d.loss_nonfinite, nonfinite_ranks=ranks,
+            clip_coef=d.clip_coef if self.config.clip_grad_norm is not None else 1.0,
+            grad_spike=d.grad_spike, loss_spike=d.loss_spike, world_size=world, rank=self.rank,
+            param_norms=tuple(norms) if want_norms else None, wall_time=time.time(),
+            scale_backoff=d.backoff, scale_growth=d.growth,
+        )
+        return report, self._anomalies(report, d, ranks, bad_params)
+
+    def _anomalies(self, report: StepReport, d: Decision, ranks: tuple[int, ...],
+                   bad_params: tuple[str, ...]) -> list[Anomaly]:
+        step, out = report.step, []
+        scale_txt = ""
+        if self.scaled:
+            if d.backoff:
+                scale_txt = f"; loss scale backed off {d.scale:g} -> {d.next_scale:g}"
+            elif d.grad_nonfinite:
+                scale_txt = f"; loss scale kept at {d.scale:g} (hysteresis={self.config.hysteresis})"
+            elif d.skip:
+                scale_txt = f"; loss scale held at {d.scale:g} (the gradients were finite)"
+        where = f" on rank(s) {list(ranks)}" if ranks else ""
+        if d.loss_nonfinite:
+            out.append(Anomaly(step, AnomalyKind.NONFINITE_LOSS, f"loss was {d.loss}{where}; step skipped{scale_txt}",
+                               ranks, bad_params[:8], phase=Phase.LOSS))
+        elif d.grad_nonfinite:
+            kind = AnomalyKind.OVERFLOW if self.scaled else AnomalyKind.NONFINITE_GRAD
+            what = f"{d.nonfinite_tensors} gradient tensor(s) non-finite"
+            if kind == AnomalyKind.OVERFLOW:
+                what += f" at loss scale {d.scale:g}"
+            first = f" (first: {', '.join(bad_params[:3])})" if bad_params else ""
+            out.append(Anomaly(step, kind, f"{what}{first}{where}; step skipped{scale_txt}", ranks, bad_params[:8]))
+        act = "skipped" if report.skipped else "taken (on_spike='warn')"
+        if report.grad_spike:
+            out.append(Anomaly(step, AnomalyKind.GRAD_SPIKE, f"gradient norm {report.grad_norm:.4g} exceeded "
+                               f"{self.config.grad_spike_factor}x its running average; step {act}", ranks))
+        if report.loss_spike:
+            out.append(Anomaly(step, AnomalyKind.LOSS_SPIKE, f"loss {report.loss:.4g} exceeded "
+                               f"{self.config.loss_spike_factor}x its running average; step {act}", ranks))
+        if d.floor:
+            out.append(Anomaly(step, AnomalyKind.SCALE_FLOOR, f"loss scale reached the floor min_scale="
+                               f"{self.config.min_scale:g}: fp16 overflows persist at the smallest allowed "
+                               "scale, the model likely needs bf16/fp32 or a fix", ranks))
+        return out
