@@ -309,7 +309,7 @@ def build_variant(kind: str, fused: bool, ctx: dict[str, Any]) -> Variant:
         # the cost a run pays only while it is being investigated; healthy runs never arm them.
         from ampguard.forensics import Localizer
 
-        g._localizer = Localizer(model)
+        g._forensics.localizer = Localizer(model)
 
     def gstep() -> None:
         with autocast():
@@ -327,25 +327,26 @@ def build_variant(kind: str, fused: bool, ctx: dict[str, Any]) -> Variant:
 
 def _make_lazy(g: Any) -> None:
     """Experiment, benchmark-only (ampguard itself is unchanged): report pipeline that never
-    blocks. The guard's ``_materialize`` waits (``Event.synchronize``) for the previous step's
+    blocks. The guard's report decoding waits (``Event.synchronize``) for the previous step's
     report at the start of each ``step()``, which caps how far the host may run ahead of the
     device at one step. Here only the reports whose copy has already finished
     (``Event.query()``) are turned into StepReports; the rest wait for a later step."""
-    real = g._materialize
+    rep = g._reporter
+    real = rep.decode
 
     def lazy() -> None:
         ready: deque[Any] = deque()
-        while g._pending and (g._pending[0].event is None or g._pending[0].event.query()):
-            ready.append(g._pending.popleft())
+        while rep._pending and (rep._pending[0].event is None or rep._pending[0].event.query()):
+            ready.append(rep._pending.popleft())
         if not ready:
             return
-        rest, g._pending = g._pending, ready
+        rest, rep._pending = rep._pending, ready
         try:
             real()  # consumes exactly the ready ones, in step order
         finally:
-            g._pending = rest
+            rep._pending = rest
 
-    g._materialize = lazy
+    rep.decode = lazy
 
 
 def variant_kinds(args: argparse.Namespace) -> list[tuple[str, bool]]:

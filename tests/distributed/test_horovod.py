@@ -121,7 +121,7 @@ def _body() -> dict[str, Any]:
     opt = ampguard.wrap(dist_opt(model), model=model, precision="fp16")
     if rank == 0:
         opt.scaler.update(new_scale=torch.tensor(1024.0))
-        opt._step, opt._skipped_total, opt._history._count = 7, 2, 7  # as if resumed at step 7
+        opt._step, opt._reporter.skipped_total, opt._reporter.history._count = 7, 2, 7  # as if resumed at step 7
     broadcast_guard_state(opt, root_rank=0)
     out["broadcast"] = (opt.get_scale(), opt.step_count, opt.skipped_steps)
     # Horovod's zero_grad() takes no set_to_none; the guard's does, both ways

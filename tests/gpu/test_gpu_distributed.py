@@ -50,7 +50,7 @@ def _run(rank: int, world: int, fused: bool, device: str = "cuda") -> dict[str, 
         "origins": {r.step: r.nonfinite_ranks for r in opt.history if r.skipped},
         "scales": [r.loss_scale for r in opt.history],
         "params": [p.detach().cpu() for p in model.parameters()],
-        "graph": opt._graph is not None,
+        "graph": opt._pipeline.graph._graph is not None,
     }
 
 

@@ -41,7 +41,7 @@ def test_resume_bit_for_bit_with_cuda_graph(fused):
                for _ in range(16)]
     model_a, opt_a = _build(fused)
     _train(model_a, opt_a, batches)
-    assert opt_a._graph is not None
+    assert opt_a._pipeline.graph._graph is not None
 
     model_b, opt_b = _build(fused)
     _train(model_b, opt_b, batches[:10])  # stops mid-hysteresis (step 9 overflowed, no backoff yet)
@@ -53,7 +53,7 @@ def test_resume_bit_for_bit_with_cuda_graph(fused):
     model_c.load_state_dict(saved_model)
     opt_c.load_state_dict(saved)
     _train(model_c, opt_c, batches[10:])
-    assert opt_c._graph is not None
+    assert opt_c._pipeline.graph._graph is not None
     for a, c in zip(model_a.parameters(), model_c.parameters()):
         assert torch.equal(a, c)
     tail_a = [(r.skipped, r.loss_scale, r.next_loss_scale) for r in list(opt_a.history)[10:]]
