@@ -70,8 +70,6 @@ class Metric:
     """Labels beyond :data:`RANK_LABELS`."""
     label_values: tuple[tuple[str, ...], ...] = ()
     """Known values of each label in :attr:`labels` (same order); every combination exists at 0."""
-    unit: str = "short"
-    """Grafana unit of the value (used by the dashboard)."""
 
     @property
     def client_name(self) -> str:
@@ -125,7 +123,6 @@ LAST_STEP_TIMESTAMP = Metric(
     "ampguard_last_step_timestamp_seconds",
     "gauge",
     "Unix time at which the last step was reported (0 before the first step).",
-    unit="dateTimeAsIso",
 )
 SCALE_BACKOFFS = Metric("ampguard_scale_backoffs_total", "counter", "Times the loss scale was decreased.")
 SCALE_GROWTHS = Metric("ampguard_scale_growths_total", "counter", "Times the loss scale was increased.")
@@ -155,7 +152,6 @@ DEVICE_MEMORY_PEAK = Metric(
     "Peak device memory of the last step on this rank (CUDA caching allocator; NaN off CUDA).",
     labels=("kind",),
     label_values=(MEMORY_KINDS,),
-    unit="bytes",
 )
 RUN_INFO = Metric(
     "ampguard_run_info",
@@ -194,7 +190,6 @@ CATALOGUE: tuple[Metric, ...] = (
     DEVICE_MEMORY_PEAK,
     RUN_INFO,
 )
-
 
 
 def by_name(name: str) -> Metric:
