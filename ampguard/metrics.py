@@ -159,7 +159,8 @@ RUN_INFO = Metric(
     "The run: id, precision, backend, world size and versions (value always 1).",
 )
 
-#: Labels of :data:`RUN_INFO` beyond :data:`RANK_LABELS`.
+#: Labels of :data:`RUN_INFO` beyond :data:`RANK_LABELS`: the fields of ``RunInfo`` of the same
+#: name, and ``<package>_version`` from ``RunInfo.versions`` ("" when not known).
 RUN_INFO_LABELS = (
     "run_id",
     "precision",

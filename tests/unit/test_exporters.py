@@ -144,6 +144,49 @@ def test_reports_update_the_series_and_nonfinite_values_stay_out_of_the_histogra
     assert _value(s, M.GRAD_NORM_HISTOGRAM.name + "_sum", **lab) == 2.5
 
 
+def test_label_children_are_bound_once_in_open_and_export_makes_no_labels_call(monkeypatch):
+    """export() touches only children bound by open(): counted on the real prometheus_client families."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    calls: list[str] = []
+    real_labels = MetricWrapperBase.labels
+
+    def counting(self: Any, *values: Any, **kw: Any) -> Any:
+        calls.append(self._name)
+        return real_labels(self, *values, **kw)
+
+    monkeypatch.setattr(MetricWrapperBase, "labels", counting)
+    exp = PrometheusExporter(serve=False)
+    exp.open(_info())
+    assert calls, "open() binds the children"
+    calls.clear()
+    exp.export(_report(0, memory_allocated_peak=10, memory_reserved_peak=20), [])
+    exp.export(_report(1, skipped=True, reason="nonfinite_loss", loss=math.nan, nonfinite_loss=True,
+                       grad_norm=math.nan, nonfinite_grads=2, scale_backoff=True, next_loss_scale=512.0),
+               [Anomaly(1, "nonfinite_loss", "x"), Anomaly(1, "rank_divergence", "x"),
+                Anomaly(1, "nonfinite_grad", "x", cause="transient")])
+    exp.export(_report(2, skipped=True, reason=None, scale_growth=True, loss_scale=512.0), [])
+    assert calls == []
+    lab = {"rank": "0", "local_rank": "0"}
+    get = exp.registry.get_sample_value
+    assert get(M.STEPS.name, lab) == 3
+    assert get(M.SKIPPED_STEPS.name, {"reason": "nonfinite_loss", **lab}) == 1
+    assert get(M.SKIPPED_STEPS.name, {"reason": "nonfinite_grad", **lab}) == 1  # unknown reason
+    assert get(M.ANOMALIES.name, {"kind": "rank_divergence", **lab}) == 1
+    assert get(M.RANK_DIVERGENCE.name, lab) == 1 and get(M.TRANSIENT_FAULTS.name, lab) == 1
+    assert get(M.DEVICE_MEMORY_PEAK.name, {"kind": "reserved", **lab}) == 20
+
+
+def test_run_info_carries_the_catalogue_labels():
+    exp = PrometheusExporter(serve=False)
+    exp.open(_info(rank=3, local_rank=1, world=4))
+    info = [s for fam in exp.registry.collect() if fam.name == M.RUN_INFO.client_name for s in fam.samples]
+    assert len(info) == 1 and info[0].value == 1
+    assert tuple(info[0].labels) == (*M.RANK_LABELS, *M.RUN_INFO_LABELS)
+    assert info[0].labels["world_size"] == "4" and info[0].labels["ampguard_version"] == "0.1.0"
+    assert info[0].labels["python_version"] == "3" and info[0].labels["device"] == "cpu"
+
+
 def test_skipped_counter_carries_the_step_as_exemplar_in_openmetrics(prom):
     prom.open(_info())
     prom.export(_report(7, skipped=True, reason="nonfinite_loss", nonfinite_loss=True, loss=math.nan), [])
