@@ -200,9 +200,9 @@ class PrometheusExporter:
             b.grad_norm_finite.observe(report.grad_norm)
         b.loss.set(report.loss)
         b.last_step_timestamp.set(report.wall_time)
-        if report.next_loss_scale < report.loss_scale:
+        if report.scale_backoff:
             b.scale_backoffs.inc()
-        elif report.next_loss_scale > report.loss_scale:
+        if report.scale_growth:
             b.scale_growths.inc()
         for anomaly in anomalies:
             child = b.anomalies.get(anomaly.kind)

@@ -119,11 +119,11 @@ def test_reports_update_the_series_and_nonfinite_values_stay_out_of_the_histogra
     prom.open(_info())
     prom.export(_report(0), [])
     prom.export(_report(1, skipped=True, reason="nonfinite_loss", loss=math.nan, nonfinite_loss=True,
-                        grad_norm=math.nan, nonfinite_grads=3, next_loss_scale=512.0),
+                        grad_norm=math.nan, nonfinite_grads=3, next_loss_scale=512.0, scale_backoff=True),
                 [Anomaly(1, "nonfinite_loss", "x")])
     prom.export(_report(2, skipped=True, reason="nonfinite_grad", grad_norm=math.inf, nonfinite_grads=1,
                         loss_scale=512.0, next_loss_scale=512.0), [Anomaly(2, "overflow", "x")])
-    prom.export(_report(3, loss_scale=512.0, next_loss_scale=1024.0, grad_norm=2.0),
+    prom.export(_report(3, loss_scale=512.0, next_loss_scale=1024.0, scale_growth=True, grad_norm=2.0),
                 [Anomaly(3, "rank_divergence", "x")])
     s = _samples(_get(prom.url)[2])
     lab = {"rank": "0", "local_rank": "0"}
@@ -185,6 +185,28 @@ def test_run_info_carries_the_catalogue_labels():
     assert tuple(info[0].labels) == (*M.RANK_LABELS, *M.RUN_INFO_LABELS)
     assert info[0].labels["world_size"] == "4" and info[0].labels["ampguard_version"] == "0.1.0"
     assert info[0].labels["python_version"] == "3" and info[0].labels["device"] == "cpu"
+
+
+def test_backoff_and_growth_counters_follow_the_report_flags_not_the_scale_ordering():
+    """The guard's decision (scale_backoff/scale_growth) is counted, even where the two scales
+    would say otherwise."""
+    exp = PrometheusExporter(serve=False)
+    exp.open(_info())
+    lab = {"rank": "0", "local_rank": "0"}
+
+    def counts() -> tuple[float | None, float | None]:
+        get = exp.registry.get_sample_value
+        return get(M.SCALE_BACKOFFS.name, lab), get(M.SCALE_GROWTHS.name, lab)
+
+    exp.export(_report(0, loss_scale=1024.0, next_loss_scale=512.0, scale_growth=True), [])
+    assert counts() == (0, 1)
+    exp.export(_report(1, loss_scale=512.0, next_loss_scale=1024.0, scale_backoff=True), [])
+    assert counts() == (1, 1)
+    exp.export(_report(2, loss_scale=1024.0, next_loss_scale=2048.0), [])  # no flag: nothing counted
+    exp.export(_report(3, loss_scale=2048.0, next_loss_scale=1024.0), [])
+    assert counts() == (1, 1)
+    exp.export(_report(4, scale_backoff=True), [])  # equal scales, flag set
+    assert counts() == (2, 1)
 
 
 def test_skipped_counter_carries_the_step_as_exemplar_in_openmetrics(prom):
