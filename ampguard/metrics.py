@@ -109,7 +109,11 @@ NONFINITE_ORIGIN = Metric(
     "counter",
     "Non-finite steps whose NaN/inf originated on this rank (spots the one bad rank).",
 )
-LOSS_SCALE = Metric("ampguard_loss_scale", "gauge", "Loss scale the next step will use (1 without loss scaling).")
+LOSS_SCALE = Metric(
+    "ampguard_loss_scale",
+    "gauge",
+    "Loss scale that multiplied the last step's loss, as StepReport.loss_scale (1 without loss scaling).",
+)
 GRAD_NORM = Metric(
     "ampguard_grad_norm", "gauge", "Global L2 norm of the unscaled gradients of the last step (NaN/inf allowed)."
 )

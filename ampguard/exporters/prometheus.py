@@ -194,7 +194,7 @@ class PrometheusExporter:
             b.nonfinite_grad.inc()
         if report.nonfinite and (report.world_size == 1 or report.rank in report.nonfinite_ranks):
             b.nonfinite_origin.inc()
-        b.loss_scale.set(report.next_loss_scale)
+        b.loss_scale.set(report.loss_scale)
         b.grad_norm.set(report.grad_norm)
         if math.isfinite(report.grad_norm):
             b.grad_norm_finite.observe(report.grad_norm)

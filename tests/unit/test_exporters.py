@@ -137,7 +137,7 @@ def test_reports_update_the_series_and_nonfinite_values_stay_out_of_the_histogra
     assert _value(s, M.SCALE_GROWTHS.name, **lab) == 1
     assert _value(s, M.RANK_DIVERGENCE.name, **lab) == 1
     assert _value(s, M.ANOMALIES.name, kind="overflow", **lab) == 1
-    assert _value(s, M.LOSS_SCALE.name, **lab) == 1024.0
+    assert _value(s, M.LOSS_SCALE.name, **lab) == 512.0  # the scale of the last step, not the next one's
     assert _value(s, M.GRAD_NORM.name, **lab) == 2.0
     assert _value(s, M.LAST_STEP_TIMESTAMP.name, **lab) == 1003.0
     assert _value(s, M.GRAD_NORM_HISTOGRAM.name + "_count", **lab) == 2  # NaN and inf not observed
@@ -185,6 +185,18 @@ def test_run_info_carries_the_catalogue_labels():
     assert tuple(info[0].labels) == (*M.RANK_LABELS, *M.RUN_INFO_LABELS)
     assert info[0].labels["world_size"] == "4" and info[0].labels["ampguard_version"] == "0.1.0"
     assert info[0].labels["python_version"] == "3" and info[0].labels["device"] == "cpu"
+
+
+def test_loss_scale_gauge_is_the_scale_that_multiplied_the_step():
+    exp = PrometheusExporter(serve=False)
+    exp.open(_info())
+    lab = {"rank": "0", "local_rank": "0"}
+    assert math.isnan(exp.registry.get_sample_value(M.LOSS_SCALE.name, lab))  # before the first step
+    exp.export(_report(0, loss_scale=1024.0, next_loss_scale=512.0, scale_backoff=True), [])
+    assert exp.registry.get_sample_value(M.LOSS_SCALE.name, lab) == 1024.0
+    exp.export(_report(1, loss_scale=512.0, next_loss_scale=1024.0, scale_growth=True), [])
+    assert exp.registry.get_sample_value(M.LOSS_SCALE.name, lab) == 512.0
+    assert "StepReport.loss_scale" in M.LOSS_SCALE.help
 
 
 def test_backoff_and_growth_counters_follow_the_report_flags_not_the_scale_ordering():
@@ -521,6 +533,18 @@ def test_tensorboard_scalars_and_finite_histograms(tmp_path):
     assert hist[1].histogram_value.max == 4.0
     assert [h.step for h in acc.Histograms("ampguard/grad_norm/fc.bias")] == [0, 2]
     assert [h.step for h in acc.Histograms("ampguard/grad_norm/fc.weight")] == [0]
+
+
+def test_tensorboard_loss_scale_is_the_scale_that_multiplied_the_step(tmp_path):
+    from ampguard.exporters import TensorBoardExporter
+
+    tb = TensorBoardExporter(tmp_path / "tb", histogram_every=None)
+    tb.open(_info())
+    tb.export(_report(0, loss_scale=1024.0, next_loss_scale=512.0, scale_backoff=True), [])
+    tb.export(_report(1, loss_scale=512.0, next_loss_scale=1024.0, scale_growth=True), [])
+    tb.close()
+    scale = [(e.step, e.value) for e in _accumulator(tmp_path / "tb").Scalars("ampguard/loss_scale")]
+    assert scale == [(0, 1024.0), (1, 512.0)]
 
 
 def test_tensorboard_rank0_only_by_default_all_ranks_in_subdirs(tmp_path):
