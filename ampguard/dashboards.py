@@ -461,8 +461,8 @@ def build_dashboard() -> dict[str, Any]:
             (5, 1, 5, 4), options=stat_opts, defaults=red_above(0.1),
         ),
         _panel(
-            4, "stat", "Lowest loss scale", "Smallest current loss scale across the selected ranks "
-            "(fp16; 1 for bf16/fp32). Below 1 means gradients overflow even unscaled.", "short",
+            4, "stat", "Lowest loss scale", "Smallest loss scale that multiplied the last step's loss, across "
+            "the selected ranks (fp16; 1 for bf16/fp32). Below 1 means gradients overflow even unscaled.", "short",
             [_target(f"min({_q(scale)})", "lowest loss scale")],
             (10, 1, 5, 4), options=stat_opts,
         ),
@@ -478,8 +478,8 @@ def build_dashboard() -> dict[str, Any]:
             (20, 1, 4, 4), options=stat_opts,
         ),
         _panel(
-            7, "timeseries", "Loss scale per rank", "Current fp16 loss scale of each rank (log2 axis). Ranks "
-            "must agree: a rank apart from the others has diverged.", "short",
+            7, "timeseries", "Loss scale per rank", "fp16 loss scale that multiplied each rank's last step (log2 "
+            "axis). Ranks must agree: a rank apart from the others has diverged.", "short",
             [_target(_q(scale), "rank {{rank}}")],
             (0, 5, 12, 8), defaults={"custom": {"scaleDistribution": {"type": "log", "log": 2}}},
         ),

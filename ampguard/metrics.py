@@ -70,8 +70,6 @@ class Metric:
     """Labels beyond :data:`RANK_LABELS`."""
     label_values: tuple[tuple[str, ...], ...] = ()
     """Known values of each label in :attr:`labels` (same order); every combination exists at 0."""
-    unit: str = "short"
-    """Grafana unit of the value (used by the dashboard)."""
 
     @property
     def client_name(self) -> str:
@@ -111,7 +109,11 @@ NONFINITE_ORIGIN = Metric(
     "counter",
     "Non-finite steps whose NaN/inf originated on this rank (spots the one bad rank).",
 )
-LOSS_SCALE = Metric("ampguard_loss_scale", "gauge", "Loss scale the next step will use (1 without loss scaling).")
+LOSS_SCALE = Metric(
+    "ampguard_loss_scale",
+    "gauge",
+    "Loss scale that multiplied the last step's loss, as StepReport.loss_scale (1 without loss scaling).",
+)
 GRAD_NORM = Metric(
     "ampguard_grad_norm", "gauge", "Global L2 norm of the unscaled gradients of the last step (NaN/inf allowed)."
 )
@@ -125,7 +127,6 @@ LAST_STEP_TIMESTAMP = Metric(
     "ampguard_last_step_timestamp_seconds",
     "gauge",
     "Unix time at which the last step was reported (0 before the first step).",
-    unit="dateTimeAsIso",
 )
 SCALE_BACKOFFS = Metric("ampguard_scale_backoffs_total", "counter", "Times the loss scale was decreased.")
 SCALE_GROWTHS = Metric("ampguard_scale_growths_total", "counter", "Times the loss scale was increased.")
@@ -155,7 +156,6 @@ DEVICE_MEMORY_PEAK = Metric(
     "Peak device memory of the last step on this rank (CUDA caching allocator; NaN off CUDA).",
     labels=("kind",),
     label_values=(MEMORY_KINDS,),
-    unit="bytes",
 )
 RUN_INFO = Metric(
     "ampguard_run_info",
@@ -163,7 +163,8 @@ RUN_INFO = Metric(
     "The run: id, precision, backend, world size and versions (value always 1).",
 )
 
-#: Labels of :data:`RUN_INFO` beyond :data:`RANK_LABELS`.
+#: Labels of :data:`RUN_INFO` beyond :data:`RANK_LABELS`: the fields of ``RunInfo`` of the same
+#: name, and ``<package>_version`` from ``RunInfo.versions`` ("" when not known).
 RUN_INFO_LABELS = (
     "run_id",
     "precision",
@@ -194,7 +195,6 @@ CATALOGUE: tuple[Metric, ...] = (
     DEVICE_MEMORY_PEAK,
     RUN_INFO,
 )
-
 
 
 def by_name(name: str) -> Metric:

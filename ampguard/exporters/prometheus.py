@@ -14,6 +14,7 @@ an ``ampguard.exporters`` log record carry the message). To fail hard instead, c
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import threading
@@ -27,6 +28,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from .. import metrics as M
 from ..errors import AmpGuardError
 from ..report import Anomaly, RunInfo, StepReport
+from ..vocab import AnomalyKind, Cause, SkipReason
 
 __all__ = ["PortInUseError", "PrometheusExporter"]
 
@@ -88,7 +90,8 @@ class PrometheusExporter:
     - ``serve``: False registers the metrics but starts no server (use your own endpoint for
       ``registry``).
 
-    Cost per step: a few dict look-ups and float stores on the training thread.
+    Cost per step: a few float stores and additions on the training thread (the label children
+    are bound once, in ``open()``).
     """
 
     def __init__(
@@ -108,8 +111,8 @@ class PrometheusExporter:
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._labels: dict[str, str] | None = None
         self._m: dict[str, Any] = {}
+        self._bound: _Bound | None = None
 
     # ------------------------------------------------------------------ server
     @property
@@ -161,79 +164,58 @@ class PrometheusExporter:
 
     # ------------------------------------------------------------------ Exporter protocol
     def open(self, info: RunInfo) -> None:
-        """Create every series at 0 and start serving at ``port + info.local_rank``."""
-        labels = {"rank": str(info.rank), "local_rank": str(info.local_rank)}
-        self._labels = labels
+        """Create every series at 0, bind this rank's label children, and start serving at
+        ``port + info.local_rank``."""
         if not self._m:
             self._m = _register(self.registry)
-        m = self._m
-        for metric in M.CATALOGUE:
-            family = m[metric.name]
-            if metric.type == "info":
-                versions = dict(info.versions)
-                family.labels(**labels).info(
-                    {
-                        "run_id": info.run_id,
-                        "precision": info.precision,
-                        "backend": info.backend,
-                        "world_size": str(info.world_size),
-                        "device": info.device,
-                        "ampguard_version": versions.get("ampguard", ""),
-                        "torch_version": versions.get("torch", ""),
-                        "python_version": versions.get("python", ""),
-                    }
-                )
-            elif metric.labels:
-                for combo in _combinations(metric.label_values):
-                    family.labels(**dict(zip(metric.labels, combo)), **labels)
-            else:
-                family.labels(**labels)
-        m[M.LOSS.name].labels(**labels).set(float("nan"))
-        m[M.GRAD_NORM.name].labels(**labels).set(float("nan"))
-        m[M.LOSS_SCALE.name].labels(**labels).set(float("nan"))
-        for kind in M.MEMORY_KINDS:  # NaN until a CUDA step reports it (off CUDA: stays NaN)
-            m[M.DEVICE_MEMORY_PEAK.name].labels(kind=kind, **labels).set(float("nan"))
+        rank = (str(info.rank), str(info.local_rank))
+        children = {
+            metric.name: {
+                combo: self._m[metric.name].labels(*combo, *rank) for combo in _combinations(metric.label_values)
+            }
+            for metric in M.CATALOGUE
+        }
+        children[M.RUN_INFO.name][()].info(_run_info_values(info))
+        self._bound = _Bound(children)
         if self.serve:
             self.start(info.local_rank)
 
     def export(self, report: StepReport, anomalies: Sequence[Anomaly]) -> None:
-        labels = self._labels
-        if labels is None:
+        b = self._bound
+        if b is None:
             return
-        m = self._m
-        m[M.STEPS.name].labels(**labels).inc()
+        b.steps.inc()
         if report.skipped:
-            reason = report.reason if report.reason in M.SKIPPED_STEPS.label_values[0] else "nonfinite_grad"
             # The exemplar is shown where OpenMetrics is negotiated (Prometheus scrapes it).
-            m[M.SKIPPED_STEPS.name].labels(reason=reason, **labels).inc(1, exemplar={"step": str(report.step)})
+            b.skipped.get(report.reason, b.skipped_other).inc(1, exemplar={"step": str(report.step)})
         if report.nonfinite_loss:
-            m[M.NONFINITE_STEPS.name].labels(kind="loss", **labels).inc()
+            b.nonfinite_loss.inc()
         elif report.nonfinite_grads > 0:
-            m[M.NONFINITE_STEPS.name].labels(kind="grad", **labels).inc()
+            b.nonfinite_grad.inc()
         if report.nonfinite and (report.world_size == 1 or report.rank in report.nonfinite_ranks):
-            m[M.NONFINITE_ORIGIN.name].labels(**labels).inc()
-        m[M.LOSS_SCALE.name].labels(**labels).set(report.next_loss_scale)
-        m[M.GRAD_NORM.name].labels(**labels).set(report.grad_norm)
-        if report.grad_norm == report.grad_norm and abs(report.grad_norm) != float("inf"):
-            m[M.GRAD_NORM_HISTOGRAM.name].labels(**labels).observe(report.grad_norm)
-        m[M.LOSS.name].labels(**labels).set(report.loss)
-        m[M.LAST_STEP_TIMESTAMP.name].labels(**labels).set(report.wall_time)
-        if report.next_loss_scale < report.loss_scale:
-            m[M.SCALE_BACKOFFS.name].labels(**labels).inc()
-        elif report.next_loss_scale > report.loss_scale:
-            m[M.SCALE_GROWTHS.name].labels(**labels).inc()
-        known = M.ANOMALIES.label_values[0]
+            b.nonfinite_origin.inc()
+        b.loss_scale.set(report.loss_scale)
+        b.grad_norm.set(report.grad_norm)
+        if math.isfinite(report.grad_norm):
+            b.grad_norm_finite.observe(report.grad_norm)
+        b.loss.set(report.loss)
+        b.last_step_timestamp.set(report.wall_time)
+        if report.scale_backoff:
+            b.scale_backoffs.inc()
+        if report.scale_growth:
+            b.scale_growths.inc()
         for anomaly in anomalies:
-            if anomaly.kind in known:
-                m[M.ANOMALIES.name].labels(kind=anomaly.kind, **labels).inc()
-            if anomaly.kind == "rank_divergence":
-                m[M.RANK_DIVERGENCE.name].labels(**labels).inc()
-            if anomaly.cause == "transient" and (not anomaly.ranks or report.rank in anomaly.ranks):
-                m[M.TRANSIENT_FAULTS.name].labels(**labels).inc()
+            child = b.anomalies.get(anomaly.kind)
+            if child is not None:
+                child.inc()
+            if anomaly.kind == AnomalyKind.RANK_DIVERGENCE:
+                b.rank_divergence.inc()
+            if anomaly.cause == Cause.TRANSIENT and (not anomaly.ranks or report.rank in anomaly.ranks):
+                b.transient_faults.inc()
         if report.memory_allocated_peak is not None:
-            m[M.DEVICE_MEMORY_PEAK.name].labels(kind="allocated", **labels).set(report.memory_allocated_peak)
+            b.memory_allocated_peak.set(report.memory_allocated_peak)
         if report.memory_reserved_peak is not None:
-            m[M.DEVICE_MEMORY_PEAK.name].labels(kind="reserved", **labels).set(report.memory_reserved_peak)
+            b.memory_reserved_peak.set(report.memory_reserved_peak)
 
     def close(self) -> None:
         """Stop serving and free the port. The registered metrics stay in ``registry``."""
@@ -262,6 +244,70 @@ def _combinations(values: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
     for choices in values:
         out = [(*prefix, v) for prefix in out for v in choices]
     return out
+
+
+class _Bound:
+    """One rank's label children, bound once by ``open()``: ``export()`` only adds and stores
+    (no per-step ``labels()`` look-up, which validates and locks)."""
+
+    __slots__ = (
+        "anomalies",
+        "grad_norm",
+        "grad_norm_finite",
+        "last_step_timestamp",
+        "loss",
+        "loss_scale",
+        "memory_allocated_peak",
+        "memory_reserved_peak",
+        "nonfinite_grad",
+        "nonfinite_loss",
+        "nonfinite_origin",
+        "rank_divergence",
+        "scale_backoffs",
+        "scale_growths",
+        "skipped",
+        "skipped_other",
+        "steps",
+        "transient_faults",
+    )
+
+    def __init__(self, children: dict[str, dict[tuple[str, ...], Any]]) -> None:
+        def one(metric: M.Metric) -> Any:
+            return children[metric.name][()]
+
+        def by_value(metric: M.Metric) -> dict[str | None, Any]:  # metrics with one label beyond the rank's
+            return {combo[0]: child for combo, child in children[metric.name].items()}
+
+        self.steps = one(M.STEPS)
+        self.skipped = by_value(M.SKIPPED_STEPS)
+        self.skipped_other = self.skipped[SkipReason.NONFINITE_GRAD]  # a reason the catalogue does not know
+        nonfinite = by_value(M.NONFINITE_STEPS)
+        self.nonfinite_loss, self.nonfinite_grad = nonfinite["loss"], nonfinite["grad"]
+        self.nonfinite_origin = one(M.NONFINITE_ORIGIN)
+        self.loss_scale = one(M.LOSS_SCALE)
+        self.grad_norm = one(M.GRAD_NORM)
+        self.grad_norm_finite = one(M.GRAD_NORM_HISTOGRAM)
+        self.loss = one(M.LOSS)
+        self.last_step_timestamp = one(M.LAST_STEP_TIMESTAMP)
+        self.scale_backoffs = one(M.SCALE_BACKOFFS)
+        self.scale_growths = one(M.SCALE_GROWTHS)
+        self.rank_divergence = one(M.RANK_DIVERGENCE)
+        self.anomalies = by_value(M.ANOMALIES)
+        self.transient_faults = one(M.TRANSIENT_FAULTS)
+        memory = by_value(M.DEVICE_MEMORY_PEAK)
+        self.memory_allocated_peak, self.memory_reserved_peak = memory["allocated"], memory["reserved"]
+        # NaN until a step reports them (memory: until a CUDA step does; off CUDA it stays NaN).
+        for gauge in (self.loss, self.grad_norm, self.loss_scale, *memory.values()):
+            gauge.set(math.nan)
+
+
+def _run_info_values(info: RunInfo) -> dict[str, str]:
+    """The labels of the run-info metric (:data:`ampguard.metrics.RUN_INFO_LABELS`) for ``info``."""
+    versions = dict(info.versions)
+    return {
+        name: versions.get(name.removesuffix("_version"), "") if name.endswith("_version") else str(getattr(info, name))
+        for name in M.RUN_INFO_LABELS
+    }
 
 
 def _register(registry: CollectorRegistry) -> dict[str, Any]:

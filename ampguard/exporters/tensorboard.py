@@ -3,8 +3,9 @@
 tensorboard is optional (``pip install 'ampguard[tensorboard]'``); it is imported when the
 exporter opens, never by ``import ampguard``.
 
-Tags (under ``ampguard/``): ``loss``, ``loss_scale``, ``grad_norm``, ``skipped`` (0/1 per
-step), ``skipped_steps`` (running total), ``nonfinite_grads`` (tensors this step),
+Tags (under ``ampguard/``): ``loss``, ``loss_scale`` (the scale that multiplied the step's
+loss, as ``StepReport.loss_scale``), ``grad_norm``, ``skipped`` (0/1 per step),
+``skipped_steps`` (running total), ``nonfinite_grads`` (tensors this step),
 ``nonfinite_steps`` (running total); histograms ``param_grad_norms`` (every parameter's
 norm, one histogram) and ``grad_norm/<param name>`` (one per parameter), written every
 ``histogram_every`` steps from ``StepReport.param_norms`` (finite values only; those steps
@@ -23,6 +24,13 @@ from ..errors import BackendUnavailableError
 from ..report import Anomaly, RunInfo, StepReport
 
 __all__ = ["TensorBoardExporter"]
+
+#: (tag, ``StepReport`` field) of the scalars written only when finite.
+_FINITE_SCALARS = (
+    ("ampguard/loss", "loss"),
+    ("ampguard/loss_scale", "loss_scale"),
+    ("ampguard/grad_norm", "grad_norm"),
+)
 
 
 def _summary_writer() -> Any:
@@ -84,17 +92,15 @@ class TensorBoardExporter:
             self._skipped += 1
         if report.nonfinite:
             self._nonfinite += 1
-        for tag, value in (
-            ("loss", report.loss),
-            ("loss_scale", report.next_loss_scale),
-            ("grad_norm", report.grad_norm),
-        ):
+        t = report.wall_time or None
+        for tag, field in _FINITE_SCALARS:
+            value = getattr(report, field)
             if math.isfinite(value):
-                w.add_scalar(f"ampguard/{tag}", value, s, walltime=report.wall_time or None)
-        w.add_scalar("ampguard/skipped", float(report.skipped), s, walltime=report.wall_time or None)
-        w.add_scalar("ampguard/skipped_steps", self._skipped, s, walltime=report.wall_time or None)
-        w.add_scalar("ampguard/nonfinite_grads", report.nonfinite_grads, s, walltime=report.wall_time or None)
-        w.add_scalar("ampguard/nonfinite_steps", self._nonfinite, s, walltime=report.wall_time or None)
+                w.add_scalar(tag, value, s, walltime=t)
+        w.add_scalar("ampguard/skipped", float(report.skipped), s, walltime=t)
+        w.add_scalar("ampguard/skipped_steps", self._skipped, s, walltime=t)
+        w.add_scalar("ampguard/nonfinite_grads", report.nonfinite_grads, s, walltime=t)
+        w.add_scalar("ampguard/nonfinite_steps", self._nonfinite, s, walltime=t)
         every = self.histogram_every
         if every is not None and report.param_norms is not None and s % every == 0:
             self._histograms(report)

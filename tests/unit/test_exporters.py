@@ -119,11 +119,11 @@ def test_reports_update_the_series_and_nonfinite_values_stay_out_of_the_histogra
     prom.open(_info())
     prom.export(_report(0), [])
     prom.export(_report(1, skipped=True, reason="nonfinite_loss", loss=math.nan, nonfinite_loss=True,
-                        grad_norm=math.nan, nonfinite_grads=3, next_loss_scale=512.0),
+                        grad_norm=math.nan, nonfinite_grads=3, next_loss_scale=512.0, scale_backoff=True),
                 [Anomaly(1, "nonfinite_loss", "x")])
     prom.export(_report(2, skipped=True, reason="nonfinite_grad", grad_norm=math.inf, nonfinite_grads=1,
                         loss_scale=512.0, next_loss_scale=512.0), [Anomaly(2, "overflow", "x")])
-    prom.export(_report(3, loss_scale=512.0, next_loss_scale=1024.0, grad_norm=2.0),
+    prom.export(_report(3, loss_scale=512.0, next_loss_scale=1024.0, scale_growth=True, grad_norm=2.0),
                 [Anomaly(3, "rank_divergence", "x")])
     s = _samples(_get(prom.url)[2])
     lab = {"rank": "0", "local_rank": "0"}
@@ -137,11 +137,88 @@ def test_reports_update_the_series_and_nonfinite_values_stay_out_of_the_histogra
     assert _value(s, M.SCALE_GROWTHS.name, **lab) == 1
     assert _value(s, M.RANK_DIVERGENCE.name, **lab) == 1
     assert _value(s, M.ANOMALIES.name, kind="overflow", **lab) == 1
-    assert _value(s, M.LOSS_SCALE.name, **lab) == 1024.0
+    assert _value(s, M.LOSS_SCALE.name, **lab) == 512.0  # the scale of the last step, not the next one's
     assert _value(s, M.GRAD_NORM.name, **lab) == 2.0
     assert _value(s, M.LAST_STEP_TIMESTAMP.name, **lab) == 1003.0
     assert _value(s, M.GRAD_NORM_HISTOGRAM.name + "_count", **lab) == 2  # NaN and inf not observed
     assert _value(s, M.GRAD_NORM_HISTOGRAM.name + "_sum", **lab) == 2.5
+
+
+def test_label_children_are_bound_once_in_open_and_export_makes_no_labels_call(monkeypatch):
+    """export() touches only children bound by open(): counted on the real prometheus_client families."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    calls: list[str] = []
+    real_labels = MetricWrapperBase.labels
+
+    def counting(self: Any, *values: Any, **kw: Any) -> Any:
+        calls.append(self._name)
+        return real_labels(self, *values, **kw)
+
+    monkeypatch.setattr(MetricWrapperBase, "labels", counting)
+    exp = PrometheusExporter(serve=False)
+    exp.open(_info())
+    assert calls, "open() binds the children"
+    calls.clear()
+    exp.export(_report(0, memory_allocated_peak=10, memory_reserved_peak=20), [])
+    exp.export(_report(1, skipped=True, reason="nonfinite_loss", loss=math.nan, nonfinite_loss=True,
+                       grad_norm=math.nan, nonfinite_grads=2, scale_backoff=True, next_loss_scale=512.0),
+               [Anomaly(1, "nonfinite_loss", "x"), Anomaly(1, "rank_divergence", "x"),
+                Anomaly(1, "nonfinite_grad", "x", cause="transient")])
+    exp.export(_report(2, skipped=True, reason=None, scale_growth=True, loss_scale=512.0), [])
+    assert calls == []
+    lab = {"rank": "0", "local_rank": "0"}
+    get = exp.registry.get_sample_value
+    assert get(M.STEPS.name, lab) == 3
+    assert get(M.SKIPPED_STEPS.name, {"reason": "nonfinite_loss", **lab}) == 1
+    assert get(M.SKIPPED_STEPS.name, {"reason": "nonfinite_grad", **lab}) == 1  # unknown reason
+    assert get(M.ANOMALIES.name, {"kind": "rank_divergence", **lab}) == 1
+    assert get(M.RANK_DIVERGENCE.name, lab) == 1 and get(M.TRANSIENT_FAULTS.name, lab) == 1
+    assert get(M.DEVICE_MEMORY_PEAK.name, {"kind": "reserved", **lab}) == 20
+
+
+def test_run_info_carries_the_catalogue_labels():
+    exp = PrometheusExporter(serve=False)
+    exp.open(_info(rank=3, local_rank=1, world=4))
+    info = [s for fam in exp.registry.collect() if fam.name == M.RUN_INFO.client_name for s in fam.samples]
+    assert len(info) == 1 and info[0].value == 1
+    assert tuple(info[0].labels) == (*M.RANK_LABELS, *M.RUN_INFO_LABELS)
+    assert info[0].labels["world_size"] == "4" and info[0].labels["ampguard_version"] == "0.1.0"
+    assert info[0].labels["python_version"] == "3" and info[0].labels["device"] == "cpu"
+
+
+def test_loss_scale_gauge_is_the_scale_that_multiplied_the_step():
+    exp = PrometheusExporter(serve=False)
+    exp.open(_info())
+    lab = {"rank": "0", "local_rank": "0"}
+    assert math.isnan(exp.registry.get_sample_value(M.LOSS_SCALE.name, lab))  # before the first step
+    exp.export(_report(0, loss_scale=1024.0, next_loss_scale=512.0, scale_backoff=True), [])
+    assert exp.registry.get_sample_value(M.LOSS_SCALE.name, lab) == 1024.0
+    exp.export(_report(1, loss_scale=512.0, next_loss_scale=1024.0, scale_growth=True), [])
+    assert exp.registry.get_sample_value(M.LOSS_SCALE.name, lab) == 512.0
+    assert "StepReport.loss_scale" in M.LOSS_SCALE.help
+
+
+def test_backoff_and_growth_counters_follow_the_report_flags_not_the_scale_ordering():
+    """The guard's decision (scale_backoff/scale_growth) is counted, even where the two scales
+    would say otherwise."""
+    exp = PrometheusExporter(serve=False)
+    exp.open(_info())
+    lab = {"rank": "0", "local_rank": "0"}
+
+    def counts() -> tuple[float | None, float | None]:
+        get = exp.registry.get_sample_value
+        return get(M.SCALE_BACKOFFS.name, lab), get(M.SCALE_GROWTHS.name, lab)
+
+    exp.export(_report(0, loss_scale=1024.0, next_loss_scale=512.0, scale_growth=True), [])
+    assert counts() == (0, 1)
+    exp.export(_report(1, loss_scale=512.0, next_loss_scale=1024.0, scale_backoff=True), [])
+    assert counts() == (1, 1)
+    exp.export(_report(2, loss_scale=1024.0, next_loss_scale=2048.0), [])  # no flag: nothing counted
+    exp.export(_report(3, loss_scale=2048.0, next_loss_scale=1024.0), [])
+    assert counts() == (1, 1)
+    exp.export(_report(4, scale_backoff=True), [])  # equal scales, flag set
+    assert counts() == (2, 1)
 
 
 def test_skipped_counter_carries_the_step_as_exemplar_in_openmetrics(prom):
@@ -456,6 +533,18 @@ def test_tensorboard_scalars_and_finite_histograms(tmp_path):
     assert hist[1].histogram_value.max == 4.0
     assert [h.step for h in acc.Histograms("ampguard/grad_norm/fc.bias")] == [0, 2]
     assert [h.step for h in acc.Histograms("ampguard/grad_norm/fc.weight")] == [0]
+
+
+def test_tensorboard_loss_scale_is_the_scale_that_multiplied_the_step(tmp_path):
+    from ampguard.exporters import TensorBoardExporter
+
+    tb = TensorBoardExporter(tmp_path / "tb", histogram_every=None)
+    tb.open(_info())
+    tb.export(_report(0, loss_scale=1024.0, next_loss_scale=512.0, scale_backoff=True), [])
+    tb.export(_report(1, loss_scale=512.0, next_loss_scale=1024.0, scale_growth=True), [])
+    tb.close()
+    scale = [(e.step, e.value) for e in _accumulator(tmp_path / "tb").Scalars("ampguard/loss_scale")]
+    assert scale == [(0, 1024.0), (1, 512.0)]
 
 
 def test_tensorboard_rank0_only_by_default_all_ranks_in_subdirs(tmp_path):
