@@ -26,7 +26,8 @@ def _run(rank: int, world: int, reader_rank: int | None) -> dict[str, Any]:
         calls.append(opt.step_count)
         dist.barrier()  # a collective, as a user's "save a checkpoint before stopping" is
 
-    config = ampguard.GuardConfig(escalation=ampguard.Escalation(rollback_after=2, snapshot_every=None), forensics=False)
+    ladder = ampguard.Escalation(rollback_after=2, snapshot_every=None)
+    config = ampguard.GuardConfig(escalation=ladder, forensics=False)
     inner = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)  # fused: the step does not sync
     opt = ampguard.wrap(inner, model=model, precision="bf16", config=config,
                         on_abort=on_abort)
