@@ -4,4 +4,5 @@ import sys
 
 from .command import report_main
 
-sys.exit(report_main())
+if __name__ == "__main__":
+    sys.exit(report_main())
