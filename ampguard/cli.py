@@ -1,4 +1,4 @@
-"""The ``ampguard`` command: ``demo``, ``report``, ``dashboards``.
+"""The ``ampguard`` command: ``demo``, ``report``, ``dashboards``, ``preflight``.
 
 Exit codes: 0 success, 1 the command ran and failed, 2 bad usage or bad input.
 """
@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["main"]
+from . import __version__, dashboards, runlog
 
+__all__ = ["build_parser", "main"]
+
+_COMMANDS = ("demo", "report", "dashboards", "preflight")
 _EPILOG = """commands:
   demo        train a small transformer on 2 CPU ranks in fp16 with injected faults, live
   report      summarise a run's event logs and draw its story in one picture
@@ -18,26 +23,30 @@ _EPILOG = """commands:
 
 'ampguard COMMAND --help' describes each one."""
 
+_Handler = Callable[[argparse.Namespace, list[str]], int]
+"""A command: (its parsed arguments, its argument strings as given) -> exit code."""
 
-def _dashboards(argv: list[str]) -> int:
-    from . import dashboards
 
-    p = argparse.ArgumentParser(
-        prog="ampguard dashboards",
-        description="Write the Grafana dashboard, the Prometheus recording + alerting rules and their promtool "
-        "tests, generated from the metric catalogue (the monitoring-mixin shape; each file fits a ConfigMap).",
-    )
-    p.add_argument("--out", default="dashboards", help="output directory (default: dashboards/)")
-    p.add_argument("--job-selector", default="",
-                   help="PromQL label matchers added to every rule, e.g. 'job=~\"llm-.*\"' (default: none)")
-    p.add_argument("--burst-threshold", type=int, default=dashboards.DEFAULT_BURST_THRESHOLD,
-                   help="AmpguardNonFiniteBurst fires above this many non-finite steps in 5 minutes "
-                   f"(default: {dashboards.DEFAULT_BURST_THRESHOLD})")
-    p.add_argument("--test-job", default="train",
-                   help="job label of the synthetic series in the rule tests; must match --job-selector")
-    args = p.parse_args(argv)
-    if args.burst_threshold < 1:
-        p.error("--burst-threshold must be >= 1")
+# ---------------------------------------------------------------------------------- commands
+def _demo(args: argparse.Namespace, argv: list[str]) -> int:
+    from . import demo
+
+    return demo.main(argv)
+
+
+def _preflight(args: argparse.Namespace, argv: list[str]) -> int:
+    from .preflight import preflight_main
+
+    return preflight_main(argv)
+
+
+def _report(args: argparse.Namespace, argv: list[str]) -> int:
+    return runlog.run_report(args)
+
+
+def _dashboards(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.burst_threshold < dashboards.MIN_BURST_THRESHOLD:
+        args.command_parser.error(f"--burst-threshold must be >= {dashboards.MIN_BURST_THRESHOLD}")
     try:
         paths = dashboards.write_all(
             args.out, job_selector=args.job_selector, burst_threshold=args.burst_threshold, test_job=args.test_job
@@ -50,45 +59,65 @@ def _dashboards(argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _dashboards_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="dashboards", help="output directory (default: dashboards/)")
+    p.add_argument("--job-selector", default="",
+                   help="PromQL label matchers added to every rule, e.g. 'job=~\"llm-.*\"' (default: none)")
+    p.add_argument("--burst-threshold", type=int, default=dashboards.DEFAULT_BURST_THRESHOLD,
+                   help="AmpguardNonFiniteBurst fires above this many non-finite steps in 5 minutes "
+                   f"(default: {dashboards.DEFAULT_BURST_THRESHOLD})")
+    p.add_argument("--test-job", default="train",
+                   help="job label of the synthetic series in the rule tests; must match --job-selector")
+
+
+# ---------------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    """``ampguard``'s parser: a subparser per command, whose defaults hold its handler (``func``),
+    the subparser itself (``command_parser``, for usage errors) and ``own_parser``."""
     parser = argparse.ArgumentParser(
         prog="ampguard",
         description="Numerical-stability middleware for mixed-precision PyTorch training.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--version", action="store_true", help="print the version and exit")
-    parser.add_argument(
-        "command", nargs="?", choices=("demo", "report", "dashboards", "preflight"), help=argparse.SUPPRESS
-    )
-    if not argv or argv[0] in ("-h", "--help"):
+    parser.add_argument("--version", action="version", version=f"ampguard {__version__}",
+                        help="print the version and exit")
+    # The epilog lists the commands; argparse's own listing would repeat it.
+    commands = parser.add_subparsers(dest="command", help=argparse.SUPPRESS, parser_class=argparse.ArgumentParser)
+
+    def command(name: str, func: _Handler, *, own_parser: bool = False, **kwargs: Any) -> argparse.ArgumentParser:
+        sub: argparse.ArgumentParser = commands.add_parser(name, **kwargs)
+        sub.set_defaults(func=func, command_parser=sub, own_parser=own_parser)
+        return sub
+
+    # demo and preflight parse their own arguments (and print their own help): the argument
+    # strings after the command word are handed to them as given.
+    command("demo", _demo, own_parser=True, add_help=False)
+    command("preflight", _preflight, own_parser=True, add_help=False)
+    runlog.build_parser(parser=command("report", _report))
+    _dashboards_arguments(command(
+        "dashboards", _dashboards,
+        description="Write the Grafana dashboard, the Prometheus recording + alerting rules and their promtool "
+        "tests, generated from the metric catalogue (the monitoring-mixin shape; each file fits a ConfigMap).",
+    ))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv:
         parser.print_help()
-        return 0 if argv else 2
-    if argv[0] == "--version":
-        from . import __version__
-
-        print(f"ampguard {__version__}")
-        return 0
-    command, rest = argv[0], argv[1:]
-    if command == "demo":
-        from . import demo
-
-        return demo.main(rest)
-    if command == "report":
-        from . import runlog
-
-        return runlog.report_main(rest)
-    if command == "dashboards":
-        return _dashboards(rest)
-    if command == "preflight":
-        from .preflight import preflight_main
-
-        return preflight_main(rest)
-    parser.print_usage(sys.stderr)
-    print(f"ampguard: error: unknown command {command!r} (choose from demo, report, dashboards, preflight)",
-          file=sys.stderr)
-    return 2
+        return 2
+    if argv[0] not in (*_COMMANDS, "-h", "--help", "--version"):
+        parser.print_usage(sys.stderr)
+        print(f"ampguard: error: unknown command {argv[0]!r} (choose from {', '.join(_COMMANDS)})", file=sys.stderr)
+        return 2
+    args, rest = parser.parse_known_args(argv)  # -h and --version exit here: argv[0] is the command below
+    if rest and not args.own_parser:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    handler: _Handler = args.func
+    return handler(args, argv[1:])
 
 
 if __name__ == "__main__":  # pragma: no cover

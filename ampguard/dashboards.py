@@ -24,6 +24,7 @@ from .errors import BackendUnavailableError
 __all__ = [
     "ALERTS",
     "DEFAULT_BURST_THRESHOLD",
+    "MIN_BURST_THRESHOLD",
     "build_dashboard",
     "build_rule_tests",
     "build_rules",
@@ -35,6 +36,9 @@ __all__ = [
 ]
 
 DEFAULT_BURST_THRESHOLD = 10
+#: AmpguardNonFiniteBurst fires when a run saw *more* non-finite steps in 5 minutes than its
+#: threshold: at 0 every single one (each routine fp16 overflow) would page, which is no burst.
+MIN_BURST_THRESHOLD = 1
 DASHBOARD_UID = "ampguard-numerics"
 RULES_FILE = "ampguard.rules.yml"
 RULES_TEST_FILE = "ampguard.rules.test.yml"
@@ -75,12 +79,16 @@ def build_rules(
     - ``job_selector``: label matchers every rule's input series must match, e.g.
       ``'job=~"train-.*"'`` (empty: all ampguard series).
     - ``burst_threshold``: ``AmpguardNonFiniteBurst`` fires on more than this many non-finite
-      steps in 5 minutes for a run.
+      steps in 5 minutes for a run; at least :data:`MIN_BURST_THRESHOLD` (1).
     - ``fors``: override the ``for:`` of given alerts (tests use short ones).
     - ``interval``: evaluation interval of the groups (None: Prometheus's global one).
     """
-    if not (isinstance(burst_threshold, int) and burst_threshold >= 0):
-        raise ValueError(f"burst_threshold={burst_threshold!r}; allowed: an int >= 0")
+    whole = isinstance(burst_threshold, int) and not isinstance(burst_threshold, bool)  # True would render "> True"
+    if not (whole and burst_threshold >= MIN_BURST_THRESHOLD):
+        raise ValueError(
+            f"burst_threshold={burst_threshold!r}; allowed: an int >= {MIN_BURST_THRESHOLD} (the alert fires above it: "
+            "0 would fire on every non-finite step, e.g. each fp16 overflow)"
+        )
     s = job_selector
     nonfinite = _sel(M.NONFINITE_STEPS.name, s)
     skipped = _sel(M.SKIPPED_STEPS.name, s)

@@ -336,6 +336,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nreport picture: {picture}")
     except Exception as exc:  # the picture is a bonus; the run and its logs are the result
         print(f"\nreport picture not written: {exc}")
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    (run_dir / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2, default=str))
     print(f"summary: {run_dir / 'summary.json'}   ({took:.0f} s)")
     return 0

@@ -63,6 +63,34 @@ def test_dashboards_command_writes_valid_rules(tmp_path):
         assert check.returncode == 0, check.stdout + check.stderr
 
 
+def test_dashboards_command_refuses_a_burst_threshold_below_one(tmp_path):
+    # The same bound as dashboards.build_rules: the alert fires above the threshold, so >= 1.
+    out = subprocess.run([*CLI, "dashboards", "--out", str(tmp_path / "d"), "--burst-threshold", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.splitlines()[-1] == "ampguard dashboards: error: --burst-threshold must be >= 1"
+    assert not (tmp_path / "d").exists()
+
+
+def test_version_and_report_through_the_command(tmp_path):
+    from ampguard import __version__
+
+    version = subprocess.run([*CLI, "--version"], capture_output=True, text=True, timeout=120)
+    assert version.returncode == 0 and version.stdout == f"ampguard {__version__}\n"
+    log = tmp_path / "events-rank0.jsonl"
+    log.write_text('{"event": "run", "run_id": "r1", "rank": 0, "world_size": 1, "precision": "fp16"}\n'
+                   '{"event": "skipped", "step": 0, "skipped": true, "reason": "nonfinite_loss", "loss": "nan"}\n')
+    out = subprocess.run([*CLI, "report", str(tmp_path), "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout)
+    assert (s["steps"], s["skipped_by_reason"], s["closed"]) == (1, {"nonfinite_loss": 1}, False)
+    assert s["ranks"]["0"]["loss_last"] == "nan"
+    bad = subprocess.run([*CLI, "report", str(tmp_path), "--bogus"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.startswith("usage: ampguard report ")
+    assert bad.stderr.splitlines()[-1] == "ampguard report: error: unrecognized arguments: --bogus"
+
+
 def test_demo_end_to_end(tmp_path):
     port = _free_port_pair()
     proc = subprocess.Popen([*CLI, "demo", "--steps", "40", "--out", str(tmp_path), "--port", str(port)],

@@ -152,6 +152,17 @@ def test_burst_threshold_selector_and_fors_are_configurable():
         dashboards.build_rules(burst_threshold=-1)
 
 
+def test_burst_threshold_is_at_least_one_as_on_the_command_line():
+    # The alert fires above the threshold: 0 would page on every non-finite step (each fp16 overflow).
+    assert dashboards.MIN_BURST_THRESHOLD == 1
+    burst = next(r for g in dashboards.build_rules(burst_threshold=1)["groups"] for r in g["rules"]
+                 if r.get("alert") == "AmpguardNonFiniteBurst")
+    assert burst["expr"].endswith("> 1")
+    for bad in (0, True, 2.5):
+        with pytest.raises(ValueError, match=rf"burst_threshold={bad!r}; allowed: an int >= 1"):
+            dashboards.build_rules(burst_threshold=bad)  # type: ignore[arg-type]
+
+
 def test_rule_tests_cover_every_alert_firing_and_silent():
     doc = yaml.safe_load((CHECKED_IN / dashboards.RULES_TEST_FILE).read_text())
     fires: set[str] = set()

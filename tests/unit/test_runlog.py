@@ -7,6 +7,7 @@ The logs come from training a tiny model through ``ampguard.wrap`` with faults i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -22,6 +23,7 @@ import ampguard
 from ampguard import faults, runlog
 from ampguard.errors import AmpGuardError, BackendUnavailableError
 from ampguard.exporters import JsonlExporter
+from ampguard.vocab import AnomalyKind, Cause, Phase, SkipReason
 
 from ._models import guarded_steps, make_data, make_model, make_opt
 
@@ -92,25 +94,25 @@ def test_summary_numbers_match_the_guard(good):
     out, opt = good
     s = runlog.summary(runlog.load_run(out))
     hist = list(opt.history)
-    assert s["steps"] == opt.step_count == STEPS
+    assert s.steps == opt.step_count == STEPS
     skipped = Counter(r.reason for r in hist if r.skipped)
-    assert s["skipped"] == sum(skipped.values()) == 4
-    assert s["skipped_by_reason"] == dict(skipped) == {"nonfinite_loss": 2, "nonfinite_grad": 2}
+    assert s.skipped == sum(skipped.values()) == 4
+    assert s.skipped_by_reason == dict(skipped) == {"nonfinite_loss": 2, "nonfinite_grad": 2}
     scales = [x for r in hist for x in (r.loss_scale, r.next_loss_scale)]
-    r0 = s["ranks"]["0"]
-    assert (r0["scale_min"], r0["scale_max"], r0["scale_last"]) == (min(scales), max(scales), hist[-1].next_loss_scale)
-    assert r0["scale_min"] < 1024.0 < r0["scale_max"]  # backed off, and grew again
-    assert r0["nonfinite_loss_steps"] == sum(r.nonfinite_loss for r in hist) == 2
-    assert r0["nonfinite_grad_steps"] == sum(r.nonfinite_grads > 0 for r in hist)
-    assert r0["nonfinite_grad_tensors"] == sum(r.nonfinite_grads for r in hist)
-    assert r0["closed"] and r0["steps"] == STEPS and r0["skipped"] == 4
-    localised = [a for a in s["anomalies"] if a["module"]]
-    assert [(a["step"], a["kind"], a["module"], a["phase"], a["cause"]) for a in localised] == [
+    r0 = s.ranks[0]
+    assert (r0.scale_min, r0.scale_max, r0.scale_last) == (min(scales), max(scales), hist[-1].next_loss_scale)
+    assert r0.scale_min < 1024.0 < r0.scale_max  # backed off, and grew again
+    assert r0.nonfinite_loss_steps == sum(r.nonfinite_loss for r in hist) == 2
+    assert r0.nonfinite_grad_steps == sum(r.nonfinite_grads > 0 for r in hist)
+    assert r0.nonfinite_grad_tensors == sum(r.nonfinite_grads for r in hist)
+    assert r0.closed and r0.steps == STEPS and r0.skipped == 4
+    localised = [a for a in s.anomalies if a.module]
+    assert [(a.step, a.kind, a.module, a.phase, a.cause) for a in localised] == [
         (8, "overflow", "2", "backward", "overflow"),  # an inf in 2.weight's gradient: owner module named
         (9, "overflow", "2", "backward", "overflow"),
         (14, "nonfinite_loss", "0", "forward", "transient")]
-    assert s["anomalies_by_kind"] == dict(Counter(a.kind for a in opt.anomalies))
-    json.dumps(s, allow_nan=False)  # strict JSON
+    assert s.anomalies_by_kind == dict(Counter(a.kind for a in opt.anomalies))
+    json.dumps(s.to_dict(), allow_nan=False)  # strict JSON
     text = runlog.format_summary(s)
     assert "nonfinite_grad" in text and "transient" in text and "(finished)" in text
 
@@ -121,7 +123,7 @@ def test_only_skipped_steps_logged_and_run_in_progress(tmp_path):
     assert not run.closed and not run.ranks[0].every_step
     assert run.ranks[0].step == [r.step for r in opt.history if r.skipped] == [3, 8, 9]
     s = runlog.summary(run)
-    assert s["steps"] == 10 and s["skipped"] == 3  # steps: one past the last logged step
+    assert s.steps == 10 and s.skipped == 3  # steps: one past the last logged step
     assert "still running, or killed" in runlog.format_summary(s)
     opt.close()
 
@@ -131,9 +133,9 @@ def test_append_only_log_with_two_runs_reads_the_latest(tmp_path):
     second = _train(tmp_path, steps=12)
     run = runlog.load_run(tmp_path)
     assert run.run_id == second.run_info.run_id and run.other_runs == [first.run_info.run_id]
-    assert runlog.summary(run)["steps"] == 12 and any("other run" in p for p in run.problems)
+    assert runlog.summary(run).steps == 12 and any("other run" in p for p in run.problems)
     older = runlog.load_run(tmp_path, run_id=first.run_info.run_id)
-    assert runlog.summary(older)["steps"] == 6
+    assert runlog.summary(older).steps == 6
     with pytest.raises(runlog.RunLogError, match="no run 'nope'"):
         runlog.load_run(tmp_path, run_id="nope")
 
@@ -150,6 +152,49 @@ def test_bad_input_raises_run_log_error(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(runlog.RunLogError, match="no records"):
         runlog.load_run(tmp_path / "empty.jsonl")
+
+
+def test_summary_is_a_frozen_record_and_to_dict_is_the_json(good):
+    out, _ = good
+    s = runlog.summary(runlog.load_run(out))
+    assert isinstance(s, runlog.RunSummary) and isinstance(s.ranks[0], runlog.RankSummary)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.steps = 0  # type: ignore[misc]
+    d = s.to_dict()
+    assert list(d) == ["path", "run", "closed", "steps", "skipped", "skipped_by_reason", "ranks", "anomalies",
+                       "anomalies_by_kind", "problems"]
+    assert list(d["ranks"]) == ["0"] and d["ranks"]["0"]["steps"] == s.ranks[0].steps == STEPS
+    assert d["ranks"]["0"]["files"] == [str(out / "events-rank0.jsonl")]
+    assert d["anomalies"] == [a.to_dict() for a in s.anomalies] and d["run"]["precision"] == "fp16"
+
+
+def test_logged_anomaly_is_an_anomaly_with_the_vocabulary(good):
+    run = runlog.load_run(good[0])
+    a = next(a for a in run.anomalies if a.module)
+    assert isinstance(a, ampguard.Anomaly)
+    assert (a.kind, a.phase, a.cause) == (AnomalyKind.OVERFLOW, Phase.BACKWARD, Cause.OVERFLOW)
+    assert type(a.kind) is AnomalyKind and type(a.phase) is Phase and type(a.cause) is Cause
+    assert list(a.to_dict())[-2:] == ["reason", "logged_by"] and a.to_dict()["logged_by"] == [0]
+    assert all(r is None or type(r) is SkipReason for r in run.ranks[0].reason)
+
+
+def test_words_this_version_does_not_know_are_read_as_logged(tmp_path):
+    # A log written by another ampguard version: a skip reason and an anomaly kind unknown here.
+    records = [
+        {"event": "run", "run_id": "r1", "rank": 0, "world_size": 1, "precision": "fp16", "time": 1.0},
+        {"event": "skipped", "step": 0, "skipped": True, "reason": "future_reason", "loss": 1.0, "loss_scale": 8.0,
+         "grad_norm": 1.0},
+        {"event": "anomaly", "step": 0, "kind": "future_kind", "detail": "d", "phase": "elsewhere", "ranks": []},
+        {"event": "close", "rank": 0, "steps": 1},
+    ]
+    (tmp_path / "events-rank0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    run = runlog.load_run(tmp_path)
+    assert not run.problems and run.ranks[0].reason == ["future_reason"]
+    (a,) = run.anomalies
+    assert (a.kind, a.phase) == ("future_kind", "elsewhere")
+    s = runlog.summary(run)
+    assert s.skipped_by_reason == {"future_reason": 1} and s.anomalies_by_kind == {"future_kind": 1}
+    assert "future_kind" in runlog.format_summary(s)
 
 
 def test_plot_without_matplotlib_names_the_extra(good, tmp_path, monkeypatch):
@@ -183,13 +228,13 @@ def test_two_ranks_merged_and_attributed(tmp_path):
         log = run.ranks[rank]
         assert [(r.step, r.skipped, r.reason, r.nonfinite_ranks, r.loss_scale) for r in log.reports] == hist
     s = runlog.summary(run)
-    assert s["steps"] == 14 and s["skipped_by_reason"] == {"nonfinite_loss": 2, "nonfinite_grad": 1}
-    assert (s["ranks"]["0"]["nonfinite_loss_steps"], s["ranks"]["1"]["nonfinite_loss_steps"]) == (0, 2)
-    assert (s["ranks"]["0"]["nonfinite_grad_steps"], s["ranks"]["1"]["nonfinite_grad_steps"]) == (1, 2)
+    assert s.steps == 14 and s.skipped_by_reason == {"nonfinite_loss": 2, "nonfinite_grad": 1}
+    assert (s.ranks[0].nonfinite_loss_steps, s.ranks[1].nonfinite_loss_steps) == (0, 2)
+    assert (s.ranks[0].nonfinite_grad_steps, s.ranks[1].nonfinite_grad_steps) == (1, 2)
     # Every rank logs each anomaly; the report lists it once, with the origin rank's diagnosis.
-    by_step = {a["step"]: a for a in s["anomalies"]}
-    assert by_step[3]["ranks"] == [1] and by_step[3]["logged_by"] == [0, 1]
-    assert (by_step[10]["module"], by_step[10]["phase"], by_step[10]["ranks"]) == ("0", "forward", [1])
+    by_step = {a.step: a for a in s.anomalies}
+    assert by_step[3].ranks == (1,) and by_step[3].logged_by == (0, 1)
+    assert (by_step[10].module, by_step[10].phase, by_step[10].ranks) == ("0", "forward", (1,))
     png = runlog.plot(run, tmp_path / "two.png")
     assert png.stat().st_size > 20_000
 
@@ -211,7 +256,7 @@ def test_cli_json(good):
     p = _cli(out / "events-rank0.jsonl", "--json")
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
-    assert s == runlog.summary(runlog.load_run(out / "events-rank0.jsonl"))
+    assert s == runlog.summary(runlog.load_run(out / "events-rank0.jsonl")).to_dict()
     assert s["steps"] == STEPS and s["skipped_by_reason"] == {"nonfinite_loss": 2, "nonfinite_grad": 2}
     assert [(a["step"], a["kind"]) for a in s["anomalies"]] == [(a.step, a.kind) for a in opt.anomalies]
 

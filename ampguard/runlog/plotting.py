@@ -1,0 +1,268 @@
+"""A run's story in one picture: :func:`plot` (needs matplotlib, the ``ampguard[cli]`` extra).
+
+One function per panel, all drawing from a :class:`_Story` (the run and what every panel needs
+of it); :func:`plot` lays the panels out and writes the PNG.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import BackendUnavailableError
+from ..report import SKIP_REASONS, StepReport
+from .reading import LoggedAnomaly, RankLog, Run, decided_steps, origins
+
+__all__ = ["plot"]
+
+_REASON_COLORS = {
+    "nonfinite_loss": "#d62728",
+    "nonfinite_grad": "#ff7f0e",
+    "grad_spike": "#9467bd",
+    "loss_spike": "#8c564b",
+    "rollback": "#e377c2",
+}
+_OTHER_COLOR = "#7f7f7f"
+_ANOMALY_LINE: dict[str, Any] = {"color": "#444444", "lw": 0.9, "ls": (0, (4, 3))}
+_TITLE: dict[str, Any] = {"loc": "left", "fontsize": 11, "fontweight": "bold"}
+_LEGEND: dict[str, Any] = {"loc": "upper right", "fontsize": 8.5, "framealpha": 0.9}
+_DPI = 100
+
+
+@dataclasses.dataclass
+class _Story:
+    """What the panels draw from."""
+
+    run: Run
+    cmap: Any
+    ranks: list[RankLog] = dataclasses.field(init=False)
+    decided: dict[int, StepReport] = dataclasses.field(init=False)
+    """One report per step (the decision is the same on every rank)."""
+    skipped: list[tuple[int, str]] = dataclasses.field(init=False)
+    """(step, reason) of every skipped step, by step."""
+    x_max: int = dataclasses.field(init=False)
+    """The last step of the run (at least 1)."""
+
+    def __post_init__(self) -> None:
+        self.ranks = list(self.run.ranks.values())
+        self.decided = decided_steps(self.run)
+        self.skipped = sorted((r.step, r.reason or "?") for r in self.decided.values() if r.skipped)
+        last_logged = max((s for log in self.ranks for s in log.step), default=0)
+        self.x_max = max(last_logged, max((log.steps_seen for log in self.ranks), default=1) - 1, 1)
+
+    def color(self, i: int) -> Any:
+        return self.cmap(i % 10)
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BackendUnavailableError(
+            "ampguard report --plot needs matplotlib: pip install 'ampguard[cli]'"
+        ) from None
+    return plt
+
+
+def plot(run: Run, out_png: str | os.PathLike[str], *, width_px: int = 1600, height_px: int = 1200) -> Path:
+    """Write one PNG with aligned panels sharing the step axis: loss; loss scale per rank (log2);
+    gradient norm (log); non-finite counts per rank. Skipped steps are shaded and anomalies drawn as
+    vertical lines across every panel, labelled with their kind and module.
+
+    Needs matplotlib (the ``ampguard[cli]`` extra); uses the Agg backend, so no display is needed.
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(
+        4, 1, sharex=True, figsize=(width_px / _DPI, height_px / _DPI), dpi=_DPI,
+        gridspec_kw={"height_ratios": [3, 2.2, 2.2, 0.9 + 0.35 * max(len(run.ranks), 1)], "hspace": 0.26},
+    )
+    ax_loss, ax_scale, ax_norm, ax_nf = axes
+    story = _Story(run, plt.get_cmap("tab10"))
+    _mark_skips_and_anomalies(axes, story)
+    _loss_panel(ax_loss, story)
+    _scale_panel(ax_scale, story)
+    _grad_norm_panel(ax_norm, story)
+    _nonfinite_panel(ax_nf, story)
+    _anomaly_labels(ax_loss, run.anomalies)
+    _finish_axes(axes, multi=len(story.ranks) > 1)
+    _legend_and_title(fig, story)
+    fig.subplots_adjust(left=0.07, right=0.985, top=0.915, bottom=0.055)
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=_DPI)
+    plt.close(fig)
+    return out
+
+
+def _mark_skips_and_anomalies(axes: Sequence[Any], story: _Story) -> None:
+    """Every panel: skipped steps as bands shaded by reason, anomalies as dashed vertical lines."""
+    for ax in axes:
+        for step, reason in story.skipped:
+            ax.axvspan(step - 0.5, step + 0.5, color=_REASON_COLORS.get(reason, _OTHER_COLOR), alpha=0.18, lw=0)
+        for a in story.run.anomalies:
+            ax.axvline(a.step, alpha=0.8, **_ANOMALY_LINE)
+
+
+def _loss_panel(ax: Any, story: _Story) -> None:
+    """Loss per rank (one "all ranks" line when they agree, as the guard's global values do);
+    non-finite losses as red crosses on the top edge; a log axis when it spans > 100x."""
+    for i, (label, log, xs, ys) in enumerate(_series(story.ranks, "loss")):
+        ax.plot(xs, ys, "-" if log.every_step else "o", color=story.color(i), lw=1.4 if i == 0 else 1.0, ms=3,
+                alpha=1.0 if i == 0 else 0.75, label=label)
+    reports = [r for log in story.ranks for r in log.reports]
+    finite = [r.loss for r in reports if math.isfinite(r.loss)]
+    bad = sorted({r.step for r in reports if not math.isfinite(r.loss)})
+    if bad:
+        ax.plot(bad, [1.0] * len(bad), "x", color="#d62728", ms=9, mew=2.2,
+                transform=ax.get_xaxis_transform(), clip_on=False, label="non-finite loss")
+    if finite and min(finite) > 0 and max(finite) / min(finite) > 100:
+        ax.set_yscale("log")
+    ax.set_ylabel("loss")
+    ax.set_title("loss", **_TITLE)
+
+
+def _scale_panel(ax: Any, story: _Story) -> None:
+    """Loss scale per rank, log2 axis."""
+    has_scale = False
+    for i, log in enumerate(story.ranks):
+        pts = [(r.step, r.loss_scale) for r in log.reports if math.isfinite(r.loss_scale) and r.loss_scale > 0]
+        if not pts:
+            continue
+        has_scale = True
+        ax.step([x for x, _ in pts], [y for _, y in pts], where="mid", color=story.color(i), lw=2.0 if i == 0 else 1.2,
+                ls="-" if i == 0 else (0, (5, 3)), label=f"rank {log.rank}")
+    if has_scale:
+        ax.set_yscale("log", base=2)
+    ax.set_ylabel("loss scale (log2)")
+    ax.set_title("loss scale per rank", **_TITLE)
+
+
+def _grad_norm_panel(ax: Any, story: _Story) -> None:
+    """Gradient norm, log axis; non-finite norms as orange triangles on the top edge."""
+    for i, (label, log, xs, ys) in enumerate(_series(story.ranks, "grad_norm", positive=True)):
+        ax.plot(xs, ys, "-" if log.every_step else "o", color=story.color(i), lw=1.2, ms=3,
+                alpha=1.0 if i == 0 else 0.75, label=label)
+    reports = [r for log in story.ranks for r in log.reports]
+    bad = sorted({r.step for r in reports if not math.isfinite(r.grad_norm)})
+    if bad:
+        ax.plot(bad, [1.0] * len(bad), "^", color="#ff7f0e", ms=8, mec="black", mew=0.6,
+                transform=ax.get_xaxis_transform(), clip_on=False, label="non-finite grad norm")
+    if any(r.grad_norm > 0 and math.isfinite(r.grad_norm) for r in reports):
+        ax.set_yscale("log")
+    ax.set_ylabel("grad norm (L2, unscaled)")
+    ax.set_title("gradient norm", **_TITLE)
+
+
+def _nonfinite_panel(ax: Any, story: _Story) -> None:
+    """Where non-finite values came from: one row per rank, a marker per step (x: the loss, triangle:
+    gradients, sized by the non-finite tensor count), the totals in the row label."""
+    run, decided, world = story.run, story.decided.values(), story.run.world_size
+    origin_ranks = sorted(set(run.ranks) | {o for r in decided for o in r.nonfinite_ranks})
+    labels = []
+    for i, rank in enumerate(origin_ranks):
+        came_from = [r for r in decided if rank in origins(r, rank, world)]
+        loss_x = [r.step for r in came_from if r.nonfinite_loss]
+        grad = [(r.step, r.nonfinite_grads) for r in came_from if r.nonfinite_grads > 0]
+        if loss_x:
+            ax.plot([x - 0.18 for x in loss_x], [i] * len(loss_x), "x", color="#d62728", ms=10, mew=2.4,
+                    label="non-finite loss")
+        if grad:
+            gx, gn = zip(*grad)
+            ax.scatter([x + 0.18 for x in gx], [i] * len(gx), s=[40 + 14 * min(n, 20) for n in gn], marker="^",
+                       color="#ff7f0e", edgecolors="black", linewidths=0.6, zorder=3, label="non-finite gradients")
+        labels.append(f"rank {rank}\n{len(loss_x)} loss / {len(grad)} grad")
+    ax.set_yticks(range(len(origin_ranks)), labels, fontsize=8.5)
+    ax.set_ylim(-0.7, len(origin_ranks) - 0.3)
+    ax.invert_yaxis()
+    ax.set_title("non-finite values, by the rank they came from (steps)", **_TITLE)
+    handles, names = ax.get_legend_handles_labels()
+    uniq = dict(zip(names, handles))  # one entry per kind, whatever the number of ranks
+    if uniq:
+        ax.legend(uniq.values(), uniq.keys(), **_LEGEND)
+    ax.set_xlabel("step")
+    ax.set_xlim(-0.5, story.x_max + 0.5)
+
+
+def _anomaly_labels(ax: Any, anomalies: Sequence[LoggedAnomaly]) -> None:
+    """Each anomaly's kind, where it was localised and its origin ranks, staggered so neighbours
+    do not overlap."""
+    for j, a in enumerate(anomalies):
+        if a.module:
+            where = f": module {a.module}" + (f" ({a.phase})" if a.phase else "")
+        else:
+            where = f": {a.params[0]}" if a.params else ""
+        rk = f", rank {','.join(map(str, a.ranks))}" if a.ranks else ""
+        ax.annotate(
+            f"{a.kind}{where}{rk}", xy=(a.step, 1.0), xycoords=("data", "axes fraction"),
+            xytext=(3, -12 - 13 * (j % 4)), textcoords="offset points", fontsize=8.5, color="#222222",
+            rotation=0, va="top", ha="left",
+            bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "#999999", "alpha": 0.85, "lw": 0.5},
+        )
+
+
+def _finish_axes(axes: Sequence[Any], multi: bool) -> None:
+    """Plain numbers on log axes, grids, and the legends of the first three panels."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax_loss, ax_scale, ax_norm, _ = axes
+    for ax in (ax_loss, ax_norm):
+        if ax.get_yscale() == "log":  # plain numbers (2, 3, 0.5), not 2x10^0
+            lo, hi = ax.get_ylim()
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            if hi / max(lo, 1e-300) < 100:  # label the 2s and 5s between decades, not every minor tick
+                ax.yaxis.set_minor_formatter(FuncFormatter(
+                    lambda v, _: f"{v:g}" if v > 0 and f"{v:e}"[0] in "25" else ""))
+            else:
+                ax.yaxis.set_minor_formatter(NullFormatter())
+    for ax in axes:
+        ax.grid(True, which="major", alpha=0.3)
+        ax.tick_params(labelsize=9)
+    for ax in (ax_loss, ax_scale, ax_norm):
+        if ax.get_legend_handles_labels()[0] and (multi or ax is ax_loss or ax is ax_norm):
+            ax.legend(**_LEGEND)
+
+
+def _legend_and_title(fig: Any, story: _Story) -> None:
+    """One legend, at the top, for what the shading and lines mean; the run in one line above it."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    run = story.run
+    reasons = sorted({reason for _, reason in story.skipped}, key=lambda k: (k not in SKIP_REASONS, k))
+    keys: list[Any] = [Patch(color=_REASON_COLORS.get(k, _OTHER_COLOR), alpha=0.35, label=f"skipped: {k}")
+                       for k in reasons]
+    if run.anomalies:
+        keys.append(Line2D([], [], label="anomaly", **_ANOMALY_LINE))
+    if keys:
+        fig.legend(handles=keys, loc="upper right", ncol=len(keys), fontsize=9, frameon=False,
+                   bbox_to_anchor=(0.985, 0.955))
+    info = run.info
+    state = "" if run.closed else "  (no close record: in progress or killed)"
+    fig.suptitle(
+        f"ampguard run {run.run_id}: {info.get('precision', '?')}, {info.get('backend', '?')}, "
+        f"{run.world_size} rank(s), {story.x_max + 1} steps, {len(story.skipped)} skipped, "
+        f"{len(run.anomalies)} anomalies{state}",
+        x=0.06, y=0.985, ha="left", fontsize=13, fontweight="bold",
+    )
+
+
+_Series = tuple[str, RankLog, list[int], list[float]]
+
+
+def _series(ranks: Sequence[RankLog], attr: str, positive: bool = False) -> list[_Series]:
+    """(label, log, steps, values) per rank, finite values only; one "all ranks" series when they agree."""
+    out = []
+    for log in ranks:
+        pts = [(r.step, float(getattr(r, attr))) for r in log.reports]
+        pts = [(x, y) for x, y in pts if math.isfinite(y) and (y > 0 or not positive)]
+        out.append((f"rank {log.rank}", log, [x for x, _ in pts], [y for _, y in pts]))
+    if len(out) > 1 and all(o[2:] == out[0][2:] for o in out[1:]):
+        return [("all ranks", out[0][1], out[0][2], out[0][3])]
+    return out
