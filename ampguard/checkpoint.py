@@ -131,4 +131,23 @@ def load(guard: Any, state_dict: Any) -> None:
     guard.optimizer.load_state_dict(state_dict["optimizer"])
     if guard.scaler is not None:
         guard.scaler.load_state_dict(state_dict["scaler"])
-    guard._restore_counters(step, counts, emas, list(quarantine), g.get("escalation"))
+    _restore_counters(guard, step, counts, emas, list(quarantine), g.get("escalation"))
+
+
+def _restore_counters(guard: Any, step: int, counts: dict[str, int], emas: dict[str, float],
+                      quarantine: list[Any], escalation: dict[str, Any] | None) -> None:
+    from .report import History
+
+    rep, pipe = guard._reporter, guard._pipeline
+    rep.clear_pending()
+    rep.history = History(guard.config.history_size)
+    rep.history._count = step  # reports before the resume are not available
+    rep.skipped_total, rep.consecutive_skips = counts["skipped_total"], counts["consecutive_skips"]
+    rep.quarantine[:] = quarantine
+    pipe.scale_state.overflow_run.fill_(counts["overflow_run"])
+    pipe.spikes.grad_ema.fill_(emas["grad_ema"])
+    pipe.spikes.loss_ema.fill_(emas["loss_ema"])
+    pipe.spikes.count.fill_(counts["ema_count"])
+    if rep.ladder is not None and escalation:
+        rep.ladder.load_state_dict(escalation)
+    guard._reset_iteration(step)

@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-__all__ = ["FIELDS", "Divergence", "check", "fingerprint"]
+__all__ = ["FIELDS", "Divergence", "check", "check_guard", "fingerprint"]
 
 #: What is compared, in the order of the gathered vector.
 FIELDS = ("step count", "skipped count", "loss scale", "parameter sum", "parameter weighted square sum")
@@ -95,3 +96,23 @@ def check(
     odd = tuple(r for r, k in enumerate(keys) if k != reference)
     differing = tuple(FIELDS[i] for i in range(n) if len({k[i] for k in keys}) > 1)
     return Divergence(ranks=odd, fields=differing, values=tuple(rows))
+
+
+def check_guard(guard: Any) -> None:
+    """Run :func:`check` for a guard after its step: a mismatch becomes a ``rank_divergence``
+    anomaly on the step just taken, and raises per ``GuardConfig.on_divergence``. collective;
+    synchronises the host."""
+    from .errors import RankDivergenceError
+    from .report import Anomaly
+    from .vocab import AnomalyKind
+
+    rep, step = guard._reporter, guard.step_count
+    adapter = guard._scaler
+    div = check(guard.backend, step=step, skipped=rep.skipped_total, scale=adapter.scale if adapter else 1.0,
+                params=guard._pipeline.params(), device=guard.device, compare_params=not guard.backend.grads_sharded)
+    if div is None:
+        return
+    rep.divergence = Anomaly(step - 1, AnomalyKind.RANK_DIVERGENCE, div.describe(), div.ranks)
+    if guard.config.on_divergence == "raise":
+        rep.decode()
+        raise RankDivergenceError(f"step {step - 1}: {div.describe()}", div.ranks)

@@ -17,15 +17,27 @@ from ._version import __version__
 from .config import GuardConfig
 from .errors import GuardStateError
 from .exporters.base import Exporter
-from .guard import GuardedOptimizer, param_names
+from .guard import GuardedOptimizer
 from .hardware import check_precision
 from .report import RunInfo
 from .scaling import GradScalerAdapter
 from .vocab import Precision
 
-__all__ = ["param_names", "wrap"]  # param_names: re-exported for callers of the old guard module
+__all__ = ["param_names", "wrap"]
 
 _PRECISIONS = ("auto", "fp16", "bf16", "fp32")
+
+
+def param_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> tuple[str, ...]:
+    """Parameter names in ``param_groups`` order, as the user wrote them (no DDP ``module.``, no
+    ``torch.compile`` ``_orig_mod.``); ``group{g}.param{i}`` where the model does not name one."""
+    known: dict[int, str] = {}
+    if model is not None:
+        inner_model = getattr(model, "module", model)  # DDP / DataParallel wrappers
+        for name, p in inner_model.named_parameters():
+            known.setdefault(id(p), name.replace("_fsdp_wrapped_module.", "").replace("_orig_mod.", ""))
+    return tuple(known.get(id(p), f"group{gi}.param{pi}")
+                 for gi, group in enumerate(optimizer.param_groups) for pi, p in enumerate(group["params"]))
 
 
 def _resolve_precision(precision: str, scaler: torch.amp.GradScaler | None,

@@ -7,8 +7,6 @@ the readers and the state dict; the work is done by the rooms it delegates to
 from __future__ import annotations
 
 import enum
-import math
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -16,32 +14,19 @@ from typing import Any, Literal
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint
+from . import actions, checkpoint, consistency
 from .config import GuardConfig
 from .diagnosis import Forensics
-from .errors import GuardStateError, RankDivergenceError
+from .errors import GuardStateError
 from .escalation import Ladder
 from .exporters.base import Exporter, MultiExporter
 from .pipeline import LossMeter, StepPipeline, grad_marks, payload
 from .report import Anomaly, History, RunInfo, StepReport
 from .scaling import GradScalerAdapter
-from .vocab import AnomalyKind, SkipReason
 
-__all__ = ["GuardedOptimizer", "Stage", "param_names"]
+__all__ = ["GuardedOptimizer", "Stage"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def param_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> tuple[str, ...]:
-    """Parameter names in ``param_groups`` order, as the user wrote them (no DDP ``module.``, no
-    ``torch.compile`` ``_orig_mod.``); ``group{g}.param{i}`` where the model does not name one."""
-    known: dict[int, str] = {}
-    if model is not None:
-        inner_model = getattr(model, "module", model)  # DDP / DataParallel wrappers
-        for name, p in inner_model.named_parameters():
-            known.setdefault(id(p), name.replace("_fsdp_wrapped_module.", "").replace("_orig_mod.", ""))
-    return tuple(known.get(id(p), f"group{gi}.param{pi}")
-                 for gi, group in enumerate(optimizer.param_groups) for pi, p in enumerate(group["params"]))
 
 
 class Stage(enum.Enum):
@@ -214,7 +199,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._check_step_call()
         self._fixed_point()  # the previous step's reports, if they were left pending
         if self._reporter.ladder is not None and self._reporter.ladder.pending_rollback is not None:
-            self._rollback_consuming_step()
+            actions.rollback_step(self)
             return result
         measured = self._measured if self._measured is not None else self._measure()
         pipe = self._pipeline
@@ -233,7 +218,7 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._end_step()
         every = self.config.consistency_every
         if every is not None and self.backend.world_size > 1 and self._step % every == 0:
-            self._check_consistency()  # collective, on the same step everywhere
+            consistency.check_guard(self)  # collective, on the same step everywhere
         if synced or not self._lagged_reports:
             self._fixed_point()
             if self._reporter.ladder is not None and self._reporter.ladder.pending_rollback is not None:
@@ -310,6 +295,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
     def param_names(self) -> tuple[str, ...]:
         """Parameter names in ``param_groups`` order: the order of ``StepReport.param_norms``."""
         if not self._names:
+            from .factory import param_names
+
             self._names = param_names(self.optimizer, self.model)
         return self._names
 
@@ -359,22 +346,10 @@ class GuardedOptimizer(torch.optim.Optimizer):
         for post in self._optimizer_load_state_dict_post_hooks.values():
             post(self)
 
-    def _restore_counters(self, step: int, counts: dict[str, int], emas: dict[str, float], quarantine: list[Any],
-                          escalation: dict[str, Any] | None) -> None:
-        rep, pipe = self._reporter, self._pipeline
-        rep.clear_pending()
-        rep.history = History(self.config.history_size)
-        rep.history._count = step  # reports before the resume are not available
-        rep.skipped_total, rep.consecutive_skips = counts["skipped_total"], counts["consecutive_skips"]
-        rep.quarantine[:] = quarantine
+    def _reset_iteration(self, step: int) -> None:
+        """After a restore: at ``step``, ready for the next backward."""
         self._step = step
-        pipe.scale_state.overflow_run.fill_(counts["overflow_run"])
-        pipe.spikes.grad_ema.fill_(emas["grad_ema"])
-        pipe.spikes.loss_ema.fill_(emas["loss_ema"])
-        pipe.spikes.count.fill_(counts["ema_count"])
-        if rep.ladder is not None and escalation:
-            rep.ladder.load_state_dict(escalation)
-        self._stage, self._marks, self._measured = Stage.READY, None, None
+        self._stage, self._marks, self._measured, self._batch_ids = Stage.READY, None, None, []
         self._loss.reset()
 
     # ------------------------------------------------------------------ internals
@@ -419,22 +394,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
         return self._pipeline.measure(self)
 
     def _fixed_point(self) -> None:
-        """Where reports turn into actions, the same step on every rank: export, arm or disarm
-        forensics, ladder snapshots and on_abort, and the errors that stop training."""
-        rep = self._reporter
-        rep.decode()
-        rep.export_pending()
-        actions = rep.take_actions()
-        for report in actions.reports:
-            self._forensics.after_report(report)
-        if rep.ladder is not None:
-            for step in actions.snapshots:
-                if self.model is not None:
-                    rep.ladder.take_snapshot(self.model, self.optimizer, step)
-            if actions.abort is not None and rep.ladder.on_abort is not None:
-                rep.ladder.on_abort(self, actions.abort[0])
-        if actions.escalation is not None:
-            raise actions.escalation
+        """Where reports turn into actions, the same step on every rank (:func:`actions.carry_out`)."""
+        actions.carry_out(self)
 
     def _replay_scale(self, decision: torch.Tensor) -> Any:
         from .stats import Dec
@@ -451,41 +412,6 @@ class GuardedOptimizer(torch.optim.Optimizer):
         self._marks = grad_marks(self._pipeline.params())
         if self._scaler is not None:
             self._scaler.scaled_since_step = False
-
-    def _rollback_consuming_step(self) -> None:
-        """A rollback decided at the start of this step (lagged report): restore, and spend this
-        step on it, identically on every rank (no collective runs on this step anywhere)."""
-        ladder = self._reporter.ladder
-        assert ladder is not None  # internal
-        ladder.rollback(self, self.model, self.optimizer)
-        self.backend.zero_grad(self.optimizer, True)
-        scale = self.get_scale()
-        report = StepReport(step=self._step, skipped=True, reason=SkipReason.ROLLBACK, loss=math.nan,
-                            loss_scale=scale, next_loss_scale=scale, grad_norm=math.nan, nonfinite_grads=0,
-                            nonfinite_loss=False, world_size=self.backend.world_size, rank=self.backend.rank,
-                            wall_time=time.time())
-        self._reporter.record(report, [], consecutive=False)
-        self._reporter.export_pending()
-        self._reporter.take_actions()
-        self._batch_ids = []
-        self._end_step()
-
-    def _check_consistency(self) -> None:
-        """Compare step/skip counts, loss scale and a parameter fingerprint across ranks
-        (:mod:`ampguard.consistency`). collective; synchronises the host. A mismatch becomes a
-        ``rank_divergence`` anomaly on the step just taken, and raises per ``on_divergence``."""
-        from .consistency import check
-
-        rep = self._reporter
-        div = check(self.backend, step=self._step, skipped=rep.skipped_total,
-                    scale=self._scaler.scale if self._scaler is not None else 1.0,
-                    params=self._pipeline.params(), device=self.device, compare_params=not self.backend.grads_sharded)
-        if div is None:
-            return
-        rep.divergence = Anomaly(self._step - 1, AnomalyKind.RANK_DIVERGENCE, div.describe(), div.ranks)
-        if self.config.on_divergence == "raise":
-            rep.decode()
-            raise RankDivergenceError(f"step {self._step - 1}: {div.describe()}", div.ranks)
 
 
 def _nonfinite(decision: torch.Tensor) -> bool:
