@@ -20,6 +20,7 @@ from .diagnosis import Forensics
 from .errors import GuardStateError
 from .escalation import Ladder
 from .exporters.base import Exporter, MultiExporter
+from .optimizer_view import InnerOptimizerView
 from .pipeline import LossMeter, StepPipeline, grad_marks, payload
 from .report import Anomaly, History, RunInfo, StepReport
 from .scaling import GradScalerAdapter
@@ -37,7 +38,7 @@ class Stage(enum.Enum):
     STEPPED = "stepped"  # after step(), until zero_grad()
 
 
-class GuardedOptimizer(torch.optim.Optimizer):
+class GuardedOptimizer(InnerOptimizerView):
     """A ``torch.optim.Optimizer`` that guards each step of the optimizer it wraps.
 
     ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own objects, so LR
@@ -56,12 +57,8 @@ class GuardedOptimizer(torch.optim.Optimizer):
                  device: torch.device, run_info: Callable[[GuardedOptimizer], RunInfo],
                  on_rollback: Callable[[Any, int], None] | None = None,
                  on_abort: Callable[[Any, str], None] | None = None) -> None:
-        # torch.optim.Optimizer.__init__ is not called: it would build param_groups of its own.
-        # These are the attributes its methods (hooks, profiling, repr) rely on.
-        for kind in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
-                     "load_state_dict_post"):
-            setattr(self, f"_optimizer_{kind}_hooks", OrderedDict())
-        self.optimizer, self.precision, self.scaler, self.config = optimizer, precision, scaler, config
+        super().__init__(optimizer)
+        self.precision, self.scaler, self.config = precision, scaler, config
         self.model, self.backend, self.device, self.dtype = model, backend, device, _DTYPES[precision]
         self._scaler = GradScalerAdapter(scaler) if scaler is not None else None
         self._pipeline = StepPipeline(optimizer=optimizer, adapter=self._scaler, backend=backend, config=config,
@@ -89,48 +86,12 @@ class GuardedOptimizer(torch.optim.Optimizer):
             self._scaler.attach(self)
         self._patch_step_function()  # as Optimizer.__init__ does: step pre/post hooks work
 
-    # ------------------------------------------------------------------ Optimizer surface
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:  # the inner optimizer's own list
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property  # type: ignore[override]
-    def state(self) -> Any:
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
         self._names = ()
 
-    def __getattr__(self, name: str) -> Any:
-        # Only reached when normal lookup fails: forward to the inner optimizer (e.g. Horovod's
-        # synchronize()). Dunder and private names are not forwarded.
-        if name.startswith("_") or name == "optimizer":
-            raise AttributeError(name)
-        return getattr(self.__dict__["optimizer"], name)
-
     def __repr__(self) -> str:
         return f"GuardedOptimizer(precision={self.precision!r}, backend={self.backend.name!r}, {self.optimizer!r})"
-
-    def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("GuardedOptimizer cannot be pickled or deep-copied; save opt.state_dict() and rebuild it "
-                        "with ampguard.wrap() + load_state_dict()")
 
     # ------------------------------------------------------------------ the loop
     def autocast(self, enabled: bool = True) -> torch.autocast:
@@ -329,22 +290,13 @@ class GuardedOptimizer(torch.optim.Optimizer):
         """Inner optimizer, scaler and every piece of guard state, as plain Python values (plus the
         inner optimizer's tensors). Runs the state-dict hooks registered on this optimizer.
         Synchronises the host (reads device counters)."""
-        for pre in self._optimizer_state_dict_pre_hooks.values():
-            pre(self)
         self._reporter.decode()
-        state = checkpoint.save(self)
-        for post in self._optimizer_state_dict_post_hooks.values():
-            state = post(self, state) or state
-        return state
+        return self._with_state_dict_hooks(checkpoint.save)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; the run then continues bit for bit. The whole
         dict is checked first: a failed load changes nothing."""
-        for pre in self._optimizer_load_state_dict_pre_hooks.values():
-            state_dict = pre(self, state_dict) or state_dict
-        checkpoint.load(self, state_dict)
-        for post in self._optimizer_load_state_dict_post_hooks.values():
-            post(self)
+        self._with_load_state_dict_hooks(checkpoint.load, state_dict)
 
     def _reset_iteration(self, step: int) -> None:
         """After a restore: at ``step``, ready for the next backward."""
