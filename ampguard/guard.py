@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -139,6 +140,17 @@ class GuardedOptimizer(torch.optim.Optimizer):
         if name.startswith("_") or name == "optimizer":
             raise AttributeError(name)
         return getattr(self.__dict__["optimizer"], name)
+
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        # accelerate's prepare_optimizer() reads this of every optimizer it is given, before it
+        # builds anything: there the accelerate integration adopts a guard made before prepare,
+        # or refuses it (ampguard.integrations.accelerate.on_prepare).
+        if "accelerate" in sys.modules:
+            from .integrations.accelerate import on_prepare
+
+            on_prepare(self, sys._getframe(1))
+        return False
 
     def __repr__(self) -> str:
         return f"GuardedOptimizer(precision={self.precision!r}, backend={self.backend.name!r}, {self.optimizer!r})"
