@@ -144,6 +144,7 @@ def wrap_prepared(
     """
     from ..factory import wrap
 
+    require("accelerate")
     if not isinstance(acc_opt, AcceleratedOptimizer):
         raise TypeError(f"wrap_prepared() expects what accelerator.prepare() returned, got {type(acc_opt).__name__}")
     if isinstance(acc_opt, GuardedAcceleratedOptimizer):
