@@ -278,3 +278,22 @@ def test_clipping_on_a_micro_step_that_does_not_step_is_refused():
             acc.clip_grad_norm_(model.parameters(), 1.0)
     for g, p in zip(grads, model.parameters()):
         assert torch.equal(g, p.grad)  # still scaled, as they were
+
+
+def test_without_an_accelerator_holding_it_the_loss_is_given_by_hand():
+    _accelerator("bf16")
+    model = make_model(0)
+    opt = AcceleratedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))  # built by hand, not prepared
+    with pytest.warns(RuntimeWarning, match="no Accelerator holds this optimizer"):
+        opt = ampguard.wrap(opt, model=model)
+    x, y = make_data(1)[0]
+    loss = loss_of(model, x, y)
+    loss.backward()
+    opt.step()
+    assert math.isnan(opt.last_report.loss) and not opt.step_was_skipped
+    opt.zero_grad()
+    loss = loss_of(model, x, y)
+    loss.backward()
+    opt.observe_loss(loss, reduction="sum")
+    opt.step()
+    assert opt.last_report.loss == pytest.approx(loss.item())
