@@ -79,8 +79,7 @@ def _run_info(precision: str, device: torch.device) -> Callable[[GuardedOptimize
 
 def _framework_adopter(optimizer: torch.optim.Optimizer) -> Callable[..., Any] | None:
     """A framework's optimizer wrapper that ``wrap()`` hands to its integration instead."""
-    module = type(optimizer).__module__
-    if module.startswith("accelerate."):
+    if any(cls.__module__.startswith("accelerate.") for cls in type(optimizer).__mro__):
         from .integrations.accelerate import wrap_prepared
 
         return wrap_prepared

@@ -93,6 +93,17 @@ class GuardedOptimizer(InnerOptimizerView):
     def __repr__(self) -> str:
         return f"GuardedOptimizer(precision={self.precision!r}, backend={self.backend.name!r}, {self.optimizer!r})"
 
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        # accelerate's prepare_optimizer() reads this of every optimizer it is given, before it
+        # builds anything: there the accelerate integration adopts a guard made before prepare,
+        # or refuses it (ampguard.integrations.accelerate.on_prepare).
+        if "accelerate" in sys.modules:
+            from .integrations.accelerate import on_prepare
+
+            on_prepare(self, sys._getframe(1))
+        return False
+
     # ------------------------------------------------------------------ the loop
     def autocast(self, enabled: bool = True) -> torch.autocast:
         """``torch.autocast`` for the guard's device type and precision (disabled for fp32)."""

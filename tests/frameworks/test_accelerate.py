@@ -1,0 +1,299 @@
+"""ampguard inside a real Hugging Face ``Accelerator`` (CPU, tiny models; nothing mocked).
+
+fp16 through accelerate's own GradScaler code path, on CPU: ``Accelerator.__init__`` builds a
+GradScaler and fp16 autocast only off CPU. On CUDA it sets ``native_amp = True`` and
+``scaler = get_grad_scaler(...)`` (a ``torch.amp.GradScaler`` for the device), and
+``prepare_model`` then wraps ``forward`` in ``torch.autocast(device, float16)``
+(``get_mixed_precision_context_manager`` reads ``native_amp`` and ``state.mixed_precision``).
+:func:`_accelerator` does the same on CPU: ``Accelerator(mixed_precision="fp16", cpu=True)``,
+then ``native_amp = True`` and ``scaler = torch.amp.GradScaler("cpu", ...)`` before
+``prepare``. accelerate's own ``backward`` (``scaler.scale(loss).backward()``),
+``unscale_gradients`` (``scaler.unscale_``), ``AcceleratedOptimizer`` (built with that scaler)
+and ``save_state``/``load_state`` (``scaler.pt``) then run as they do on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.state import AcceleratorState, GradientState
+
+import ampguard
+from ampguard import faults
+from ampguard.integrations._versions import IntegrationVersionError
+from ampguard.integrations.accelerate import GuardedAcceleratedOptimizer
+
+from ..unit._models import assert_same, loss_of, make_data, make_model, snapshot
+
+pytestmark = pytest.mark.frameworks
+
+ORDER = "ampguard.wrap(accelerator.prepare(optimizer), model=model)"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Each test builds its own Accelerator (accelerate's state is per process)."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _accelerator(precision: str, grad_accum: int = 1) -> Accelerator:
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    acc = Accelerator(mixed_precision=precision, cpu=True, gradient_accumulation_steps=grad_accum)
+    if precision == "fp16":  # what Accelerator.__init__ does for fp16 on CUDA (see the module docstring)
+        acc.native_amp = True
+        acc.scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2)
+    return acc
+
+
+def _prepared(precision: str, *, grad_accum: int = 1, seed: int = 0, kind: str = "adamw"):
+    """A fresh Accelerator with a tiny model, optimizer and LR scheduler prepared (not guarded)."""
+    acc = _accelerator(precision, grad_accum)
+    model = make_model(seed)
+    inner = (torch.optim.AdamW(model.parameters(), lr=1e-2) if kind == "adamw"
+             else torch.optim.SGD(model.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda k: 0.9**k)
+    model, opt, sched = acc.prepare(model, inner, sched)
+    return acc, model, opt, sched
+
+
+def _train(acc, model, opt, sched, batches, *, clip: float | None = None):
+    """accelerate's standard loop. Per optimizer step: (skipped per accelerate, LR after it,
+    micro-batch losses, clip_grad_norm_'s returned norm)."""
+    steps, losses = [], []
+    for x, y in batches:
+        with acc.accumulate(model):
+            loss = loss_of(model, x, y)
+            losses.append(None if math.isnan(loss.item()) else loss.item())  # comparable
+            acc.backward(loss)
+            norm = None
+            if clip is not None and acc.sync_gradients:
+                norm = float(acc.clip_grad_norm_(model.parameters(), clip))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if acc.sync_gradients:
+            steps.append((acc.optimizer_step_was_skipped, sched.get_last_lr()[0], losses, norm))
+            losses = []
+    return steps
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_nan_steps_are_skipped_and_the_scheduler_holds_the_lr(precision):
+    acc, model, opt, sched = _prepared(precision)
+    opt = ampguard.wrap(opt, model=model)
+    assert isinstance(opt, GuardedAcceleratedOptimizer) and acc._optimizers == [opt]
+    injection = faults.inject(opt, model, faults.output("0", "nan", steps=[2, 4]))
+    steps = _train(acc, model, opt, sched, make_data(6))
+
+    decided = [r.step for r in opt.history if r.skipped]
+    assert decided == [2, 4] == sorted({s for s, _, _ in injection.fired})
+    assert [s for s, (skipped, *_) in enumerate(steps) if skipped] == decided
+    taken = 0
+    for s, (_, lr, _, _) in enumerate(steps):
+        taken += s not in decided
+        assert lr == pytest.approx(1e-2 * 0.9**taken, rel=1e-12), f"step {s}"
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert opt.skipped_steps == 2 and opt.step_count == 6 and opt.guard.step_count == 6
+    if precision == "fp16":  # the guard set the shared scaler's scale: halved on each skip
+        assert opt.guard.scaler is acc.scaler is opt.scaler
+        for r in opt.history:
+            assert r.next_loss_scale == (r.loss_scale / 2 if r.skipped else r.next_loss_scale)
+        assert acc.scaler.get_scale() == opt.get_scale() == opt.last_report.next_loss_scale
+    # the guard's readers on the returned object; close hands accelerate's methods back
+    assert opt.last_report.step == 5 and len(opt.anomalies) >= 2
+    opt.flush()
+    with pytest.raises(AttributeError, match=r"accelerator\.backward"):
+        opt.backward  # noqa: B018
+    opt.close()
+    assert "backward" not in acc.__dict__ and "unscale_gradients" not in acc.__dict__
+    assert acc.scaler is None or "step" not in acc.scaler.__dict__
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_accumulation_and_clipping_match_accelerates_own_loop(precision):
+    batches = make_data(8)
+    acc, model, opt, sched = _prepared(precision, grad_accum=2)
+    plain = _train(acc, model, opt, sched, batches, clip=0.5)
+    expected = snapshot(model, opt)
+    expected_scale = acc.scaler.get_scale() if acc.scaler is not None else None
+
+    acc, model, opt, sched = _prepared(precision, grad_accum=2)
+    opt = ampguard.wrap(opt, model=model)
+    guarded = _train(acc, model, opt, sched, batches, clip=0.5)
+    assert_same(snapshot(model, opt), expected)  # bitwise
+    if expected_scale is not None:
+        assert acc.scaler.get_scale() == expected_scale
+    assert [(s, lr) for s, lr, _, _ in guarded] == [(s, lr) for s, lr, _, _ in plain]
+
+    assert opt.step_count == 4  # one per accumulation boundary, not per micro-batch
+    for report, (_, _, micro, norm) in zip(opt.history, guarded):
+        # the loss of the optimizer step: accelerate back-propagates loss / 2 per micro-batch
+        assert report.loss == pytest.approx(sum(micro) / 2, rel=1e-6)  # (healthy steps: no None)
+        # measured before accelerator.clip_grad_norm_ clipped: the norm it returned, not 0.5
+        assert report.grad_norm == pytest.approx(norm, rel=1e-5)
+    assert max(r.grad_norm for r in opt.history) > 0.5
+
+
+def test_fp16_prepare_then_wrap_updates_by_exactly_the_unguarded_amount():
+    """Regression: the shared scaler once unscaled the gradients twice (update = 1/scale)."""
+    batches = make_data(3)
+    acc, model, opt, sched = _prepared("fp16", kind="sgd")
+    start = snapshot(model, opt)
+    _train(acc, model, opt, sched, batches)
+    expected = snapshot(model, opt)
+
+    acc, model, opt, sched = _prepared("fp16", kind="sgd")
+    opt = ampguard.wrap(opt, model=model)
+    _train(acc, model, opt, sched, batches)
+    got = snapshot(model, opt)
+    assert_same(got, expected)
+    moved = sum((got[k] - start[k]).abs().sum() for k in start)
+    assert moved > 1e-3 and opt.get_scale() >= 256.0  # a real update, at a real loss scale
+
+
+def test_save_state_load_state_resumes_bit_for_bit(tmp_path):
+    batches = make_data(6)
+    fault = faults.output("0", "nan", steps=[1, 4])
+    acc, model, opt, sched = _prepared("fp16")
+    opt = ampguard.wrap(opt, model=model)
+    faults.inject(opt, model, fault)
+    _train(acc, model, opt, sched, batches[:3])
+    acc.save_state(str(tmp_path / "ckpt"))
+    rest = _train(acc, model, opt, sched, batches[3:])
+    expected = (snapshot(model, opt), opt.get_scale(), opt.step_count, opt.skipped_steps,
+                [opt.history[s].skipped for s in (3, 4, 5)], rest)
+
+    acc, model, opt, sched = _prepared("fp16", seed=7)  # other weights: the checkpoint must bring them back
+    opt = ampguard.wrap(opt, model=model)
+    faults.inject(opt, model, fault)
+    acc.load_state(str(tmp_path / "ckpt"))
+    assert (opt.step_count, opt.skipped_steps) == (3, 1)
+    rest = _train(acc, model, opt, sched, batches[3:])
+    got = (snapshot(model, opt), opt.get_scale(), opt.step_count, opt.skipped_steps,
+           [opt.history[s].skipped for s in (3, 4, 5)], rest)
+    assert_same(got[0], expected[0])
+    assert got[1:] == expected[1:]
+    assert got[3] == 2 and got[4] == [False, True, False]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_wrap_before_prepare_with_the_accelerators_scaler_is_adopted(precision):
+    """wrap() then prepare(): adopted before the first decision (a NaN at step 0 holds the LR)."""
+    batches = make_data(4)
+    fault = faults.output("0", "nan", steps=[0, 2])
+    acc, model, opt, sched = _prepared(precision)
+    opt = ampguard.wrap(opt, model=model)
+    faults.inject(opt, model, fault)
+    expected = (_train(acc, model, opt, sched, batches), snapshot(model, opt))
+
+    acc = _accelerator(precision)
+    model = make_model(0)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = ampguard.wrap(inner, model=model, scaler=acc.scaler)  # acc.scaler: None in bf16
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda k: 0.9**k)
+    model, opt, sched = acc.prepare(model, guard, sched)
+    assert type(opt) is AcceleratedOptimizer and opt.optimizer is guard
+    faults.inject(guard, model, fault)
+    got = (_train(acc, model, opt, sched, batches), snapshot(model, opt))
+    assert isinstance(opt, GuardedAcceleratedOptimizer) and opt.guard is guard
+    assert got[0] == expected[0]  # skips, LRs, losses
+    assert_same(got[1], expected[1])
+    assert [r.skipped for r in guard.history] == [True, False, True, False]
+    assert not math.isnan(guard.last_report.loss)  # accelerator.backward is observed
+
+
+@pytest.mark.parametrize(("accelerator_precision", "guard_kwargs"), [
+    ("fp16", {"scaler": "own"}),  # another GradScaler: backward scales with accelerate's
+    ("fp16", {}),  # the guard picks bf16 on CPU, the accelerator runs fp16 with a scaler
+    ("bf16", {"scaler": "own"}),
+    ("no", {}),  # the guard picks bf16, the accelerator runs fp32
+])
+def test_wrap_before_prepare_that_cannot_be_right_is_refused_at_prepare(accelerator_precision, guard_kwargs):
+    acc = _accelerator(accelerator_precision)
+    model = make_model(0)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if guard_kwargs.get("scaler") == "own":
+        guard_kwargs = {"scaler": torch.amp.GradScaler("cpu")}
+    guard = ampguard.wrap(inner, model=model, **guard_kwargs)
+    before = snapshot(model, inner)
+    with pytest.raises(ampguard.GuardStateError, match=r"Guard after prepare") as err:
+        acc.prepare(guard)
+    assert ORDER in str(err.value)
+    assert acc._optimizers == [] and "backward" not in acc.__dict__
+    assert acc.scaler is None or "step" not in acc.scaler.__dict__
+    assert_same(snapshot(model, inner), before)
+
+
+@pytest.mark.parametrize("case", ["twice", "wrapped_before_and_after", "other_scaler", "other_precision",
+                                  "accelerate_version"])
+def test_bad_input_is_refused_before_anything_changes(case, monkeypatch):
+    acc, model, opt, _ = _prepared("fp16")
+    kwargs: dict = {"model": model}
+    error: type[Exception] = ValueError
+    if case == "twice":
+        opt = ampguard.wrap(opt, model=model)
+        error, match = ampguard.GuardStateError, "already guarded: ampguard.wrap"
+    elif case == "wrapped_before_and_after":
+        acc = _accelerator("bf16")
+        model = make_model(0)
+        opt = acc.prepare(ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model))
+        error, match = ampguard.GuardStateError, "inside this AcceleratedOptimizer is already guarded"
+    elif case == "other_scaler":
+        kwargs["scaler"] = torch.amp.GradScaler("cpu")
+        match = "not the accelerator's GradScaler"
+    elif case == "other_precision":
+        kwargs["precision"] = "bf16"
+        match = "mixed_precision='fp16' with a GradScaler"
+    else:
+        import accelerate
+
+        monkeypatch.setattr(accelerate, "__version__", "1.14.0")
+        error, match = IntegrationVersionError, r"accelerate >=1.15,<1.17"
+    cls, inner, patched = type(opt), opt.optimizer, dict(acc.__dict__)
+    with pytest.raises(error, match=match):
+        ampguard.wrap(opt, **kwargs)
+    assert type(opt) is cls and opt.optimizer is inner and dict(acc.__dict__) == patched
+    if case != "twice":
+        assert acc.scaler is None or "step" not in acc.scaler.__dict__
+
+
+def test_clipping_on_a_micro_step_that_does_not_step_is_refused():
+    acc, model, opt, _ = _prepared("fp16", grad_accum=2)
+    opt = ampguard.wrap(opt, model=model)
+    x, y = make_data(1)[0]
+    with acc.accumulate(model):
+        acc.backward(loss_of(model, x, y))
+        assert not acc.sync_gradients
+        grads = [p.grad.clone() for p in model.parameters()]
+        with pytest.raises(ampguard.GuardStateError, match=r"if accelerator\.sync_gradients"):
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+    for g, p in zip(grads, model.parameters()):
+        assert torch.equal(g, p.grad)  # still scaled, as they were
+
+
+def test_without_an_accelerator_holding_it_the_loss_is_given_by_hand():
+    _accelerator("bf16")
+    model = make_model(0)
+    opt = AcceleratedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))  # built by hand, not prepared
+    with pytest.warns(RuntimeWarning, match="no Accelerator holds this optimizer"):
+        opt = ampguard.wrap(opt, model=model)
+    x, y = make_data(1)[0]
+    loss = loss_of(model, x, y)
+    loss.backward()
+    opt.step()
+    assert math.isnan(opt.last_report.loss) and not opt.step_was_skipped
+    opt.zero_grad()
+    loss = loss_of(model, x, y)
+    loss.backward()
+    opt.observe_loss(loss, reduction="sum")
+    opt.step()
+    assert opt.last_report.loss == pytest.approx(loss.item())
