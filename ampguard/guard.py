@@ -7,6 +7,7 @@ the readers and the state dict; the work is done by the rooms it delegates to
 from __future__ import annotations
 
 import enum
+import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
