@@ -1,0 +1,161 @@
+"""``GuardedTrainer``: the transformers ``Trainer`` with every optimizer step guarded.
+
+>>> from ampguard.integrations.transformers import GuardedTrainer
+>>> trainer = GuardedTrainer(model=model, args=args, train_dataset=ds)   # Trainer's own arguments
+>>> trainer.train()
+>>> trainer.guard.skipped_steps, trainer.guard.last_report
+
+What changes against the plain ``Trainer`` (everything else is the Trainer's own code):
+
+- The guard is put inside the optimizer that accelerate prepared
+  (:func:`ampguard.integrations.accelerate.wrap_prepared`), right after ``accelerator.prepare``
+  and before the LR scheduler is built and before any optimizer state is loaded on
+  ``resume_from_checkpoint``. ``trainer.guard`` is the :class:`~ampguard.GuardedOptimizer`
+  (None until ``train()`` prepared the optimizer).
+- Precision follows ``TrainingArguments`` as the Accelerator resolved it: ``fp16`` with the
+  Accelerator's ``GradScaler`` (shared: ``accelerator.backward`` scales with it), ``bf16``, or
+  ``fp32`` (also ``fp16=True`` where accelerate builds no scaler and no autocast, e.g. on CPU).
+- A non-finite step is skipped on device; ``accelerator.optimizer_step_was_skipped`` is the
+  guard's decision, so the Trainer holds the LR scheduler on that step.
+- ``max_grad_norm``: the Trainer still clips (``accelerator.clip_grad_norm_``); the guard
+  measures the gradients first (the accelerate integration's ``unscale_gradients`` hook), so its
+  ``grad_norm`` is the norm before clipping.
+- Loss: the report's loss is the loss of the optimizer step: the sum of the micro-batch losses
+  as the Trainer back-propagates them through ``accelerator.backward`` (each already divided by
+  the accumulation steps, or normalised by the items of the whole accumulated batch), observed by
+  the accelerate integration: the same number the Trainer logs as ``loss`` for that step.
+- Logs (``trainer.state.log_history``): the training logs gain ``loss_scale`` (1.0 without loss
+  scaling) and ``skipped_steps`` (skipped so far in the run).
+- Checkpoints: ``optimizer.pt`` holds the guard's state dict (inner optimizer, scaler and guard
+  counters), so ``resume_from_checkpoint`` continues bit for bit.
+
+Overridden ``Trainer`` methods (kept few on purpose):
+
+- ``__init__``: checks the guard's arguments before the Trainer builds anything.
+- ``create_scheduler``: ``Trainer._prepare_for_training`` calls it right after
+  ``accelerator.prepare`` wrapped the optimizer, and before it loads ``optimizer.pt`` on resume:
+  the one public method that runs there. The guard goes in first, so the scheduler is built on
+  the guarded optimizer and the checkpoint's guard state is loaded into the guard.
+- ``log``: adds ``loss_scale`` and ``skipped_steps``.
+
+A subclass of ``GuardedTrainer`` that overrides one of these should call ``super()``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..config import GuardConfig
+from ..errors import GuardStateError
+from ..exporters.base import Exporter, MultiExporter
+from ..guard import GuardedOptimizer
+from ._versions import require
+
+require("transformers")
+
+from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402  (after the version check)
+from transformers import Trainer  # noqa: E402
+
+from .accelerate import wrap_prepared  # noqa: E402
+
+__all__ = ["GuardedTrainer"]
+
+
+def _resolve_config(config: GuardConfig | dict[str, Any] | None) -> GuardConfig:
+    if config is None:
+        return GuardConfig()
+    if isinstance(config, dict):
+        return GuardConfig.from_dict(config)
+    if isinstance(config, GuardConfig):
+        return config
+    raise TypeError(f"guard_config must be a GuardConfig or a dict of its fields, got {type(config).__name__}")
+
+
+def _check_optimizers(optimizers: Any) -> None:
+    """Refuse an optimizer that is already guarded: GuardedTrainer guards the one it prepares."""
+    if not isinstance(optimizers, (tuple, list)) or len(optimizers) != 2:
+        return  # the Trainer's own check speaks to that
+    opt = optimizers[0]
+    if isinstance(opt, GuardedOptimizer) or getattr(opt, "guard", None) is not None:
+        raise GuardStateError(
+            "GuardedTrainer got an optimizer that ampguard.wrap() already guarded. GuardedTrainer guards the optimizer "
+            "itself, after accelerate prepared it: pass the plain optimizer (optimizers=(opt.optimizer, scheduler), "
+            "with the scheduler built on that plain optimizer) and the guard's settings as guard_config=... and "
+            "guard_exporters=...; or use the plain Trainer without ampguard. Nothing was changed."
+        )
+
+
+class GuardedTrainer(Trainer):
+    """``transformers.Trainer`` whose optimizer steps are guarded by ampguard.
+
+    Takes the Trainer's own arguments, plus:
+
+    - ``guard_config``: a :class:`~ampguard.GuardConfig` or a dict of its fields.
+    - ``guard_exporters``: where the guard's step reports go (see :mod:`ampguard.exporters`).
+
+    ``trainer.guard`` is the :class:`~ampguard.GuardedOptimizer` once ``train()`` has prepared
+    the optimizer (None before). See the module docstring for what changes against ``Trainer``.
+    Raises (before the Trainer builds anything) :class:`~ampguard.GuardStateError` for an
+    optimizer that is already guarded, ``ValueError``/``TypeError`` for a bad guard argument,
+    and :class:`~ampguard.integrations._versions.IntegrationVersionError` for a transformers
+    version outside the tested range.
+    """
+
+    guard: GuardedOptimizer | None
+
+    def __init__(self, *args: Any, guard_config: GuardConfig | dict[str, Any] | None = None,
+                 guard_exporters: Sequence[Exporter] = (), **kwargs: Any) -> None:
+        require("transformers")
+        bound = inspect.signature(Trainer.__init__).bind(self, *args, **kwargs)  # TypeError as Trainer would
+        config = _resolve_config(guard_config)
+        _check_optimizers(bound.arguments.get("optimizers", (None, None)))
+        exporters = tuple(guard_exporters)
+        MultiExporter(exporters)  # checks each has open/export/close; opens nothing
+        training_args = bound.arguments.get("args")
+        if config.clip_grad_norm is not None and (training_args is None or training_args.max_grad_norm > 0):
+            raise ValueError(
+                f"guard_config.clip_grad_norm={config.clip_grad_norm} and TrainingArguments.max_grad_norm="
+                f"{1.0 if training_args is None else training_args.max_grad_norm} would clip twice. Clip in one place: "
+                "set max_grad_norm in TrainingArguments (the Trainer clips, the guard reports the norm before "
+                "clipping) and drop clip_grad_norm from guard_config, or set TrainingArguments(max_grad_norm=0)."
+            )
+        if training_args is not None and getattr(training_args, "deepspeed", None):
+            raise ValueError("GuardedTrainer does not support DeepSpeed (DeepSpeed scales the loss and steps the "
+                             "optimizer itself). Use the plain Trainer, or drop deepspeed= from TrainingArguments.")
+        self.guard = None
+        self._guard_config = config
+        self._guard_exporters = exporters
+        super().__init__(*args, **kwargs)
+
+    # ------------------------------------------------------------------ install
+    def create_scheduler(self, num_training_steps: int,
+                         optimizer: torch.optim.Optimizer | None = None) -> torch.optim.lr_scheduler.LRScheduler:
+        """Install the guard (once the optimizer is the prepared one), then the Trainer's own."""
+        if optimizer is None:
+            self._install_guard()
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def _install_guard(self) -> None:
+        opt = self.optimizer
+        if not isinstance(opt, AcceleratedOptimizer):
+            return  # create_optimizer_and_scheduler() before train(): not prepared yet
+        existing = getattr(opt, "guard", None)
+        if existing is not None:  # a second train() on this trainer: accelerate hands back the same optimizer
+            self.guard = existing
+            return
+        # The accelerator's scaler and precision; the loss of every accelerator.backward is observed and
+        # accelerator.clip_grad_norm_ measures before it clips (see ampguard.integrations.accelerate).
+        self.guard = wrap_prepared(opt, model=self.model, config=self._guard_config,
+                                   exporters=self._guard_exporters).guard
+
+    # ------------------------------------------------------------------ logs
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's log; training logs gain ``loss_scale`` and ``skipped_steps``."""
+        if self.guard is not None and ("loss" in logs or "train_loss" in logs):
+            logs["loss_scale"] = self.guard.get_scale()
+            logs["skipped_steps"] = self.guard.skipped_steps
+        super().log(logs, start_time)
