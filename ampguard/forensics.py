@@ -227,7 +227,10 @@ class Localizer:
             fp32_args = tuple(a.detach().float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                               for a in args)
             device_type = next((a.device.type for a in fp32_args if isinstance(a, torch.Tensor)), "cpu")
-            with torch.autocast(device_type=device_type, enabled=False):
+            cuda = [a.device for a in fp32_args if isinstance(a, torch.Tensor) and a.device.type == "cuda"][:1]
+            # The recompute must not draw from the run's RNG (a dropout inside the module would
+            # shift every later mask): fork it, CPU and the module's CUDA device.
+            with torch.random.fork_rng(devices=cuda), torch.autocast(device_type=device_type, enabled=False):
                 out = _first_tensor(module(*fp32_args))
             if out is None:
                 return Cause.NAN
