@@ -214,16 +214,16 @@ def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path: Path, precision:
 
     Forensics is on (the default): the straight run has it armed since step 1 when step 4 goes NaN,
     the resumed run does not, and they must still agree (forensics only looks)."""
-    off: dict[str, bool] = {}
+    config: dict[str, bool] = {}
     straight, _ = _trainer(tmp_path, precision, nan_steps=(1, 4), save_strategy="steps", save_steps=3,
-                           guard_config=off)
+                           guard_config=config)
     straight.train()
     checkpoint = tmp_path / "checkpoint-3"
     saved = torch.load(checkpoint / "optimizer.pt", weights_only=True)
     assert set(saved) == {"optimizer", "scaler", "ampguard"} and saved["ampguard"]["step"] == 3
     assert saved["ampguard"]["skipped_total"] == 1
 
-    resumed, _ = _trainer(tmp_path / "resumed", precision, nan_steps=(1, 4), seed=123, guard_config=off)
+    resumed, _ = _trainer(tmp_path / "resumed", precision, nan_steps=(1, 4), seed=123, guard_config=config)
     resumed.train(resume_from_checkpoint=str(checkpoint))
     a, b = straight.guard, resumed.guard
     assert a is not None and b is not None
