@@ -103,6 +103,13 @@ class AmpGuardPrecision(MixedPrecision):
     - ``config``, ``exporters``, ``backend``, ``on_rollback``, ``on_abort``: as in
       :func:`ampguard.wrap`. ``GuardConfig.clip_grad_norm`` (the guard clips with its own norm)
       and ``Trainer(gradient_clip_val=...)`` (Lightning clips) exclude each other.
+    - ``log``: after each step, ``self.log`` the loss scale, the skipped-step count and whether the
+      step was skipped (``ampguard/loss_scale``, ``ampguard/skipped_steps``, ``ampguard/skipped``)
+      to Lightning's loggers. Reading the decision waits for it (on CUDA: one sync per step).
+
+    Resuming a checkpoint written without the plugin works: its plain optimizer state (and
+    ``MixedPrecision``'s scaler state) is adopted, with guard counters starting at the
+    checkpoint's global step.
 
     ``guard``: the :class:`~ampguard.guard.GuardedOptimizer`, from ``connect()`` on (e.g. in
     ``on_train_start``); its reports stay readable after ``fit()``, which closes it.
@@ -119,6 +126,7 @@ class AmpGuardPrecision(MixedPrecision):
         backend: Any = None,
         on_rollback: Callable[[Any, int], None] | None = None,
         on_abort: Callable[[Any, str], None] | None = None,
+        log: bool = False,
     ) -> None:
         require("lightning")
         if precision not in _PRECISIONS:
@@ -144,6 +152,7 @@ class AmpGuardPrecision(MixedPrecision):
         self.exporters = tuple(exporters)
         self.backend = backend
         self.on_rollback, self.on_abort = on_rollback, on_abort
+        self.log_stats = log
         self.guard: GuardedOptimizer | None = None
         self._device_given = device is not None
         self._backward_ran = False
@@ -167,6 +176,7 @@ class AmpGuardPrecision(MixedPrecision):
                      on_rollback=self.on_rollback, on_abort=self.on_abort)
         if guard._scaler is not None:
             guard._scaler.route_steps = True  # Lightning's scaler.step(opt) is the guarded step
+        guard.register_load_state_dict_pre_hook(self._adopt_plain_state)
         self.guard = guard
         held = [dataclasses.replace(c, scheduler=HeldScheduler(c.scheduler, guard)) if c.interval == "step" else c
                 for c in lr_schedulers]
@@ -195,6 +205,24 @@ class AmpGuardPrecision(MixedPrecision):
                 f"{self.config.clip_grad_norm}) would clip twice. Keep one: Lightning's clipping (norm or value), or "
                 "the guard's (norm, with the norm it already measured).")
 
+    # ------------------------------------------------------------------ checkpoints written without the plugin
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of Lightning's own fp16 ``MixedPrecision``: adopt its scaler state."""
+        plain = checkpoint.get(MixedPrecision.__qualname__)
+        if self.scaler is not None and type(self).__qualname__ not in checkpoint and plain:
+            self.scaler.load_state_dict(plain)
+
+    def _adopt_plain_state(self, guard: GuardedOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``guard.load_state_dict`` pre-hook: a plain optimizer state (a checkpoint written without
+        the plugin) becomes a guard state with fresh counters from the restored global step."""
+        if not isinstance(state_dict, dict) or "ampguard" in state_dict or "param_groups" not in state_dict:
+            return state_dict
+        fresh = guard.state_dict()
+        trainer = getattr(getattr(guard.model, "module", guard.model), "_trainer", None)
+        if trainer is not None:
+            fresh["ampguard"]["step"] = trainer.global_step
+        return {**fresh, "optimizer": state_dict}
+
     # ------------------------------------------------------------------ the step
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
         """Record the loss for the guard's checks, then Lightning's: scale (fp16) and hooks.
@@ -220,12 +248,24 @@ class AmpGuardPrecision(MixedPrecision):
             return result
 
         if self.scaler is not None:
-            return super().optimizer_step(guard, model=model, closure=run_closure, **kwargs)
-        result = run_closure()
-        self._after_closure(model, guard)
-        if self._backward_ran:
-            guard.step(**kwargs)
+            result = super().optimizer_step(guard, model=model, closure=run_closure, **kwargs)
+        else:
+            result = run_closure()
+            self._after_closure(model, guard)
+            if self._backward_ran:
+                guard.step(**kwargs)
+        if self.log_stats and self._backward_ran:
+            self._log(model, guard)
         return result
+
+    @staticmethod
+    def _log(model: Any, guard: GuardedOptimizer) -> None:
+        report = guard.last_report
+        if report is None:
+            return
+        for name, value in (("loss_scale", report.loss_scale), ("skipped_steps", float(guard.skipped_steps)),
+                            ("skipped", float(report.skipped))):
+            model.log(f"ampguard/{name}", value, on_step=True, on_epoch=False, batch_size=1)
 
     def _after_closure(self, model: Any, optimizer: Any) -> None:
         if self._backward_ran and self.guard is not None:

@@ -266,7 +266,7 @@ def test_step_scheduler_is_held_on_skipped_steps() -> None:
     """A LambdaLR (x0.5 per step, ``interval="step"``) with NaNs at steps 1 and 3: Lightning calls
     the scheduler after every step; the plugin's :class:`HeldScheduler` holds it after the two
     skipped ones, so step s runs at 1e-2 * 0.5**(steps taken before s)."""
-    plugin = AmpGuardPrecision("bf16-mixed")
+    plugin = AmpGuardPrecision("bf16-mixed", log=True)
     module = Net(sched=True)
     trainer, rec = fit(module, plugin=plugin, batches=6, fault=faults.output("layer", "nan", steps=[1, 3]))
 
@@ -278,6 +278,8 @@ def test_step_scheduler_is_held_on_skipped_steps() -> None:
     assert isinstance(held.scheduler, torch.optim.lr_scheduler.LambdaLR)
     assert module.lr_schedulers() is held and held.get_last_lr() == [1e-2 * 0.5**4]
     assert held.state_dict() == held.scheduler.state_dict()
+    logged = trainer.callback_metrics  # log=True: the guard's numbers through self.log
+    assert (logged["ampguard/skipped_steps"], logged["ampguard/skipped"], logged["ampguard/loss_scale"]) == (2, 0, 1)
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -310,6 +312,27 @@ def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path: Path) -> None:
         ra, rb = a_guard.history[s], b_guard.history[s]
         assert_same((ra.skipped, ra.loss, ra.grad_norm, ra.loss_scale, ra.next_loss_scale),
                     (rb.skipped, rb.loss, rb.grad_norm, rb.loss_scale, rb.next_loss_scale), f"report {s}")
+
+
+def test_resume_a_checkpoint_written_without_the_plugin(tmp_path: Path) -> None:
+    """Adding the guard to a running job: Lightning's own fp16 run writes a checkpoint after epoch 0;
+    the guarded run resumes from it (plain optimizer state and ``MixedPrecision``'s scaler state
+    adopted, guard steps counted from the checkpoint's global step) and ends bitwise where the
+    unguarded run ends, skipping the same NaN step (4) that GradScaler skipped. (The NaN at step 1,
+    before the checkpoint, halved the scale the checkpoint holds.)"""
+    fault = faults.output("layer", "nan", steps=[1, 4])
+    guarded_plugin, reference_plugin = fp16_plugins()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1)
+    r_tr, _ = fit(Net(), plugin=reference_plugin, batches=3, epochs=2, fault=fault, callbacks=[ckpt],
+                  enable_checkpointing=True)
+    g_tr, _ = fit(Net(), plugin=guarded_plugin, batches=3, epochs=2, fault=fault,
+                  ckpt_path=str(tmp_path / "epoch=0-step=3.ckpt"))
+
+    guard = guarded_plugin.guard
+    assert guard is not None and guard.step_count == 6 and skipped(guarded_plugin) == [4]
+    assert_same(dict(g_tr.lightning_module.state_dict()), dict(r_tr.lightning_module.state_dict()), "params")
+    assert_same(guard.optimizer.state_dict(), r_tr.optimizers[0].state_dict(), "optimizer")
+    assert guard.get_scale() == reference_plugin.scaler.get_scale() == INIT_SCALE / 4  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------------- manual optimization
