@@ -17,6 +17,8 @@ for the guard. Autocast is then float16 on CPU and Lightning's GradScaler code p
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import json
 import math
 import sys
 from collections.abc import Iterable
@@ -45,6 +47,7 @@ pytestmark = [
 ]
 
 INIT_SCALE = 2.0**10
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -376,6 +379,18 @@ def test_guard_clip_norm_then_validate_and_reports() -> None:
     (metrics,) = trainer.validate(trainer.lightning_module, dataloaders=loader(2), verbose=False)
     assert math.isfinite(metrics["val_loss"])
     assert plugin.guard is guard
+
+
+def test_example_runs(tmp_path: Path) -> None:
+    """examples/lightning_train.py, shortened: fp16 on CPU, both faults skipped, the model learns."""
+    spec = importlib.util.spec_from_file_location("lightning_train", ROOT / "examples" / "lightning_train.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    out = tmp_path / "summary.json"
+    assert example.main(["--steps", "16", "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert summary["skipped"] == [5, 12] and summary["scheduler_held"] == 2 and summary["finite"]
 
 
 # ---------------------------------------------------------------------- bad input
