@@ -285,6 +285,23 @@ def test_step_scheduler_is_held_on_skipped_steps() -> None:
     assert (logged["ampguard/skipped_steps"], logged["ampguard/skipped"], logged["ampguard/loss_scale"]) == (2, 0, 1)
 
 
+def test_fused_optimizer_can_be_clipped() -> None:
+    """Lightning's own fp16 plugin refuses to clip a fused optimizer (it would unscale inside its
+    step); under the guard, which unscales before clipping, it trains and skips the NaN step."""
+    class Fused(Net):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+    plugin, reference = fp16_plugins()
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        fit(Fused(), plugin=reference, batches=4, gradient_clip_val=0.5)
+    trainer, _ = fit(Fused(), plugin=plugin, batches=4, gradient_clip_val=0.5,
+                     fault=faults.output("layer", "nan", steps=[1]))
+    assert skipped(plugin) == [1]
+    assert_finite(trainer.lightning_module)
+    assert max(r.grad_norm for r in plugin.guard.history if not r.skipped) > 0.5  # type: ignore[union-attr]
+
+
 # ---------------------------------------------------------------------- checkpoints
 def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path: Path) -> None:
     """fp16 + step scheduler, NaNs at steps 1 and 4, two epochs of 3 steps, a checkpoint each
