@@ -39,7 +39,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 
 from ..config import GuardConfig  # noqa: E402
 from ..errors import GuardStateError  # noqa: E402
-from ..exporters.base import Exporter  # noqa: E402
+from ..exporters.base import Exporter, MultiExporter  # noqa: E402
 from ..factory import wrap  # noqa: E402
 from ..guard import GuardedOptimizer  # noqa: E402
 
@@ -138,18 +138,15 @@ class AmpGuardPrecision(MixedPrecision):
         if scaler is not None and precision == "bf16-mixed":
             raise ValueError("AmpGuardPrecision('bf16-mixed', scaler=...): bf16 needs no loss scaling. Drop the "
                              "scaler, or use '16-mixed'.")
-        if config is None:
-            config = GuardConfig()
-        elif isinstance(config, dict):
-            config = GuardConfig.from_dict(config)
-        elif not isinstance(config, GuardConfig):
+        if not isinstance(config, (GuardConfig, dict, type(None))):
             raise TypeError(f"config must be a GuardConfig or a dict of its fields, got {type(config).__name__}")
         # MixedPrecision.__init__ is not called: it would build a GradScaler before the device is known.
         self.precision = precision
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.scaler = scaler
-        self.config = config
+        self.config = config if isinstance(config, GuardConfig) else GuardConfig.from_dict(config or {})
         self.exporters = tuple(exporters)
+        MultiExporter(self.exporters)  # checks each has open/export/close; opens nothing
         self.backend = backend
         self.on_rollback, self.on_abort = on_rollback, on_abort
         self.log_stats = log

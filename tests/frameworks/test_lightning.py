@@ -417,9 +417,15 @@ def test_precision_other_than_the_two_is_refused(precision: str) -> None:
         AmpGuardPrecision(precision)  # type: ignore[arg-type]
 
 
-def test_scaler_with_bf16_is_refused() -> None:
-    with pytest.raises(ValueError, match="bf16 needs no loss scaling"):
-        AmpGuardPrecision("bf16-mixed", scaler=torch.amp.GradScaler("cpu"))
+@pytest.mark.parametrize(("kw", "error", "message"), [
+    ({"scaler": torch.amp.GradScaler("cpu")}, ValueError, "bf16 needs no loss scaling"),
+    ({"config": "strict"}, TypeError, "config must be a GuardConfig or a dict"),
+    ({"config": {"clip_norm": 1.0}}, ValueError, "did you mean 'clip_grad_norm'"),
+    ({"exporters": [object()]}, TypeError, "export"),
+])
+def test_bad_plugin_arguments_are_refused(kw: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        AmpGuardPrecision("bf16-mixed", **kw)
 
 
 def test_already_guarded_optimizer_is_refused_before_anything_changes() -> None:
