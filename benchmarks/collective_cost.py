@@ -55,7 +55,7 @@ def _loop(rank: int, mode: str, steps: int, width: int) -> float:
             backend: TorchDistBackend = NoGatherBackend()
         else:
             backend = TorchDistBackend(pre_reduction=(mode == "gather"))
-        opt = ampguard.wrap(inner, model=model, precision="fp32", collective=backend)
+        opt = ampguard.wrap(inner, model=model, precision="fp32", backend=backend)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(32, width, generator=g), torch.randn(32, 1, generator=g)
     times = []
