@@ -11,6 +11,9 @@ Records, in the order they happen:
 - ``{"event": "step", ...StepReport}``: one per healthy step, only with ``every_step=True``;
   flushed to the OS at once, fsynced every ``fsync_every`` steps (the log stays cheap).
 - ``{"event": "close", "steps": n, "time": ...}``: last, from ``close()``.
+- ``{"event": "torn_line", "rank", "bytes", "detail", "time"}``: when the file ended in a partial
+  line (a run killed, or the disk full, mid-write): the line is ended first, so the records after
+  it start lines of their own, and this record says so.
 
 Non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON).
 
@@ -31,7 +34,7 @@ from typing import IO, Any
 
 from ..report import Anomaly, RunInfo, StepReport
 
-__all__ = ["JsonlExporter", "rank_path"]
+__all__ = ["JsonlExporter", "rank_path", "torn_record", "torn_tail"]
 
 
 def rank_path(path: str | os.PathLike[str], rank: int) -> Path:
@@ -45,6 +48,29 @@ def rank_path(path: str | os.PathLike[str], rank: int) -> Path:
     if rank == 0:
         return p
     return p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
+
+
+def torn_tail(path: str | os.PathLike[str]) -> int:
+    """Bytes after the last newline of ``path``: a record torn by a kill or a full disk mid-write
+    (0 when the file is missing, empty or ends with a newline)."""
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            if end == 0:
+                return 0
+            window = min(end, 1 << 20)
+            f.seek(end - window)
+            tail = f.read(window)
+    except OSError:
+        return 0
+    return len(tail) - (tail.rfind(b"\n") + 1)
+
+
+def torn_record(rank: int, nbytes: int, when: str) -> dict[str, Any]:
+    """The record that says a torn line was ended (``ampguard report`` shows its detail)."""
+    return {"event": "torn_line", "rank": rank, "bytes": nbytes, "time": time.time(),
+            "detail": f"the log ended in a torn record of {nbytes} byte(s) (a run killed or out of disk "
+                      f"mid-write); the line was ended {when}"}
 
 
 class JsonlExporter:
@@ -72,9 +98,14 @@ class JsonlExporter:
         self._rank = info.rank
         self.file_path = rank_path(self.path, info.rank)
         self.file_path.parent.mkdir(parents=True, exist_ok=True)
+        torn = torn_tail(self.file_path)
         # Line-buffered append: every record reaches the OS as soon as it is written.
         self._f = open(self.file_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - closed in close()
-        self._write({"event": "run", **info.to_dict(), "time": time.time()}, sync=True)
+        if torn:  # end it, so this run's header starts a line of its own
+            self._f.write("\n")
+        self._write({"event": "run", **info.to_dict(), "time": time.time()}, sync=not torn)
+        if torn:
+            self._write(torn_record(self._rank, torn, "before this run"), sync=True)
 
     def export(self, report: StepReport, anomalies: Sequence[Anomaly]) -> None:
         if self._f is None:

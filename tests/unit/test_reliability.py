@@ -5,13 +5,18 @@ effects on the user's process. Each test's fixture is the failing input the issu
 from __future__ import annotations
 
 import copy
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import ampguard
+from ampguard import faults, runlog
+from ampguard.exporters import JsonlExporter
+from ampguard.runlog.command import report_main
 
 from ._models import guarded_steps, make_data, make_model, make_opt
 
@@ -143,3 +148,171 @@ def test_failed_load_state_dict_changes_nothing(later_checkpoint, case, how):
     # and the good checkpoint still loads into the same guard afterwards
     opt.load_state_dict(copy.deepcopy(later_checkpoint))
     assert opt.step_count == 7 and opt.get_scale() == later_checkpoint["scaler"]["scale"]
+
+
+# ---------------------------------------------------------------------------------- 2. torn last line
+def _logged_run(path: Path, steps: int, nan_at: list[int]) -> Any:
+    """A guarded fp32 run logging to ``path``, its loss NaN at ``nan_at``; closed."""
+    model = make_model()
+    opt = ampguard.wrap(make_opt(model), model=model, precision="fp32", exporters=[JsonlExporter(path)])
+    with faults.inject(opt, model, faults.loss("nan", steps=nan_at)):
+        guarded_steps(opt, model, make_data(steps))
+    opt.close()
+    return opt
+
+
+def _torn_after_last_anomaly(path: Path) -> str:
+    """``path`` cut in the middle of its last anomaly record, as a kill or ENOSPC mid-write leaves it."""
+    lines = path.read_text().splitlines(keepends=True)
+    last = max(i for i, ln in enumerate(lines) if '"event":"anomaly"' in ln)
+    torn = "".join(lines[:last]) + lines[last][: len(lines[last]) // 2]
+    path.write_text(torn)
+    return torn
+
+
+def _anomaly_steps(run: Any) -> list[int]:
+    return [a.step for a in run.anomalies]
+
+
+def test_jsonl_open_ends_a_torn_line_and_says_so(tmp_path):
+    log = tmp_path / "events.jsonl"
+    first = _logged_run(log, 6, nan_at=[1, 4])
+    torn = _torn_after_last_anomaly(log)  # step 4's anomaly half written, no close record
+    second = _logged_run(log, 5, nan_at=[2])
+    text = log.read_text()
+    assert text.startswith(torn + "\n{")  # the fragment's line was ended before the new header
+    recs = [json.loads(ln) for ln in text[len(torn) + 1:].splitlines()]
+    assert recs[0]["event"] == "run" and recs[0]["run_id"] == second.run_info.run_id
+    assert recs[1]["event"] == "torn_line" and recs[1]["bytes"] == len(torn) - torn.rfind("\n") - 1
+    run = runlog.load_run(log)  # the latest run, its events under its own id
+    assert run.run_id == second.run_info.run_id and _anomaly_steps(run) == [2] and run.closed
+    assert [r.step for r in run.ranks[0].reports] == [2]
+    assert any("torn record" in p and "ended before this run" in p for p in run.problems)
+    old = runlog.load_run(log, run_id=first.run_info.run_id)
+    assert _anomaly_steps(old) == [1] and not old.closed  # step 4's record was torn away
+
+
+def test_reader_keeps_runs_apart_when_a_run_header_is_glued_to_a_torn_record(tmp_path):
+    # What an unrepaired append leaves (an older ampguard, another writer): the fragment and the next
+    # run's header on one line.
+    first = _logged_run(tmp_path / "a.jsonl", 6, nan_at=[1, 4])
+    torn = _torn_after_last_anomaly(tmp_path / "a.jsonl")
+    second = _logged_run(tmp_path / "b.jsonl", 5, nan_at=[2])
+    log = tmp_path / "glued" / "events.jsonl"
+    log.parent.mkdir()
+    log.write_text(torn + (tmp_path / "b.jsonl").read_text())
+    run = runlog.load_run(log)
+    assert run.run_id == second.run_info.run_id and _anomaly_steps(run) == [2] and run.closed
+    assert run.other_runs == [first.run_info.run_id]
+    assert any("torn record" in p for p in run.problems)
+    assert _anomaly_steps(runlog.load_run(log, run_id=first.run_info.run_id)) == [1]
+
+
+# ---------------------------------------------------------------------------------- 3. ampguard report on damage
+@pytest.fixture(scope="module")
+def good_log(tmp_path_factory) -> list[str]:
+    """A closed run's log lines: run, anomaly+skipped at steps 1 and 4, close."""
+    log = tmp_path_factory.mktemp("good") / "events.jsonl"
+    _logged_run(log, 6, nan_at=[1, 4])
+    lines = log.read_text().splitlines()
+    assert [json.loads(ln)["event"] for ln in lines] == ["run", "anomaly", "skipped", "anomaly", "skipped", "close"]
+    return lines
+
+
+def _with_field(line: str, field: str, raw_json: str) -> str:
+    """``line`` with ``field`` set to ``raw_json``, written as is (``1e400``, ``Infinity``: no
+    well-behaved JSON writer makes them, a damaged or foreign file can hold them)."""
+    return _with_nested_field(line, (field,), raw_json)
+
+
+def _report(tmp_path: Path, lines: list[str], capsys: Any) -> tuple[int, str, str]:
+    log = tmp_path / "events.jsonl"
+    log.write_text("\n".join(lines) + "\n")
+    capsys.readouterr()
+    rc = report_main([str(log), "--json"])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _with_nested_field(line: str, path: tuple[str, ...], raw_json: str) -> str:
+    rec = json.loads(line)
+    target = rec
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = "@@"
+    return json.dumps(rec, separators=(",", ":")).replace('"@@"', raw_json)
+
+
+_DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize(("line", "damage"), [
+    pytest.param(4, lambda ln: _with_field(ln, "step", "1e400"), id="step 1e400"),  # OverflowError before
+    pytest.param(4, lambda ln: _with_field(ln, "step", "Infinity"), id="step Infinity"),  # OverflowError before
+    pytest.param(2, lambda ln: _with_field(ln, "step", "-Infinity"), id="step -Infinity"),
+    pytest.param(4, lambda ln: _with_field(ln, "nonfinite_grads", "1e400"), id="nonfinite_grads 1e400"),
+    pytest.param(4, lambda ln: _DEEP, id="100k-deep array"),  # RecursionError before
+    pytest.param(4, lambda ln: _with_field(ln, "rank", '"x"'), id="rank 'x'"),  # rejected the whole log before
+    pytest.param(4, lambda ln: _with_field(ln, "rank", "1e400"), id="rank 1e400"),
+    pytest.param(4, lambda ln: _with_field(ln, "skipped", '"x"'), id="skipped 'x'"),
+    pytest.param(3, lambda ln: _with_field(ln, "params", "5"), id="params 5"),
+    pytest.param(5, lambda ln: _with_field(ln, "steps", "Infinity"), id="close steps Infinity"),
+])
+def test_report_skips_a_damaged_record_with_one_warning(tmp_path, capsys, good_log, line, damage):
+    lines = list(good_log)
+    lines[line] = damage(lines[line])
+    rc, out, err = _report(tmp_path, lines, capsys)
+    assert rc == 0 and "Traceback" not in err
+    warnings_ = [w for w in err.splitlines() if w.startswith("ampguard report: warning:")]
+    assert len(warnings_) == 1 and "skipped" in warnings_[0], err
+    s = json.loads(out)  # the other records are all read: a skipped step's report is in its anomaly too
+    assert [a["step"] for a in s["anomalies"]] == ([1] if line == 3 else [1, 4])
+    assert s["skipped"] == 2 and s["steps"] == (6 if line != 5 else 5)
+
+
+@pytest.mark.parametrize("text", [_DEEP + "\n", "1e400\n", '{"event":' * 50_000 + "\n"],
+                         ids=["100k-deep array", "1e400", "50k nested objects"])
+def test_report_on_a_file_with_no_record_exits_2_with_one_line(tmp_path, capsys, text):
+    log = tmp_path / "events.jsonl"
+    log.write_text(text)
+    capsys.readouterr()
+    rc = report_main([str(log)])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert err.startswith("ampguard report: error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_a_run_record_with_a_damaged_field_still_starts_its_run(tmp_path, capsys, good_log):
+    lines = list(good_log)
+    lines[0] = _with_field(_with_field(lines[0], "world_size", "1e400"), "time", "Infinity")
+    rc, out, err = _report(tmp_path, lines, capsys)
+    assert rc == 0 and "Traceback" not in err
+    assert "'world_size' is" in err and "'time' is" in err
+    assert json.loads(out)["skipped"] == 2
+
+
+def test_no_field_of_any_record_can_make_the_reader_raise(tmp_path, good_log):
+    """Every field of every record, and of an anomaly's report, set in turn to values ampguard never
+    writes: the reader skips or ignores the damage; only a first line that is no event record at
+    all (its 'event' replaced, or nested deeper than any record) makes the file "not an ampguard
+    event log" (``ampguard report``: one line, exit 2)."""
+    bad = ["1e400", "-1e400", "Infinity", "NaN", '"x"', "null", "[]", "{}", "-1", "1" + "0" * 400, "true",
+           '"Infinity"', "1.5", "[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]"]
+    log = tmp_path / "events.jsonl"
+    tried = 0
+    for i, line in enumerate(good_log):
+        rec = json.loads(line)
+        fields = [(k,) for k in rec] + [("report", k) for k in rec.get("report", ())]
+        for field in fields:
+            for value in bad:
+                lines = list(good_log)
+                lines[i] = _with_nested_field(line, field, value)
+                log.write_text("\n".join(lines) + "\n")
+                tried += 1
+                try:
+                    run = runlog.load_run(log)
+                    json.dumps(runlog.summary(run).to_dict(), allow_nan=False)
+                    runlog.format_summary(runlog.summary(run))
+                except runlog.RunLogError:
+                    assert i == 0 and (field == ("event",) or value.startswith("[[")), (i, field, value)
+    assert tried > 1000
