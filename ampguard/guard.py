@@ -54,8 +54,8 @@ class GuardedOptimizer(InnerOptimizerView):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, precision: str, scaler: torch.amp.GradScaler | None,
-                 config: GuardConfig, model: torch.nn.Module | None, exporters: Sequence[Exporter], backend: Any,
-                 device: torch.device, run_info: Callable[[GuardedOptimizer], RunInfo],
+                 config: GuardConfig, model: torch.nn.Module | None, exporters: Sequence[Exporter] | Exporter,
+                 backend: Any, device: torch.device, run_info: Callable[[GuardedOptimizer], RunInfo],
                  on_rollback: Callable[[Any, int], None] | None = None,
                  on_abort: Callable[[Any, str], None] | None = None) -> None:
         super().__init__(optimizer)

@@ -49,13 +49,23 @@ class NullExporter:
         pass
 
 
+def _is_exporter(obj: object) -> bool:
+    return all(callable(getattr(obj, m, None)) for m in ("open", "export", "close"))
+
+
 class MultiExporter:
     """Fans each call out to several exporters; a failing exporter is reported once and disabled."""
 
-    def __init__(self, exporters: Iterable[Exporter]) -> None:
-        self.exporters: list[Exporter] = list(exporters)
+    def __init__(self, exporters: Iterable[Exporter] | Exporter) -> None:
+        """``exporters``: exporters, or one exporter."""
+        if _is_exporter(exporters):
+            exporters = [exporters]  # type: ignore[list-item]
+        elif isinstance(exporters, (str, bytes)) or not isinstance(exporters, Iterable):
+            raise TypeError(f"exporters={exporters!r:.80}: pass an exporter or a list of them, e.g. "
+                            "exporters=[ampguard.JsonlExporter('events.jsonl')]")
+        self.exporters: list[Exporter] = list(exporters)  # type: ignore[arg-type]
         for e in self.exporters:
-            if not all(callable(getattr(e, m, None)) for m in ("open", "export", "close")):
+            if not _is_exporter(e):
                 raise TypeError(
                     f"{e!r} is not an exporter: it needs open(info), export(report, anomalies) and "
                     "close() methods (see ampguard.exporters.Exporter)"

@@ -316,3 +316,44 @@ def test_no_field_of_any_record_can_make_the_reader_raise(tmp_path, good_log):
                 except runlog.RunLogError:
                     assert i == 0 and (field == ("event",) or value.startswith("[[")), (i, field, value)
     assert tried > 1000
+
+
+# ---------------------------------------------------------------------------------- 4. settings
+@pytest.mark.parametrize(("field", "value"), [("forensics", "no"), ("cuda_graph", "false"), ("track_memory", "off"),
+                                              ("forensics", 0), ("track_memory", None)])
+def test_config_booleans_are_validated(field, value):
+    with pytest.raises(ValueError, match=rf"GuardConfig\.{field}={value!r}; allowed: True \| False"):
+        ampguard.GuardConfig(**{field: value})
+    with pytest.raises(ValueError, match=rf"GuardConfig\.{field}="):
+        ampguard.GuardConfig.from_dict({field: value})
+
+
+def test_wrap_model_must_be_a_module():
+    model = make_model()
+    inner = make_opt(model)
+    before = dict(vars(inner))
+    with pytest.raises(TypeError, match=r"wrap\(model=\.\.\.\) expects the torch.nn.Module .* got str 'x'"):
+        ampguard.wrap(inner, model="x")
+    assert vars(inner) == before  # raised before anything changed
+
+
+def test_wrap_accepts_one_exporter_and_explains_a_wrong_one(tmp_path):
+    model = make_model()
+    opt = ampguard.wrap(make_opt(model), model=model, precision="fp32", exporters=JsonlExporter(tmp_path / "e.jsonl"))
+    guarded_steps(opt, model, make_data(2))
+    opt.close()
+    assert [json.loads(x)["event"] for x in (tmp_path / "e.jsonl").read_text().splitlines()] == ["run", "close"]
+    for bad in ("events.jsonl", 5):
+        with pytest.raises(TypeError, match=r"pass an exporter or a list of them"):
+            ampguard.wrap(make_opt(model), model=model, exporters=bad)
+
+
+def test_wrap_refuses_parameters_on_several_device_types():
+    model = make_model()
+    meta = torch.nn.Linear(2, 2, device="meta")
+    inner = torch.optim.SGD([*model.parameters(), *meta.parameters()], lr=0.1)
+    with pytest.raises(ValueError, match=r"parameter 'group0\.param4' is on the meta device .* cpu \(4\), meta \(2\)"):
+        ampguard.wrap(inner, model=model)
+    on_meta = torch.optim.SGD(meta.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"on the meta device"):
+        ampguard.wrap(on_meta)
