@@ -357,3 +357,67 @@ def test_wrap_refuses_parameters_on_several_device_types():
     on_meta = torch.optim.SGD(meta.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"on the meta device"):
         ampguard.wrap(on_meta)
+
+
+# ---------------------------------------------------------------------------------- 5. no gradients at all
+def _detached_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A loss that needs grad but reaches no parameter: the model's output detached."""
+    outside = torch.ones((), requires_grad=True)  # not the optimizer's
+    return torch.nn.functional.mse_loss(model(x).detach().float() * outside, y)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adamw_fused", "sgd"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+def test_a_step_without_gradients_is_skipped_with_an_anomaly_and_the_guard_stays_usable(precision, kind):
+    model = make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if precision == "fp16" else None  # no natural overflow
+    opt = ampguard.wrap(make_opt(model, kind), model=model, precision=precision, scaler=scaler,
+                        config={"clip_grad_norm": 1.0, "grad_spike_factor": 5.0, "spike_warmup": 1})
+    data = make_data(5)
+    guarded_steps(opt, model, data[:2])
+    before = [p.detach().clone() for p in model.parameters()]
+    scale = opt.get_scale()
+    with opt.autocast():
+        loss = _detached_loss(model, *data[2])
+    opt.backward(loss)
+    opt.step()  # before: RuntimeError "Expected !nested_tensorlist[0].empty()"
+    opt.zero_grad()
+    r = opt.last_report
+    assert r.skipped and r.reason == "no_gradients" and not r.nonfinite and r.loss == pytest.approx(loss.item())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and opt.get_scale() == scale
+    (a,) = opt.anomalies
+    assert a.kind == "no_gradients" and a.step == 2
+    assert a.detail.startswith("no parameter received a gradient: is the model's output detached?")
+    guarded_steps(opt, model, data[3:])  # before: "No inf checks were recorded for this optimizer" (fp16)
+    assert [h.skipped for h in opt.history] == [False, False, True, False, False]
+    assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert opt.skipped_steps == 1
+    opt.close()
+
+
+def test_no_gradients_after_zero_grad_keeping_tensors_and_from_a_framework_backward():
+    model = make_model()
+    opt = ampguard.wrap(make_opt(model), model=model, precision="fp16",
+                        scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    data = make_data(4)
+    guarded_steps(opt, model, data[:1])
+    # zero_grad(set_to_none=False): the gradients exist (zeros), a backward that reaches none leaves them as they were
+    opt.zero_grad(set_to_none=False)
+    with opt.autocast():
+        opt.backward(_detached_loss(model, *data[1]))
+    opt.step()
+    assert opt.last_report.reason == "no_gradients"
+    opt.zero_grad()
+    # a framework's own backward, the loss given with observe_loss: the same skip, not a call-order error
+    with opt.autocast():
+        loss = _detached_loss(model, *data[2])
+    opt.observe_loss(loss)
+    opt.scaler.scale(loss).backward()
+    opt.step()
+    assert opt.last_report.reason == "no_gradients"
+    opt.zero_grad()
+    # no backward at all is still a call-order error
+    with pytest.raises(ampguard.GuardStateError, match="no backward in between"):
+        opt.step()
+    guarded_steps(opt, model, data[3:])
+    assert [h.reason for h in opt.history] == [None, "no_gradients", "no_gradients", None]
