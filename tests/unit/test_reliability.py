@@ -7,6 +7,9 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,8 @@ from ampguard.exporters import JsonlExporter
 from ampguard.runlog.command import report_main
 
 from ._models import guarded_steps, make_data, make_model, make_opt
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------- 1. atomic load_state_dict
@@ -421,3 +426,41 @@ def test_no_gradients_after_zero_grad_keeping_tensors_and_from_a_framework_backw
         opt.step()
     guarded_steps(opt, model, data[3:])
     assert [h.reason for h in opt.history] == [None, "no_gradients", "no_gradients", None]
+
+
+# ---------------------------------------------------------------------------------- 6. exporters come back
+def test_jsonl_exporter_comes_back_after_a_real_write_failure_with_every_record(tmp_path):
+    from . import _disk_full_run as run_
+
+    log = tmp_path / "events.jsonl"
+    p = subprocess.run([sys.executable, "-m", "tests.unit._disk_full_run", str(log)], capture_output=True, text=True,
+                       cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=240)
+    assert p.returncode == 0, p.stderr
+    seen = json.loads(p.stdout.strip().splitlines()[-1])
+    up, errors = "ampguard_exporter_up", "ampguard_exporter_errors_total"
+    assert seen["while_full"][up] == 0 and seen["while_full"][errors] >= 5  # one failed retry per step
+    assert seen["after"][up] == 1 and seen["after"][errors] == seen["while_full"][errors] + 1
+    assert p.stderr.count("RuntimeWarning: ampguard: exporter JsonlExporter.export() failed: OSError") == 1  # once
+    assert "JsonlExporter works again after 9 failed call(s)" in p.stderr
+    lines = log.read_text().splitlines()
+    torn = [i for i, ln in enumerate(lines) if _parses(ln) is None]
+    assert len(torn) == 1  # the record the limit cut short: its line ended, then said so
+    assert json.loads(lines[torn[0] + 1])["event"] == "torn_line"
+    recs = [json.loads(ln) for i, ln in enumerate(lines) if i not in torn]
+    anomalies = [r for r in recs if r["event"] == "anomaly"]
+    # every anomaly once and complete: those of the full spell too, handed over when writing worked again
+    assert [a["step"] for a in anomalies] == run_.NAN_AT
+    assert all(a["kind"] == "nonfinite_loss" and a["report"]["step"] == a["step"] and a["report"]["skipped"]
+               for a in anomalies)
+    assert [r["step"] for r in recs if r["event"] == "skipped"] == run_.NAN_AT
+    assert recs[-1] == {**recs[-1], "event": "close", "steps": run_.STEPS}
+    run = runlog.load_run(log)
+    assert [a.step for a in run.anomalies] == run_.NAN_AT and run.closed
+    assert any("after the write error" in problem for problem in run.problems)
+
+
+def _parses(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
