@@ -137,6 +137,9 @@ class GuardConfig:
     :class:`Escalation` fields is accepted by :meth:`from_dict`."""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):  # 'no' and 'false' are truthy
+                raise ValueError(f"GuardConfig.{f.name}={getattr(self, f.name)!r}; allowed: True | False")
         _int_at_least("hysteresis", self.hysteresis, 1)
         _positive_float("min_scale", self.min_scale)
         if self.max_scale is not None:

@@ -52,6 +52,7 @@ ALERTS = (
     "AmpguardHighSkipRatio",
     "AmpguardTrainingStalled",
     "AmpguardRankDivergence",
+    "AmpguardExporterDown",
 )
 
 # Recording rule names (level:metric:operations).
@@ -96,6 +97,7 @@ def build_rules(
     scale = _sel(M.LOSS_SCALE.name, s)
     last = _sel(M.LAST_STEP_TIMESTAMP.name, s)
     divergence = _sel(M.RANK_DIVERGENCE.name, s)
+    exporter_up = _sel(M.EXPORTER_UP.name, s)
     recording = [
         {
             "record": _REC_NONFINITE,
@@ -173,6 +175,16 @@ def build_rules(
             "ampguard's consistency check found ranks disagreeing on step count, skip count, loss scale or "
             "parameters ({{ $value }} failed checks in 10 minutes).",
         ),
+        alert(
+            "AmpguardExporterDown",
+            f"min by (job, rank, exporter) ({exporter_up}) == 0",
+            "5m",
+            "warning",
+            "ampguard exporter {{ $labels.exporter }} down on {{ $labels.job }} rank {{ $labels.rank }}",
+            "The exporter's calls have failed for 5 minutes (its errors counter tells how often). ampguard retries "
+            "it with backoff and holds the last steps for it; meanwhile its records (e.g. the JSONL event log) are "
+            "missing. Check disk space, permissions or the TensorBoard directory of that rank.",
+        ),
     ]
     if fors:
         raise ValueError(f"fors names unknown alerts {sorted(fors)}; known: {', '.join(ALERTS)}")
@@ -248,6 +260,9 @@ def build_rule_tests(
             _series(M.LAST_STEP_TIMESTAMP.name, labels, f"60+60x{n}"),
             _series(M.RANK_DIVERGENCE.name, labels, f"0x{n}"),
         ]
+        for exporter in ("JsonlExporter", "PrometheusExporter"):
+            out.append(_series(M.EXPORTER_UP.name, {**labels, "exporter": exporter}, f"1x{n}"))
+            out.append(_series(M.EXPORTER_ERRORS.name, {**labels, "exporter": exporter}, f"0x{n}"))
         for kind in M.NONFINITE_KINDS:
             out.append(_series(M.NONFINITE_STEPS.name, {**labels, "kind": kind}, f"0x{n}"))
         for reason in M.SKIPPED_STEPS.label_values[0]:
@@ -387,6 +402,40 @@ def build_rule_tests(
                     "exp_alerts": [_expected(rules, "AmpguardRankDivergence", {"job": job}, "1")],
                 },
             ],
+        }
+    )
+
+    # 7. rank 1's JSONL exporter fails from minute 5 (disk full) and works again at minute 20
+    s = healthy(r0, 30) + healthy(r1, 30)
+    down = {**r1, "exporter": "JsonlExporter"}
+    replace(s, M.EXPORTER_UP.name, down, "1x5 0x15 1x10")
+    replace(s, M.EXPORTER_ERRORS.name, down, "0x5 1+1x15 16x10")
+    tests.append(
+        {
+            "interval": "1m",
+            "input_series": s,
+            "alert_rule_test": [
+                {"eval_time": "8m", "alertname": "AmpguardExporterDown", "exp_alerts": []},
+                {
+                    "eval_time": "12m",
+                    "alertname": "AmpguardExporterDown",
+                    "exp_alerts": [_expected(rules, "AmpguardExporterDown",
+                                             {"job": job, "rank": "1", "exporter": "JsonlExporter"}, "0")],
+                },
+                {"eval_time": "25m", "alertname": "AmpguardExporterDown", "exp_alerts": []},
+            ],
+        }
+    )
+    # a blip (one failed call, the retry works within the minute) is not "down"
+    s = healthy(r0, 20)
+    blip = {**r0, "exporter": "JsonlExporter"}
+    replace(s, M.EXPORTER_UP.name, blip, "1x5 0 1x14")
+    replace(s, M.EXPORTER_ERRORS.name, blip, "0x5 1x15")
+    tests.append(
+        {
+            "interval": "1m",
+            "input_series": s,
+            "alert_rule_test": [{"eval_time": "15m", "alertname": "AmpguardExporterDown", "exp_alerts": []}],
         }
     )
     return {"rule_files": [rules_file], "evaluation_interval": "1m", "tests": tests}
@@ -547,6 +596,17 @@ def build_dashboard() -> dict[str, Any]:
             "rank they started on: repeated ones on one rank point at bad hardware.", "short",
             [_target(f"sum by (rank) (increase({_q(M.TRANSIENT_FAULTS)}[{rate}]))", "rank {{rank}}")],
             (12, 37, 12, 8),
+        ),
+        _panel(
+            18, "timeseries", "Exporters", "Per rank and exporter: up (1 while it works, 0 from a failed call until "
+            "a retry works; ampguard retries with backoff and holds the last steps for it) and its failed calls "
+            "per interval. A JSONL exporter down means a gap in the event log until it recovers.", "short",
+            [
+                _target(f"min by (rank, exporter) ({_q(M.EXPORTER_UP)})", "rank {{rank}} {{exporter}} up", "A"),
+                _target(f"sum by (rank, exporter) (increase({_q(M.EXPORTER_ERRORS)}[{rate}]))",
+                        "rank {{rank}} {{exporter}} errors", "B"),
+            ],
+            (0, 53, 24, 8),
         ),
         _panel(
             15, "table", "Per-rank summary", "One row per rank: steps, skipped, non-finite origin, loss scale, "

@@ -54,8 +54,8 @@ class GuardedOptimizer(InnerOptimizerView):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, precision: str, scaler: torch.amp.GradScaler | None,
-                 config: GuardConfig, model: torch.nn.Module | None, exporters: Sequence[Exporter], backend: Any,
-                 device: torch.device, run_info: Callable[[GuardedOptimizer], RunInfo],
+                 config: GuardConfig, model: torch.nn.Module | None, exporters: Sequence[Exporter] | Exporter,
+                 backend: Any, device: torch.device, run_info: Callable[[GuardedOptimizer], RunInfo],
                  on_rollback: Callable[[Any, int], None] | None = None,
                  on_abort: Callable[[Any, str], None] | None = None) -> None:
         super().__init__(optimizer)
@@ -169,14 +169,15 @@ class GuardedOptimizer(InnerOptimizerView):
         if closure is not None:
             with torch.enable_grad():
                 result = closure()
-        self._check_step_call()
+        fresh = self._fresh_grads()
+        self._check_step_call(fresh)
         self._fixed_point()  # the previous step's reports, if they were left pending
         if self._reporter.ladder is not None and self._reporter.ladder.pending_rollback is not None:
             actions.rollback_step(self)
             return result
         measured = self._measured if self._measured is not None else self._measure()
         pipe = self._pipeline
-        gathered = pipe.gather(measured, self._loss.value())
+        gathered = pipe.gather(measured, self._loss.value(), no_grads=not fresh)
         decision, tracker = pipe.decide(gathered)
         if self._forensics.armed:  # armed only after an anomaly
             self._forensics.collect(self._step, decision, gathered)
@@ -332,13 +333,18 @@ class GuardedOptimizer(InnerOptimizerView):
             raise ValueError(f"{call}() got a loss that does not require grad: was it computed under torch.no_grad(), "
                              "or detached?")
 
-    def _check_step_call(self) -> None:
-        """Before anything changes: is there a new backward's worth of gradients to step on?"""
-        if self._stage is Stage.ACCUMULATING:
-            return
+    def _fresh_grads(self) -> bool:
+        """Whether a backward since the last step/zero_grad reached any parameter (version counters
+        of the gradients: one attribute read per parameter, no sync)."""
         params = self._pipeline.params()
-        fresh = (any(p.grad is not None for p in params) if self._marks is None
-                 else grad_marks(params) != self._marks)
+        return any(p.grad is not None for p in params) if self._marks is None else grad_marks(params) != self._marks
+
+    def _check_step_call(self, fresh: bool) -> None:
+        """Before anything changes: is there a new backward's worth of gradients to step on? A
+        backward that ran (``opt.backward``, or a loss given to ``observe_loss``) but reached no
+        parameter is not a call-order error: that step is skipped, on every rank, with an anomaly."""
+        if self._stage is Stage.ACCUMULATING or (not fresh and self._loss.count):
+            return
         if not fresh:
             what = "step()" if self._stage is Stage.STEPPED else "zero_grad()"
             raise GuardStateError(

@@ -166,10 +166,12 @@ class StepPipeline:
         groups = grads_by_device_and_dtype(self.params())
         return Measured(found, found_inf, groups, per_tensor_norms(groups, self.device))
 
-    def gather(self, measured: Measured, loss: torch.Tensor | None) -> torch.Tensor:
-        """This rank's statistics, all-gathered: ``[world_size, LOCAL_K]`` on device. collective."""
+    def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False) -> torch.Tensor:
+        """This rank's statistics, all-gathered: ``[world_size, LOCAL_K]`` on device. collective:
+        every rank gathers, also one whose backward reached no parameter (``no_grads``): the
+        decision then skips the step on every rank."""
         vec = local_vector(loss=loss, tensor_norms=measured.norms, found_inf=measured.found_inf,
-                           pre_reduction=self.backend.pre_reduction_flags(), device=self.device)
+                           pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads)
         return self.backend.all_gather(vec).wait()  # type: ignore[no-any-return]
 
     def decide(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -192,6 +194,10 @@ class StepPipeline:
 
     def inner_step(self, decision: torch.Tensor, measured: Measured) -> bool:
         """Step the inner optimizer unless the decision says skip. Returns whether it synced."""
+        if not measured.groups.index:
+            # No gradient on this rank: the decision skips everywhere (Loc.NO_GRADS), and there is
+            # nothing to step here (GradScaler.step would refuse: it recorded no inf check).
+            return False
         skip = decision[Dec.SKIP]
         inner = self.optimizer
         if self.adapter is not None:

@@ -29,7 +29,7 @@ from .escalation import Ladder
 from .exporters.base import MultiExporter
 from .forensics import Finding
 from .report import Anomaly, History, StepReport
-from .stats import DECISION_K, LOCAL_K, Decision, origin_ranks
+from .stats import DECISION_K, LOCAL_K, Decision, Loc, origin_ranks
 from .vocab import AnomalyKind, Phase, SkipReason
 
 __all__ = ["Actions", "Reporter"]
@@ -205,10 +205,10 @@ class Reporter:
             param_norms=tuple(norms) if want_norms else None, wall_time=time.time(),
             scale_backoff=d.backoff, scale_growth=d.growth,
         )
-        return report, self._anomalies(report, d, ranks, bad_params)
+        return report, self._anomalies(report, d, ranks, bad_params, rows)
 
     def _anomalies(self, report: StepReport, d: Decision, ranks: tuple[int, ...],
-                   bad_params: tuple[str, ...]) -> list[Anomaly]:
+                   bad_params: tuple[str, ...], rows: list[list[float]]) -> list[Anomaly]:
         step, out = report.step, []
         scale_txt = ""
         if self.scaled:
@@ -229,6 +229,12 @@ class Reporter:
                 what += f" at loss scale {d.scale:g}"
             first = f" (first: {', '.join(bad_params[:3])})" if bad_params else ""
             out.append(Anomaly(step, kind, f"{what}{first}{where}; step skipped{scale_txt}", ranks, bad_params[:8]))
+        if d.no_grads:
+            idle = tuple(r for r, row in enumerate(rows) if row[Loc.NO_GRADS] > 0) if self.world_size > 1 else ()
+            on = f" (rank(s) {list(idle)})" if idle else ""
+            held = "; loss scale held" if self.scaled else ""
+            out.append(Anomaly(step, AnomalyKind.NO_GRADIENTS, "no parameter received a gradient: is the model's "
+                               f"output detached?{on} Step skipped on every rank{held}", idle))
         act = "skipped" if report.skipped else "taken (on_spike='warn')"
         if report.grad_spike:
             out.append(Anomaly(step, AnomalyKind.GRAD_SPIKE, f"gradient norm {report.grad_norm:.4g} exceeded "
