@@ -392,9 +392,11 @@ def _nonfinite(decision: torch.Tensor) -> bool:
 
 
 def _make_reporter(guard: GuardedOptimizer, ladder: Ladder | None) -> Any:
-    from .reporter import Reporter
+    from .reporter import MemoryPeaks, Reporter
 
-    track = guard.device if guard.device.type == "cuda" and guard.config.track_memory else None
+    cfg = guard.config
+    track = (MemoryPeaks(guard.device, per_step=cfg.memory_peak_per_step)
+             if guard.device.type == "cuda" and cfg.track_memory else None)
     return Reporter(config=guard.config, rank=guard.backend.rank, world_size=guard.backend.world_size,
                     names=lambda: guard.param_names, exporter=guard._exporter, scaled=guard.scaler is not None,
                     ladder=ladder, can_snapshot=guard.model is not None, track_memory=track)

@@ -25,6 +25,7 @@ the host waits for the device (the only places it does):
 from __future__ import annotations
 
 import dataclasses
+import gc
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -107,9 +108,15 @@ class DecisionGraph:
             if not self._ran_eagerly:
                 self._ran_eagerly = True
                 return fn(gathered)
+            gc_was_on = gc.isenabled()
             try:
                 static_in = gathered.clone()
                 graph = torch.cuda.CUDAGraph()
+                # No garbage collection inside the capture: a collection there frees whatever cyclic
+                # garbage is about, and a destructor that calls CUDA invalidates the capture (seen on
+                # an H200, torch 2.11, tests/gpu/test_gpu.py: "operation failed due to a previous
+                # error during capture" with the collector on, a clean capture with it off).
+                gc.disable()
                 with torch.cuda.graph(graph):  # records (does not run) the kernels; one-time sync
                     static_out = fn(static_in)
                 self._graph = (key, graph, static_in, static_out)
@@ -119,6 +126,9 @@ class DecisionGraph:
                               "eagerly (set GuardConfig(cuda_graph=False) to silence this)", RuntimeWarning,
                               stacklevel=4)
                 return fn(gathered)
+            finally:
+                if gc_was_on:
+                    gc.enable()
         _, graph, static_in, static_out = self._graph
         static_in.copy_(gathered)
         graph.replay()

@@ -35,6 +35,28 @@ from .vocab import AnomalyKind, Phase, SkipReason
 __all__ = ["Actions", "Reporter"]
 
 
+class MemoryPeaks:
+    """Peak allocated/reserved bytes of one CUDA device, from the caching allocator's host-side
+    counters (no device sync). ``per_step=False`` only reads: the high-water mark, and the user's
+    own ``torch.cuda.max_memory_allocated()`` untouched. ``per_step=True`` resets the peaks after
+    each read (process-global: see ``GuardConfig.memory_peak_per_step``). ``stats``/``reset``:
+    torch's functions (a test can hand in an allocator of its own)."""
+
+    def __init__(self, device: Any, *, per_step: bool, stats: Callable[[Any], dict[str, Any]] | None = None,
+                 reset: Callable[[Any], None] | None = None) -> None:
+        self.device, self.per_step = device, per_step
+        # One nested-stats call (torch.cuda.max_memory_allocated flattens and sorts every statistic).
+        self._stats = stats or torch.cuda.memory_stats_as_nested_dict
+        self._reset = reset or torch.cuda.reset_peak_memory_stats
+
+    def read(self) -> tuple[int, int]:
+        stats = self._stats(self.device)
+        peaks = (int(stats["allocated_bytes"]["all"]["peak"]), int(stats["reserved_bytes"]["all"]["peak"]))
+        if self.per_step:
+            self._reset(self.device)
+        return peaks
+
+
 class _Pending:
     __slots__ = ("batch_ids", "buf", "event", "index", "memory", "step")
 
@@ -72,7 +94,7 @@ class Reporter:
         scaled: bool,
         ladder: Ladder | None,
         can_snapshot: bool,
-        track_memory: torch.device | None,
+        track_memory: MemoryPeaks | None,
     ) -> None:
         self.config = config
         self.rank, self.world_size = rank, world_size
@@ -105,13 +127,7 @@ class Reporter:
             event.record()
         else:
             buf, event = payload.to("cpu", copy=True), None
-        memory = None
-        if self.track_memory is not None:
-            # Host-side counters of the caching allocator: no device sync. One nested-stats call
-            # (torch.cuda.max_memory_allocated flattens and sorts every statistic, twice the cost).
-            stats = torch.cuda.memory_stats_as_nested_dict(self.track_memory)
-            memory = (int(stats["allocated_bytes"]["all"]["peak"]), int(stats["reserved_bytes"]["all"]["peak"]))
-            torch.cuda.reset_peak_memory_stats(self.track_memory)
+        memory = self.track_memory.read() if self.track_memory is not None else None
         self._pending.append(_Pending(step, buf, event, memory, index, batch_ids))
 
     @property

@@ -464,3 +464,57 @@ def _parses(line: str) -> Any:
         return json.loads(line)
     except ValueError:
         return None
+
+
+# ---------------------------------------------------------------------------------- 7. the user's peak memory
+class _Allocator:
+    """The caching allocator's two numbers per kind as torch keeps them: current and peak-since-reset."""
+
+    def __init__(self) -> None:
+        self.current = {"allocated_bytes": 0, "reserved_bytes": 0}
+        self.peak = dict(self.current)
+
+    def malloc(self, n: int) -> None:
+        for kind in self.current:
+            self.current[kind] += n
+            self.peak[kind] = max(self.peak[kind], self.current[kind])
+
+    def free(self, n: int) -> None:
+        for kind in self.current:
+            self.current[kind] -= n
+
+    def stats(self, device: Any) -> dict[str, Any]:
+        return {k: {"all": {"current": self.current[k], "peak": self.peak[k]}} for k in self.current}
+
+    def reset_peak(self, device: Any) -> None:
+        self.peak = dict(self.current)
+
+
+@pytest.mark.parametrize("per_step", [False, True])
+def test_memory_peaks_leave_the_users_peak_alone_unless_per_step_is_asked_for(per_step):
+    from ampguard.reporter import MemoryPeaks
+
+    alloc = _Allocator()
+    peaks = MemoryPeaks("cuda:0", per_step=per_step, stats=alloc.stats, reset=alloc.reset_peak)
+    alloc.malloc(512 << 20)  # the user's own peak, before the guarded steps
+    alloc.free(512 << 20)
+    seen = []
+    for activations in (64 << 20, 64 << 20, 256 << 20, 64 << 20):  # one step each
+        alloc.malloc(activations)
+        alloc.free(activations)
+        seen.append(peaks.read()[0])
+    if per_step:  # each step's own peak (the first window began before it), and the side effect: the user's peak
+        assert seen == [512 << 20, 64 << 20, 256 << 20, 64 << 20] and alloc.peak["allocated_bytes"] == 0
+    else:  # the high-water mark, and the user's peak intact (before: reset every step, as per_step does)
+        assert seen == [512 << 20] * 4 and alloc.peak["allocated_bytes"] == 512 << 20
+
+
+def test_memory_tracking_settings():
+    assert not ampguard.GuardConfig().memory_peak_per_step  # opt-in: it resets process-global counters
+    with pytest.raises(ValueError, match=r"memory_peak_per_step=True with track_memory=False"):
+        ampguard.GuardConfig(track_memory=False, memory_peak_per_step=True)
+    model = make_model()
+    opt = ampguard.wrap(make_opt(model), model=model, config={"memory_peak_per_step": True})
+    assert opt._reporter.track_memory is None  # off CUDA nothing is read, nothing reset
+    guarded_steps(opt, model, make_data(1))
+    assert opt.last_report.memory_allocated_peak is None
