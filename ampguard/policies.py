@@ -1,22 +1,29 @@
-"""Detectors and the step decision, computed on device from the gathered statistics.
+"""Detectors and the step decision, computed from the gathered statistics.
 
 :func:`decide` turns the ``[world_size, LOCAL_K]`` matrix every rank gathered into the
 decision vector (:class:`~ampguard.stats.Dec`). It is a pure function of that matrix and
 of state every rank holds identically, so every rank takes the same decision without
 talking again, and without the host reading a single value.
+
+:func:`decide_host` is the same rule on host floats, for the CPU, where reading the matrix
+costs nothing and ~60 tiny tensor ops cost more than the rule itself. Every float32 operation
+of :func:`decide` is reproduced with one float32 rounding (:func:`ampguard.scaling.f32`), so
+both give the same decision vector, bit for bit, and leave the same carried state
+(``tests/unit/test_host_decision.py`` runs both on the same inputs).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
 from .config import GuardConfig
-from .scaling import ScalerView, ScaleState, next_scale
+from .scaling import ScalerView, ScaleState, clamp_f32, f32, next_scale, next_scale_host
 from .stats import DECISION_K, Loc
 
-__all__ = ["ScalerView", "SpikeState", "decide"]
+__all__ = ["ScalerView", "SpikeState", "decide", "decide_host"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -126,3 +133,107 @@ def decide(
     if out.shape[0] != DECISION_K:  # pragma: no cover - layout invariant (see stats.Dec)
         raise AssertionError("decision vector layout out of date")
     return out, new_tracker
+
+
+def decide_host(
+    gathered: torch.Tensor,
+    *,
+    config: GuardConfig,
+    spikes: SpikeState,
+    scale_state: ScaleState,
+    scaler: ScalerView | None,
+    grads_sharded: bool,
+) -> tuple[list[float], int | None]:
+    """:func:`decide` on host floats, line for line: the same decision vector (as a list of
+    floats, each a float32 value) and the same updates of ``spikes`` and ``scale_state``.
+    Returns ``(decision, new_growth_tracker)``. For CPU tensors: it reads the gathered matrix and
+    the carried state to the host (``.tolist()``/``.item()``, free on CPU, a sync elsewhere).
+
+    Float32 arithmetic is reproduced by rounding after every operation (:func:`f32`), with the
+    operands torch would use: a Python scalar next to a float32 tensor is rounded to float32
+    first, ``c / t`` is ``t.reciprocal() * c`` (``Tensor.__rtruediv__``). The reductions across
+    ranks (world > 1) stay torch's, so their summation order is the one :func:`decide` uses."""
+    g = gathered
+    world = g.shape[0]
+    if world > 1:
+        cmax, csum = g.amax(0).tolist(), g.sum(0).tolist()
+    else:
+        cmax = csum = g[0].tolist()
+    loss_bad = cmax[Loc.LOSS_NONFINITE] > 0
+    loss = f32(csum[Loc.LOSS] / world)
+    if grads_sharded and world > 1:
+        grad_norm = torch.linalg.vector_norm(g[:, Loc.GRAD_NORM], 2.0).item()
+    else:
+        grad_norm = cmax[Loc.GRAD_NORM]
+    nonfinite_tensors = csum[Loc.NONFINITE_TENSORS]
+    grad_bad = nonfinite_tensors > 0 or cmax[Loc.FOUND_INF] > 0 or not math.isfinite(grad_norm)
+    nonfinite = loss_bad or grad_bad
+    no_grads = cmax[Loc.NO_GRADS] > 0
+
+    grad_spike = loss_spike = False
+    spikes_on = config.grad_spike_factor is not None or config.loss_spike_factor is not None
+    if spikes_on:
+        count = int(spikes.count.item())
+        grad_ema, loss_ema = spikes.grad_ema.item(), spikes.loss_ema.item()
+        warm = count >= config.spike_warmup and not nonfinite and not no_grads
+        if config.grad_spike_factor is not None:
+            grad_spike = warm and grad_norm > f32(f32(config.grad_spike_factor) * grad_ema)
+        if config.loss_spike_factor is not None:
+            loss_spike = warm and loss > f32(f32(config.loss_spike_factor) * loss_ema)
+    spike = grad_spike or loss_spike
+    skip = nonfinite or no_grads or spike if config.on_spike == "skip" else nonfinite or no_grads
+
+    reason = (1.0 if loss_bad else 2.0 if grad_bad else 5.0 if no_grads else 3.0 if skip and grad_spike
+              else 4.0 if skip and loss_spike else 0.0)
+
+    if spikes_on and not nonfinite and not no_grads and not spike:  # healthy: fold it into the averages
+        if count == 0:
+            grad_ema, loss_ema = grad_norm, loss
+        else:
+            d, e = f32(config.spike_ema_decay), f32(1 - config.spike_ema_decay)
+            grad_ema = f32(f32(d * grad_ema) + f32(e * grad_norm))
+            loss_ema = f32(f32(d * loss_ema) + f32(e * loss))
+        spikes.grad_ema.fill_(grad_ema)
+        spikes.loss_ema.fill_(loss_ema)
+        spikes.count.fill_(count + 1)
+
+    if config.clip_grad_norm is not None:
+        # clip_grad_norm_'s ``max_norm / (total_norm + 1e-6)``, clamped at 1 (NaN stays NaN)
+        clip_coef = clamp_f32(f32(_reciprocal(f32(grad_norm + f32(1e-6))) * f32(config.clip_grad_norm)), None, 1.0)
+    else:
+        clip_coef = 1.0
+
+    new_tracker = None
+    if scaler is not None:
+        scale = scaler.scale.item()
+        run = int(scale_state.overflow_run.item())
+        new_scale, new_tracker, backoff, growth, floor_hit, new_run = next_scale_host(
+            scale=scale,
+            growth_tracker=int(scaler.growth_tracker.item()),
+            overflow=grad_bad,
+            held=skip and not grad_bad,
+            overflow_run=run,
+            growth_factor=scaler.growth_factor,
+            backoff_factor=scaler.backoff_factor,
+            growth_interval=scaler.growth_interval,
+            hysteresis=config.hysteresis,
+            min_scale=config.min_scale,
+            max_scale=config.max_scale,
+        )
+        if new_run != run:
+            scale_state.overflow_run.fill_(new_run)
+    else:
+        scale = new_scale = 1.0
+        backoff = growth = floor_hit = False
+
+    values = [loss, grad_norm, nonfinite_tensors, clip_coef, scale, new_scale, reason]
+    flags = [skip, loss_bad, grad_bad, grad_spike, loss_spike, backoff, growth, floor_hit, no_grads]
+    out = values + [1.0 if f else 0.0 for f in flags]
+    if len(out) != DECISION_K:  # pragma: no cover - layout invariant (see stats.Dec)
+        raise AssertionError("decision vector layout out of date")
+    return out, new_tracker
+
+
+def _reciprocal(x: float) -> float:
+    """``torch.reciprocal`` of a float32 value, in float32 (1/0 is inf, not an exception)."""
+    return f32(1.0 / x) if x != 0 else math.copysign(math.inf, x)

@@ -11,12 +11,15 @@ grows after ``growth_interval`` clean ones. :func:`next_scale` computes the same
 plain tensor ops, plus hysteresis (back off only after N consecutive overflows) and a
 [min, max] clamp, and hands the result to ``GradScaler.update(new_scale=...)``. With
 hysteresis 1 and a scale inside [min, max] the result is bitwise GradScaler's.
+:func:`next_scale_host` is the same rule on host floats (the CPU decision), float32 op for op.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import struct
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -25,7 +28,7 @@ import torch
 
 from .errors import GuardStateError
 
-__all__ = ["GradScalerAdapter", "ScaleState", "ScalerView", "next_scale"]
+__all__ = ["GradScalerAdapter", "ScaleState", "ScalerView", "clamp_f32", "f32", "next_scale", "next_scale_host"]
 
 # GradScaler's per-optimizer stages (torch.amp.grad_scaler.OptState), compared by name so a
 # torch that moves the enum keeps working.
@@ -135,10 +138,12 @@ class GradScalerAdapter:
         """GradScaler's own step of the inner optimizer (non-fused: its ``found_inf.item()``)."""
         self._call("step", inner)
 
-    def update(self, new_scale: torch.Tensor, tracker: torch.Tensor | None) -> None:
-        """Set the next scale and growth tracker (both device tensors: no sync)."""
+    def update(self, new_scale: torch.Tensor | float, tracker: torch.Tensor | int | None) -> None:
+        """Set the next scale and growth tracker (device tensors: no sync; or host values, CPU)."""
         self._call("update", new_scale=new_scale)
-        if tracker is not None:
+        if isinstance(tracker, int):
+            self.scaler._growth_tracker.fill_(tracker)  # type: ignore[union-attr]
+        elif tracker is not None:
             self.scaler._growth_tracker.copy_(tracker)  # type: ignore[union-attr]
         self._updated_by_guard = True
         self.scaled_since_step = False
@@ -278,3 +283,59 @@ def next_scale(
     if max_scale is not None:
         growth = growth & (grown <= max_scale)
     return new, tracker, backoff, growth, floor_hit
+
+
+_F32 = struct.Struct("f")
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to float32 (to nearest, ties to even; overflow to inf; NaN stays NaN), as a
+    Python float. One float32 operation is the exact result of its float32 operands rounded
+    once (53 >= 2*24 + 2 bits: computing it in double first does not change the rounding)."""
+    return _F32.unpack(_F32.pack(x))[0]  # type: ignore[no-any-return]
+
+
+def clamp_f32(x: float, lo: float | None, hi: float | None) -> float:
+    """``torch.clamp`` of a float32 value with Python-scalar bounds: the bounds are rounded to
+    float32, ``min`` is applied before ``max``, NaN propagates (both comparisons are false)."""
+    if lo is not None and x < f32(lo):
+        x = f32(lo)
+    if hi is not None and x > f32(hi):
+        x = f32(hi)
+    return x
+
+
+def next_scale_host(
+    *,
+    scale: float,
+    growth_tracker: int,
+    overflow: bool,
+    held: bool,
+    overflow_run: int,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float,
+    max_scale: float | None,
+) -> tuple[float, int, bool, bool, bool, int]:
+    """:func:`next_scale` on host values (``scale`` a float32 value): the same rule, float32 op
+    for op. Returns ``(new_scale, new_tracker, backoff, growth, floor_hit, new_overflow_run)``."""
+    run = overflow_run + 1 if overflow else 0
+    backoff = overflow and run >= hysteresis
+    new_run = 0 if backoff else run
+
+    tracker = 0 if overflow else growth_tracker if held else growth_tracker + 1
+    grown = f32(scale * f32(growth_factor))
+    reached = tracker >= growth_interval and not overflow and not held
+    growth = reached and math.isfinite(grown)
+    if reached:
+        tracker = 0
+
+    backed = f32(scale * f32(backoff_factor))
+    new = backed if backoff else grown if growth else scale
+    floor_hit = backoff and backed <= f32(min_scale)
+    new = clamp_f32(new, min_scale, max_scale)
+    if max_scale is not None:
+        growth = growth and grown <= f32(max_scale)
+    return new, tracker, backoff, growth, floor_hit, new_run

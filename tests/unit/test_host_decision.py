@@ -1,0 +1,285 @@
+"""The CPU host decision (``policies.decide_host``) against the tensor decision (``policies.decide``).
+
+Both run on the same gathered matrix, config and carried state; every decision field, the new
+growth tracker and the carried state (spike averages, their count, the hysteresis run, the
+scaler's scale) must come out the same, bit for bit (any NaN equals any NaN: no decision reads a
+NaN's payload). Random matrices with NaN/inf/huge/subnormal values in any column, and sequences
+of steps that run through spikes, hysteresis runs, the floor and ceiling and growth-interval
+boundaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import struct
+
+import pytest
+import torch
+
+from ampguard.config import GuardConfig
+from ampguard.policies import SpikeState, decide, decide_host
+from ampguard.scaling import ScalerView, ScaleState, f32, next_scale, next_scale_host
+from ampguard.stats import DECISION_K, LOCAL_K, Dec, Loc
+
+F32_MAX = 3.4028234663852886e38
+
+
+def bits(x: float) -> bytes:
+    """float32 bit pattern, every NaN folded into one."""
+    return b"nan" if math.isnan(x) else struct.pack("<f", x)
+
+
+@dataclasses.dataclass
+class Carried:
+    """The state a decision reads and writes, as plain values (made into tensors per path)."""
+
+    grad_ema: float = 0.0
+    loss_ema: float = 0.0
+    count: int = 0
+    overflow_run: int = 0
+    scale: float | None = 65536.0  # None: no scaler
+    tracker: int = 0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def tensors(self) -> tuple[SpikeState, ScaleState, ScalerView | None]:
+        spikes = SpikeState(torch.tensor(self.grad_ema, dtype=torch.float32),
+                            torch.tensor(self.loss_ema, dtype=torch.float32),
+                            torch.tensor(self.count, dtype=torch.int32))
+        state = ScaleState(torch.tensor(self.overflow_run, dtype=torch.int32))
+        view = None
+        if self.scale is not None:
+            view = ScalerView(torch.tensor(self.scale, dtype=torch.float32),
+                              torch.tensor(self.tracker, dtype=torch.int32),
+                              self.growth_factor, self.backoff_factor, self.growth_interval)
+        return spikes, state, view
+
+
+def run_both(gathered: torch.Tensor, config: GuardConfig, carried: Carried, sharded: bool = False) -> Carried:
+    """One decision on each path from the same inputs; asserts they agree; returns the next state."""
+    t_spikes, t_state, t_view = carried.tensors()
+    h_spikes, h_state, h_view = carried.tensors()
+    t_out, t_tracker = decide(gathered.clone(), config=config, spikes=t_spikes, scale_state=t_state, scaler=t_view,
+                              grads_sharded=sharded)
+    h_out, h_tracker = decide_host(gathered.clone(), config=config, spikes=h_spikes, scale_state=h_state,
+                                   scaler=h_view, grads_sharded=sharded)
+    t_vals = t_out.tolist()
+    assert len(h_out) == DECISION_K
+    for field in Dec:
+        assert bits(h_out[field]) == bits(t_vals[field]), (
+            f"{field.name}: host {h_out[field]!r} != tensor {t_vals[field]!r}\n{gathered}\n{config}\n{carried}")
+        assert h_out[field] == f32(h_out[field]) or math.isnan(h_out[field])  # a float32 value
+    if t_tracker is None:
+        assert h_tracker is None
+    else:
+        assert h_tracker == int(t_tracker.item())
+    for name in ("grad_ema", "loss_ema"):
+        a, b = getattr(t_spikes, name).item(), getattr(h_spikes, name).item()
+        assert bits(a) == bits(b), f"{name}: host {b!r} != tensor {a!r}"
+    assert t_spikes.count.item() == h_spikes.count.item()
+    assert t_state.overflow_run.item() == h_state.overflow_run.item()
+    # the host path only reads the scaler: the pipeline writes the new scale and tracker
+    if t_view is not None and h_view is not None:
+        assert bits(t_view.scale.item()) == bits(h_view.scale.item())
+    return dataclasses.replace(
+        carried, grad_ema=h_spikes.grad_ema.item(), loss_ema=h_spikes.loss_ema.item(), count=int(h_spikes.count.item()),
+        overflow_run=int(h_state.overflow_run.item()),
+        scale=None if carried.scale is None else h_out[Dec.NEXT_SCALE],
+        tracker=carried.tracker if h_tracker is None else h_tracker,
+    )
+
+
+# ---------------------------------------------------------------------------------------- inputs
+
+SPECIAL = [math.nan, -math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-45, 1e-40, F32_MAX, 3e38, 1e30, 1e-30]
+
+
+def rand_value(rng: random.Random, *, nonneg: bool = False) -> float:
+    r = rng.random()
+    if r < 0.12:
+        v = rng.choice(SPECIAL)
+    elif r < 0.55:
+        v = math.exp(rng.uniform(-12, 12))
+    else:
+        v = rng.uniform(0, 10)
+    if not nonneg and rng.random() < 0.1:
+        v = -v
+    return v
+
+
+def rand_row(rng: random.Random, p_bad: float) -> list[float]:
+    row = [0.0] * LOCAL_K
+    row[Loc.LOSS] = rand_value(rng) if rng.random() < p_bad else rng.uniform(0, 5)
+    row[Loc.LOSS_NONFINITE] = 0.0 if math.isfinite(row[Loc.LOSS]) else 1.0
+    row[Loc.GRAD_NORM] = rand_value(rng, nonneg=True) if rng.random() < p_bad else rng.uniform(0, 20)
+    row[Loc.NONFINITE_TENSORS] = float(rng.choice([0, 0, 0, 1, 3])) if rng.random() < p_bad else 0.0
+    row[Loc.FOUND_INF] = float(rng.random() < p_bad / 2)
+    row[Loc.PRE_REDUCTION] = float(rng.random() < p_bad / 4)
+    row[Loc.NO_GRADS] = float(rng.random() < p_bad / 4)
+    if rng.random() < p_bad / 3:  # anything in any column, inconsistent flags included
+        row[rng.randrange(LOCAL_K)] = rng.choice([*SPECIAL, rand_value(rng)])
+    return row
+
+
+def rand_config(rng: random.Random) -> GuardConfig:
+    min_scale = rng.choice([1.0, 0.1, 1 / 3, 2.0**-20, 7.0])
+    return GuardConfig(
+        grad_spike_factor=rng.choice([None, 2.0, 3.3, 1.0000001, 10.0]),
+        loss_spike_factor=rng.choice([None, 1.5, 2.7, 4.0]),
+        spike_warmup=rng.choice([1, 2, 3, 20]),
+        spike_ema_decay=rng.choice([0.98, 0.9, 0.5, 0.123456789, 0.999]),
+        on_spike=rng.choice(["skip", "warn"]),
+        clip_grad_norm=rng.choice([None, 1.0, 0.05, 0.3, 1e-3, 7.77]),
+        hysteresis=rng.choice([1, 1, 2, 3]),
+        min_scale=min_scale,
+        max_scale=rng.choice([None, None, min_scale, min_scale * 1000.3, 2.0**24, 65536.0]),
+    )
+
+
+def rand_carried(rng: random.Random) -> Carried:
+    return Carried(
+        grad_ema=f32(rng.choice([0.0, rng.uniform(0, 10), math.exp(rng.uniform(-10, 10)), math.nan, math.inf])),
+        loss_ema=f32(rng.choice([0.0, rng.uniform(0, 5), math.nan])),
+        count=rng.choice([0, 0, 1, 2, 3, 25]),
+        overflow_run=rng.choice([0, 0, 1, 2]),
+        scale=rng.choice([None, 65536.0, 4096.0, 1.0, 2.0**127, F32_MAX, f32(0.3), 2.0**-20, f32(rng.uniform(0, 1e6))]),
+        tracker=rng.choice([0, 1, 2, 4, 1999]),
+        growth_factor=rng.choice([2.0, 1.5, 3.3, 1.0000001]),
+        backoff_factor=rng.choice([0.5, 0.3, 0.77, 0.123456789]),
+        growth_interval=rng.choice([1, 2, 3, 5, 2000]),
+    )
+
+
+# ---------------------------------------------------------------------------------------- the rule
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_single_decisions_agree(seed):
+    rng = random.Random(seed)
+    for _ in range(120):
+        world = rng.choice([1, 1, 2, 3, 4, 8])
+        g = torch.tensor([rand_row(rng, p_bad=rng.choice([0.0, 0.2, 0.6])) for _ in range(world)],
+                         dtype=torch.float32)
+        run_both(g, rand_config(rng), rand_carried(rng), sharded=world > 1 and rng.random() < 0.5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_sequences_agree_with_state_carried(seed):
+    """Runs of steps: warm-up then spikes, hysteresis runs, growth at the interval, the floor."""
+    rng = random.Random(100 + seed)
+    for _ in range(6):
+        config = rand_config(rng)
+        carried = rand_carried(rng)
+        world = rng.choice([1, 2, 4])
+        sharded = world > 1 and rng.random() < 0.5
+        base = rng.uniform(0.5, 3)
+        for _ in range(40):
+            rows = []
+            for _ in range(world):
+                row = rand_row(rng, p_bad=0.15)
+                if rng.random() < 0.7:  # mostly healthy, similar norms, with the odd spike
+                    row[Loc.GRAD_NORM] = base * rng.uniform(0.8, 1.2) * (rng.choice([1, 1, 1, 5, 50]))
+                    row[Loc.LOSS] = base * rng.uniform(0.9, 1.1) * rng.choice([1, 1, 1, 3, 30])
+                rows.append(row)
+            carried = run_both(torch.tensor(rows, dtype=torch.float32), config, carried, sharded)
+
+
+def clean(world: int = 1, **cols: float) -> torch.Tensor:
+    row = [0.0] * LOCAL_K
+    row[Loc.LOSS] = row[Loc.GRAD_NORM] = 1.0
+    for k, v in cols.items():
+        row[Loc[k.upper()]] = v
+    return torch.tensor([row] * world, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("world", [1, 2, 5])
+@pytest.mark.parametrize("col", list(Loc))
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, F32_MAX, 1.0])
+def test_a_special_value_in_any_column_on_any_rank(world, col, value):
+    config = GuardConfig(grad_spike_factor=2.0, loss_spike_factor=2.0, spike_warmup=1, clip_grad_norm=0.5,
+                         on_spike="skip")
+    for rank in range(world):
+        g = clean(world)
+        g[rank, col] = value
+        run_both(g, config, Carried(grad_ema=1.0, loss_ema=1.0, count=3))
+        run_both(g, config, Carried(grad_ema=1.0, loss_ema=1.0, count=3, scale=None), sharded=world > 1)
+
+
+def ulp_step(x: float, n: int) -> float:
+    """The float32 ``n`` steps from ``x`` (positive ``x``)."""
+    return struct.unpack("<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", x))[0] + n))[0]
+
+
+def test_spike_thresholds_exactly():
+    """At the threshold, a float32 ulp either side, and where the threshold's own rounding (of the
+    factor, and of the product, up or down) decides: float32 ``factor * ema``, strict ``>``."""
+    rng = random.Random(3)
+    for factor in (3.3, 2.7, 1.0000001, 10.0):
+        config = GuardConfig(grad_spike_factor=factor, loss_spike_factor=factor, spike_warmup=1, on_spike="skip")
+        for _ in range(40):
+            ema = f32(rng.uniform(0.1, 10))
+            at = f32(f32(factor) * ema)
+            for norm in (ulp_step(at, -1), at, ulp_step(at, 1), f32(factor * ema)):
+                run_both(clean(grad_norm=norm, loss=norm), config, Carried(grad_ema=ema, loss_ema=ema, count=1))
+    # warm-up boundary: count == warmup - 1 is not warm, count == warmup is
+    config = GuardConfig(grad_spike_factor=2.0, spike_warmup=5, on_spike="skip")
+    for count in (4, 5):
+        run_both(clean(grad_norm=100.0), config, Carried(grad_ema=1.0, count=count))
+
+
+def test_growth_interval_boundary_floor_and_ceiling():
+    config = GuardConfig(min_scale=1.0, max_scale=2.0**20)
+    for tracker in (0, 1, 2, 3):  # growth_interval 3: grows when the tracker reaches it
+        run_both(clean(), config, Carried(scale=1024.0, tracker=tracker, growth_interval=3))
+        run_both(clean(found_inf=1.0), config, Carried(scale=1024.0, tracker=tracker, growth_interval=3))
+    run_both(clean(), config, Carried(scale=2.0**20, tracker=2, growth_interval=3))  # at the ceiling: no growth
+    run_both(clean(), config, Carried(scale=2.0**19 * 1.5, tracker=2, growth_interval=3))  # clamped to it
+    run_both(clean(found_inf=1.0), config, Carried(scale=1.5))  # backoff below the floor: clamped, floor hit
+    run_both(clean(found_inf=1.0), config, Carried(scale=1.0))
+    run_both(clean(), GuardConfig(), Carried(scale=2.0**127, tracker=0, growth_interval=1))  # grows to inf: no
+    run_both(clean(), GuardConfig(), Carried(scale=F32_MAX, tracker=0, growth_interval=1, growth_factor=1.0000001))
+    # bounds that float32 rounds up (f32(0.1) > 0.1): the comparisons are against the rounded bound
+    for k in (0, 14):
+        bound = 0.1 * 2.0**k
+        run_both(clean(found_inf=1.0), GuardConfig(min_scale=bound), Carried(scale=f32(bound) * 2))
+        run_both(clean(), GuardConfig(min_scale=bound / 1024, max_scale=bound),
+                 Carried(scale=f32(bound) / 2, tracker=0, growth_interval=1))
+    # a non-overflow skip (non-finite loss, finite gradients) holds scale and tracker
+    run_both(clean(loss=math.nan, loss_nonfinite=1.0), config, Carried(scale=8.0, tracker=2, growth_interval=3))
+
+
+def test_hysteresis_runs():
+    config = GuardConfig(hysteresis=3)
+    carried = Carried(scale=4096.0)
+    pattern = [1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0]
+    for bad in pattern:
+        carried = run_both(clean(found_inf=float(bad)), config, carried)
+    assert carried.scale == 4096.0 / 8  # three runs of three overflows backed off; the shorter ones did not
+
+
+def test_sequences_match_the_scale_rule_step_by_step():
+    """next_scale_host against next_scale directly, over long random runs of overflow/held/clean."""
+    rng = random.Random(7)
+    for _ in range(30):
+        hysteresis = rng.choice([1, 2, 3])
+        min_scale, max_scale = rng.choice([(1.0, None), (0.1, 1000.3), (2.0**-10, 2.0**16)])
+        gf, bf, interval = rng.choice([2.0, 1.5, 3.3]), rng.choice([0.5, 0.3, 0.77]), rng.choice([1, 2, 3, 7])
+        scale, tracker, run = f32(rng.choice([1.0, 512.0, 0.7, 999.9])), 0, 0
+        state = ScaleState(torch.tensor(0, dtype=torch.int32))
+        for _ in range(60):
+            overflow = rng.random() < 0.3
+            held = not overflow and rng.random() < 0.1
+            t = next_scale(scale=torch.tensor(scale), growth_tracker=torch.tensor(tracker, dtype=torch.int32),
+                           overflow=torch.tensor(overflow), held=torch.tensor(held), state=state, growth_factor=gf,
+                           backoff_factor=bf, growth_interval=interval, hysteresis=hysteresis, min_scale=min_scale,
+                           max_scale=max_scale)
+            h = next_scale_host(scale=scale, growth_tracker=tracker, overflow=overflow, held=held, overflow_run=run,
+                                growth_factor=gf, backoff_factor=bf, growth_interval=interval, hysteresis=hysteresis,
+                                min_scale=min_scale, max_scale=max_scale)
+            assert bits(h[0]) == bits(t[0].item())
+            assert (h[1], h[2], h[3], h[4], h[5]) == (int(t[1]), bool(t[2]), bool(t[3]), bool(t[4]),
+                                                       int(state.overflow_run))
+            scale, tracker, run = h[0], h[1], h[5]
