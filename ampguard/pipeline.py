@@ -11,7 +11,9 @@ the host waits for the device (the only places it does):
 4. gather                     one collective of ``LOCAL_K`` floats per rank. NCCL: no host sync
                               (the stream waits); gloo/CPU: blocking, as every CPU op is.
 5. decide                     tensor ops on device (:func:`ampguard.policies.decide`), replayed
-                              from a CUDA graph on CUDA. No sync.
+                              from a CUDA graph on CUDA. No sync. On CPU (no device to wait for)
+                              the same rule on host floats (:func:`ampguard.policies.decide_host`),
+                              bit for bit the same decision, instead of ~60 tiny tensor ops.
 6. clip                       ``_foreach_mul_`` by the decided coefficient. No sync.
 7. inner step or skip         the skip is folded into GradScaler's ``found_inf``:
                               - fused optimizers (``_step_supports_amp_scaling``) read it on
@@ -19,13 +21,17 @@ the host waits for the device (the only places it does):
                               - other optimizers: GradScaler's own ``found_inf.item()`` (fp16), or
                                 one ``.item()`` on the skip flag (bf16/fp32): the one sync a
                                 skipping step needs, and the one GradScaler already makes.
+                                On CPU the skip is already a host bool: no ``.item()``.
 8. scale update               ``GradScaler.update(new_scale=tensor)``. No sync.
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import gc
+import inspect
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -34,11 +40,11 @@ import torch
 
 from .config import GuardConfig
 from .errors import GuardStateError
-from .policies import SpikeState, decide
-from .scaling import GradScalerAdapter, ScalerView, ScaleState
+from .policies import SpikeState, decide, decide_host
+from .scaling import GradScalerAdapter, ScalerView, ScaleState, f32
 from .stats import Dec, GradGroups, grads_by_device_and_dtype, local_vector, per_tensor_norms
 
-__all__ = ["DecisionGraph", "LossMeter", "Measured", "StepPipeline"]
+__all__ = ["DecisionGraph", "LossMeter", "Measured", "StepPipeline", "local_vector_host"]
 
 
 class LossMeter:
@@ -155,9 +161,16 @@ class StepPipeline:
         self.config = config
         self.device = device
         self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        self._takes_grad_scaler = self.fused and _takes_grad_scaler(optimizer)
+        """A fused optimizer of GradScaler's older protocol (``step(grad_scaler=...)``)."""
         self.spikes = SpikeState.fresh(device)
         self.scale_state = ScaleState.fresh(device)
         self.graph = DecisionGraph(config.cuda_graph)
+        self.host_decision = device.type == "cpu"
+        """Decide on host floats (:func:`decide_host`): on CPU, where reading a tensor costs nothing
+        and each tiny tensor op costs microseconds. Elsewhere the tensor path (no host sync)."""
+        self._host: tuple[torch.Tensor, list[float]] | None = None
+        """The last host decision: the tensor handed out, and its values."""
 
     def params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -180,13 +193,22 @@ class StepPipeline:
         """This rank's statistics, all-gathered: ``[world_size, LOCAL_K]`` on device. collective:
         every rank gathers, also one whose backward reached no parameter (``no_grads``): the
         decision then skips the step on every rank."""
-        vec = local_vector(loss=loss, tensor_norms=measured.norms, found_inf=measured.found_inf,
-                           pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads)
+        pack = local_vector_host if self.host_decision else local_vector
+        vec = pack(loss=loss, tensor_norms=measured.norms, found_inf=measured.found_inf,
+                   pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads)
         return self.backend.all_gather(vec).wait()  # type: ignore[no-any-return]
 
-    def decide(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decision vector and the scaler's next growth tracker (None without a scaler)."""
+    def decide(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | int | None]:
+        """The decision vector and the scaler's next growth tracker (None without a scaler; an
+        int from the host decision)."""
         view: ScalerView | None = self.adapter.view() if self.adapter is not None else None
+        if self.host_decision:
+            values, tracker = decide_host(gathered, config=self.config, spikes=self.spikes,
+                                          scale_state=self.scale_state, scaler=view,
+                                          grads_sharded=self.backend.grads_sharded)
+            decision = host_tensor(values)
+            self._host = (decision, values)
+            return decision, tracker
 
         def run(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
             return decide(g, config=self.config, spikes=self.spikes, scale_state=self.scale_state, scaler=view,
@@ -195,9 +217,17 @@ class StepPipeline:
         key = None if view is None else (view.growth_factor, view.backoff_factor, view.growth_interval)
         return self.graph.run(run, gathered, key)  # type: ignore[no-any-return]
 
+    def host_values(self, decision: torch.Tensor) -> list[float] | None:
+        """The host decision's values when ``decision`` is the tensor it handed out (CPU), else None."""
+        host = self._host
+        return host[1] if host is not None and host[0] is decision else None
+
     def clip(self, measured: Measured, decision: torch.Tensor) -> None:
         if self.config.clip_grad_norm is None:
             return
+        host = self.host_values(decision)
+        if host is not None and host[Dec.CLIP_COEF] == 1.0:
+            return  # a multiply by 1 changes no value: skip the pass over the gradients
         coef = decision[Dec.CLIP_COEF]
         for grads in measured.groups.tensors.values():
             torch._foreach_mul_(grads, coef.to(grads[0].device))
@@ -209,6 +239,9 @@ class StepPipeline:
             # nothing to step here (GradScaler.step would refuse: it recorded no inf check).
             return False
         skip = decision[Dec.SKIP]
+        host = self.host_values(decision)
+        if host is not None:
+            return self._inner_step_host(host[Dec.SKIP] > 0, skip, measured)
         inner = self.optimizer
         if self.adapter is not None:
             self.adapter.force_found_inf(measured.found_inf_per_device, skip)
@@ -216,22 +249,91 @@ class StepPipeline:
                 self.adapter.step(inner)  # non-fused: GradScaler's own found_inf.item() (a sync)
             return not self.fused
         if self.fused:
-            inner.grad_scale = None  # type: ignore[attr-defined]
-            inner.found_inf = skip  # type: ignore[attr-defined]
-            try:
-                with self.backend.step_context(inner):
-                    inner.step()
-            finally:
-                del inner.grad_scale, inner.found_inf  # type: ignore[attr-defined]
+            self._step_fused(skip, None)
             return False
         if not skip.item():  # SYNC: the one a non-fused optimizer needs to skip (GradScaler's too)
             with self.backend.step_context(inner):
                 inner.step()
         return True
 
-    def update_scale(self, decision: torch.Tensor, tracker: torch.Tensor | None) -> None:
+    def _inner_step_host(self, skipped: bool, skip: torch.Tensor, measured: Measured) -> bool:
+        """The inner step when the skip is a host bool (CPU): what GradScaler.step does, without
+        what it does to learn the skip. Non-fused: its ``if not found_inf.item(): step()``, the
+        answer known already. Fused: the kernel reads ``found_inf`` (GradScaler's per-call
+        ``inspect.signature`` and ``found_inf`` sum are not needed). GradScaler's ``found_inf``
+        still holds the skip; its ``update()``, next, resets its per-step records."""
+        inner = self.optimizer
         if self.adapter is not None:
-            self.adapter.update(decision[Dec.NEXT_SCALE], tracker)
+            self.adapter.force_found_inf(measured.found_inf_per_device, skip)
+            if self.fused and self._takes_grad_scaler:  # GradScaler's older protocol: let it step
+                with self.backend.step_context(inner):
+                    self.adapter.step(inner)
+                return False
+        if self.fused:  # stepped even when skipping, as GradScaler does (the kernel skips)
+            # GradScaler.step on unscaled gradients passes on a grad_scale the caller set, or None
+            self._step_fused(skip, getattr(inner, "grad_scale", None) if self.adapter is not None else None)
+            return False
+        if not skipped:
+            with self.backend.step_context(inner):
+                inner.step()
+        return True
+
+    def _step_fused(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
+        """A fused optimizer's step (``_step_supports_amp_scaling``): it skips in its kernel."""
+        inner = self.optimizer
+        inner.grad_scale = grad_scale  # type: ignore[attr-defined]
+        inner.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            with self.backend.step_context(inner):
+                inner.step()
+        finally:
+            del inner.grad_scale, inner.found_inf  # type: ignore[attr-defined]
+
+    def update_scale(self, decision: torch.Tensor, tracker: torch.Tensor | int | None) -> None:
+        if self.adapter is not None:
+            host = self.host_values(decision)
+            self.adapter.update(decision[Dec.NEXT_SCALE] if host is None else host[Dec.NEXT_SCALE], tracker)
+
+
+def _takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
+    """GradScaler.step's own test, made once: does ``step`` take a ``grad_scaler`` argument?"""
+    try:
+        return "grad_scaler" in inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):  # no signature: let GradScaler decide, every step
+        return True
+
+
+def local_vector_host(
+    *,
+    loss: torch.Tensor | None,
+    tensor_norms: torch.Tensor,
+    found_inf: torch.Tensor | None,
+    pre_reduction: torch.Tensor | None,
+    device: torch.device,
+    no_grads: bool = False,
+) -> torch.Tensor:
+    """:func:`ampguard.stats.local_vector` for the host decision (CPU tensors; ``device`` is the
+    CPU): the same ``LOCAL_K`` float32 values, counted and packed on the host (no op packs them).
+    The total norm is the same torch reduction (so it stays bitwise ``clip_grad_norm_``'s)."""
+    total = torch.linalg.vector_norm(tensor_norms, 2.0).item() if tensor_norms.numel() else 0.0
+    # A non-finite tensor norm makes the total non-finite: only then are they counted.
+    nonfinite = 0 if math.isfinite(total) else sum(not math.isfinite(n) for n in tensor_norms.tolist())
+    value = math.nan if loss is None else loss.item()
+    return host_tensor([
+        value,
+        0.0 if loss is None or math.isfinite(value) else 1.0,
+        total,
+        float(nonfinite),
+        0.0 if found_inf is None else f32(float(found_inf.item())),
+        0.0 if pre_reduction is None else f32(float(pre_reduction.item())),
+        1.0 if no_grads else 0.0,
+    ])
+
+
+def host_tensor(values: list[float]) -> torch.Tensor:
+    """A float32 CPU tensor of ``values`` (float32 values), over a fresh array of its own:
+    ``torch.frombuffer`` costs about half of ``torch.tensor`` parsing a list."""
+    return torch.frombuffer(array.array("f", values), dtype=torch.float32)
 
 
 def payload(decision: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:

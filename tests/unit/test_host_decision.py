@@ -5,7 +5,7 @@ growth tracker and the carried state (spike averages, their count, the hysteresi
 scaler's scale) must come out the same, bit for bit (any NaN equals any NaN: no decision reads a
 NaN's payload). Random matrices with NaN/inf/huge/subnormal values in any column, and sequences
 of steps that run through spikes, hysteresis runs, the floor and ceiling and growth-interval
-boundaries.
+boundaries, plus end-to-end runs of the guard with each path.
 """
 
 from __future__ import annotations
@@ -18,10 +18,16 @@ import struct
 import pytest
 import torch
 
+import ampguard
+from ampguard import faults
+from ampguard.backends import LocalBackend
 from ampguard.config import GuardConfig
+from ampguard.pipeline import StepPipeline, local_vector_host
 from ampguard.policies import SpikeState, decide, decide_host
 from ampguard.scaling import ScalerView, ScaleState, f32, next_scale, next_scale_host
-from ampguard.stats import DECISION_K, LOCAL_K, Dec, Loc
+from ampguard.stats import DECISION_K, LOCAL_K, Dec, Loc, local_vector
+
+from ._models import assert_same, guarded_steps, loss_of, make_data, make_model, make_opt, snapshot
 
 F32_MAX = 3.4028234663852886e38
 
@@ -283,3 +289,128 @@ def test_sequences_match_the_scale_rule_step_by_step():
             assert (h[1], h[2], h[3], h[4], h[5]) == (int(t[1]), bool(t[2]), bool(t[3]), bool(t[4]),
                                                        int(state.overflow_run))
             scale, tracker, run = h[0], h[1], h[5]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_local_vector_host_is_local_vector(seed):
+    rng = random.Random(seed)
+    for _ in range(60):
+        n = rng.choice([0, 1, 3, 10])
+        norms = torch.tensor([rand_value(rng, nonneg=True) if rng.random() < 0.3 else rng.uniform(0, 5)
+                              for _ in range(n)], dtype=torch.float32)
+        loss = rng.choice([None, torch.tensor(rand_value(rng), dtype=torch.float32)])
+        found = rng.choice([None, torch.tensor(0.0), torch.tensor(1.0), torch.tensor([1.0])])  # [1]: Sharded
+        pre = rng.choice([None, torch.tensor(0.0), torch.tensor(1.0)])
+        kw = dict(loss=loss, tensor_norms=norms, found_inf=found, pre_reduction=pre, device=torch.device("cpu"),
+                  no_grads=rng.random() < 0.2)
+        a, b = local_vector(**kw).tolist(), local_vector_host(**kw).tolist()  # type: ignore[arg-type]
+        assert [bits(x) for x in a] == [bits(x) for x in b], (a, b, norms, loss)
+
+
+# ---------------------------------------------------------------------------------------- end to end
+
+
+def both_paths(make, steps, fault=None, run=None):
+    """The same guarded run twice on CPU: host decision (the default) and the tensor path."""
+    runs = []
+    for host in (True, False):
+        model = make_model()
+        opt = make(model)
+        assert opt._pipeline.host_decision  # CPU default
+        opt._pipeline.host_decision = host
+        if run is not None:
+            run(opt, model)
+        elif fault is None:
+            guarded_steps(opt, model, make_data(steps))
+        else:
+            with faults.inject(opt, fault):
+                guarded_steps(opt, model, make_data(steps))
+        runs.append((snapshot(model, opt), opt.history, opt.anomalies, opt.get_scale(), opt.state_dict()["ampguard"]))
+    (sa, ha, aa, ca, ga), (sb, hb, ab, cb, gb) = runs
+    assert_same(sa, sb)
+    assert ca == cb
+    assert _nan_eq([dataclasses.asdict(dataclasses.replace(r, wall_time=0.0)) for r in ha],
+                   [dataclasses.asdict(dataclasses.replace(r, wall_time=0.0)) for r in hb])
+    assert list(aa) == list(ab)
+    assert _nan_eq(ga, gb)
+    return ha
+
+
+def _nan_eq(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_nan_eq(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_nan_eq(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return bits(a) == bits(b)
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adamw_fused", "sgd"])
+def test_guard_runs_the_same_on_both_paths(kind):
+    cfg = dict(grad_spike_factor=1.5, loss_spike_factor=1.5, spike_warmup=2, on_spike="skip", hysteresis=2)
+    def make(m):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
+        return ampguard.wrap(make_opt(m, kind), model=m, precision="fp16", config=cfg, scaler=scaler)
+
+    hist = both_paths(make, 24, faults.grad("0.weight", "inf", steps=[4, 5, 6, 9]))
+    assert any(r.skipped for r in hist) and any(not r.skipped for r in hist)
+    assert len({r.loss_scale for r in hist}) > 1
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_guard_runs_the_same_on_both_paths_without_a_scaler(precision):
+    both_paths(lambda m: ampguard.wrap(make_opt(m, "adamw"), model=m, precision=precision,
+                                       config={"clip_grad_norm": 0.05}), 10, faults.loss("nan", steps=[3]))
+
+
+def test_clip_on_both_paths():
+    hist = both_paths(lambda m: ampguard.wrap(make_opt(m), model=m, precision="fp16",
+                                              config={"clip_grad_norm": 2.5}), 16)
+    assert any(r.clip_coef < 1.0 for r in hist) and any(r.clip_coef == 1.0 for r in hist)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adamw_fused", "sgd"])
+def test_a_step_without_gradients_on_both_paths(kind):
+    def run(opt, model):
+        data = make_data(4)
+        guarded_steps(opt, model, data[:2])
+        with opt.autocast():
+            loss = loss_of(model, *data[2]).detach().requires_grad_()  # reaches no parameter
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        guarded_steps(opt, model, data[3:])
+
+    hist = both_paths(lambda m: ampguard.wrap(make_opt(m, kind), model=m, precision="fp16",
+                                              scaler=torch.amp.GradScaler("cpu", init_scale=1024.0),
+                                              config={"grad_spike_factor": 5.0, "spike_warmup": 1}), 0, run=run)
+    assert [r.reason for r in hist] == [None, None, "no_gradients", None]
+
+
+def test_a_fused_optimizer_of_the_older_grad_scaler_protocol_is_stepped_by_grad_scaler():
+    class OldFused(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+        seen: list = []
+
+        def step(self, closure=None, grad_scaler=None):
+            self.seen.append(grad_scaler)
+            return super().step(closure)
+
+    model = make_model()
+    scaler = torch.amp.GradScaler("cpu")
+    opt = ampguard.wrap(OldFused(model.parameters(), lr=0.1), model=model, precision="fp16", scaler=scaler)
+    with pytest.warns(FutureWarning, match="stop passing itself"):
+        guarded_steps(opt, model, make_data(2))
+    assert OldFused.seen == [scaler, scaler]
+
+
+def test_the_host_path_is_the_cpu_default_only():
+    model = make_model()
+    opt = ampguard.wrap(make_opt(model), model=model, precision="fp16")
+    assert opt._pipeline.host_decision is True
+    guarded_steps(opt, model, make_data(2))
+    assert opt._pipeline._host is not None  # the host path ran
+    pipe = StepPipeline(optimizer=make_opt(model), adapter=None, backend=LocalBackend(), config=GuardConfig(),
+                        device=torch.device("meta"))  # any other device: the tensor path
+    assert pipe.host_decision is False
