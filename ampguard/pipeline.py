@@ -303,15 +303,8 @@ def _takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
         return True
 
 
-def local_vector_host(
-    *,
-    loss: torch.Tensor | None,
-    tensor_norms: torch.Tensor,
-    found_inf: torch.Tensor | None,
-    pre_reduction: torch.Tensor | None,
-    device: torch.device,
-    no_grads: bool = False,
-) -> torch.Tensor:
+def local_vector_host(*, loss: torch.Tensor | None, tensor_norms: torch.Tensor, found_inf: torch.Tensor | None,
+                      pre_reduction: torch.Tensor | None, device: torch.device, no_grads: bool = False) -> torch.Tensor:
     """:func:`ampguard.stats.local_vector` for the host decision (CPU tensors; ``device`` is the
     CPU): the same ``LOCAL_K`` float32 values, counted and packed on the host (no op packs them).
     The total norm is the same torch reduction (so it stays bitwise ``clip_grad_norm_``'s)."""

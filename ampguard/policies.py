@@ -135,15 +135,8 @@ def decide(
     return out, new_tracker
 
 
-def decide_host(
-    gathered: torch.Tensor,
-    *,
-    config: GuardConfig,
-    spikes: SpikeState,
-    scale_state: ScaleState,
-    scaler: ScalerView | None,
-    grads_sharded: bool,
-) -> tuple[list[float], int | None]:
+def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeState, scale_state: ScaleState,
+                scaler: ScalerView | None, grads_sharded: bool) -> tuple[list[float], int | None]:
     """:func:`decide` on host floats, line for line: the same decision vector (as a list of
     floats, each a float32 value) and the same updates of ``spikes`` and ``scale_state``.
     Returns ``(decision, new_growth_tracker)``. For CPU tensors: it reads the gathered matrix and
@@ -158,7 +151,7 @@ def decide_host(
     if world > 1:
         cmax, csum = g.amax(0).tolist(), g.sum(0).tolist()
     else:
-        cmax = csum = g[0].tolist()
+        cmax = csum = g.tolist()[0]
     loss_bad = cmax[Loc.LOSS_NONFINITE] > 0
     loss = f32(csum[Loc.LOSS] / world)
     if grads_sharded and world > 1:
@@ -205,21 +198,10 @@ def decide_host(
 
     new_tracker = None
     if scaler is not None:
-        scale = scaler.scale.item()
+        scale, tracker = scaler.scale.item(), int(scaler.growth_tracker.item())
         run = int(scale_state.overflow_run.item())
         new_scale, new_tracker, backoff, growth, floor_hit, new_run = next_scale_host(
-            scale=scale,
-            growth_tracker=int(scaler.growth_tracker.item()),
-            overflow=grad_bad,
-            held=skip and not grad_bad,
-            overflow_run=run,
-            growth_factor=scaler.growth_factor,
-            backoff_factor=scaler.backoff_factor,
-            growth_interval=scaler.growth_interval,
-            hysteresis=config.hysteresis,
-            min_scale=config.min_scale,
-            max_scale=config.max_scale,
-        )
+            scale, tracker, grad_bad, skip and not grad_bad, run, scaler=scaler, config=config)
         if new_run != run:
             scale_state.overflow_run.fill_(new_run)
     else:

@@ -22,11 +22,14 @@ import math
 import struct
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import GuardStateError
+
+if TYPE_CHECKING:
+    from .config import GuardConfig
 
 __all__ = ["GradScalerAdapter", "ScaleState", "ScalerView", "clamp_f32", "f32", "next_scale", "next_scale_host"]
 
@@ -305,34 +308,24 @@ def clamp_f32(x: float, lo: float | None, hi: float | None) -> float:
     return x
 
 
-def next_scale_host(
-    *,
-    scale: float,
-    growth_tracker: int,
-    overflow: bool,
-    held: bool,
-    overflow_run: int,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-    min_scale: float,
-    max_scale: float | None,
-) -> tuple[float, int, bool, bool, bool, int]:
-    """:func:`next_scale` on host values (``scale`` a float32 value): the same rule, float32 op
-    for op. Returns ``(new_scale, new_tracker, backoff, growth, floor_hit, new_overflow_run)``."""
+def next_scale_host(scale: float, growth_tracker: int, overflow: bool, held: bool, overflow_run: int, *,
+                    scaler: ScalerView, config: GuardConfig) -> tuple[float, int, bool, bool, bool, int]:
+    """:func:`next_scale` on host values (``scale`` a float32 value), with the scaler's factors
+    and interval and the config's hysteresis, floor and ceiling: the same rule, float32 op for op.
+    Returns ``(new_scale, new_tracker, backoff, growth, floor_hit, new_overflow_run)``."""
+    min_scale, max_scale = config.min_scale, config.max_scale
     run = overflow_run + 1 if overflow else 0
-    backoff = overflow and run >= hysteresis
+    backoff = overflow and run >= config.hysteresis
     new_run = 0 if backoff else run
 
     tracker = 0 if overflow else growth_tracker if held else growth_tracker + 1
-    grown = f32(scale * f32(growth_factor))
-    reached = tracker >= growth_interval and not overflow and not held
+    grown = f32(scale * f32(scaler.growth_factor))
+    reached = tracker >= scaler.growth_interval and not overflow and not held
     growth = reached and math.isfinite(grown)
     if reached:
         tracker = 0
 
-    backed = f32(scale * f32(backoff_factor))
+    backed = f32(scale * f32(scaler.backoff_factor))
     new = backed if backoff else grown if growth else scale
     floor_hit = backoff and backed <= f32(min_scale)
     new = clamp_f32(new, min_scale, max_scale)

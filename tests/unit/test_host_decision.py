@@ -282,9 +282,9 @@ def test_sequences_match_the_scale_rule_step_by_step():
                            overflow=torch.tensor(overflow), held=torch.tensor(held), state=state, growth_factor=gf,
                            backoff_factor=bf, growth_interval=interval, hysteresis=hysteresis, min_scale=min_scale,
                            max_scale=max_scale)
-            h = next_scale_host(scale=scale, growth_tracker=tracker, overflow=overflow, held=held, overflow_run=run,
-                                growth_factor=gf, backoff_factor=bf, growth_interval=interval, hysteresis=hysteresis,
-                                min_scale=min_scale, max_scale=max_scale)
+            view = ScalerView(torch.tensor(scale), torch.tensor(tracker, dtype=torch.int32), gf, bf, interval)
+            config = GuardConfig(hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale)
+            h = next_scale_host(scale, tracker, overflow, held, run, scaler=view, config=config)
             assert bits(h[0]) == bits(t[0].item())
             assert (h[1], h[2], h[3], h[4], h[5]) == (int(t[1]), bool(t[2]), bool(t[3]), bool(t[4]),
                                                        int(state.overflow_run))
