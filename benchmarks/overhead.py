@@ -145,6 +145,8 @@ SIZES: dict[str, dict[str, Any]] = {
     "gpt-tiny": dict(kind="gpt", vocab=4096, seq=128, layers=2, d=128, heads=4, batch=4),
     "mlp": dict(kind="mlp", d_in=512, width=1024, depth=4, classes=100, batch=128),
     "mlp-small": dict(kind="mlp", d_in=256, width=512, depth=3, classes=100, batch=128),
+    # the CPU model: 8 layers of 512x512
+    "mlp-8x512": dict(kind="mlp", d_in=512, width=512, depth=8, classes=100, batch=128),
 }
 
 
@@ -646,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         "--model-size",
         choices=sorted(SIZES),
         default=None,
-        help="gpt2 (default on CUDA: the issue's 124M GPT), mlp (default on CPU), mlp-small, gpt-tiny",
+        help="gpt2 (default on CUDA: the issue's 124M GPT), mlp (default on CPU), mlp-small, mlp-8x512, gpt-tiny",
     )
     ap.add_argument(
         "--steps", type=int, default=None, help="timed steps per variant (default: 150 CUDA, 90 CPU; --quick: 30, 24)"
