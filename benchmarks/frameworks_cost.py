@@ -100,8 +100,7 @@ def build_model(size: dict[str, int], device: torch.device) -> torch.nn.Module:
                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=min(50256, size["vocab_size"] - 1),
                         eos_token_id=min(50256, size["vocab_size"] - 1))
     torch.manual_seed(0)
-    with torch.device(device):
-        return GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(config).to(device)  # built on the CPU (its RNG), then moved: the same weights anywhere
 
 
 class Tokens(Dataset):  # type: ignore[type-arg]
