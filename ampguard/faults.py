@@ -377,6 +377,8 @@ class Injection:
 def inject(opt: Any, model: torch.nn.Module | Fault | None = None, *faults: Fault) -> Injection:
     """Install ``faults`` on a guarded optimizer (and its model: by default ``wrap(model=...)``'s).
     Returns the :class:`Injection`."""
+    guard = getattr(opt, "guard", None)  # a framework's wrapper around the guard (accelerate's)
+    opt = guard if guard is not None and hasattr(guard, "register_loss_hook") else opt
     if not hasattr(opt, "register_loss_hook"):
         raise TypeError("inject() needs the optimizer returned by ampguard.wrap()")
     if isinstance(model, Fault):
