@@ -170,7 +170,7 @@ class GuardedOptimizer(InnerOptimizerView):
             with torch.enable_grad():
                 result = closure()
         self._check_step_call()
-        self._fixed_point()  # the previous step's reports, if they were left pending
+        self._fixed_point(self._step + 1)  # the previous step's reports, if left pending; this forward is done
         if self._reporter.ladder is not None and self._reporter.ladder.pending_rollback is not None:
             actions.rollback_step(self)
             return result
@@ -193,7 +193,7 @@ class GuardedOptimizer(InnerOptimizerView):
         if every is not None and self.backend.world_size > 1 and self._step % every == 0:
             consistency.check_guard(self)  # collective, on the same step everywhere
         if synced or not self._lagged_reports:
-            self._fixed_point()
+            self._fixed_point(self._step)  # after _end_step: the next forward is this step's
             if self._reporter.ladder is not None and self._reporter.ladder.pending_rollback is not None:
                 self._reporter.ladder.rollback(self, self.model, self.optimizer)
         return result
@@ -357,9 +357,10 @@ class GuardedOptimizer(InnerOptimizerView):
             hook(self._step)
         return self._pipeline.measure(self)
 
-    def _fixed_point(self) -> None:
-        """Where reports turn into actions, the same step on every rank (:func:`actions.carry_out`)."""
-        actions.carry_out(self)
+    def _fixed_point(self, next_forward: int) -> None:
+        """Where reports turn into actions, the same step on every rank (:func:`actions.carry_out`).
+        ``next_forward``: the first step whose forward forensics hooks armed here would see."""
+        actions.carry_out(self, next_forward)
 
     def _replay_scale(self, decision: torch.Tensor) -> Any:
         from .stats import Dec
