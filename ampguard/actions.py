@@ -26,7 +26,7 @@ def carry_out(guard: Any, next_forward: int) -> None:
     rep.export_pending()
     actions = rep.take_actions()
     for report in actions.reports:
-        guard._forensics.after_report(report, next_forward)
+        guard._forensics.after_report(report, next_forward, actions.blocks.get(report.step))
     ladder = rep.ladder
     if ladder is not None:
         if guard.model is not None:

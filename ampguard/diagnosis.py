@@ -18,6 +18,7 @@ import torch
 from .config import GuardConfig
 from .forensics import Finding, Localizer
 from .report import Anomaly, StepReport
+from .sentinel import Sentinel
 from .stats import Dec, Loc, origin_ranks
 from .vocab import AnomalyKind, Cause, Phase
 
@@ -51,7 +52,11 @@ class Forensics:
     its step's report."""
 
     def __init__(self, *, model: torch.nn.Module | None, config: GuardConfig, backend: Any, fp16: bool,
-                 findings: dict[int, Finding]) -> None:
+                 findings: dict[int, Finding], device: torch.device) -> None:
+        if config.sentinel is not None and model is None:
+            raise ValueError("GuardConfig.sentinel needs the model: pass ampguard.wrap(..., model=model)")
+        self.sentinel = Sentinel(model, config.sentinel, device) if model is not None and config.sentinel else None
+        """The opt-in coarse sentinel (None: off)."""
         self.model = model
         self.config = config
         self.backend = backend
@@ -73,14 +78,19 @@ class Forensics:
     def armed(self) -> bool:
         return self.localizer is not None and self.localizer.armed
 
-    def after_report(self, report: StepReport, next_forward: int) -> None:
+    def after_report(self, report: StepReport, next_forward: int, block: str | None = None) -> None:
         """Fixed point: arm after a non-finite step (hooks from the next forward on: that of step
-        ``next_forward``), disarm after ``forensics_window`` clean ones."""
+        ``next_forward``), disarm after ``forensics_window`` clean ones. ``block``: the block the
+        sentinel named on that step: the hooks arm inside it only (again if they watched another)."""
         if report.nonfinite:
             self._clean = 0
-            if self.localizer is None and self.enabled:
+            if not self.enabled:
+                return
+            if self.localizer is not None and block is not None and self.localizer.within not in (None, block):
+                self.remove()
+            if self.localizer is None:
                 assert self.model is not None  # internal: enabled
-                self.localizer = Localizer(self.model)
+                self.localizer = Localizer(self.model, within=block)
                 self.live_from = next_forward
         elif self.localizer is not None:
             self._clean += 1
@@ -91,6 +101,11 @@ class Forensics:
         if self.localizer is not None:
             self.localizer.remove()
             self.localizer = None
+
+    def close(self) -> None:
+        self.remove()
+        if self.sentinel is not None:
+            self.sentinel.remove()
 
     def collect(self, step: int, decision: torch.Tensor, gathered: torch.Tensor) -> None:
         """Armed steps only: read the hooks' flags (one host sync) and keep what they name.

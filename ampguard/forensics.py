@@ -275,10 +275,14 @@ class _Call:
 class Localizer:
     """Hooks on every module of ``model``; one record per module call, flags kept on device."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, within: str | None = None) -> None:
         root = user_module(model)  # DDP/FSDP/torch.compile wrappers: names as the user wrote them
         self.root = root
-        self.modules: list[tuple[str, Any]] = named_user_modules(root)
+        self.within = within
+        """Hooks on this module and its descendants only (a block the sentinel named); None: all."""
+        self.modules: list[tuple[str, Any]] = [
+            (n, m) for n, m in named_user_modules(root)
+            if not within or n == within or n.startswith(f"{within}.")]
         self._handles: list[Any] = []
         self._recomputing = False
         self.reset()
@@ -448,7 +452,7 @@ class Localizer:
         events = []
         for c, call in enumerate(self._calls):
             in_ok = call.in_ok is None or ok[call.in_ok]
-            if not in_ok and call.parent == -1:
+            if not in_ok and call.parent == -1 and self.within is None:  # inside a block: from upstream
                 events.append((call.enter, c, Phase.INPUT))
             elif in_ok and call.out_ok is not None and not ok[call.out_ok]:
                 events.append((call.exit, c, Phase.FORWARD))

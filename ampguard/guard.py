@@ -69,7 +69,8 @@ class GuardedOptimizer(InnerOptimizerView):
         self._names: tuple[str, ...] = ()
         self._reporter = rep = _make_reporter(self, ladder)
         self._forensics = Forensics(model=model, config=config, backend=backend, fp16=scaler is not None,
-                                    findings=rep.findings)
+                                    findings=rep.findings, device=device)
+        rep.sentinel = self._forensics.sentinel
         self._stage = Stage.READY
         self._step = 0  # step() calls completed = index of the step being prepared
         self._loss = LossMeter()
@@ -176,7 +177,8 @@ class GuardedOptimizer(InnerOptimizerView):
             return result
         measured = self._measured if self._measured is not None else self._measure()
         pipe = self._pipeline
-        gathered = pipe.gather(measured, self._loss.value())
+        sentinel = self._forensics.sentinel
+        gathered = pipe.gather(measured, self._loss.value(), sentinel.value() if sentinel is not None else None)
         decision, tracker = pipe.decide(gathered)
         if self._forensics.armed:  # armed only after an anomaly
             self._forensics.collect(self._step, decision, gathered)
@@ -291,7 +293,7 @@ class GuardedOptimizer(InnerOptimizerView):
             self.flush()
         finally:
             self._closed = True
-            self._forensics.remove()
+            self._forensics.close()
             if self._scaler is not None:
                 self._scaler.detach()
             self._exporter.close()

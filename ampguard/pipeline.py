@@ -166,10 +166,12 @@ class StepPipeline:
         groups = grads_by_device_and_dtype(self.params())
         return Measured(found, found_inf, groups, per_tensor_norms(groups, self.device))
 
-    def gather(self, measured: Measured, loss: torch.Tensor | None) -> torch.Tensor:
-        """This rank's statistics, all-gathered: ``[world_size, LOCAL_K]`` on device. collective."""
+    def gather(self, measured: Measured, loss: torch.Tensor | None,
+               sentinel: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's statistics, all-gathered: ``[world_size, LOCAL_K]`` on device. collective.
+        ``sentinel``: :meth:`ampguard.sentinel.Sentinel.value` (None: off)."""
         vec = local_vector(loss=loss, tensor_norms=measured.norms, found_inf=measured.found_inf,
-                           pre_reduction=self.backend.pre_reduction_flags(), device=self.device)
+                           pre_reduction=self.backend.pre_reduction_flags(), device=self.device, sentinel=sentinel)
         return self.backend.all_gather(vec).wait()  # type: ignore[no-any-return]
 
     def decide(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
