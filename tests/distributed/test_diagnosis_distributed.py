@@ -26,9 +26,12 @@ RUNS = [*((name, closure) for name in EXPECTED for closure in (False, True)),
 
 def _all_scenarios(rank: int, world: int) -> dict[str, Any]:
     ddp = torch.nn.parallel.DistributedDataParallel
-    return {f"{name}:{closure}": S.run(name, closure=closure, rank=rank, world=world, culprit=CULPRIT,
-                                       wrap_model=lambda m: ddp(m))
-            for name, closure in RUNS}
+    out = {f"{name}:{closure}": S.run(name, closure=closure, rank=rank, world=world, culprit=CULPRIT,
+                                      wrap_model=lambda m: ddp(m))
+           for name, closure in RUNS}
+    out["sentinel"] = S.run("attention_overflow", closure=False, rank=rank, world=world, culprit=CULPRIT,
+                            wrap_model=lambda m: ddp(m), config={"sentinel": "top"})
+    return out
 
 
 def test_each_scenario_on_one_rank_of_two_names_that_rank():
@@ -51,3 +54,10 @@ def test_each_scenario_on_one_rank_of_two_names_that_rank():
     assert (glitch[4][2], glitch[4][4], glitch[4][6]) == ("blocks.1.mlp", "transient", (CULPRIT,))
     (persistent,) = [a for a in r0["persistent_fault:True"]["anomalies"] if a[0] == 3]
     assert (persistent[2], persistent[4], persistent[6]) == ("blocks.1.mlp", "not_reproduced", (CULPRIT,))
+    # The sentinel: the block on the first bad step itself, rank 1's view on every rank; then the
+    # hooks inside that block name the attention and its cause.
+    first = {a[0]: a for a in r0["sentinel"]["anomalies"]}
+    assert first[3][2:5] == ("blocks.0", "forward", None) and first[3][6] == (CULPRIT,)  # no recompute: no cause
+    assert S.named(r0["sentinel"]) == {4: ("blocks.0.attn", "forward", "overflow", "blocks.0.attn.q.weight",
+                                           (CULPRIT,))}
+    assert [a[:7] for a in r0["sentinel"]["anomalies"]] == [a[:7] for a in r1["sentinel"]["anomalies"]]

@@ -180,7 +180,8 @@ def batch(step: int, rank: int, seq: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run(name: str, *, closure: bool, rank: int = 0, world: int = 1, culprit: int = 0,
-        wrap_model: Callable[[nn.Module], nn.Module] = lambda m: m) -> dict[str, Any]:
+        wrap_model: Callable[[nn.Module], nn.Module] = lambda m: m, config: dict[str, Any] | None = None,
+        ) -> dict[str, Any]:
     """Train scenario ``name``; the cause occurs on rank ``culprit``. Returns the anomalies (as
     tuples: step, kind, module, phase, cause, params, ranks, detail), the quarantine, the skipped
     steps and the parameter names."""
@@ -189,7 +190,7 @@ def run(name: str, *, closure: bool, rank: int = 0, world: int = 1, culprit: int
     inner = s.optimizer(base)
     model = wrap_model(base)
     scaler = torch.amp.GradScaler("cpu", init_scale=s.init_scale) if s.precision == "fp16" else None
-    opt = ampguard.wrap(inner, model=model, precision=s.precision, scaler=scaler)
+    opt = ampguard.wrap(inner, model=model, precision=s.precision, scaler=scaler, config=config)
     sched = torch.optim.lr_scheduler.LambdaLR(inner, s.schedule) if s.schedule is not None else None
     faults.inject(opt, *s.faults(culprit))
     for step in range(s.steps):
