@@ -39,64 +39,100 @@ def save(guard: Any) -> dict[str, Any]:
     }
 
 
+_NOTHING = "Nothing was loaded."
+_INT32_MAX = 2**31 - 1  # counters held in int32 device tensors (hysteresis run, EMA count, growth tracker)
+_INT64_MAX = 2**63 - 1
+_FLOAT32_MAX = 3.4028234663852886e38  # the spike averages are float32 device tensors
+
+
+def _refuse(what: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{what} is {value!r:.120}; expected {allowed}. {_NOTHING}")
+
+
 def _bad(field: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"state_dict['ampguard'][{field!r}] is {value!r}; expected {allowed}. Nothing was loaded.")
+    return _refuse(f"state_dict['ampguard'][{field!r}]", value, allowed)
 
 
-def _count(g: dict[str, Any], field: str) -> int:
+def _present(g: dict[str, Any], field: str) -> Any:
     if field not in g:
         raise ValueError(f"state_dict['ampguard'] has no {field!r}: it was not made by GuardedOptimizer.state_dict() "
-                         "of this version. Nothing was loaded.")
-    v = g[field]
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise _bad(field, v, "an int >= 0")
-    return v
+                         f"of this version. {_NOTHING}")
+    return g[field]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _count(g: dict[str, Any], field: str, high: int = _INT64_MAX) -> int:
+    v = _present(g, field)
+    if not (_is_int(v) and 0 <= v <= high):
+        raise _bad(field, v, f"an int in 0..{high}")
+    return int(v)
 
 
 def _real(g: dict[str, Any], field: str) -> float:
-    if field not in g:
-        raise ValueError(f"state_dict['ampguard'] has no {field!r}. Nothing was loaded.")
-    v = g[field]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-        raise _bad(field, v, "a number")
+    v = _present(g, field)
+    if not (_is_real(v) and abs(v) <= _FLOAT32_MAX and math.isfinite(v)):  # abs() first: no float(10**400)
+        raise _bad(field, v, "a finite number (float32 range)")
     return float(v)
 
 
 def _check_optimizer(guard: Any, sd: Any) -> None:
     if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(sd.get("param_groups"), list)):
         raise ValueError("state_dict['optimizer'] is not an optimizer state (keys 'state' and 'param_groups'). "
-                         "Nothing was loaded.")
+                         + _NOTHING)
     ours = guard.optimizer.param_groups
     theirs = sd["param_groups"]
-    sizes = [len(g.get("params", ())) if isinstance(g, dict) else -1 for g in theirs]
+    sizes = [len(g["params"]) if isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) else -1
+             for g in theirs]
     if sizes != [len(g["params"]) for g in ours]:
         raise ValueError(f"state_dict['optimizer'] has param groups of sizes {sizes}; this optimizer has "
-                         f"{[len(g['params']) for g in ours]}. Nothing was loaded.")
+                         f"{[len(g['params']) for g in ours]}. {_NOTHING}")
 
 
-def _check_scaler(guard: Any, sd: Any) -> None:
+def _check_scaler(guard: Any, sd: Any) -> dict[str, Any] | None:
     if (sd is None) != (guard.scaler is None):
-        raise ValueError("state and guard disagree on loss scaling (one has a GradScaler, the other not). "
-                         "Nothing was loaded.")
+        raise ValueError(f"state and guard disagree on loss scaling (one has a GradScaler, the other not). {_NOTHING}")
     if sd is None:
-        return
+        return None
     if not isinstance(sd, dict) or any(k not in sd for k in _SCALER_KEYS):
         raise ValueError(f"state_dict['scaler'] must be a GradScaler state_dict with keys {list(_SCALER_KEYS)}; "
-                         f"got {sd!r:.120}. Nothing was loaded.")
-    for k in _SCALER_KEYS:
-        if isinstance(sd[k], bool) or not isinstance(sd[k], (int, float)):
-            raise ValueError(f"state_dict['scaler'][{k!r}] is {sd[k]!r}; expected a number. Nothing was loaded.")
+                         f"got {sd!r:.120}. {_NOTHING}")
+
+    def check(key: str, ok: bool, allowed: str) -> None:
+        if not ok:
+            raise _refuse(f"state_dict['scaler'][{key!r}]", sd[key], allowed)
+
+    def real(key: str) -> bool:
+        v = sd[key]
+        return _is_real(v) and abs(v) <= _FLOAT32_MAX and math.isfinite(v)
+
+    check("scale", real("scale") and sd["scale"] > 0, "a finite number > 0")
+    check("growth_factor", real("growth_factor") and sd["growth_factor"] >= 1, "a finite number >= 1")
+    check("backoff_factor", real("backoff_factor") and 0 < sd["backoff_factor"] <= 1, "a number in (0, 1]")
+    check("growth_interval", _is_int(sd["growth_interval"]) and 1 <= sd["growth_interval"] <= _INT32_MAX,
+          f"an int in 1..{_INT32_MAX}")
+    check("_growth_tracker", _is_int(sd["_growth_tracker"]) and 0 <= sd["_growth_tracker"] <= _INT32_MAX,
+          f"an int in 0..{_INT32_MAX}")
+    return sd
 
 
-def _check_escalation(value: Any) -> None:
+def _check_escalation(value: Any) -> dict[str, Any]:
+    """The ladder's state to restore (``None`` in the dict: a fresh ladder)."""
     if value is None:
-        return
+        return {"recent": [], "rollbacks": 0}
     if not isinstance(value, dict):
         raise _bad("escalation", value, "None or a dict with 'recent' and 'rollbacks'")
     recent = value.get("recent", [])
-    if not isinstance(recent, list) or any(isinstance(s, bool) or not isinstance(s, int) for s in recent):
+    if not isinstance(recent, list) or any(not (_is_int(s) and 0 <= s <= _INT64_MAX) for s in recent):
         raise _bad("escalation", value, "'recent' as a list of step numbers")
-    _count({"rollbacks": value.get("rollbacks", 0)}, "rollbacks")
+    return {"recent": list(recent), "rollbacks": _count({"escalation.rollbacks": value.get("rollbacks", 0)},
+                                                        "escalation.rollbacks")}
 
 
 def load(guard: Any, state_dict: Any) -> None:
@@ -104,38 +140,44 @@ def load(guard: Any, state_dict: Any) -> None:
     if not isinstance(state_dict, dict) or "ampguard" not in state_dict or "optimizer" not in state_dict:
         raise ValueError(
             "load_state_dict() expects a dict made by GuardedOptimizer.state_dict() (keys 'optimizer', "
-            "'scaler', 'ampguard'); to load a plain optimizer state, use opt.optimizer.load_state_dict()"
+            f"'scaler', 'ampguard'); to load a plain optimizer state, use opt.optimizer.load_state_dict(). {_NOTHING}"
         )
+    if "scaler" not in state_dict:
+        raise ValueError(f"state_dict has no 'scaler' (None when the run had no GradScaler). {_NOTHING}")
     g = state_dict["ampguard"]
     if not isinstance(g, dict):
-        raise ValueError(f"state_dict['ampguard'] must be a dict, got {type(g).__name__}. Nothing was loaded.")
-    if g.get("version") != STATE_VERSION:
-        raise ValueError(f"unsupported ampguard state version {g.get('version')!r} (expected {STATE_VERSION})")
+        raise ValueError(f"state_dict['ampguard'] must be a dict, got {type(g).__name__}. {_NOTHING}")
+    if g.get("version") != STATE_VERSION or isinstance(g.get("version"), bool):
+        raise ValueError(f"unsupported ampguard state version {g.get('version')!r} (expected {STATE_VERSION}). "
+                         + _NOTHING)
     if g.get("precision") != guard.precision:
-        raise ValueError(f"state was saved with precision={g.get('precision')!r}, this guard runs {guard.precision!r}")
+        raise ValueError(f"state was saved with precision={g.get('precision')!r}, this guard runs "
+                         f"{guard.precision!r}. {_NOTHING}")
     step = _count(g, "step")
-    counts = {f: _count(g, f) for f in ("skipped_total", "consecutive_skips", "overflow_run", "ema_count")}
+    counts = {f: _count(g, f) for f in ("skipped_total", "consecutive_skips")}
+    counts.update({f: _count(g, f, _INT32_MAX) for f in ("overflow_run", "ema_count")})
     if counts["skipped_total"] > step or counts["consecutive_skips"] > counts["skipped_total"]:
         raise _bad("skipped_total", counts["skipped_total"],
                    f"skipped_total <= step ({step}) and consecutive_skips <= skipped_total")
     emas = {f: _real(g, f) for f in ("grad_ema", "loss_ema")}
-    quarantine = g.get("quarantine", [])
+    quarantine = _present(g, "quarantine")
     if not isinstance(quarantine, (list, tuple)):
         raise _bad("quarantine", quarantine, "a list of batch ids")
-    _check_escalation(g.get("escalation"))
-    _check_scaler(guard, state_dict.get("scaler"))
+    escalation = _check_escalation(_present(g, "escalation"))
+    scaler = _check_scaler(guard, state_dict["scaler"])
     _check_optimizer(guard, state_dict["optimizer"])
 
     # Everything checked: apply. The inner optimizer first (torch checks its own groups before it
-    # changes anything), then the scaler, then the guard's counters.
+    # changes anything, and builds the new state aside), then the scaler and the guard's counters,
+    # whose values were all checked above to fit the tensors they fill: nothing below can fail.
     guard.optimizer.load_state_dict(state_dict["optimizer"])
     if guard.scaler is not None:
-        guard.scaler.load_state_dict(state_dict["scaler"])
-    _restore_counters(guard, step, counts, emas, list(quarantine), g.get("escalation"))
+        guard.scaler.load_state_dict(scaler)
+    _restore_counters(guard, step, counts, emas, list(quarantine), escalation)
 
 
 def _restore_counters(guard: Any, step: int, counts: dict[str, int], emas: dict[str, float],
-                      quarantine: list[Any], escalation: dict[str, Any] | None) -> None:
+                      quarantine: list[Any], escalation: dict[str, Any]) -> None:
     from .report import History
 
     rep, pipe = guard._reporter, guard._pipeline
@@ -148,6 +190,6 @@ def _restore_counters(guard: Any, step: int, counts: dict[str, int], emas: dict[
     pipe.spikes.grad_ema.fill_(emas["grad_ema"])
     pipe.spikes.loss_ema.fill_(emas["loss_ema"])
     pipe.spikes.count.fill_(counts["ema_count"])
-    if rep.ladder is not None and escalation:
+    if rep.ladder is not None:
         rep.ladder.load_state_dict(escalation)
     guard._reset_iteration(step)

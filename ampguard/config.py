@@ -135,15 +135,28 @@ class GuardConfig:
     capture synchronises once."""
 
     track_memory: bool = True
-    """On CUDA, report each step's peak allocated/reserved device memory. The guard resets the
-    allocator's peak counters after reading them each step, so ``torch.cuda.max_memory_allocated()``
-    then reads the current step's peak; set False to keep those counters to yourself."""
+    """On CUDA, report the peak allocated/reserved device memory: the caching allocator's
+    high-water mark (since the process started, or since your last
+    ``torch.cuda.reset_peak_memory_stats()``), read from its host-side counters with no sync. It
+    changes nothing: your own ``torch.cuda.max_memory_allocated()`` reads what it would without
+    the guard. For each step's own peak, see ``memory_peak_per_step``."""
+
+    memory_peak_per_step: bool = False
+    """With ``track_memory``, on CUDA: report each step's own peak instead of the high-water mark.
+    **Side effect:** the only way to get it is to reset the allocator's peak counters, so the guard
+    calls ``torch.cuda.reset_peak_memory_stats()`` after each step's read: in the whole process,
+    ``torch.cuda.max_memory_allocated()``/``max_memory_reserved()`` and the peaks of
+    ``torch.cuda.memory_stats()`` then read the current step's peak, not the run's. Off by default
+    for that reason; turn it on when nothing else in the process reads those peaks."""
 
     escalation: Escalation | None = None
     """The rollback/stop ladder (None: skip and back off only). A dict of
     :class:`Escalation` fields is accepted by :meth:`from_dict`."""
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):  # 'no' and 'false' are truthy
+                raise ValueError(f"GuardConfig.{f.name}={getattr(self, f.name)!r}; allowed: True | False")
         _int_at_least("hysteresis", self.hysteresis, 1)
         _positive_float("min_scale", self.min_scale)
         if self.max_scale is not None:
@@ -172,6 +185,9 @@ class GuardConfig:
         _optional_int_at_least("consistency_every", self.consistency_every, 1)
         _choice("on_divergence", self.on_divergence, _ON_DIVERGENCE)
         _int_at_least("forensics_window", self.forensics_window, 1)
+        if self.memory_peak_per_step and not self.track_memory:
+            raise ValueError("GuardConfig.memory_peak_per_step=True with track_memory=False: per-step peaks are a "
+                             "way of tracking memory; allowed: track_memory=True, or memory_peak_per_step=False")
         if isinstance(self.sentinel, (list, tuple)):
             object.__setattr__(self, "sentinel", tuple(self.sentinel))
         if not (self.sentinel is None or self.sentinel == "top" or (

@@ -77,6 +77,25 @@ def _run_info(precision: str, device: torch.device) -> Callable[[GuardedOptimize
     return build
 
 
+def _check_devices(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None,
+                   params: list[torch.Tensor]) -> None:
+    """One device type (one GradScaler, one autocast; several CUDA devices are fine), none of it meta."""
+    kinds = sorted({p.device.type for p in params})
+    if "meta" not in kinds and len(kinds) == 1:
+        return
+    names = param_names(optimizer, model)
+    odd = "meta" if "meta" in kinds else next(k for k in kinds if k != params[0].device.type)
+    first = next(n for n, p in zip(names, params) if p.device.type == odd)
+    counts = ", ".join(f"{k} ({sum(p.device.type == k for p in params)})" for k in kinds)
+    if odd == "meta":
+        raise ValueError(f"parameter {first!r} is on the meta device (no storage: nothing can be trained); "
+                         f"parameters by device: {counts}. Materialise the model first (e.g. "
+                         "model.to_empty(device=...) and initialise it), then build the optimizer and wrap it.")
+    raise ValueError(f"the optimizer's parameters are on several device types: {counts} (e.g. {first!r} on {odd}). "
+                     "The guard steps one device type (one GradScaler, one autocast; several CUDA devices are "
+                     "fine): move the model with model.to(device) before building the optimizer.")
+
+
 def _framework_adopter(optimizer: torch.optim.Optimizer) -> Callable[..., Any] | None:
     """A framework's optimizer wrapper that ``wrap()`` hands to its integration instead."""
     if any(cls.__module__.startswith("accelerate.") for cls in type(optimizer).__mro__):
@@ -86,6 +105,7 @@ def _framework_adopter(optimizer: torch.optim.Optimizer) -> Callable[..., Any] |
     return None
 
 
+# Long (~80 lines) because of its docstring, the user-facing contract; the body is the checks in order.
 def wrap(
     optimizer: torch.optim.Optimizer,
     *,
@@ -93,7 +113,7 @@ def wrap(
     scaler: torch.amp.GradScaler | None = None,
     precision: Precision = "auto",
     config: GuardConfig | dict[str, Any] | None = None,
-    exporters: Sequence[Exporter] = (),
+    exporters: Sequence[Exporter] | Exporter = (),
     backend: Any = None,
     on_rollback: Callable[[Any, int], None] | None = None,
     on_abort: Callable[[Any, str], None] | None = None,
@@ -109,7 +129,8 @@ def wrap(
     - ``scaler``: used as is (its init_scale, growth/backoff factors and interval hold), and
       shared: ``scaler.scale(loss).backward()`` feeds the guarded step.
     - ``config``: a :class:`GuardConfig`, or a dict of its fields (unknown keys are an error).
-    - ``exporters``: where reports go (Prometheus, TensorBoard, JSONL, or your own).
+    - ``exporters``: where reports go (Prometheus, TensorBoard, JSONL, or your own): a sequence of
+      exporters, or one.
     - ``on_rollback(opt, step)`` / ``on_abort(opt, diagnosis)``: callbacks for the escalation
       ladder (``GuardConfig.escalation``).
     - ``backend``: how ranks talk (:class:`~ampguard.backends.Backend`); by default chosen from the
@@ -134,6 +155,9 @@ def wrap(
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"wrap() expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise TypeError(f"wrap(model=...) expects the torch.nn.Module being trained (or None), got "
+                        f"{type(model).__name__} {model!r:.60}")
     adopt = _framework_adopter(optimizer)
     if adopt is not None:
         return adopt(optimizer, model=model, scaler=scaler, precision=precision, config=config,
@@ -149,6 +173,7 @@ def wrap(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if not params:
         raise ValueError("the optimizer has no parameters: there is nothing to guard (check its param_groups)")
+    _check_devices(optimizer, model, params)
     device = params[0].device
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")

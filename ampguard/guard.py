@@ -54,8 +54,8 @@ class GuardedOptimizer(InnerOptimizerView):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, precision: str, scaler: torch.amp.GradScaler | None,
-                 config: GuardConfig, model: torch.nn.Module | None, exporters: Sequence[Exporter], backend: Any,
-                 device: torch.device, run_info: Callable[[GuardedOptimizer], RunInfo],
+                 config: GuardConfig, model: torch.nn.Module | None, exporters: Sequence[Exporter] | Exporter,
+                 backend: Any, device: torch.device, run_info: Callable[[GuardedOptimizer], RunInfo],
                  on_rollback: Callable[[Any, int], None] | None = None,
                  on_abort: Callable[[Any, str], None] | None = None) -> None:
         super().__init__(optimizer)
@@ -170,7 +170,8 @@ class GuardedOptimizer(InnerOptimizerView):
         if closure is not None:
             with torch.enable_grad():
                 result = closure()
-        self._check_step_call()
+        fresh = self._fresh_grads()
+        self._check_step_call(fresh)
         self._fixed_point(self._step + 1)  # the previous step's reports, if left pending; this forward is done
         if self._reporter.ladder is not None and self._reporter.ladder.pending_rollback is not None:
             actions.rollback_step(self)
@@ -178,7 +179,8 @@ class GuardedOptimizer(InnerOptimizerView):
         measured = self._measured if self._measured is not None else self._measure()
         pipe = self._pipeline
         sentinel = self._forensics.sentinel
-        gathered = pipe.gather(measured, self._loss.value(), sentinel.value() if sentinel is not None else None)
+        gathered = pipe.gather(measured, self._loss.value(), no_grads=not fresh,
+                               sentinel=sentinel.value() if sentinel is not None else None)
         decision, tracker = pipe.decide(gathered)
         if self._forensics.armed:  # armed only after an anomaly
             self._forensics.collect(self._step, decision, gathered)
@@ -234,21 +236,18 @@ class GuardedOptimizer(InnerOptimizerView):
     @property
     def last_report(self) -> StepReport | None:
         """The last step's :class:`StepReport` (waits for it like ``step_was_skipped``)."""
-        self._reporter.decode()
-        history = self._reporter.history
+        history = self._decoded().history
         return history[-1] if len(history) else None
 
     @property
     def history(self) -> History:
         """The last ``config.history_size`` reports; ``history[s]`` is step ``s``'s."""
-        self._reporter.decode()
-        return self._reporter.history
+        return self._decoded().history
 
     @property
     def anomalies(self) -> Sequence[Anomaly]:
         """Anomalies recorded so far, oldest first (the last ``config.max_anomalies``)."""
-        self._reporter.decode()
-        return tuple(self._reporter.anomalies)
+        return tuple(self._decoded().anomalies)
 
     @property
     def step_count(self) -> int:
@@ -258,8 +257,7 @@ class GuardedOptimizer(InnerOptimizerView):
     @property
     def skipped_steps(self) -> int:
         """Number of skipped steps among the reported ones."""
-        self._reporter.decode()
-        return self._reporter.skipped_total
+        return self._decoded().skipped_total
 
     @property
     def quarantine(self) -> list[Any]:
@@ -319,6 +317,11 @@ class GuardedOptimizer(InnerOptimizerView):
         self._loss.reset()
 
     # ------------------------------------------------------------------ internals
+    def _decoded(self) -> Any:
+        """The reporter, with every report that has reached the host decoded (readers: no action)."""
+        self._reporter.decode()
+        return self._reporter
+
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise GuardStateError(f"{call}() called after close(); wrap the optimizer again to keep training")
@@ -334,13 +337,18 @@ class GuardedOptimizer(InnerOptimizerView):
             raise ValueError(f"{call}() got a loss that does not require grad: was it computed under torch.no_grad(), "
                              "or detached?")
 
-    def _check_step_call(self) -> None:
-        """Before anything changes: is there a new backward's worth of gradients to step on?"""
-        if self._stage is Stage.ACCUMULATING:
-            return
+    def _fresh_grads(self) -> bool:
+        """Whether a backward since the last step/zero_grad reached any parameter (version counters
+        of the gradients: one attribute read per parameter, no sync)."""
         params = self._pipeline.params()
-        fresh = (any(p.grad is not None for p in params) if self._marks is None
-                 else grad_marks(params) != self._marks)
+        return any(p.grad is not None for p in params) if self._marks is None else grad_marks(params) != self._marks
+
+    def _check_step_call(self, fresh: bool) -> None:
+        """Before anything changes: is there a new backward's worth of gradients to step on? A
+        backward that ran (``opt.backward``, or a loss given to ``observe_loss``) but reached no
+        parameter is not a call-order error: that step is skipped, on every rank, with an anomaly."""
+        if self._stage is Stage.ACCUMULATING or (not fresh and self._loss.count):
+            return
         if not fresh:
             what = "step()" if self._stage is Stage.STEPPED else "zero_grad()"
             raise GuardStateError(
@@ -388,9 +396,11 @@ def _nonfinite(decision: torch.Tensor) -> bool:
 
 
 def _make_reporter(guard: GuardedOptimizer, ladder: Ladder | None) -> Any:
-    from .reporter import Reporter
+    from .reporter import MemoryPeaks, Reporter
 
-    track = guard.device if guard.device.type == "cuda" and guard.config.track_memory else None
+    cfg = guard.config
+    track = (MemoryPeaks(guard.device, per_step=cfg.memory_peak_per_step)
+             if guard.device.type == "cuda" and cfg.track_memory else None)
     return Reporter(config=guard.config, rank=guard.backend.rank, world_size=guard.backend.world_size,
                     names=lambda: guard.param_names, exporter=guard._exporter, scaled=guard.scaler is not None,
                     ladder=ladder, can_snapshot=guard.model is not None, track_memory=track)

@@ -22,6 +22,8 @@ __all__ = [
     "ANOMALIES",
     "CATALOGUE",
     "DEVICE_MEMORY_PEAK",
+    "EXPORTER_ERRORS",
+    "EXPORTER_UP",
     "MEMORY_KINDS",
     "GRAD_NORM",
     "GRAD_NORM_BUCKETS",
@@ -32,6 +34,7 @@ __all__ = [
     "NONFINITE_KINDS",
     "NONFINITE_ORIGIN",
     "NONFINITE_STEPS",
+    "PER_EXPORTER",
     "RANK_DIVERGENCE",
     "RANK_LABELS",
     "RUN_INFO",
@@ -69,7 +72,9 @@ class Metric:
     labels: tuple[str, ...] = ()
     """Labels beyond :data:`RANK_LABELS`."""
     label_values: tuple[tuple[str, ...], ...] = ()
-    """Known values of each label in :attr:`labels` (same order); every combination exists at 0."""
+    """Known values of each label in :attr:`labels` (same order); every combination exists at 0.
+    ``()`` for a label: its values are known when the exporter opens (the run's exporter names,
+    :data:`PER_EXPORTER`), and its series are created then."""
 
     @property
     def client_name(self) -> str:
@@ -153,10 +158,29 @@ MEMORY_KINDS = ("allocated", "reserved")
 DEVICE_MEMORY_PEAK = Metric(
     "ampguard_device_memory_peak_bytes",
     "gauge",
-    "Peak device memory of the last step on this rank (CUDA caching allocator; NaN off CUDA).",
+    "Peak device memory on this rank (CUDA caching allocator): its high-water mark, or the last step's own "
+    "peak with GuardConfig(memory_peak_per_step=True); NaN off CUDA.",
     labels=("kind",),
     label_values=(MEMORY_KINDS,),
 )
+EXPORTER_ERRORS = Metric(
+    "ampguard_exporter_errors_total",
+    "counter",
+    "Failed calls (open/export/close, retries included) of each of the run's exporters; a failed exporter is "
+    "retried with backoff.",
+    labels=("exporter",),
+    label_values=((),),
+)
+EXPORTER_UP = Metric(
+    "ampguard_exporter_up",
+    "gauge",
+    "1 while the exporter works, 0 from a failed call until a retry works (its records are held meanwhile).",
+    labels=("exporter",),
+    label_values=((),),
+)
+#: Metrics whose ``exporter`` label takes the names of the run's exporters (``JsonlExporter``,
+#: ``JsonlExporter#2`` for a second one: :attr:`ampguard.exporters.ExporterHealth.name`).
+PER_EXPORTER = (EXPORTER_ERRORS, EXPORTER_UP)
 RUN_INFO = Metric(
     "ampguard_run_info",
     "info",
@@ -193,6 +217,8 @@ CATALOGUE: tuple[Metric, ...] = (
     ANOMALIES,
     TRANSIENT_FAULTS,
     DEVICE_MEMORY_PEAK,
+    EXPORTER_ERRORS,
+    EXPORTER_UP,
     RUN_INFO,
 )
 

@@ -25,6 +25,7 @@ the host waits for the device (the only places it does):
 from __future__ import annotations
 
 import dataclasses
+import gc
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -107,9 +108,15 @@ class DecisionGraph:
             if not self._ran_eagerly:
                 self._ran_eagerly = True
                 return fn(gathered)
+            gc_was_on = gc.isenabled()
             try:
                 static_in = gathered.clone()
                 graph = torch.cuda.CUDAGraph()
+                # No garbage collection inside the capture: a collection there frees whatever cyclic
+                # garbage is about, and a destructor that calls CUDA invalidates the capture (seen on
+                # an H200, torch 2.11, tests/gpu/test_gpu.py: "operation failed due to a previous
+                # error during capture" with the collector on, a clean capture with it off).
+                gc.disable()
                 with torch.cuda.graph(graph):  # records (does not run) the kernels; one-time sync
                     static_out = fn(static_in)
                 self._graph = (key, graph, static_in, static_out)
@@ -119,6 +126,9 @@ class DecisionGraph:
                               "eagerly (set GuardConfig(cuda_graph=False) to silence this)", RuntimeWarning,
                               stacklevel=4)
                 return fn(gathered)
+            finally:
+                if gc_was_on:
+                    gc.enable()
         _, graph, static_in, static_out = self._graph
         static_in.copy_(gathered)
         graph.replay()
@@ -166,12 +176,15 @@ class StepPipeline:
         groups = grads_by_device_and_dtype(self.params())
         return Measured(found, found_inf, groups, per_tensor_norms(groups, self.device))
 
-    def gather(self, measured: Measured, loss: torch.Tensor | None,
+    def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False,
                sentinel: torch.Tensor | None = None) -> torch.Tensor:
-        """This rank's statistics, all-gathered: ``[world_size, LOCAL_K]`` on device. collective.
-        ``sentinel``: :meth:`ampguard.sentinel.Sentinel.value` (None: off)."""
+        """This rank's statistics, all-gathered: ``[world_size, LOCAL_K]`` on device. collective:
+        every rank gathers, also one whose backward reached no parameter (``no_grads``): the
+        decision then skips the step on every rank. ``sentinel``:
+        :meth:`ampguard.sentinel.Sentinel.value` (None: off)."""
         vec = local_vector(loss=loss, tensor_norms=measured.norms, found_inf=measured.found_inf,
-                           pre_reduction=self.backend.pre_reduction_flags(), device=self.device, sentinel=sentinel)
+                           pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads,
+                           sentinel=sentinel)
         return self.backend.all_gather(vec).wait()  # type: ignore[no-any-return]
 
     def decide(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -194,6 +207,10 @@ class StepPipeline:
 
     def inner_step(self, decision: torch.Tensor, measured: Measured) -> bool:
         """Step the inner optimizer unless the decision says skip. Returns whether it synced."""
+        if not measured.groups.index:
+            # No gradient on this rank: the decision skips everywhere (Loc.NO_GRADS), and there is
+            # nothing to step here (GradScaler.step would refuse: it recorded no inf check).
+            return False
         skip = decision[Dec.SKIP]
         inner = self.optimizer
         if self.adapter is not None:

@@ -33,6 +33,8 @@ class SpikeState:
         return cls(grad_ema=z.clone(), loss_ema=z.clone(), count=torch.zeros((), dtype=torch.int32, device=device))
 
 
+# Long (~90 lines) on purpose: the whole decision is one device-side expression graph, captured as
+# one CUDA graph and read top to bottom as the rule; split up, it reads worse and captures the same.
 def decide(
     gathered: torch.Tensor,
     *,
@@ -58,27 +60,30 @@ def decide(
     nonfinite_tensors = csum[Loc.NONFINITE_TENSORS]
     grad_bad = (nonfinite_tensors > 0) | (cmax[Loc.FOUND_INF] > 0) | ~torch.isfinite(grad_norm)
     nonfinite = loss_bad | grad_bad
+    no_grads = cmax[Loc.NO_GRADS] > 0  # on any rank: the step is skipped everywhere
 
     false = torch.zeros((), dtype=torch.bool, device=dev)
     grad_spike = loss_spike = false
     spikes_on = config.grad_spike_factor is not None or config.loss_spike_factor is not None
     if spikes_on:
-        warm = (spikes.count >= config.spike_warmup) & ~nonfinite
+        warm = (spikes.count >= config.spike_warmup) & ~nonfinite & ~no_grads
         if config.grad_spike_factor is not None:
             grad_spike = warm & (grad_norm > config.grad_spike_factor * spikes.grad_ema)
         if config.loss_spike_factor is not None:
             loss_spike = warm & (loss > config.loss_spike_factor * spikes.loss_ema)
     spike = grad_spike | loss_spike
-    skip = nonfinite | spike if config.on_spike == "skip" else nonfinite
+    skip = (nonfinite | no_grads | spike) if config.on_spike == "skip" else (nonfinite | no_grads)
 
+    # Indices into stats.REASONS, in order of precedence.
     reason = torch.where(
         loss_bad,
         1.0,
-        torch.where(grad_bad, 2.0, torch.where(skip & grad_spike, 3.0, torch.where(skip & loss_spike, 4.0, 0.0))),
+        torch.where(grad_bad, 2.0, torch.where(no_grads, 5.0, torch.where(
+            skip & grad_spike, 3.0, torch.where(skip & loss_spike, 4.0, 0.0)))),
     )
 
     if spikes_on:  # running averages of healthy steps (only kept when a detector needs them)
-        healthy = ~nonfinite & ~spike
+        healthy = ~nonfinite & ~no_grads & ~spike
         d = config.spike_ema_decay
         pair = torch.stack([grad_norm, loss])
         ema = torch.stack([spikes.grad_ema, spikes.loss_ema])
@@ -116,7 +121,7 @@ def decide(
 
     values = torch.stack([loss, grad_norm, nonfinite_tensors, clip_coef, scale.reshape(()), new_scale.reshape(()),
                           reason])
-    flags = torch.stack([skip, loss_bad, grad_bad, grad_spike, loss_spike, backoff, growth, floor_hit])
+    flags = torch.stack([skip, loss_bad, grad_bad, grad_spike, loss_spike, backoff, growth, floor_hit, no_grads])
     out = torch.cat([values.float(), flags.float()])
     if out.shape[0] != DECISION_K:  # pragma: no cover - layout invariant (see stats.Dec)
         raise AssertionError("decision vector layout out of date")

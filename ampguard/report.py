@@ -65,10 +65,11 @@ class StepReport:
     wall_time: float = 0.0
     """``time.time()`` when the host materialised this report."""
     memory_allocated_peak: int | None = None
-    """Peak bytes allocated on this rank's CUDA device during this step (the caching allocator's
-    host-side counter: no sync). None off CUDA: nothing rather than a wrong number."""
+    """Peak bytes allocated on this rank's CUDA device up to this step: the caching allocator's
+    high-water mark, or this step's own peak with ``GuardConfig.memory_peak_per_step`` (host-side
+    counters: no sync). None off CUDA: nothing rather than a wrong number."""
     memory_reserved_peak: int | None = None
-    """Peak bytes the caching allocator reserved on this rank's CUDA device during this step."""
+    """Peak bytes the caching allocator reserved on this rank's CUDA device (same window)."""
     scale_backoff: bool = False
     """The loss scale was backed off after this step (``next_loss_scale < loss_scale``)."""
     scale_growth: bool = False

@@ -36,6 +36,28 @@ from .vocab import AnomalyKind, Phase, SkipReason
 __all__ = ["Actions", "Reporter"]
 
 
+class MemoryPeaks:
+    """Peak allocated/reserved bytes of one CUDA device, from the caching allocator's host-side
+    counters (no device sync). ``per_step=False`` only reads: the high-water mark, and the user's
+    own ``torch.cuda.max_memory_allocated()`` untouched. ``per_step=True`` resets the peaks after
+    each read (process-global: see ``GuardConfig.memory_peak_per_step``). ``stats``/``reset``:
+    torch's functions (a test can hand in an allocator of its own)."""
+
+    def __init__(self, device: Any, *, per_step: bool, stats: Callable[[Any], dict[str, Any]] | None = None,
+                 reset: Callable[[Any], None] | None = None) -> None:
+        self.device, self.per_step = device, per_step
+        # One nested-stats call (torch.cuda.max_memory_allocated flattens and sorts every statistic).
+        self._stats = stats or torch.cuda.memory_stats_as_nested_dict
+        self._reset = reset or torch.cuda.reset_peak_memory_stats
+
+    def read(self) -> tuple[int, int]:
+        stats = self._stats(self.device)
+        peaks = (int(stats["allocated_bytes"]["all"]["peak"]), int(stats["reserved_bytes"]["all"]["peak"]))
+        if self.per_step:
+            self._reset(self.device)
+        return peaks
+
+
 class _Pending:
     __slots__ = ("batch_ids", "buf", "event", "index", "memory", "step")
 
@@ -75,7 +97,7 @@ class Reporter:
         scaled: bool,
         ladder: Ladder | None,
         can_snapshot: bool,
-        track_memory: torch.device | None,
+        track_memory: MemoryPeaks | None,
     ) -> None:
         self.config = config
         self.rank, self.world_size = rank, world_size
@@ -111,13 +133,7 @@ class Reporter:
             event.record()
         else:
             buf, event = payload.to("cpu", copy=True), None
-        memory = None
-        if self.track_memory is not None:
-            # Host-side counters of the caching allocator: no device sync. One nested-stats call
-            # (torch.cuda.max_memory_allocated flattens and sorts every statistic, twice the cost).
-            stats = torch.cuda.memory_stats_as_nested_dict(self.track_memory)
-            memory = (int(stats["allocated_bytes"]["all"]["peak"]), int(stats["reserved_bytes"]["all"]["peak"]))
-            torch.cuda.reset_peak_memory_stats(self.track_memory)
+        memory = self.track_memory.read() if self.track_memory is not None else None
         self._pending.append(_Pending(step, buf, event, memory, index, batch_ids))
 
     @property
@@ -214,7 +230,7 @@ class Reporter:
             param_norms=tuple(norms) if want_norms else None, wall_time=time.time(),
             scale_backoff=d.backoff, scale_growth=d.growth,
         )
-        anomalies = self._anomalies(report, d, ranks, bad_params)
+        anomalies = self._anomalies(report, d, ranks, bad_params, rows)
         if self.sentinel is not None and anomalies and report.nonfinite:
             anomalies[0] = self._sentinel_named(step, anomalies[0], rows, ranks)
         return report, anomalies
@@ -238,7 +254,7 @@ class Reporter:
             "(forensics hooks arm inside it)"))
 
     def _anomalies(self, report: StepReport, d: Decision, ranks: tuple[int, ...],
-                   bad_params: tuple[str, ...]) -> list[Anomaly]:
+                   bad_params: tuple[str, ...], rows: list[list[float]]) -> list[Anomaly]:
         step, out = report.step, []
         scale_txt = ""
         if self.scaled:
@@ -259,6 +275,12 @@ class Reporter:
                 what += f" at loss scale {d.scale:g}"
             first = f" (first: {', '.join(bad_params[:3])})" if bad_params else ""
             out.append(Anomaly(step, kind, f"{what}{first}{where}; step skipped{scale_txt}", ranks, bad_params[:8]))
+        if d.no_grads:
+            idle = tuple(r for r, row in enumerate(rows) if row[Loc.NO_GRADS] > 0) if self.world_size > 1 else ()
+            on = f" (rank(s) {list(idle)})" if idle else ""
+            held = "; loss scale held" if self.scaled else ""
+            out.append(Anomaly(step, AnomalyKind.NO_GRADIENTS, "no parameter received a gradient: is the model's "
+                               f"output detached?{on} Step skipped on every rank{held}", idle))
         act = "skipped" if report.skipped else "taken (on_spike='warn')"
         if report.grad_spike:
             out.append(Anomaly(step, AnomalyKind.GRAD_SPIKE, f"gradient norm {report.grad_norm:.4g} exceeded "

@@ -55,7 +55,9 @@ class Loc(enum.IntEnum):
     """GradScaler's found_inf summed over devices (0 without a scaler)."""
     PRE_REDUCTION = 5
     """1.0 when this rank's own contribution was non-finite before reduction."""
-    SENTINEL = 6
+    NO_GRADS = 6
+    """1.0 when no parameter received a gradient on this rank since the last step (a detached output)."""
+    SENTINEL = 7
     """The sentinel's first non-finite slot this step (-1: none or off; 0: the model's input;
     k+1: block k), see :mod:`ampguard.sentinel`."""
 
@@ -82,6 +84,7 @@ class Dec(enum.IntEnum):
     BACKOFF = 12  # 1.0 when the scale was backed off this step
     GROWTH = 13  # 1.0 when the scale grew this step
     FLOOR = 14  # 1.0 when a backoff hit min_scale
+    NO_GRADS = 15  # 1.0 when some rank had no gradient at all
 
 
 DECISION_K = len(Dec)
@@ -89,6 +92,7 @@ DECISION_K = len(Dec)
 #: ``Dec.REASON`` values, as written by :func:`ampguard.policies.decide`.
 REASONS: tuple[SkipReason | None, ...] = (
     None, SkipReason.NONFINITE_LOSS, SkipReason.NONFINITE_GRAD, SkipReason.GRAD_SPIKE, SkipReason.LOSS_SPIKE,
+    SkipReason.NO_GRADIENTS,
 )
 
 
@@ -111,6 +115,7 @@ class Decision:
     backoff: bool
     growth: bool
     floor: bool
+    no_grads: bool
 
     @classmethod
     def decode(cls, d: Sequence[float]) -> Decision:
@@ -120,7 +125,7 @@ class Decision:
             reason=REASONS[int(d[Dec.REASON])], skip=d[Dec.SKIP] > 0, loss_nonfinite=d[Dec.LOSS_NONFINITE] > 0,
             grad_nonfinite=d[Dec.GRAD_NONFINITE] > 0, grad_spike=d[Dec.GRAD_SPIKE] > 0,
             loss_spike=d[Dec.LOSS_SPIKE] > 0, backoff=d[Dec.BACKOFF] > 0, growth=d[Dec.GROWTH] > 0,
-            floor=d[Dec.FLOOR] > 0,
+            floor=d[Dec.FLOOR] > 0, no_grads=d[Dec.NO_GRADS] > 0,
         )
 
 
@@ -144,6 +149,8 @@ def grads_by_device_and_dtype(params: Sequence[torch.Tensor]) -> GradGroups:
     # Norms are then local (decide() adds the squares across ranks) and no op dispatches a collective.
     present = [i for i, p in enumerate(params) if p.grad is not None]
     grads = [_local(params[i].grad) for i in present]  # type: ignore[arg-type]
+    if not grads:  # a backward that reached no parameter: nothing to group (torch's helper refuses [])
+        return GradGroups({}, [])
     if _group_tensors_by_device_and_dtype is not None:
         # with_indices: the helper reports where each tensor came from, so the index survives
         # whatever order it groups in.
@@ -193,16 +200,18 @@ def local_vector(
     found_inf: torch.Tensor | None,
     pre_reduction: torch.Tensor | None,
     device: torch.device,
+    no_grads: bool = False,
     sentinel: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pack this rank's statistics into the ``LOCAL_K`` vector (:class:`Loc`). ``loss``: this
-    step's loss on device (None: no loss was given for this step)."""
+    step's loss on device (None: no loss was given for this step). ``no_grads``: no parameter
+    received a gradient on this rank (known on the host, from the gradients' version counters)."""
     if tensor_norms.numel():
         total = torch.linalg.vector_norm(tensor_norms, 2.0)
     else:
         total = torch.zeros((), dtype=torch.float32, device=device)
     nonfinite = (~torch.isfinite(tensor_norms)).sum()
-    zero, _, nan, minus_one = _constants(device)
+    zero, one, nan, minus_one = _constants(device)
     vec = torch.stack(
         [
             nan if loss is None else loss,
@@ -211,6 +220,7 @@ def local_vector(
             nonfinite,
             zero if found_inf is None else found_inf.to(device).reshape(()),  # ShardedGradScaler: [1]
             zero if pre_reduction is None else pre_reduction.to(device),
+            one if no_grads else zero,
             minus_one if sentinel is None else sentinel.to(device),
         ]
     ).float()

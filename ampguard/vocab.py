@@ -25,13 +25,17 @@ class _StrEnum(str, enum.Enum):
 
 
 class SkipReason(_StrEnum):
-    """Why a step was skipped (``StepReport.reason``), in order of precedence."""
+    """Why a step was skipped (``StepReport.reason``). Where several apply, the first of
+    nonfinite_loss, nonfinite_grad, no_gradients, grad_spike, loss_spike (:func:`ampguard.policies.decide`);
+    new words are appended, so the order of the old ones (and of their label series) stays."""
 
     NONFINITE_LOSS = "nonfinite_loss"
     NONFINITE_GRAD = "nonfinite_grad"
     GRAD_SPIKE = "grad_spike"
     LOSS_SPIKE = "loss_spike"
     ROLLBACK = "rollback"
+    NO_GRADIENTS = "no_gradients"
+    """No parameter of the optimizer received a gradient on some rank (a detached output)."""
 
 
 class AnomalyKind(_StrEnum):
@@ -56,6 +60,8 @@ class AnomalyKind(_StrEnum):
     """The escalation ladder restored the last good snapshot."""
     ABORT = "abort"
     """The escalation ladder stopped training (NonFiniteError follows)."""
+    NO_GRADIENTS = "no_gradients"
+    """A backward reached no parameter of the optimizer (on the ranks named); the step was skipped."""
 
 
 class Phase(_StrEnum):

@@ -18,7 +18,7 @@ import math
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -29,6 +29,7 @@ from .. import metrics as M
 from ..errors import AmpGuardError
 from ..report import Anomaly, RunInfo, StepReport
 from ..vocab import AnomalyKind, Cause, SkipReason
+from .base import ExporterHealth
 
 __all__ = ["PortInUseError", "PrometheusExporter"]
 
@@ -113,6 +114,8 @@ class PrometheusExporter:
         self._lock = threading.Lock()
         self._m: dict[str, Any] = {}
         self._bound: _Bound | None = None
+        self._health: Mapping[str, ExporterHealth] = {type(self).__name__: ExporterHealth(type(self).__name__)}
+        self._health_bound: list[tuple[ExporterHealth, Any, Any, list[int]]] = []
 
     # ------------------------------------------------------------------ server
     @property
@@ -177,8 +180,19 @@ class PrometheusExporter:
         }
         children[M.RUN_INFO.name][()].info(_run_info_values(info))
         self._bound = _Bound(children)
+        self._health_bound = [
+            (h, self._m[M.EXPORTER_UP.name].labels(name, *rank), self._m[M.EXPORTER_ERRORS.name].labels(name, *rank),
+             [0]) for name, h in self._health.items()
+        ]
+        self._report_health()
         if self.serve:
             self.start(info.local_rank)
+
+    def watch_exporters(self, health: Mapping[str, ExporterHealth]) -> None:
+        """Called by :class:`~ampguard.exporters.MultiExporter` before ``open()``: every exporter's
+        health (a live view), served per exporter (:data:`ampguard.metrics.PER_EXPORTER`). Without
+        it (an exporter used on its own) the series are about this exporter alone."""
+        self._health = health
 
     def export(self, report: StepReport, anomalies: Sequence[Anomaly]) -> None:
         b = self._bound
@@ -216,6 +230,14 @@ class PrometheusExporter:
             b.memory_allocated_peak.set(report.memory_allocated_peak)
         if report.memory_reserved_peak is not None:
             b.memory_reserved_peak.set(report.memory_reserved_peak)
+        self._report_health()
+
+    def _report_health(self) -> None:
+        for health, up, errors, seen in self._health_bound:
+            up.set(1.0 if health.up else 0.0)
+            if health.errors > seen[0]:
+                errors.inc(health.errors - seen[0])
+                seen[0] = health.errors
 
     def close(self) -> None:
         """Stop serving and free the port. The registered metrics stay in ``registry``."""

@@ -54,8 +54,9 @@ def run_report(args: argparse.Namespace, *, prog: str = _PROG) -> int:
     except BrokenPipeError:  # `ampguard report run | head`: the reader left; not an error
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silences the flush at exit
         return 0
-    except (AmpGuardError, OSError, ValueError, TypeError, KeyError) as e:
-        # Bad input, including a log mangled in ways the reader does not expect: one line, no traceback.
+    except (AmpGuardError, OSError, ValueError, TypeError, KeyError, OverflowError, RecursionError) as e:
+        # Bad input, including a log mangled in ways the reader does not expect (the reader skips a
+        # damaged record with a warning; this is the backstop): one line, no traceback.
         msg = " ".join(str(e).split()) or type(e).__name__
         print(f"{prog}: error: {msg}", file=sys.stderr)
         return 2

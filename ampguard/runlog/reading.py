@@ -10,23 +10,23 @@ not a JSON object with an ``"event"`` key) raises :class:`RunLogError`.
 from __future__ import annotations
 
 import dataclasses
-import enum
-import json
 import math
 import os
+import re
 from pathlib import Path
-from typing import Any, Generic, TypeVar, cast, overload
+from typing import Any, Generic, TypeVar, overload
 
 from ..errors import AmpGuardError
 from ..report import Anomaly, StepReport
-from ..vocab import AnomalyKind, Cause, Phase, SkipReason
+from ..vocab import SkipReason
+from . import records as R
 
 __all__ = ["LoggedAnomaly", "RankLog", "Run", "RunLogError", "load_run"]
 
-_STEP_FIELDS = {f.name for f in dataclasses.fields(StepReport)}
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf}
-_E = TypeVar("_E", bound=enum.Enum)
 _T = TypeVar("_T")
+_RECORD_START = re.compile(r'\{\s*"event"\s*:')
+"""Where a record starts: ``"event"`` is every record's first key, and inside a JSON string its
+quotes would be escaped, so this only matches a record's opening."""
 
 
 class RunLogError(AmpGuardError, ValueError):
@@ -136,65 +136,27 @@ def origins(r: StepReport, rank: int, world: int) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------------- records
-def _num(value: Any) -> Any:
-    if isinstance(value, str) and value.lower() in _NONFINITE:
-        return _NONFINITE[value.lower()]
-    return value
-
-
-def _word(vocab: type[_E], value: Any) -> _E:
-    """``value`` as a member of ``vocab``; a word it does not know (a log written by another
-    ampguard version) is kept as logged, as a plain string, rather than refused."""
-    try:
-        return vocab(value)
-    except ValueError:
-        return cast(_E, str(value))
-
-
-def _report(rec: dict[str, Any]) -> StepReport:
-    kw = {k: _num(v) for k, v in rec.items() if k in _STEP_FIELDS}
-    kw.setdefault("skipped", False)
-    kw["reason"] = None if kw.get("reason") is None else _word(SkipReason, kw["reason"])
-    for name in ("loss", "loss_scale", "grad_norm"):
-        kw[name] = float(kw.get(name, math.nan))
-    kw["next_loss_scale"] = float(kw.get("next_loss_scale", kw["loss_scale"]))
-    kw["nonfinite_grads"] = int(kw.get("nonfinite_grads", 0))
-    kw["nonfinite_loss"] = bool(kw.get("nonfinite_loss", not math.isfinite(kw["loss"])))
-    kw["nonfinite_ranks"] = tuple(int(r) for r in kw.get("nonfinite_ranks") or ())
-    if kw.get("param_norms") is not None:
-        kw["param_norms"] = tuple(float(_num(v)) for v in kw["param_norms"])
-    kw["step"] = int(kw["step"])
-    return StepReport(**kw)
-
-
-def _merge_anomaly(merged: dict[tuple[int, str], dict[str, Any]], rec: dict[str, Any], rank: int) -> None:
-    key = (int(rec["step"]), str(rec["kind"]))
-    rec = {**rec, "module": rec.get("module") or None}  # "" means "not localised"
-    origin = rank in (rec.get("ranks") or ())
+def _merge_anomaly(merged: dict[tuple[int, str], dict[str, Any]], fields: dict[str, Any], rank: int) -> None:
+    """Fold one rank's anomaly (:func:`records.anomaly_fields`) into ``merged``."""
+    key = (fields["step"], str(fields["kind"]))
+    origin = rank in fields["ranks"]
     cur = merged.get(key)
     if cur is None:
-        merged[key] = {**rec, "logged_by": {rank}, "_origin": origin}
+        merged[key] = {**fields, "logged_by": {rank}, "_origin": origin}
         return
     cur["logged_by"].add(rank)
     if origin and not cur["_origin"]:
         # The rank the fault came from localised it on its own data: its diagnosis wins.
-        merged[key] = {**rec, "logged_by": cur["logged_by"], "_origin": True}
+        merged[key] = {**fields, "logged_by": cur["logged_by"], "_origin": True}
         return
     for name in ("module", "phase", "cause"):  # keep what any rank knew
-        if cur.get(name) is None and rec.get(name) is not None:
-            cur[name] = rec[name]
+        if cur.get(name) is None and fields.get(name) is not None:
+            cur[name] = fields[name]
 
 
-def _anomaly(rec: dict[str, Any]) -> LoggedAnomaly:
-    def word(vocab: type[_E], name: str) -> _E | None:
-        return None if rec.get(name) is None else _word(vocab, rec[name])
-
-    return LoggedAnomaly(
-        step=int(rec["step"]), kind=_word(AnomalyKind, rec["kind"]), detail=str(rec.get("detail", "")),
-        ranks=tuple(int(r) for r in rec.get("ranks") or ()), params=tuple(str(p) for p in rec.get("params") or ()),
-        module=rec.get("module"), phase=word(Phase, "phase"), cause=word(Cause, "cause"),
-        reason=word(SkipReason, "reason"), logged_by=tuple(sorted(rec["logged_by"])),
-    )
+def _anomaly(merged: dict[str, Any]) -> LoggedAnomaly:
+    fields = {k: v for k, v in merged.items() if k != "_origin"}
+    return LoggedAnomaly(**{**fields, "logged_by": tuple(sorted(fields["logged_by"]))})
 
 
 # ---------------------------------------------------------------------------------- files
@@ -214,12 +176,18 @@ def _read_file(path: Path, problems: list[str], strict: bool) -> list[dict[str, 
         if not line.strip():
             continue
         is_last = i == len(lines) or (i == len(lines) - 1 and complete)
-        try:
-            rec = json.loads(line)
-            ok = isinstance(rec, dict) and isinstance(rec.get("event"), str)
-        except ValueError:
-            rec, ok = None, False
-        if first and not ok:
+        rec = R.parse_line(line)
+        if rec is None and not (is_last and not complete):
+            rec = _after_torn_record(line)
+            if rec is not None:
+                # A run killed (or out of disk) mid-write, and the next run appended to the same
+                # file without ending that line: the fragment is lost, the record after it is not.
+                problems.append(f"{path}: line {i} starts with a torn record (a run killed or out of disk "
+                                "mid-write); kept the record written after it")
+                first = False
+                records.append(rec)
+                continue
+        if first and rec is None:
             if is_last and not complete and len(lines) == 1:
                 # A log whose very first line is still being written: nothing to read yet.
                 problems.append(f"{path}: only a partial first line (run just starting?); skipped")
@@ -230,15 +198,24 @@ def _read_file(path: Path, problems: list[str], strict: bool) -> list[dict[str, 
             problems.append(msg + "; skipped")
             return None
         first = False
-        if not ok:
+        if rec is None:
             if is_last and not complete:
                 problems.append(f"{path}: last line is truncated (run in progress or killed); skipped")
             else:
                 problems.append(f"{path}: line {i} is not a valid event record; skipped")
             continue
-        assert rec is not None
         records.append(rec)
     return records
+
+
+def _after_torn_record(line: str) -> dict[str, Any] | None:
+    """The whole record that follows a torn one on ``line``, if any (a few tries: a line of
+    thousands of record openings is damage, not a torn record)."""
+    for _, m in zip(range(8), _RECORD_START.finditer(line, 1)):
+        rec = R.parse_line(line[m.start():])
+        if rec is not None:
+            return rec
+    return None
 
 
 def _files(path: Path) -> tuple[list[Path], bool]:
@@ -282,17 +259,23 @@ def _group(root: Path, files: list[Path], single: bool, problems: list[str]) -> 
         current: str | None = None
         for rec in records:
             if rec["event"] == "run":
+                rec = R.run_info(rec, problems, str(file))
                 current = str(rec.get("run_id", "?"))
                 info = runs.infos.setdefault(current, dict(rec))
-                info.setdefault("ranks_opened", set()).add(int(rec.get("rank", 0)))
-                runs.opened[current] = max(runs.opened.get(current, -math.inf), float(rec.get("time", 0.0) or 0.0))
+                info.setdefault("ranks_opened", set()).add(rec.get("rank", 0))
+                runs.opened[current] = max(runs.opened.get(current, -math.inf), rec.get("time", 0.0))
+                continue
+            try:
+                rank = R.rank_of(rec)
+            except R.BadRecord as e:
+                problems.append(f"{file}: a {rec['event']!r} record's {e}; skipped")
                 continue
             if current is None:
                 current = "?"
                 problems.append(f"{file}: no 'run' record before the first event (log started mid-run?)")
                 runs.infos.setdefault(current, {"run_id": current})
                 runs.opened.setdefault(current, -math.inf)
-            runs.records.setdefault(current, {}).setdefault(int(rec.get("rank", 0)), []).append((file, rec))
+            runs.records.setdefault(current, {}).setdefault(rank, []).append((file, rec))
     if not any_log:
         raise RunLogError(f"{root}: no ampguard event log among {len(files)} *.jsonl file(s)")
     if not runs.infos:
@@ -328,17 +311,21 @@ def _rank_logs(records: _Records, problems: list[str]) -> tuple[dict[int, RankLo
             event = rec["event"]
             try:
                 if event in ("step", "skipped"):
+                    report = R.step_report(rec)
                     log.every_step |= event == "step"
-                    by_step[int(rec["step"])] = _report(rec)
+                    by_step[report.step] = report
                 elif event == "anomaly":
-                    if isinstance(rec.get("report"), dict):
-                        by_step.setdefault(int(rec["step"]), _report(rec["report"]))
-                    _merge_anomaly(merged, rec, rank)
+                    fields = R.anomaly_fields(rec)
+                    if "report" in rec:
+                        by_step.setdefault(fields["step"], R.step_report(rec["report"]))
+                    _merge_anomaly(merged, fields, rank)
                 elif event == "close":
-                    log.closed = True
-                    log.close_steps = int(rec.get("steps", 0))
-            except (KeyError, TypeError, ValueError) as e:
-                problems.append(f"{file}: a {event!r} record lacks or mangles a field ({e}); skipped")
+                    steps = R.integer(rec.get("steps", 0), "steps")
+                    log.closed, log.close_steps = True, steps
+                elif event == "torn_line":
+                    problems.append(f"{file}: {R.text(rec.get('detail', 'a torn line was ended'), 'detail')}")
+            except R.BadRecord as e:
+                problems.append(f"{file}: a {event!r} record's {e}; skipped")
         log.reports = [by_step[s] for s in sorted(by_step)]
     anomalies = sorted((_anomaly(v) for v in merged.values()), key=lambda a: (a.step, a.kind))
     return ranks, anomalies

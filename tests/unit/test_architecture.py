@@ -111,11 +111,12 @@ def test_collective_is_a_deprecated_alias_of_backend():
         ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.1), collective=LocalBackend(), backend=LocalBackend())
 
 
-# The strings users see in JSONL records and Prometheus labels, as round 1 wrote them.
+# The strings users see in JSONL records and Prometheus labels, as round 1 wrote them (new words
+# are appended: no_gradients, issue 15).
 _SEEN = {
-    SkipReason: ["nonfinite_loss", "nonfinite_grad", "grad_spike", "loss_spike", "rollback"],
+    SkipReason: ["nonfinite_loss", "nonfinite_grad", "grad_spike", "loss_spike", "rollback", "no_gradients"],
     AnomalyKind: ["nonfinite_loss", "nonfinite_grad", "overflow", "grad_spike", "loss_spike", "scale_floor",
-                  "rank_divergence", "rollback", "abort"],
+                  "rank_divergence", "rollback", "abort", "no_gradients"],
     Phase: ["forward", "backward", "loss", "input"],  # "input": issue 14
     Cause: ["overflow", "nan", "transient", "not_reproduced"],  # "not_reproduced": issue 14
 }
