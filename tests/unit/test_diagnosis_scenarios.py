@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ampguard
 from ampguard import faults
 
 from . import _scenarios as S
-from .test_forensics import VOCAB, batches, lm
+from .test_forensics import batches, lm, train
 
 # name -> (module, phase, cause, first parameter named, first bad step, step named without a
 # closure, step named with opt.step(closure, replay=True)). The table in docs/diagnosis.md.
@@ -155,12 +154,7 @@ def test_persistent_nan_without_closure_is_named_late_and_never_wrong(lagged):
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model, precision="bf16")
     opt._lagged_reports = lagged
     faults.inject(opt, faults.output("blocks.2.mlp", "nan", steps=range(10, 14)))
-    for tokens in batches(14):
-        with opt.autocast():
-            logits = model(tokens[:, :-1])
-        opt.backward(F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)))
-        opt.step()
-        opt.zero_grad()
+    train(opt, model, batches(14))
     opt.flush()
     by_step = {a.step: a for a in opt.anomalies}
     assert sorted(by_step) == [10, 11, 12, 13]

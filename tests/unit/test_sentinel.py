@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import ampguard
 from ampguard import faults
 from ampguard.sentinel import top_blocks
 
-from .test_forensics import VOCAB, batches, lm
+from .test_forensics import batches, lm
+from .test_forensics import train as train_lm
 
 
 def hooked(model: torch.nn.Module) -> dict[str, int]:
@@ -20,13 +20,8 @@ def hooked(model: torch.nn.Module) -> dict[str, int]:
 
 
 def train(opt, model, data, lagged=False):
-    opt._lagged_reports = lagged
-    for tokens in data:
-        with opt.autocast():
-            logits = model(tokens[:, :-1])
-        opt.backward(F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)))
-        opt.step()
-        opt.zero_grad()
+    opt._lagged_reports = lagged  # True: the fused-CUDA report lag, emulated on CPU
+    train_lm(opt, model, data)
     opt.flush()
 
 
