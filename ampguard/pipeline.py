@@ -176,12 +176,15 @@ class StepPipeline:
         groups = grads_by_device_and_dtype(self.params())
         return Measured(found, found_inf, groups, per_tensor_norms(groups, self.device))
 
-    def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False) -> torch.Tensor:
+    def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False,
+               sentinel: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's statistics, all-gathered: ``[world_size, LOCAL_K]`` on device. collective:
         every rank gathers, also one whose backward reached no parameter (``no_grads``): the
-        decision then skips the step on every rank."""
+        decision then skips the step on every rank. ``sentinel``:
+        :meth:`ampguard.sentinel.Sentinel.value` (None: off)."""
         vec = local_vector(loss=loss, tensor_norms=measured.norms, found_inf=measured.found_inf,
-                           pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads)
+                           pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads,
+                           sentinel=sentinel)
         return self.backend.all_gather(vec).wait()  # type: ignore[no-any-return]
 
     def decide(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
