@@ -20,7 +20,7 @@ from .forensics import Finding, Localizer
 from .report import Anomaly, StepReport
 from .sentinel import Sentinel
 from .stats import Dec, Loc, origin_ranks
-from .vocab import AnomalyKind, Cause
+from .vocab import AnomalyKind, Cause, Phase
 
 __all__ = ["Forensics", "annotate"]
 
@@ -141,7 +141,8 @@ class Forensics:
         origins = origin_ranks(gathered.float().cpu().tolist())
         order = [*origins, *(r for r in range(len(views)) if r not in origins)]
         candidates = [r for r in order if views[r] is not None]
-        candidates.sort(key=lambda r: views[r].module is None)  # a module beats "the loss itself", "outside"
+        # a module (or the input) beats "the loss itself" and "outside the watched block"
+        candidates.sort(key=lambda r: views[r].module is None and views[r].phase != Phase.INPUT)
         if not candidates:
             return None
         r = candidates[0]
