@@ -117,3 +117,15 @@ def test_a_fault_outside_the_watched_block_widens_the_hooks_to_the_whole_model()
     assert "outside blocks.2" in by_step[4].detail
     # step 5: the hooks watch the whole model again and name the module
     assert (by_step[5].module, by_step[5].phase) == ("blocks.4.mlp", "backward")
+
+
+def test_a_replay_leaves_no_flag_for_the_next_step():
+    model = lm()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
+                        config={"sentinel": "top"})
+    faults.inject(opt, faults.output("blocks.1", "nan", steps=[2]),  # fires on step 2 and on its replay
+                  faults.loss("nan", steps=[3]))  # step 3: only the loss; no block output is non-finite
+    train_lm(opt, model, batches(4), closure=True)
+    by_step = {a.step: a for a in opt.anomalies}
+    assert (by_step[2].module, by_step[2].phase) == ("blocks.1", "forward")
+    assert "Sentinel" not in by_step[3].detail and by_step[3].module is None
