@@ -63,6 +63,8 @@ class Forensics:
         self.fp16 = fp16
         self.findings = findings
         self.localizer: Localizer | None = None
+        self._outside_of: set[str | None] = {None}
+        """Blocks the fault was found to arise outside of: the hooks then watch the whole model."""
         self.live_from = 0
         """The first step whose forward the armed hooks saw from its start."""
         self._clean = 0
@@ -86,11 +88,13 @@ class Forensics:
             self._clean = 0
             if not self.enabled:
                 return
-            if self.localizer is not None and block is not None and self.localizer.within not in (None, block):
-                self.remove()
+            target = block if block not in self._outside_of else None
+            within = self.localizer.within if self.localizer is not None else None
+            if within is not None and (within in self._outside_of or target not in (None, within)):
+                self.remove()  # another block, or the whole model: the fault arose outside this one
             if self.localizer is None:
                 assert self.model is not None  # internal: enabled
-                self.localizer = Localizer(self.model, within=block)
+                self.localizer = Localizer(self.model, within=target)
                 self.live_from = next_forward
         elif self.localizer is not None:
             self._clean += 1
@@ -121,7 +125,11 @@ class Forensics:
         local_loss_finite = not bool(gathered[self.backend.rank, Loc.LOSS_NONFINITE] > 0)
         finding = self.localizer.collect(loss_finite=local_loss_finite, fp16_scaling=self.fp16)
         if grad_bad or not loss_finite:  # the same on every rank: the share below is a collective
-            self._keep(step, self.share(finding, gathered))
+            shared = self.share(finding, gathered)
+            within = self.localizer.within
+            if within is not None and shared is not None and shared.module is None and shared.cause is None:
+                self._outside_of.add(within)  # agreed on every rank: widen at the next fixed point
+            self._keep(step, shared)
 
     def share(self, finding: Finding | None, gathered: torch.Tensor) -> Finding | None:
         """Every rank localises its own; all agree on the view of the first rank where the
@@ -133,7 +141,8 @@ class Forensics:
         origins = origin_ranks(gathered.float().cpu().tolist())
         order = [*origins, *(r for r in range(len(views)) if r not in origins)]
         candidates = [r for r in order if views[r] is not None]
-        candidates.sort(key=lambda r: views[r].phase in (Phase.LOSS, None))  # a module beats "the loss itself"
+        # a module (or the input) beats "the loss itself" and "outside the watched block"
+        candidates.sort(key=lambda r: views[r].module is None and views[r].phase != Phase.INPUT)
         if not candidates:
             return None
         r = candidates[0]
@@ -160,6 +169,8 @@ class Forensics:
             self.replaying = False
             if temporary:
                 localizer.remove()
+            if self.sentinel is not None:
+                self.sentinel.flags.zero_()  # the replay's forward belongs to no step's report
             self.backend.zero_grad(optimizer, True)
 
     def _replay_finding(self, step: int, localizer: Localizer, optimizer: torch.optim.Optimizer) -> Finding:

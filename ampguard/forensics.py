@@ -432,19 +432,34 @@ class Localizer:
             self.reset()
             return None
         ok = self._read_flags()
+        top = [call for call in self._calls if call.parent == -1]
         try:
             finding = self._forward_finding(ok)
-            if finding is None and not loss_finite:
-                finding = Finding(None, Phase.LOSS, Cause.NAN, "float32", math.nan,
-                                  "every module's inputs and outputs were finite; the loss itself was non-finite "
-                                  "(the code between the model's output and the loss)")
+            if finding is None and (not loss_finite or any(c.in_ok is not None and not ok[c.in_ok] for c in top)):
+                finding = self._outside(Phase.FORWARD) if self.within is not None else Finding(
+                    None, Phase.LOSS, Cause.NAN, "float32", math.nan,
+                    "every module's inputs and outputs were finite; the loss itself was non-finite "
+                    "(the code between the model's output and the loss)")
             if finding is None:
                 finding = self._backward_finding(ok, fp16_scaling)
+            if finding is None and any(not ok[f] for c in top for f in c.grad_out):
+                finding = self._outside(Phase.BACKWARD) if self.within is not None else Finding(
+                    None, Phase.BACKWARD, Cause.NAN, "", math.nan,
+                    "the gradient arriving at the model's output was already non-finite: it arose in the loss's "
+                    "backward (the code between the model's output and the loss)")
             if finding is None:
                 finding = self._param_finding(fp16_scaling)
         finally:
             self.reset()
         return finding
+
+    def _outside(self, phase: Phase) -> Finding:
+        """Hooks inside one block (the sentinel's) only, and the first non-finite value was not made
+        there: no module is named (``Forensics`` widens the hooks to the whole model)."""
+        what = "forward value" if phase == Phase.FORWARD else "gradient"
+        return Finding(None, phase, None, "", math.nan,
+                       f"the first non-finite {what} arose outside {self.within}, the only block watched: "
+                       "forensics hooks widen to the whole model")
 
     def _forward_finding(self, ok: list[bool]) -> Finding | None:
         # (when, call, phase): a top-level call given a non-finite input, at its entry; a call whose

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import ampguard
 from ampguard import faults
 
 from . import _scenarios as S
-from .test_forensics import batches, lm, train
+from .test_forensics import VOCAB, batches, lm, train
 
 # name -> (module, phase, cause, first parameter named, first bad step, step named without a
 # closure, step named with opt.step(closure, replay=True)). The table in docs/diagnosis.md.
@@ -142,6 +143,25 @@ def test_a_recompute_that_fails_says_what_it_knows_instead_of_nan():
     assert (a.module, a.phase, a.cause) == ("2", "forward", None), a
     assert "recomputed in float16 it is non-finite" in a.detail
     assert "the fp32 recompute failed (TypeError: Fp16Kernel takes float16" in a.detail
+
+
+def test_a_nan_made_in_the_loss_backward_names_no_module():
+    # sqrt(|y - y.detach()|): 0 in forward, NaN in backward (inf x 0), before any module's backward.
+    # Before: the last module with a NaN gradient was named (head, "the gradient of head.weight").
+    model = lm()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16")
+    faults.inject(opt, faults.loss("nan", steps=[1]))  # arms the hooks
+    for step, tokens in enumerate(batches(4)):
+        with opt.autocast():
+            y = model(tokens[:, :-1]).float()
+        loss = F.cross_entropy(y.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        if step == 3:
+            loss = loss + (y - y.detach()).abs().sqrt().mean()
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    (a,) = [a for a in opt.anomalies if a.step == 3]
+    assert (a.module, a.phase, a.cause) == (None, "backward", "nan") and "loss's backward" in a.detail
 
 
 @pytest.mark.parametrize("lagged", [False, True], ids=["cpu", "fused_cuda_lag"])

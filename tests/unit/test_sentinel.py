@@ -101,3 +101,31 @@ def test_bad_sentinel_config_is_refused():
                       config={"sentinel": ["blocks.9"]})
     with pytest.raises(ValueError, match="needs the model"):
         ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16", config={"sentinel": "top"})
+
+
+def test_a_fault_outside_the_watched_block_widens_the_hooks_to_the_whole_model():
+    model = lm()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
+                        config={"sentinel": "top"})
+    faults.inject(opt, faults.output("blocks.2.mlp", "nan", steps=[2]),  # the sentinel: hooks inside blocks.2
+                  faults.backward("blocks.4.mlp", "inf", steps=[4, 5]))  # then a fault elsewhere, in backward
+    train(opt, model, batches(6))
+    by_step = {a.step: a for a in opt.anomalies}
+    assert by_step[2].module == "blocks.2"
+    # step 4: the gradient reaching blocks.2 was already non-finite: not blamed on anything inside it
+    assert (by_step[4].module, by_step[4].phase, by_step[4].cause) == (None, "backward", None)
+    assert "outside blocks.2" in by_step[4].detail
+    # step 5: the hooks watch the whole model again and name the module
+    assert (by_step[5].module, by_step[5].phase) == ("blocks.4.mlp", "backward")
+
+
+def test_a_replay_leaves_no_flag_for_the_next_step():
+    model = lm()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
+                        config={"sentinel": "top"})
+    faults.inject(opt, faults.output("blocks.1", "nan", steps=[2]),  # fires on step 2 and on its replay
+                  faults.loss("nan", steps=[3]))  # step 3: only the loss; no block output is non-finite
+    train_lm(opt, model, batches(4), closure=True)
+    by_step = {a.step: a for a in opt.anomalies}
+    assert (by_step[2].module, by_step[2].phase) == ("blocks.1", "forward")
+    assert "Sentinel" not in by_step[3].detail and by_step[3].module is None
