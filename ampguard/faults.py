@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .forensics import compile_safe, named_user_modules, user_module, user_name
+from .compiled import compile_safe, named_user_modules, user_module, user_name
 
 __all__ = ["Fault", "Injection", "backward", "grad", "inject", "loss", "output"]
 

@@ -58,16 +58,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from .compiled import _disarm, _EagerWhileArmed, compile_safe, named_user_modules, user_module, user_name
 from .vocab import Cause, Phase
 
 __all__ = ["FP16_MAX", "Finding", "Localizer", "compile_safe", "named_user_modules", "user_module", "user_name"]
+# (compile_safe, named_user_modules, user_module, user_name live in ampguard.compiled; re-exported here)
 
 FP16_MAX = 65504.0
 _HALF = (torch.float16, torch.bfloat16)
@@ -97,107 +98,6 @@ class Finding:
     """The parameter named, when the finding is about one parameter's gradient."""
     persistent: bool | None = None
     """A replay of the same batch reproduced it (True), was clean (False); None: no replay."""
-
-
-# ---------------------------------------------------------------- torch.compile
-# Under torch.compile, module hooks are not called per module: dynamo inlines each submodule's call
-# into the compiled code and, by default (``torch._dynamo.config.skip_nnmodule_hook_guards``), does
-# not guard on empty hook dicts, so code compiled before the hooks existed never calls them (measured
-# on a compiled GPT: only the root's hooks fire, 1 of 25 modules). Hooks present when dynamo traces
-# are traced into the graph: their Python state baked in and guarded on (recompiles until dynamo's
-# limit, measured), their tensor hooks put on graph intermediates (where they can be called with
-# None: the crash reported on nanoGPT). So:
-#
-# - while armed, compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``, the whole
-#   process, from arming to disarming): every hook fires as without compile, nothing is traced or
-#   recompiled, and fullgraph=True regions do not object; disarmed, the cached compiled code runs
-#   again. The armed steps are eager steps: slower, more activation memory, and a NaN that only the
-#   compiled kernels produce does not recur while armed. (torch < 2.6 has no stance: hooks inside
-#   compiled code are then not called);
-# - every hook body here is :func:`compile_safe`: where dynamo does trace a hooked call anyway (the
-#   stance could not be set; compiled autograd), the call is a graph break and the body runs eagerly
-#   on real tensors; the gradient hooks take None. (``ampguard.faults`` is traced instead: see there.)
-
-
-def compile_safe(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` never traced by torch.compile: where dynamo meets a call to it, it breaks the graph and
-    calls it eagerly, so it sees real tensors and Python state that dynamo would otherwise bake into
-    the graph (and guard on, recompiling when it changes)."""
-    return torch.compiler.disable(fn, recursive=True)
-
-
-class _EagerWhileArmed:
-    """``torch.compiler.set_stance("force_eager")`` while any Localizer is armed (counted: several
-    guarded optimizers may arm at once); the stance from before put back when the last disarms."""
-
-    armed = 0
-    stance: Any = None
-
-    @classmethod
-    def enter(cls) -> bool:
-        if cls.armed == 0 and cls.stance is None:
-            set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
-            if set_stance is None:
-                return False
-            try:
-                cls.stance = set_stance("force_eager")  # sets it now; keeps the previous
-            except RuntimeError:  # called inside a compiled region: leave the stance alone
-                return False
-        cls.armed += 1
-        return True
-
-    @classmethod
-    def exit(cls) -> None:
-        cls.armed -= 1
-        if cls.armed == 0 and cls.stance is not None:
-            eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-            if getattr(eval_frame, "_stance", None) is cls.stance.stance:  # nobody changed it since
-                try:
-                    cls.stance.__exit__(None, None, None)  # the stance from before
-                except RuntimeError:  # inside a compiled region (a finalizer run by the GC): keep it for
-                    return  # the next enter() to take over
-            cls.stance = None
-
-
-def _disarm(handles: list[Any], eager: bool) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()
-    if eager:
-        _EagerWhileArmed.exit()
-
-
-def _compiled_wrapper_type() -> type | None:
-    """``torch.compile``'s module wrapper class, if dynamo was imported (else nothing is compiled)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return getattr(eval_frame, "OptimizedModule", None)
-
-
-def _strip_compiled(module: torch.nn.Module) -> torch.nn.Module:
-    wrapper = _compiled_wrapper_type()
-    while wrapper is not None and isinstance(module, wrapper):
-        module = module._modules["_orig_mod"]  # type: ignore[assignment]  # always a Module
-    return module
-
-
-def user_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The module the user wrote: without the DDP/FSDP ``module`` wrapper and without
-    ``torch.compile``'s ``OptimizedModule`` (outside or inside the DDP wrapper)."""
-    root = _strip_compiled(model)
-    return _strip_compiled(getattr(root, "module", root))
-
-
-def user_name(name: str) -> str:
-    """A qualified name without the ``_orig_mod`` of modules compiled inside the model."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod") if "_orig_mod" in name else name
-
-
-def named_user_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``root.named_modules()`` as the user wrote them: compiled submodules' wrappers left out (their
-    ``_orig_mod`` takes the wrapper's name)."""
-    wrapper = _compiled_wrapper_type()
-    return [(user_name(name), m) for name, m in root.named_modules()
-            if wrapper is None or not isinstance(m, wrapper)]
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -536,70 +436,9 @@ class Localizer:
         return None
 
     # ------------------------------------------------------------------ classification
-    @torch.no_grad()
     def _classify_forward(self, call: _Call) -> tuple[Cause | None, str]:
-        """Recompute the culprit on its saved inputs in the run's precision and in fp32."""
-        module = self.modules[call.idx][1]
-        if any(hasattr(p, "placements") for p in module.parameters()):
-            return None, "not recomputed: its parameters are sharded (DTensor/FSDP2)"
-        ac = call.autocast
-        run_label = (f"{str(ac[1]).removeprefix('torch.')} autocast" if ac is not None
-                     else call.out_dtype.removeprefix("torch."))
-        run, run_err = self._recompute(module, call, fp32=False)
-        fp32, fp32_err = self._recompute(module, call, fp32=True)
-        if run_err is not None or fp32_err is not None:
-            said = [f"recomputed in {label} it is {'finite' if res[0] else 'non-finite'}" if err is None
-                    else f"the {label} recompute failed ({err})"
-                    for label, res, err in ((run_label, run, run_err), ("fp32", fp32, fp32_err))]
-            return None, "; ".join(said)
-        run_ok, fp32_ok, fp32_max = run[0], fp32[0], fp32[1]
-        if not run_ok and fp32_ok:
-            return Cause.OVERFLOW, (f"recomputed on its saved inputs it is non-finite in {run_label} and finite in "
-                                    f"fp32 (max |y| = {fp32_max:.4g}): the run's precision overflowed (fp16 ends at "
-                                    f"±{FP16_MAX:g}), possibly inside the module")
-        if not run_ok:
-            return Cause.NAN, (f"recomputed on its saved inputs it is non-finite in {run_label} and in fp32: a "
-                               "genuine NaN/inf (log of a negative, 0/0, a non-finite weight)")
-        if not fp32_ok:
-            return Cause.NAN, f"recomputed on its saved inputs it is finite in {run_label} but non-finite in fp32"
-        return Cause.NOT_REPRODUCED, (f"recomputed on its saved inputs it is finite in {run_label} and in fp32: not "
-                                      "reproducible by recompute (an injected value, a race, hardware, or state the "
-                                      "recompute does not see)")
+        """Recompute the culprit on its saved inputs in the run's precision and in fp32
+        (:func:`ampguard.recompute.classify`)."""
+        from .recompute import classify
 
-    def _recompute(self, module: torch.nn.Module, call: _Call, *, fp32: bool) -> tuple[tuple[bool, float], str | None]:
-        """(outputs all finite, max |output|), or the error that stopped the recompute. Buffers
-        are copies (a BatchNorm's running stats stay as they were); the RNG is forked (a dropout
-        inside does not shift the run's masks)."""
-
-        def prep(t: torch.Tensor) -> torch.Tensor:
-            t = t.detach()
-            return t.float() if fp32 and t.dtype in _HALF else t
-
-        args, kwargs = _map_tensors(call.args, prep), _map_tensors(call.kwargs, prep)
-        state = {n: prep(b).clone() for n, b in module.named_buffers()}
-        if fp32:
-            state.update({n: p.detach().float() for n, p in module.named_parameters() if p.dtype in _HALF})
-        devices = {t.device for t in _floats((args, kwargs, list(state.values())))}
-        devices |= {p.device for p in module.parameters()}
-        device_type = next(iter(devices)).type if devices else "cpu"
-        cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)[:1]
-        ac = call.autocast
-        self._recomputing = True
-        try:
-            # fork_rng: CPU and the module's CUDA device
-            with torch.random.fork_rng(devices=cuda), torch.autocast(
-                    device_type=ac[0] if ac is not None and not fp32 else device_type,
-                    dtype=ac[1] if ac is not None and not fp32 else None,
-                    enabled=ac is not None and not fp32):
-                out = torch.func.functional_call(module, state, args, kwargs, strict=False)
-            outs = list(_floats(out))
-            if not outs:
-                return (True, math.nan), "no floating-point output"
-            finite = all(bool(torch.isfinite(t).all()) for t in outs)
-            top = max(float(t.detach().float().abs().nan_to_num(0.0, posinf=0.0).max()) if t.numel() else 0.0
-                      for t in outs)
-            return (finite, top), None
-        except Exception as exc:  # a module that cannot be re-run on its saved inputs: say so, guess nothing
-            return (True, math.nan), f"{type(exc).__name__}: {str(exc)[:200]}"
-        finally:
-            self._recomputing = False
+        return classify(self, call)

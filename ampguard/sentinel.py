@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .forensics import named_user_modules, user_module
+from .compiled import named_user_modules, user_module
 
 __all__ = ["Sentinel", "top_blocks"]
 
