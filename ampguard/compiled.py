@@ -48,6 +48,8 @@ class _EagerWhileArmed:
 
     @classmethod
     def enter(cls) -> bool:
+        if not _compiled_anything():  # nothing compiled in this process: no stance to change
+            return False
         if cls.armed == 0 and cls.stance is None:
             set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
             if set_stance is None:
@@ -70,6 +72,16 @@ class _EagerWhileArmed:
                 except RuntimeError:  # inside a compiled region (a finalizer run by the GC): keep it for
                     return  # the next enter() to take over
             cls.stance = None
+
+
+def _compiled_anything() -> bool:
+    """Whether dynamo compiled any frame in this process (its counters survive ``reset()``): only
+    then can hooks be missed, and only then is the process's compile stance touched."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    from torch._dynamo.utils import counters
+
+    return bool(counters["frames"]["ok"])
 
 
 def _disarm(handles: list[Any], eager: bool) -> None:
