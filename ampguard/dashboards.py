@@ -68,6 +68,8 @@ def _sel(metric: str, selector: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- rules
+# The build_* functions are long: each is the generated artefact written out as data (rules, rule
+# tests, panels), read top to bottom against what Grafana/promtool get.
 def build_rules(
     *,
     job_selector: str = "",
@@ -270,7 +272,7 @@ def build_rule_tests(
         return out
 
     def silent(minutes: int) -> list[dict[str, Any]]:
-        return [{"eval_time": f"{minutes}m", "alertname": a, "exp_alerts": []} for a in ALERTS]
+        return [quiet(minutes, a) for a in ALERTS]
 
     def replace(series: list[dict[str, str]], metric: str, labels: dict[str, str], values: str) -> None:
         wanted = _series(metric, labels, "")["series"]
@@ -281,163 +283,74 @@ def build_rule_tests(
         series.append(_series(metric, labels, values))
 
     tests: list[dict[str, Any]] = []
+
+    def case(series: list[dict[str, str]], *checks: dict[str, Any]) -> None:
+        tests.append({"interval": "1m", "input_series": series, "alert_rule_test": list(checks)})
+
+    def quiet(minute: int, alert: str) -> dict[str, Any]:
+        return {"eval_time": f"{minute}m", "alertname": alert, "exp_alerts": []}
+
+    def fires(minute: int, alert: str, labels: dict[str, str], value: str) -> dict[str, Any]:
+        return {"eval_time": f"{minute}m", "alertname": alert, "exp_alerts": [_expected(rules, alert, labels, value)]}
+
     # 1. a healthy two-rank run: every alert silent
-    tests.append({"interval": "1m", "input_series": healthy(r0, 30) + healthy(r1, 30), "alert_rule_test": silent(30)})
+    case(healthy(r0, 30) + healthy(r1, 30), *silent(30))
 
     # 2. a NaN burst on both ranks (every rank reports the global count)
     s = healthy(r0, 20) + healthy(r1, 20)
     for r in (r0, r1):
         replace(s, M.NONFINITE_STEPS.name, {**r, "kind": "loss"}, f"0x10 {burst}x10")
         replace(s, M.SKIPPED_STEPS.name, {**r, "reason": "nonfinite_loss"}, f"0x10 {burst}x10")
-    tests.append(
-        {
-            "interval": "1m",
-            "input_series": s,
-            "alert_rule_test": [
-                {"eval_time": "9m", "alertname": "AmpguardNonFiniteBurst", "exp_alerts": []},
-                {
-                    "eval_time": "12m",
-                    "alertname": "AmpguardNonFiniteBurst",
-                    "exp_alerts": [_expected(rules, "AmpguardNonFiniteBurst", {"job": job}, str(burst))],
-                },
-                {"eval_time": "19m", "alertname": "AmpguardNonFiniteBurst", "exp_alerts": []},
-            ],
-        }
-    )
+    case(s, quiet(9, "AmpguardNonFiniteBurst"), fires(12, "AmpguardNonFiniteBurst", {"job": job}, str(burst)),
+         quiet(19, "AmpguardNonFiniteBurst"))
     # below the threshold: silent
     s = healthy(r0, 20)
     replace(s, M.NONFINITE_STEPS.name, {**r0, "kind": "grad"}, f"0x10 {burst_threshold // 2}x10")
-    tests.append(
-        {
-            "interval": "1m",
-            "input_series": s,
-            "alert_rule_test": [{"eval_time": "12m", "alertname": "AmpguardNonFiniteBurst", "exp_alerts": []}],
-        }
-    )
+    case(s, quiet(12, "AmpguardNonFiniteBurst"))
 
     # 3. the loss scale collapses below 1 on rank 1 (and so differs between ranks)
     s = healthy(r0, 30) + healthy(r1, 30)
     replace(s, M.LOSS_SCALE.name, r1, "65536x10 0.5x20")
-    tests.append(
-        {
-            "interval": "1m",
-            "input_series": s,
-            "alert_rule_test": [
-                {"eval_time": "13m", "alertname": "AmpguardLossScaleCollapse", "exp_alerts": []},
-                {
-                    "eval_time": "20m",
-                    "alertname": "AmpguardLossScaleCollapse",
-                    "exp_alerts": [_expected(rules, "AmpguardLossScaleCollapse", r1, "0.5")],
-                },
-                {"eval_time": "13m", "alertname": "AmpguardRankLossScaleMismatch", "exp_alerts": []},
-                {
-                    "eval_time": "20m",
-                    "alertname": "AmpguardRankLossScaleMismatch",
-                    "exp_alerts": [_expected(rules, "AmpguardRankLossScaleMismatch", {"job": job}, "65535.5")],
-                },
-            ],
-        }
-    )
+    case(s, quiet(13, "AmpguardLossScaleCollapse"), fires(20, "AmpguardLossScaleCollapse", r1, "0.5"),
+         quiet(13, "AmpguardRankLossScaleMismatch"),
+         fires(20, "AmpguardRankLossScaleMismatch", {"job": job}, "65535.5"))
 
     # 4. half the steps skipped for 20 minutes
     s = healthy(r0, 40)
     replace(s, M.SKIPPED_STEPS.name, {**r0, "reason": "nonfinite_grad"}, "0x10 0+30x30")
-    tests.append(
-        {
-            "interval": "1m",
-            "input_series": s,
-            "alert_rule_test": [
-                {"eval_time": "10m", "alertname": "AmpguardHighSkipRatio", "exp_alerts": []},
-                {
-                    "eval_time": "30m",
-                    "alertname": "AmpguardHighSkipRatio",
-                    "exp_alerts": [_expected(rules, "AmpguardHighSkipRatio", {"job": job}, "50%")],
-                },
-            ],
-        }
-    )
+    case(s, quiet(10, "AmpguardHighSkipRatio"), fires(30, "AmpguardHighSkipRatio", {"job": job}, "50%"))
 
     # 5. rank 0 stops stepping at minute 5 (its endpoint is still scraped)
     s = healthy(r0, 30)
     replace(s, M.STEPS.name, r0, "0+60x5 300x25")
     replace(s, M.LAST_STEP_TIMESTAMP.name, r0, "60+60x5 360x25")
-    tests.append(
-        {
-            "interval": "1m",
-            "input_series": s,
-            "alert_rule_test": [
-                {"eval_time": "14m", "alertname": "AmpguardTrainingStalled", "exp_alerts": []},
-                {
-                    "eval_time": "25m",
-                    "alertname": "AmpguardTrainingStalled",
-                    "exp_alerts": [_expected(rules, "AmpguardTrainingStalled", {"job": job, "rank": "0"}, "19m 0s")],
-                },
-            ],
-        }
-    )
+    case(s, quiet(14, "AmpguardTrainingStalled"),
+         fires(25, "AmpguardTrainingStalled", {"job": job, "rank": "0"}, "19m 0s"))
     # a run that has not stepped yet (timestamp 0) is not "stalled"
     s = healthy(r0, 30)
     replace(s, M.STEPS.name, r0, "0x30")
     replace(s, M.LAST_STEP_TIMESTAMP.name, r0, "0x30")
-    tests.append(
-        {
-            "interval": "1m",
-            "input_series": s,
-            "alert_rule_test": [{"eval_time": "30m", "alertname": "AmpguardTrainingStalled", "exp_alerts": []}],
-        }
-    )
+    case(s, quiet(30, "AmpguardTrainingStalled"))
 
     # 6. a failed consistency check
     s = healthy(r0, 20) + healthy(r1, 20)
     replace(s, M.RANK_DIVERGENCE.name, r1, "0x10 1x10")
-    tests.append(
-        {
-            "interval": "1m",
-            "input_series": s,
-            "alert_rule_test": [
-                {"eval_time": "9m", "alertname": "AmpguardRankDivergence", "exp_alerts": []},
-                {
-                    "eval_time": "12m",
-                    "alertname": "AmpguardRankDivergence",
-                    "exp_alerts": [_expected(rules, "AmpguardRankDivergence", {"job": job}, "1")],
-                },
-            ],
-        }
-    )
+    case(s, quiet(9, "AmpguardRankDivergence"), fires(12, "AmpguardRankDivergence", {"job": job}, "1"))
 
     # 7. rank 1's JSONL exporter fails from minute 5 (disk full) and works again at minute 20
     s = healthy(r0, 30) + healthy(r1, 30)
     down = {**r1, "exporter": "JsonlExporter"}
     replace(s, M.EXPORTER_UP.name, down, "1x5 0x15 1x10")
     replace(s, M.EXPORTER_ERRORS.name, down, "0x5 1+1x15 16x10")
-    tests.append(
-        {
-            "interval": "1m",
-            "input_series": s,
-            "alert_rule_test": [
-                {"eval_time": "8m", "alertname": "AmpguardExporterDown", "exp_alerts": []},
-                {
-                    "eval_time": "12m",
-                    "alertname": "AmpguardExporterDown",
-                    "exp_alerts": [_expected(rules, "AmpguardExporterDown",
-                                             {"job": job, "rank": "1", "exporter": "JsonlExporter"}, "0")],
-                },
-                {"eval_time": "25m", "alertname": "AmpguardExporterDown", "exp_alerts": []},
-            ],
-        }
-    )
+    case(s, quiet(8, "AmpguardExporterDown"),
+         fires(12, "AmpguardExporterDown", {"job": job, "rank": "1", "exporter": "JsonlExporter"}, "0"),
+         quiet(25, "AmpguardExporterDown"))
     # a blip (one failed call, the retry works within the minute) is not "down"
     s = healthy(r0, 20)
     blip = {**r0, "exporter": "JsonlExporter"}
     replace(s, M.EXPORTER_UP.name, blip, "1x5 0 1x14")
     replace(s, M.EXPORTER_ERRORS.name, blip, "0x5 1x15")
-    tests.append(
-        {
-            "interval": "1m",
-            "input_series": s,
-            "alert_rule_test": [{"eval_time": "15m", "alertname": "AmpguardExporterDown", "exp_alerts": []}],
-        }
-    )
+    case(s, quiet(15, "AmpguardExporterDown"))
     return {"rule_files": [rules_file], "evaluation_interval": "1m", "tests": tests}
 
 

@@ -103,6 +103,7 @@ def fault_plan(steps: int) -> dict[str, int]:
 
 
 # ----------------------------------------------------------------------------- one rank
+# Long (~70 lines): one rank of the demo, set-up to teardown, in the order a reader follows it.
 def _rank_main(rank: int, world: int, args: argparse.Namespace, run_dir: str, init_file: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     import torch

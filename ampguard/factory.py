@@ -105,6 +105,7 @@ def _framework_adopter(optimizer: torch.optim.Optimizer) -> Callable[..., Any] |
     return None
 
 
+# Long (~80 lines) because of its docstring, the user-facing contract; the body is the checks in order.
 def wrap(
     optimizer: torch.optim.Optimizer,
     *,

@@ -12,6 +12,15 @@ at chosen steps and ranks. For ampguard's own tests and for yours.
 
 Steps are the guarded optimizer's step numbers (``opt.step_count`` while the step is being
 computed). Ranks default to every rank.
+
+With ``torch.compile``: names are as the user wrote them (no ``_orig_mod.``), for the compiled
+module or the original. Output and backward faults are traced into the compiled graph (fullgraph
+too): there a device flag that the host sets after each ``step()`` decides, so the step number
+never enters the graph and nothing recompiles per step; ``fired`` is read back in ``step()``.
+``inject()`` marks the target module (a subclass of its class that adds nothing) so that code
+compiled before, or on another instance of the same class, is traced again with the hook (one
+recompile; ``remove()`` puts the class back). Gradient hooks run in the autograd engine, outside
+the graph; loss faults in ``opt.backward``.
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from .forensics import compile_safe, named_user_modules, user_module, user_name
 
 __all__ = ["Fault", "Injection", "backward", "grad", "inject", "loss", "output"]
 
@@ -106,6 +117,32 @@ def backward(module: str, value: float | str = "nan", *, steps: Iterable[int] | 
     return Fault("backward", _value(value), _set(steps), _set(ranks), target=module, transient=transient)
 
 
+_MARKED: dict[type, type] = {}
+
+
+def _marked(cls: type) -> type:
+    """A subclass of ``cls`` that adds nothing: a module of it behaves the same, but torch.compile's
+    guards on the module's type fail, so compiled code that inlined the module is traced again."""
+    if cls not in _MARKED:
+        _MARKED[cls] = type(cls.__name__, (cls,), {"__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    return _MARKED[cls]
+
+
+def _mark(module: torch.nn.Module) -> Any:
+    """Make torch.compile trace ``module``'s call again, now with its new hook: dynamo does not guard on
+    an empty hook dict, so code compiled before (or on another instance of the same class) would
+    never call the hook; it does guard on the type. Returns what :func:`_unmark` needs."""
+    previous = type(module)
+    module.__class__ = _marked(previous)
+    return module, previous
+
+
+def _unmark(mark: Any) -> None:
+    module, previous = mark
+    if type(module) is _marked(previous):  # not changed since: code cached for the plain class fits again
+        module.__class__ = previous
+
+
 class _CorruptGrad(torch.autograd.Function):
     """Identity forward; backward puts ``value`` into the first element of the gradient."""
 
@@ -121,6 +158,51 @@ class _CorruptGrad(torch.autograd.Function):
         return g, None
 
 
+def _first_element(t: torch.Tensor) -> torch.Tensor:
+    mask = torch.zeros(t.shape, dtype=torch.bool, device=t.device)
+    _poke(mask, True)
+    return mask
+
+
+class _CorruptGradIf(torch.autograd.Function):
+    """:class:`_CorruptGrad` where the device flag ``on`` says so (traceable: no host decision)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, on: torch.Tensor, value: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(on)
+        ctx.value = value
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        (on,) = ctx.saved_tensors
+        return torch.where(_first_element(g) & on.to(g.device), torch.full_like(g, ctx.value), g), None, None
+
+
+class _Switch:
+    """A module fault's state on device, for when torch.compile traces its hook: the compiled code
+    reads ``on`` (does it fire on this step?) and counts in ``hits``, so the step number never
+    enters the graph. ``due`` mirrors ``on`` on the host."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.on = torch.zeros((), dtype=torch.bool, device=device)
+        self.hits = torch.zeros((), dtype=torch.int32, device=device)
+        self.due = False
+
+    def fire(self, device: torch.device) -> torch.Tensor:
+        """In traced code: the flag, counted as a hit when set."""
+        self.hits.add_(self.on.to(self.hits.dtype))
+        return self.on.to(device)
+
+
+def _device_of(*modules: torch.nn.Module | None) -> torch.device:
+    for m in modules:
+        if m is not None:
+            for t in (*m.parameters(), *m.buffers()):
+                return t.device
+    return torch.device("cpu")
+
+
 class Injection:
     """Active faults; remove them with :meth:`remove` (or leave the ``with`` block)."""
 
@@ -130,9 +212,11 @@ class Injection:
         self.fired: list[tuple[int, int, Fault]] = []
         self._fired_once: set[tuple[int, int]] = set()
         self._handles: list[Any] = []
+        self._marks: list[Any] = []
+        self._switches: list[tuple[Fault, _Switch]] = []
 
         model = model if model is not None else getattr(opt, "model", None)
-        module_root = getattr(model, "module", model)
+        module_root = user_module(model) if model is not None else None
         self.rank = int(getattr(getattr(opt, "backend", None), "rank", 0))
         for f in self.faults:
             if not isinstance(f, Fault):
@@ -144,21 +228,29 @@ class Injection:
                 if f.after_reduction:
                     self._handles.append(opt.register_pre_unscale_hook(self._after_reduction(f, param)))
                 else:
-                    self._handles.append(param.register_hook(self._grad_hook(f)))
-            elif f.where == "output":
+                    self._handles.append(param.register_hook(compile_safe(self._grad_hook(f))))
+            elif f.where in ("output", "backward"):
                 module = self._find(module_root, f.target, "module")
-                self._handles.append(module.register_forward_hook(self._output_hook(f)))
-            elif f.where == "backward":
-                module = self._find(module_root, f.target, "module")
-                self._handles.append(module.register_forward_pre_hook(self._backward_hook(f)))
+                switch = _Switch(_device_of(module, module_root))
+                self._switches.append((f, switch))
+                if f.where == "output":
+                    self._handles.append(module.register_forward_hook(self._output_hook(f, switch)))
+                else:
+                    self._handles.append(module.register_forward_pre_hook(self._backward_hook(f, switch)))
+                self._marks.append(_mark(module))
             else:
                 raise ValueError(f"unknown fault location {f.where!r}")
+        if self._switches:
+            self._handles.append(opt.register_pre_unscale_hook(self._settle))
+            self._handles.append(opt.register_step_post_hook(lambda *_: self._arm(opt.step_count)))
+            self._arm(opt.step_count)
 
     def _find(self, root: torch.nn.Module | None, name: str | None, what: str) -> Any:
         if root is None:
             raise ValueError(f"a {what} fault needs the model: pass it to inject() or to ampguard.wrap(model=...)")
-        table = dict(root.named_parameters()) if what == "parameter" else dict(root.named_modules())
-        if name not in table:
+        table = ({user_name(n): p for n, p in root.named_parameters()} if what == "parameter"
+                 else dict(named_user_modules(root)))
+        if name is None or name not in table:
             raise ValueError(f"no {what} named {name!r}; known: {', '.join(list(table)[:20])}")
         return table[name]
 
@@ -171,6 +263,31 @@ class Injection:
             self.fired.append((step, self.rank, f))
             return True
         return False
+
+    # Module faults under torch.compile (the hook traced into the graph): the host sets each switch
+    # for the coming step after every step(); step() reads the hits back (one sync, steps where a
+    # switch is on only) and records them in ``fired``, before a replay.
+    def _arm(self, step: int) -> None:
+        self._settle(step - 1)  # hits a step() did not settle (a rollback consumed it)
+        for f, switch in self._switches:
+            due = f.active(step, self.rank) and not (f.transient and (step, id(f)) in self._fired_once)
+            if due != switch.due:
+                switch.on.fill_(due)
+                switch.due = due
+
+    def _settle(self, step: int) -> None:
+        for f, switch in self._switches:
+            if not switch.due:
+                continue
+            hits = int(switch.hits)  # SYNC (steps where the fault is due only)
+            if not hits:
+                continue
+            switch.hits.zero_()
+            self._fired_once.add((step, id(f)))
+            self.fired.extend([(step, self.rank, f)] * hits)
+            if f.transient:  # the replay of this step is clean
+                switch.on.fill_(False)
+                switch.due = False
 
     def _loss_transform(self, f: Fault) -> Any:
         def transform(value: torch.Tensor, step: int) -> torch.Tensor:
@@ -203,15 +320,21 @@ class Injection:
 
         return callback
 
-    def _output_hook(self, f: Fault) -> Any:
+    # Traced by torch.compile (is_compiling()): the device switch decides, no Python state is read.
+    # Run eagerly: the step number decides, as always.
+    def _output_hook(self, f: Fault, switch: _Switch) -> Any:
         def hook(module: torch.nn.Module, args: Any, out: Any) -> Any:
-            if not torch.is_grad_enabled() or not self._fires(f):
+            if not torch.is_grad_enabled():
+                return None
+            traced = torch.compiler.is_compiling()
+            if not traced and not self._fires(f):
                 return None
             t = out[0] if isinstance(out, (tuple, list)) else out
             if not isinstance(t, torch.Tensor):
                 return None
-            mask = torch.zeros(t.shape, dtype=torch.bool, device=t.device)
-            _poke(mask, True)
+            mask = _first_element(t)
+            if traced:
+                mask = mask & switch.fire(t.device)
             t2 = torch.where(mask, torch.full_like(t, f.value), t)
             if isinstance(out, tuple):
                 return (t2, *out[1:])
@@ -221,11 +344,15 @@ class Injection:
 
         return hook
 
-    def _backward_hook(self, f: Fault) -> Any:
+    def _backward_hook(self, f: Fault, switch: _Switch) -> Any:
         def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> Any:
             if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
                 return None
-            if not args[0].requires_grad or not self._fires(f):
+            if not args[0].requires_grad:
+                return None
+            if torch.compiler.is_compiling():
+                return (_CorruptGradIf.apply(args[0], switch.fire(args[0].device), f.value), *args[1:])
+            if not self._fires(f):
                 return None
             return (_CorruptGrad.apply(args[0], f.value), *args[1:])
 
@@ -236,6 +363,9 @@ class Injection:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for mark in reversed(self._marks):
+            _unmark(mark)
+        self._marks.clear()
 
     def __enter__(self) -> Injection:
         return self

@@ -12,6 +12,14 @@ With a replay closure (``opt.step(closure, replay=True)``) the guard replays a n
 hooks armed at the same loss scale, so the culprit is named on the step itself, and a
 replay that comes out clean is classified ``"transient"``.
 
+With ``torch.compile`` (the model compiled whole, in place, per submodule, fullgraph or not; the
+guard given the compiled module or the original): names are as the user wrote them (no
+``_orig_mod.``), and while armed, compiled code runs eagerly (``torch.compiler.set_stance
+("force_eager")``), so every module is seen as without compile and nothing recompiles; the cached
+compiled code runs again once disarmed. Armed steps are therefore eager steps (slower, more
+activation memory), and a NaN that only the compiled kernels produce does not recur while armed:
+it is reported, and skipped, but not attributed to a module.
+
 Classification (``Anomaly.cause``):
 
 - ``"overflow"``: the culprit's computation is finite in fp32 but exceeds fp16's range
@@ -23,13 +31,16 @@ Classification (``Anomaly.cause``):
 from __future__ import annotations
 
 import dataclasses
+import sys
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .vocab import Cause, Phase
 
-__all__ = ["FP16_MAX", "Finding", "Localizer"]
+__all__ = ["FP16_MAX", "Finding", "Localizer", "compile_safe", "named_user_modules", "user_module", "user_name"]
 
 FP16_MAX = 65504.0
 
@@ -51,6 +62,107 @@ class Finding:
     detail: str
     rank: int | None = None
     """The rank whose view this is (in a distributed run, the first rank where it originated)."""
+
+
+# ---------------------------------------------------------------- torch.compile
+# Under torch.compile, module hooks are not called per module: dynamo inlines each submodule's call
+# into the compiled code and, by default (``torch._dynamo.config.skip_nnmodule_hook_guards``), does
+# not guard on empty hook dicts, so code compiled before the hooks existed never calls them (measured
+# on a compiled GPT: only the root's hooks fire, 1 of 25 modules). Hooks present when dynamo traces
+# are traced into the graph: their Python state baked in and guarded on (recompiles until dynamo's
+# limit, measured), their tensor hooks put on graph intermediates (where they can be called with
+# None: the crash reported on nanoGPT). So:
+#
+# - while armed, compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``, the whole
+#   process, from arming to disarming): every hook fires as without compile, nothing is traced or
+#   recompiled, and fullgraph=True regions do not object; disarmed, the cached compiled code runs
+#   again. The armed steps are eager steps: slower, more activation memory, and a NaN that only the
+#   compiled kernels produce does not recur while armed. (torch < 2.6 has no stance: hooks inside
+#   compiled code are then not called);
+# - every hook body here is :func:`compile_safe`: where dynamo does trace a hooked call anyway (the
+#   stance could not be set; compiled autograd), the call is a graph break and the body runs eagerly
+#   on real tensors; the gradient hooks take None. (``ampguard.faults`` is traced instead: see there.)
+
+
+def compile_safe(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` never traced by torch.compile: where dynamo meets a call to it, it breaks the graph and
+    calls it eagerly, so it sees real tensors and Python state that dynamo would otherwise bake into
+    the graph (and guard on, recompiling when it changes)."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+class _EagerWhileArmed:
+    """``torch.compiler.set_stance("force_eager")`` while any Localizer is armed (counted: several
+    guarded optimizers may arm at once); the stance from before put back when the last disarms."""
+
+    armed = 0
+    stance: Any = None
+
+    @classmethod
+    def enter(cls) -> bool:
+        if cls.armed == 0 and cls.stance is None:
+            set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+            if set_stance is None:
+                return False
+            try:
+                cls.stance = set_stance("force_eager")  # sets it now; keeps the previous
+            except RuntimeError:  # called inside a compiled region: leave the stance alone
+                return False
+        cls.armed += 1
+        return True
+
+    @classmethod
+    def exit(cls) -> None:
+        cls.armed -= 1
+        if cls.armed == 0 and cls.stance is not None:
+            eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+            if getattr(eval_frame, "_stance", None) is cls.stance.stance:  # nobody changed it since
+                try:
+                    cls.stance.__exit__(None, None, None)  # the stance from before
+                except RuntimeError:  # inside a compiled region (a finalizer run by the GC): keep it for
+                    return  # the next enter() to take over
+            cls.stance = None
+
+
+def _disarm(handles: list[Any], eager: bool) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
+    if eager:
+        _EagerWhileArmed.exit()
+
+
+def _compiled_wrapper_type() -> type | None:
+    """``torch.compile``'s module wrapper class, if dynamo was imported (else nothing is compiled)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
+
+
+def _strip_compiled(module: torch.nn.Module) -> torch.nn.Module:
+    wrapper = _compiled_wrapper_type()
+    while wrapper is not None and isinstance(module, wrapper):
+        module = module._modules["_orig_mod"]  # type: ignore[assignment]  # always a Module
+    return module
+
+
+def user_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module the user wrote: without the DDP/FSDP ``module`` wrapper and without
+    ``torch.compile``'s ``OptimizedModule`` (outside or inside the DDP wrapper)."""
+    root = _strip_compiled(model)
+    return _strip_compiled(getattr(root, "module", root))
+
+
+def user_name(name: str) -> str:
+    """A qualified name without the ``_orig_mod`` of modules compiled inside the model."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod") if "_orig_mod" in name else name
+
+
+def named_user_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``root.named_modules()`` as the user wrote them: compiled submodules' wrappers left out (their
+    ``_orig_mod`` takes the wrapper's name)."""
+    wrapper = _compiled_wrapper_type()
+    return [(user_name(name), m) for name, m in root.named_modules()
+            if wrapper is None or not isinstance(m, wrapper)]
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -77,9 +189,9 @@ class Localizer:
     """Hooks on every module of ``model``; one record per hook firing, flags kept on device."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        root = getattr(model, "module", model)  # DDP/FSDP wrappers: names as the user wrote them
+        root = user_module(model)  # DDP/FSDP/torch.compile wrappers: names as the user wrote them
         self.root = root
-        self.modules = [(name, m) for name, m in root.named_modules()]
+        self.modules: list[tuple[str, Any]] = named_user_modules(root)
         self._handles: list[Any] = []
         self._recomputing = False
         self.reset()
@@ -87,6 +199,9 @@ class Localizer:
             # prepend: see the inputs as the caller passed them, before other pre-hooks replace them
             self._handles.append(m.register_forward_pre_hook(self._pre_hook(idx), prepend=True))
             self._handles.append(m.register_forward_hook(self._fwd_hook(idx)))
+        eager = _EagerWhileArmed.enter()  # torch.compile: see the comment above compile_safe
+        self._disarm = weakref.finalize(self, _disarm, self._handles, eager)
+        self._disarm.atexit = False
 
     # Each record: (order, module index, phase, finite flag tensor, tensor dtype).
     def reset(self) -> None:
@@ -98,51 +213,67 @@ class Localizer:
         self._order = 0
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._disarm()  # once; also when the Localizer is collected without remove()
         self.reset()
 
     @property
     def armed(self) -> bool:
         return bool(self._handles)
 
+    # The hooks are compile_safe: where torch.compile traces a module call (a region compiled while
+    # they were on it), they run eagerly at a graph break instead of being traced into the graph.
+    # The module hooks hold the Localizer weakly: a guard dropped while armed does not keep it (and the
+    # force_eager stance) alive through the model; its finalizer removes the hooks.
     def _pre_hook(self, idx: int) -> Any:
+        ref = weakref.ref(self)
+
+        @compile_safe
         def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-            if self._recomputing or not torch.is_grad_enabled():
+            loc = ref()
+            if loc is None or loc._recomputing or not torch.is_grad_enabled():
                 return
-            self._inputs[idx] = args
+            loc._inputs[idx] = args
             x = _first_tensor(args)
             if x is not None and x.requires_grad and x.is_floating_point():
-                x.register_hook(self._in_grad_hook(idx, id(x)))
+                x.register_hook(loc._in_grad_hook(idx, id(x)))
 
         return hook
 
     def _fwd_hook(self, idx: int) -> Any:
+        ref = weakref.ref(self)
+
+        @compile_safe
         def hook(module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
-            if self._recomputing or not torch.is_grad_enabled():
+            loc = ref()
+            if loc is None or loc._recomputing or not torch.is_grad_enabled():
                 return
             t = _first_tensor(out)
             if t is None or not t.is_floating_point():
                 return
             x = _first_tensor(args)
             in_max = x.detach().abs().max().float() if x is not None and x.is_floating_point() and x.numel() else None
-            self._fwd.append((self._order, idx, _all_finite(t.detach()), str(t.dtype), in_max))
-            self._order += 1
+            loc._fwd.append((loc._order, idx, _all_finite(t.detach()), str(t.dtype), in_max))
+            loc._order += 1
             if t.requires_grad:
-                t.register_hook(self._out_grad_hook(idx))
+                t.register_hook(loc._out_grad_hook(idx))
 
         return hook
 
+    # Gradient hooks may get None (no gradient flowed to that tensor: an output that did not require
+    # grad in a compiled graph, a branch the loss does not depend on): nothing to check then.
     def _out_grad_hook(self, idx: int) -> Any:
-        def hook(g: torch.Tensor) -> None:
-            self._bwd_out[idx] = _all_finite(g)
+        @compile_safe
+        def hook(g: torch.Tensor | None) -> None:
+            if g is not None:
+                self._bwd_out[idx] = _all_finite(g)
 
         return hook
 
     def _in_grad_hook(self, idx: int, key: int) -> Any:
-        def hook(g: torch.Tensor) -> None:
-            self._bwd_in.append((idx, _all_finite(g), str(g.dtype), key))
+        @compile_safe
+        def hook(g: torch.Tensor | None) -> None:
+            if g is not None:
+                self._bwd_in.append((idx, _all_finite(g), str(g.dtype), key))
 
         return hook
 

@@ -234,21 +234,18 @@ class GuardedOptimizer(InnerOptimizerView):
     @property
     def last_report(self) -> StepReport | None:
         """The last step's :class:`StepReport` (waits for it like ``step_was_skipped``)."""
-        self._reporter.decode()
-        history = self._reporter.history
+        history = self._decoded().history
         return history[-1] if len(history) else None
 
     @property
     def history(self) -> History:
         """The last ``config.history_size`` reports; ``history[s]`` is step ``s``'s."""
-        self._reporter.decode()
-        return self._reporter.history
+        return self._decoded().history
 
     @property
     def anomalies(self) -> Sequence[Anomaly]:
         """Anomalies recorded so far, oldest first (the last ``config.max_anomalies``)."""
-        self._reporter.decode()
-        return tuple(self._reporter.anomalies)
+        return tuple(self._decoded().anomalies)
 
     @property
     def step_count(self) -> int:
@@ -258,8 +255,7 @@ class GuardedOptimizer(InnerOptimizerView):
     @property
     def skipped_steps(self) -> int:
         """Number of skipped steps among the reported ones."""
-        self._reporter.decode()
-        return self._reporter.skipped_total
+        return self._decoded().skipped_total
 
     @property
     def quarantine(self) -> list[Any]:
@@ -319,6 +315,11 @@ class GuardedOptimizer(InnerOptimizerView):
         self._loss.reset()
 
     # ------------------------------------------------------------------ internals
+    def _decoded(self) -> Any:
+        """The reporter, with every report that has reached the host decoded (readers: no action)."""
+        self._reporter.decode()
+        return self._reporter
+
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise GuardStateError(f"{call}() called after close(); wrap the optimizer again to keep training")

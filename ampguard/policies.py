@@ -33,6 +33,8 @@ class SpikeState:
         return cls(grad_ema=z.clone(), loss_ema=z.clone(), count=torch.zeros((), dtype=torch.int32, device=device))
 
 
+# Long (~90 lines) on purpose: the whole decision is one device-side expression graph, captured as
+# one CUDA graph and read top to bottom as the rule; split up, it reads worse and captures the same.
 def decide(
     gathered: torch.Tensor,
     *,

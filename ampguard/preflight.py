@@ -185,6 +185,7 @@ def _default_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out.float(), y.float())
 
 
+# Long (~60 lines) because of its docstring; the body is one loop over precisions.
 def preflight(
     model_fn: Callable[[], torch.nn.Module],
     batch_fn: Callable[[int], Any],

@@ -6,7 +6,7 @@ Runs the same DDP + guarded-AdamW loop three ways on each rank and prints per-st
 - ``nogather``: the guard with a backend that replicates the local vector instead of
   gathering it (the LocalBackend-equivalent: every other cost of the guard is there);
 - ``gather_nohook``: the guard with TorchDistBackend(pre_reduction=False): one all_gather of
-  7 floats per rank per step;
+  6 floats per rank per step (stats.LOCAL_K);
 - ``gather``:   the default TorchDistBackend: that all-gather plus the pre-reduction DDP comm hook.
 
 The figure asked for is ``gather_nohook / nogather`` (the collective alone), and
@@ -55,7 +55,7 @@ def _loop(rank: int, mode: str, steps: int, width: int) -> float:
             backend: TorchDistBackend = NoGatherBackend()
         else:
             backend = TorchDistBackend(pre_reduction=(mode == "gather"))
-        opt = ampguard.wrap(inner, model=model, precision="fp32", collective=backend)
+        opt = ampguard.wrap(inner, model=model, precision="fp32", backend=backend)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(32, width, generator=g), torch.randn(32, 1, generator=g)
     times = []

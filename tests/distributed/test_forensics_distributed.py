@@ -107,7 +107,7 @@ def _run_gather_mode(rank: int, world: int, mode: str) -> dict[str, Any]:
     model = torch.nn.parallel.DistributedDataParallel(_model())
     backend = TorchDistBackend(gather=mode)
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="fp16",
-                        scaler=torch.amp.GradScaler("cpu", init_scale=256.0), collective=backend)
+                        scaler=torch.amp.GradScaler("cpu", init_scale=256.0), backend=backend)
     faults.inject(opt, faults.loss("nan", steps=[2], ranks=[1]), faults.grad("4.weight", "inf", steps=[5], ranks=[0]))
     g = torch.Generator().manual_seed(rank)
     for _ in range(8):

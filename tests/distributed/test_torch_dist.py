@@ -85,10 +85,10 @@ def _run_ddp(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
         out["escalate"] = train(opt, model, rank, STEPS)
     opt.close()
 
-    # 5. an explicit process group, passed as collective= (wrap() accepts a backend instance)
+    # 5. an explicit process group, passed as backend= (wrap() accepts a backend instance)
     group = dist.new_group([0, 1])
     model = DDP(tiny_model(), process_group=group)
-    opt = ampguard.wrap(_adamw(model, fused), model=model, precision="bf16", collective=TorchDistBackend(group=group))
+    opt = ampguard.wrap(_adamw(model, fused), model=model, precision="bf16", backend=TorchDistBackend(group=group))
     with faults.inject(opt, model, faults.loss("nan", steps=[1], ranks=[0])):
         out["group"] = train(opt, model, rank, 3)
     opt.close()

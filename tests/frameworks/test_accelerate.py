@@ -297,3 +297,18 @@ def test_without_an_accelerator_holding_it_the_loss_is_given_by_hand():
     opt.observe_loss(loss, reduction="sum")
     opt.step()
     assert opt.last_report.loss == pytest.approx(loss.item())
+
+
+# ------------------------------------------------------------------------------ the example
+def test_example_runs() -> None:
+    """examples/accelerate_train.py, run as a user runs it: exit 0 means the faulty step (and only
+    it) was skipped and the loss went down; the last line says so."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "examples" / "accelerate_train.py"), "--epochs", "1"],
+                          cwd=root, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "skipped [5] (fault at [5])" in proc.stdout

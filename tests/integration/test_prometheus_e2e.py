@@ -117,7 +117,7 @@ def _rank_main(rank: int, world: int, base_port: int, init_port: int, workdir: s
             model=model,
             precision="bf16",
             config={"param_norms_every": 10},
-            collective=TorchDistBackend(),
+            backend=TorchDistBackend(),
             exporters=[
                 prom,
                 TensorBoardExporter(work / "tb", histogram_every=10),

@@ -1,0 +1,284 @@
+"""PyTorch Lightning: :class:`AmpGuardPrecision`, a precision plugin that guards the optimizer.
+
+>>> trainer = lightning.Trainer(plugins=[AmpGuardPrecision("bf16-mixed")], ...)
+>>> trainer.fit(model)          # configure_optimizers returns a plain optimizer (+ schedulers)
+>>> trainer.precision_plugin.guard.history
+
+The plugin is Lightning's own :class:`~lightning.pytorch.plugins.precision.MixedPrecision`
+(autocast, GradScaler, hooks, clipping, checkpointing) with the optimizer guarded:
+
+- ``connect()`` (called by the strategy after ``configure_optimizers`` and before a checkpoint's
+  optimizer state is restored) wraps the optimizer with :func:`ampguard.wrap`, sharing the
+  plugin's GradScaler. Lightning's optimizers are then ``[guard]``: the checkpoint's optimizer
+  state is ``guard.state_dict()`` (inner optimizer, scaler, guard counters).
+- fp16 runs Lightning's GradScaler code unchanged: ``scaler.scale(loss)`` in ``pre_backward``,
+  ``scaler.unscale_(opt)`` (the guard's :meth:`~ampguard.guard.GuardedOptimizer.unscale_`), the
+  hooks and clipping, ``scaler.step(opt)`` (routed to the guarded step), ``scaler.update()`` (a
+  no-op: the guard updated the scale). bf16 runs the same order: closure, ``guard.unscale_()``,
+  hooks and clipping, ``guard.step()``.
+- Clipping (``Trainer(gradient_clip_val=...)``, norm or value, or ``self.clip_gradients`` in
+  manual optimization) is Lightning's own, on gradients the guard has already unscaled and
+  measured: reports show the norm before clipping.
+- LR schedulers with ``interval="step"`` are wrapped in :class:`HeldScheduler`: a scheduler step
+  that follows a skipped optimizer step is held, so the schedule counts the steps taken.
+"""
+
+from __future__ import annotations
+
+from ._versions import require
+
+require("lightning")  # before importing from it: outside the tested range, say so and stop
+
+import dataclasses  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+from typing import Any, Literal  # noqa: E402
+
+import torch  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
+
+from ..config import GuardConfig  # noqa: E402
+from ..errors import GuardStateError  # noqa: E402
+from ..exporters.base import Exporter, MultiExporter  # noqa: E402
+from ..factory import wrap  # noqa: E402
+from ..guard import GuardedOptimizer  # noqa: E402
+
+__all__ = ["AmpGuardPrecision", "HeldScheduler"]
+
+_PRECISIONS = {"16-mixed": "fp16", "bf16-mixed": "bf16"}
+
+
+class HeldScheduler:
+    """An LR scheduler that does not advance after a step the guard skipped.
+
+    Lightning steps ``interval="step"`` schedulers after every optimizer step and does not know
+    about skips; :class:`AmpGuardPrecision` puts this wrapper in their place. ``step()`` is held
+    when the guard stepped since the last call and its last step was skipped; otherwise it is
+    the scheduler's own ``step()``. Everything else (``get_last_lr()``, ``state_dict()``,
+    attributes) is the wrapped scheduler's: checkpoints hold the scheduler's own state.
+    ``self.lr_schedulers()`` returns this wrapper; ``.scheduler`` is yours.
+    """
+
+    def __init__(self, scheduler: Any, guard: GuardedOptimizer) -> None:
+        self.scheduler = scheduler
+        self.guard = guard
+        self.held = 0
+        """Scheduler steps held so far (not checkpointed)."""
+        self._seen = guard.step_count
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """The scheduler's ``step()``, unless the optimizer step just before it was skipped.
+        Reads the guard's decision: on CUDA with a fused optimizer, waits for it."""
+        stepped, self._seen = self.guard.step_count != self._seen, self.guard.step_count
+        if stepped and self.guard.step_was_skipped:
+            self.held += 1
+            return None
+        return self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()  # type: ignore[no-any-return]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":  # not set yet (during unpickling)
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+    def __repr__(self) -> str:
+        return f"HeldScheduler({self.scheduler!r})"
+
+
+class AmpGuardPrecision(MixedPrecision):
+    """Lightning's ``MixedPrecision`` with the optimizer guarded by ampguard.
+
+    ``Trainer(plugins=[AmpGuardPrecision("16-mixed" | "bf16-mixed", ...)])``, with no
+    ``precision=`` argument. ``configure_optimizers`` is unchanged: it returns one plain
+    optimizer (and schedulers); the plugin guards it when the strategy connects it.
+
+    - ``device``: the autocast device type ("cuda", "cpu"); None: the parameters' device type.
+    - ``scaler``: fp16's ``torch.amp.GradScaler`` (None: a new one for the device, with
+      GradScaler's defaults). Shared with the guard.
+    - ``config``, ``exporters``, ``backend``, ``on_rollback``, ``on_abort``: as in
+      :func:`ampguard.wrap`. ``GuardConfig.clip_grad_norm`` (the guard clips with its own norm)
+      and ``Trainer(gradient_clip_val=...)`` (Lightning clips) exclude each other.
+    - ``log``: after each step, ``self.log`` the loss scale, the skipped-step count and whether the
+      step was skipped (``ampguard/loss_scale``, ``ampguard/skipped_steps``, ``ampguard/skipped``)
+      to Lightning's loggers. Reading the decision waits for it (on CUDA: one sync per step).
+
+    Resuming a checkpoint written without the plugin works: its plain optimizer state (and
+    ``MixedPrecision``'s scaler state) is adopted, with guard counters starting at the
+    checkpoint's global step.
+
+    ``guard``: the :class:`~ampguard.guard.GuardedOptimizer`, from ``connect()`` on (e.g. in
+    ``on_train_start``); its reports stay readable after ``fit()``, which closes it.
+    """
+
+    def __init__(
+        self,
+        precision: Literal["16-mixed", "bf16-mixed"],
+        device: str | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        *,
+        config: GuardConfig | dict[str, Any] | None = None,
+        exporters: Sequence[Exporter] = (),
+        backend: Any = None,
+        on_rollback: Callable[[Any, int], None] | None = None,
+        on_abort: Callable[[Any, str], None] | None = None,
+        log: bool = False,
+    ) -> None:
+        require("lightning")
+        if precision not in _PRECISIONS:
+            raise ValueError(
+                f"AmpGuardPrecision(precision={precision!r}): use '16-mixed' (fp16 with loss scaling) or "
+                "'bf16-mixed'. Pass it to the plugin only, not also as Trainer(precision=...).")
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        if scaler is not None and precision == "bf16-mixed":
+            raise ValueError("AmpGuardPrecision('bf16-mixed', scaler=...): bf16 needs no loss scaling. Drop the "
+                             "scaler, or use '16-mixed'.")
+        if not isinstance(config, (GuardConfig, dict, type(None))):
+            raise TypeError(f"config must be a GuardConfig or a dict of its fields, got {type(config).__name__}")
+        # MixedPrecision.__init__ is not called: it would build a GradScaler before the device is known.
+        self.precision = precision
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.scaler = scaler
+        self.config = config if isinstance(config, GuardConfig) else GuardConfig.from_dict(config or {})
+        self.exporters = tuple(exporters)
+        MultiExporter(self.exporters)  # checks each has open/export/close; opens nothing
+        self.backend = backend
+        self.on_rollback, self.on_abort = on_rollback, on_abort
+        self.log_stats = log
+        self.guard: GuardedOptimizer | None = None
+        self._device_given = device is not None
+        self._backward_ran = False
+
+    # ------------------------------------------------------------------ setup
+    def connect(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
+                lr_schedulers: list[Any]) -> tuple[torch.nn.Module, list[torch.optim.Optimizer], list[Any]]:
+        """Guard the optimizer and hold the step schedulers (see the module docstring). Every
+        check runs before anything is built."""
+        if not optimizers or (self.guard is not None and list(optimizers) == [self.guard]):
+            return model, optimizers, lr_schedulers  # validate/test/predict, or after our own fit
+        self._check(model, optimizers)
+        (optimizer,) = optimizers
+        device = next(p.device for group in optimizer.param_groups for p in group["params"])
+        if not self._device_given:
+            self.device = device.type
+        if self.precision == "16-mixed" and self.scaler is None:
+            self.scaler = torch.amp.GradScaler(self.device)
+        guard = wrap(optimizer, model=model, scaler=self.scaler, precision=_PRECISIONS[self.precision],  # type: ignore[arg-type]
+                     config=self.config, exporters=self.exporters, backend=self.backend,
+                     on_rollback=self.on_rollback, on_abort=self.on_abort)
+        if guard._scaler is not None:
+            guard._scaler.route_steps = True  # Lightning's scaler.step(opt) is the guarded step
+        guard.register_load_state_dict_pre_hook(self._adopt_plain_state)
+        self.guard = guard
+        held = [dataclasses.replace(c, scheduler=HeldScheduler(c.scheduler, guard)) if c.interval == "step" else c
+                for c in lr_schedulers]
+        return model, [guard], held
+
+    def _check(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+        if len(optimizers) > 1:
+            names = ", ".join(type(o).__name__ for o in optimizers)
+            raise ValueError(
+                f"AmpGuardPrecision guards one optimizer; configure_optimizers returned {len(optimizers)} ({names}). "
+                "Put the parameters into one optimizer, as param groups with their own lr/weight_decay "
+                "(torch.optim.AdamW([{'params': ...}, {'params': ..., 'lr': ...}])).")
+        (optimizer,) = optimizers
+        if isinstance(optimizer, GuardedOptimizer):
+            raise GuardStateError(
+                "configure_optimizers returned an optimizer already guarded by ampguard.wrap(); AmpGuardPrecision "
+                "guards it itself. Return the plain optimizer (the guard's .optimizer). Nothing was changed.")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("AmpGuardPrecision cannot guard LBFGS: its step re-evaluates the closure, and the guard "
+                             "checks one backward per step. Use another optimizer, or train without the plugin.")
+        module = getattr(model, "module", model)  # DDP-style wrappers
+        trainer = getattr(module, "_trainer", None)
+        if trainer is not None and trainer.gradient_clip_val and self.config.clip_grad_norm is not None:
+            raise ValueError(
+                f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) and GuardConfig(clip_grad_norm="
+                f"{self.config.clip_grad_norm}) would clip twice. Keep one: Lightning's clipping (norm or value), or "
+                "the guard's (norm, with the norm it already measured).")
+
+    # ------------------------------------------------------------------ checkpoints written without the plugin
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of Lightning's own fp16 ``MixedPrecision``: adopt its scaler state."""
+        plain = checkpoint.get(MixedPrecision.__qualname__)
+        if self.scaler is not None and type(self).__qualname__ not in checkpoint and plain:
+            self.scaler.load_state_dict(plain)
+
+    def _adopt_plain_state(self, guard: GuardedOptimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``guard.load_state_dict`` pre-hook: a plain optimizer state (a checkpoint written without
+        the plugin) becomes a guard state with fresh counters from the restored global step."""
+        if not isinstance(state_dict, dict) or "ampguard" in state_dict or "param_groups" not in state_dict:
+            return state_dict
+        fresh = guard.state_dict()
+        trainer = getattr(getattr(guard.model, "module", guard.model), "_trainer", None)
+        if trainer is not None:
+            fresh["ampguard"]["step"] = trainer.global_step
+        return {**fresh, "optimizer": state_dict}
+
+    # ------------------------------------------------------------------ the step
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        """Record the loss for the guard's checks, then Lightning's: scale (fp16) and hooks.
+        Automatic optimization divides each micro-batch loss by ``accumulate_grad_batches``:
+        the guard sums them; manual losses are averaged."""
+        if self.guard is not None and tensor.numel() == 1:
+            self.guard.observe_loss(tensor, reduction="sum" if module.automatic_optimization else "mean")
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],  # type: ignore[override]
+                       **kwargs: Any) -> Any:
+        """fp16: Lightning's GradScaler path. bf16: the same order: closure, unscale_/measure,
+        hooks and clipping, guarded step. A ``training_step`` that returned None (automatic
+        optimization) runs no backward and no step, as in Lightning's fp16 path."""
+        guard = self.guard
+        if guard is None or optimizer is not guard:
+            raise GuardStateError(f"AmpGuardPrecision was asked to step {type(optimizer).__name__}, which it did not "
+                                  "guard: step the optimizer configure_optimizers returned (self.optimizers()).")
+
+        def run_closure() -> Any:
+            result = closure()
+            self._backward_ran = not (result is None and model.automatic_optimization)
+            return result
+
+        if self.scaler is not None:
+            result = super().optimizer_step(guard, model=model, closure=run_closure, **kwargs)
+        else:
+            result = run_closure()
+            self._after_closure(model, guard)
+            if self._backward_ran:
+                guard.step(**kwargs)
+        if self.log_stats and self._backward_ran:
+            self._log(model, guard)
+        return result
+
+    @staticmethod
+    def _log(model: Any, guard: GuardedOptimizer) -> None:
+        report = guard.last_report
+        if report is None:
+            return
+        for name, value in (("loss_scale", report.loss_scale), ("skipped_steps", float(guard.skipped_steps)),
+                            ("skipped", float(report.skipped))):
+            model.log(f"ampguard/{name}", value, on_step=True, on_epoch=False, batch_size=1)
+
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        if self._backward_ran and self.guard is not None:
+            self.guard.unscale_()  # measure before the hooks and clipping change the gradients (idempotent)
+        super()._after_closure(model, optimizer)
+
+    def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+        """Lightning's clipping, on gradients the guard unscaled and measured first (also in
+        manual optimization, where Lightning's own fp16 path would clip scaled gradients)."""
+        if clip_val > 0 and self.guard is not None:
+            self.guard.unscale_()
+        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    def teardown(self) -> None:
+        """Close the guard (flush the exporters, detach from the scaler); reports stay readable."""
+        if self.guard is not None:
+            self.guard.close()
+        super().teardown()
