@@ -525,7 +525,8 @@ def test_default_bind_is_every_interface_documented_and_loopback_is_one_argument
     from ampguard.exporters import PrometheusExporter
 
     doc = " ".join((PrometheusExporter.__doc__ or "").split())
-    assert 'The default, ``"0.0.0.0"``, is every IPv4 interface' in doc and "run id" in doc and 'addr="127.0.0.1"' in doc
+    assert 'The default, ``"0.0.0.0"``, is every IPv4 interface' in doc
+    assert "run id" in doc and 'addr="127.0.0.1"' in doc
     readme = (REPO / "README.md").read_text()
     monitoring = readme[readme.index("## Monitoring"):readme.index("## The `ampguard` command")]
     assert "binds `0.0.0.0` by default" in monitoring and 'addr="127.0.0.1"' in monitoring
