@@ -89,7 +89,7 @@ class PrometheusExporter:
       host: what a Prometheus on another machine needs, and prometheus_client's own convention.
       It also means that anyone who can reach the host on that port can read the endpoint (no
       authentication, no TLS): the run id, the device name, the ampguard/torch/python versions,
-      the world size and precision (``ampguard_run_info``), and the training numbers (loss, loss
+      the world size and precision (the run-info metric), and the training numbers (loss, loss
       scale, gradient norm, skipped and non-finite steps, device memory). Nothing can be written
       through it (GET/HEAD on ``/metrics`` only). Where the scraper runs on the same host, or
       behind a local agent or SSH tunnel, bind ``addr="127.0.0.1"`` (loopback only); ``"::"`` binds
