@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import sys
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -401,6 +402,11 @@ def _make_reporter(guard: GuardedOptimizer, ladder: Ladder | None) -> Any:
     cfg = guard.config
     track = (MemoryPeaks(guard.device, per_step=cfg.memory_peak_per_step)
              if guard.device.type == "cuda" and cfg.track_memory else None)
+    # A weak reference: the reporter must not keep its guard alive. With a cycle, `del opt, model` left
+    # the model (a DDP model, its reducer and process group) to the cyclic collector, which may run only
+    # at interpreter exit, after dist.destroy_process_group() (issue 15, item 8).
+    guard_ref = weakref.ref(guard)
     return Reporter(config=guard.config, rank=guard.backend.rank, world_size=guard.backend.world_size,
-                    names=lambda: guard.param_names, exporter=guard._exporter, scaled=guard.scaler is not None,
+                    names=lambda: guard_ref().param_names,  # type: ignore[union-attr]
+                    exporter=guard._exporter, scaled=guard.scaler is not None,
                     ladder=ladder, can_snapshot=guard.model is not None, track_memory=track)
