@@ -18,14 +18,15 @@ from .vocab import SkipReason
 __all__ = ["carry_out", "rollback_step"]
 
 
-def carry_out(guard: Any) -> None:
-    """Decode what has arrived, export it, and do what it asks (see the module docstring)."""
+def carry_out(guard: Any, next_forward: int) -> None:
+    """Decode what has arrived, export it, and do what it asks (see the module docstring).
+    ``next_forward``: the step whose forward has not run yet (hooks armed now see it whole)."""
     rep = guard._reporter
     rep.decode()
     rep.export_pending()
     actions = rep.take_actions()
     for report in actions.reports:
-        guard._forensics.after_report(report)
+        guard._forensics.after_report(report, next_forward, actions.blocks.get(report.step))
     ladder = rep.ladder
     if ladder is not None:
         if guard.model is not None:

@@ -122,6 +122,13 @@ class GuardConfig:
     forensics_window: int = 50
     """Clean steps after which armed forensics hooks are removed again (>= 1)."""
 
+    sentinel: str | tuple[str, ...] | None = None
+    """Opt-in coarse sentinel (:mod:`ampguard.sentinel`): ``"top"`` (the model's top-level
+    blocks) or module names. One on-device finiteness flag per block output, no host sync, no
+    hook inside a block: a non-finite step names its first non-finite block (or the input) in
+    its own report, and the forensics hooks then arm inside that block only. None: off (no hook
+    on healthy steps). Needs ``model``."""
+
     cuda_graph: bool = True
     """On CUDA, capture the step decision (a few dozen tiny kernels) in a CUDA graph on the second
     step and replay it: one launch instead of ~70, which is most of the guard's host cost. The
@@ -181,6 +188,12 @@ class GuardConfig:
         if self.memory_peak_per_step and not self.track_memory:
             raise ValueError("GuardConfig.memory_peak_per_step=True with track_memory=False: per-step peaks are a "
                              "way of tracking memory; allowed: track_memory=True, or memory_peak_per_step=False")
+        if isinstance(self.sentinel, (list, tuple)):
+            object.__setattr__(self, "sentinel", tuple(self.sentinel))
+        if not (self.sentinel is None or self.sentinel == "top" or (
+                isinstance(self.sentinel, tuple) and self.sentinel and all(isinstance(n, str) for n in self.sentinel))):
+            raise ValueError(f"GuardConfig.sentinel={self.sentinel!r}; allowed: None | 'top' | a non-empty list of "
+                             "module names")
         if self.escalation is not None and not isinstance(self.escalation, Escalation):
             raise ValueError(
                 f"GuardConfig.escalation={self.escalation!r}; allowed: None or an ampguard.Escalation"

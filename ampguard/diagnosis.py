@@ -18,6 +18,7 @@ import torch
 from .config import GuardConfig
 from .forensics import Finding, Localizer
 from .report import Anomaly, StepReport
+from .sentinel import Sentinel
 from .stats import Dec, Loc, origin_ranks
 from .vocab import AnomalyKind, Cause, Phase
 
@@ -27,16 +28,20 @@ _NONFINITE_KINDS = (AnomalyKind.NONFINITE_LOSS, AnomalyKind.NONFINITE_GRAD, Anom
 
 
 def annotate(anomalies: list[Anomaly], finding: Finding | None) -> list[Anomaly]:
-    """The step's first non-finite anomaly, with what forensics found (module, phase, cause)."""
+    """The step's first non-finite anomaly, with what forensics found (module, phase, cause; the
+    parameter it names first among the anomaly's parameters)."""
     if finding is None or not anomalies or anomalies[0].kind not in _NONFINITE_KINDS:
         return anomalies
     first = anomalies[0]
     kind = first.kind
-    if kind == AnomalyKind.OVERFLOW and finding.cause != Cause.OVERFLOW:
+    if kind == AnomalyKind.OVERFLOW and finding.cause in (Cause.NAN, Cause.TRANSIENT):
         kind = AnomalyKind.NONFINITE_GRAD  # fp16, but forensics found a NaN the scale did not cause
+    params = first.params
+    if finding.param is not None:
+        params = (finding.param, *(p for p in params if p != finding.param))[:max(len(params), 1)]
     anomalies[0] = dataclasses.replace(
-        first, kind=kind, module=finding.module, phase=finding.phase, cause=finding.cause,
-        detail=f"{first.detail}. Forensics: {finding.detail}",
+        first, kind=kind, module=finding.module, phase=finding.phase or first.phase, cause=finding.cause,
+        params=params, detail=f"{first.detail}. Forensics: {finding.detail}",
     )
     return anomalies
 
@@ -47,13 +52,21 @@ class Forensics:
     its step's report."""
 
     def __init__(self, *, model: torch.nn.Module | None, config: GuardConfig, backend: Any, fp16: bool,
-                 findings: dict[int, Finding]) -> None:
+                 findings: dict[int, Finding], device: torch.device) -> None:
+        if config.sentinel is not None and model is None:
+            raise ValueError("GuardConfig.sentinel needs the model: pass ampguard.wrap(..., model=model)")
+        self.sentinel = Sentinel(model, config.sentinel, device) if model is not None and config.sentinel else None
+        """The opt-in coarse sentinel (None: off)."""
         self.model = model
         self.config = config
         self.backend = backend
         self.fp16 = fp16
         self.findings = findings
         self.localizer: Localizer | None = None
+        self._outside_of: set[str | None] = {None}
+        """Blocks the fault was found to arise outside of: the hooks then watch the whole model."""
+        self.live_from = 0
+        """The first step whose forward the armed hooks saw from its start."""
         self._clean = 0
         self.replaying = False
         """True while a replay closure runs: its ``backward()`` scales and back-propagates only."""
@@ -67,14 +80,22 @@ class Forensics:
     def armed(self) -> bool:
         return self.localizer is not None and self.localizer.armed
 
-    def after_report(self, report: StepReport) -> None:
-        """Fixed point: arm after a non-finite step (hooks from the next forward on), disarm after
-        ``forensics_window`` clean ones."""
+    def after_report(self, report: StepReport, next_forward: int, block: str | None = None) -> None:
+        """Fixed point: arm after a non-finite step (hooks from the next forward on: that of step
+        ``next_forward``), disarm after ``forensics_window`` clean ones. ``block``: the block the
+        sentinel named on that step: the hooks arm inside it only (again if they watched another)."""
         if report.nonfinite:
             self._clean = 0
-            if self.localizer is None and self.enabled:
+            if not self.enabled:
+                return
+            target = block if block not in self._outside_of else None
+            within = self.localizer.within if self.localizer is not None else None
+            if within is not None and (within in self._outside_of or target not in (None, within)):
+                self.remove()  # another block, or the whole model: the fault arose outside this one
+            if self.localizer is None:
                 assert self.model is not None  # internal: enabled
-                self.localizer = Localizer(self.model)
+                self.localizer = Localizer(self.model, within=target)
+                self.live_from = next_forward
         elif self.localizer is not None:
             self._clean += 1
             if self._clean >= self.config.forensics_window:
@@ -85,16 +106,30 @@ class Forensics:
             self.localizer.remove()
             self.localizer = None
 
+    def close(self) -> None:
+        self.remove()
+        if self.sentinel is not None:
+            self.sentinel.remove()
+
     def collect(self, step: int, decision: torch.Tensor, gathered: torch.Tensor) -> None:
         """Armed steps only: read the hooks' flags (one host sync) and keep what they name.
         Before clipping, which would turn an inf times a 0 coefficient into NaN."""
         assert self.localizer is not None  # internal: only called when armed
+        if step < self.live_from:
+            # Armed during this step (a lagged report): its forward ran unobserved. Naming nothing
+            # beats naming "the loss" for want of records. The same step on every rank.
+            self.localizer.reset()
+            return
         loss_finite = not bool(decision[Dec.LOSS_NONFINITE] > 0)  # SYNC (armed steps only)
         grad_bad = bool(decision[Dec.GRAD_NONFINITE] > 0)
         local_loss_finite = not bool(gathered[self.backend.rank, Loc.LOSS_NONFINITE] > 0)
         finding = self.localizer.collect(loss_finite=local_loss_finite, fp16_scaling=self.fp16)
         if grad_bad or not loss_finite:  # the same on every rank: the share below is a collective
-            self._keep(step, self.share(finding, gathered))
+            shared = self.share(finding, gathered)
+            within = self.localizer.within
+            if within is not None and shared is not None and shared.module is None and shared.cause is None:
+                self._outside_of.add(within)  # agreed on every rank: widen at the next fixed point
+            self._keep(step, shared)
 
     def share(self, finding: Finding | None, gathered: torch.Tensor) -> Finding | None:
         """Every rank localises its own; all agree on the view of the first rank where the
@@ -106,7 +141,8 @@ class Forensics:
         origins = origin_ranks(gathered.float().cpu().tolist())
         order = [*origins, *(r for r in range(len(views)) if r not in origins)]
         candidates = [r for r in order if views[r] is not None]
-        candidates.sort(key=lambda r: views[r].phase == Phase.LOSS)  # a module beats "the loss itself"
+        # a module (or the input) beats "the loss itself" and "outside the watched block"
+        candidates.sort(key=lambda r: views[r].module is None and views[r].phase != Phase.INPUT)
         if not candidates:
             return None
         r = candidates[0]
@@ -133,9 +169,13 @@ class Forensics:
             self.replaying = False
             if temporary:
                 localizer.remove()
+            if self.sentinel is not None:
+                self.sentinel.flags.zero_()  # the replay's forward belongs to no step's report
             self.backend.zero_grad(optimizer, True)
 
     def _replay_finding(self, step: int, localizer: Localizer, optimizer: torch.optim.Optimizer) -> Finding:
+        """The replay decides persistence: reproduced -> the cause stays what the recompute found
+        (never ``transient``); clean -> ``transient``."""
         loss_finite = self.replay_loss is not None and bool(torch.isfinite(self.replay_loss))
         grads_finite = all(
             bool(torch.isfinite(p.grad).all())
@@ -146,15 +186,18 @@ class Forensics:
             first_pass = None  # another rank's view; this rank localises its own replay
         if loss_finite and grads_finite:
             localizer.reset()
+            clean = "a replay of the same batch was clean: suspect hardware or a race"
             if first_pass is not None:
-                return dataclasses.replace(
-                    first_pass, cause=Cause.TRANSIENT,
-                    detail=f"{first_pass.detail}; a replay of the same batch was clean: suspect hardware or a race")
-            return Finding("", Phase.LOSS, Cause.TRANSIENT, "", math.nan,
-                           "a replay of the same batch was clean: suspect hardware or a race")
-        found = localizer.collect(loss_finite=loss_finite, fp16_scaling=self.fp16)
-        return found or Finding("", Phase.BACKWARD, Cause.NAN, "", math.nan,
-                                "the replay was non-finite again, outside any module hook")
+                return dataclasses.replace(first_pass, cause=Cause.TRANSIENT, persistent=False,
+                                           detail=f"{first_pass.detail}; {clean}")
+            return Finding(None, None, Cause.TRANSIENT, "", math.nan,
+                           f"{clean} (the hooks were not armed on the first pass: where is unknown)",
+                           persistent=False)
+        found = localizer.collect(loss_finite=loss_finite, fp16_scaling=self.fp16) or first_pass
+        again = "a replay of the same batch reproduced it: persistent"
+        if found is None:
+            return Finding(None, None, None, "", math.nan, f"{again}, outside every module hook", persistent=True)
+        return dataclasses.replace(found, persistent=True, detail=f"{found.detail}; {again}")
 
     def _keep(self, step: int, finding: Finding | None) -> None:
         if finding is not None:

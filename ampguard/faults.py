@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .forensics import compile_safe, named_user_modules, user_module, user_name
+from .compiled import compile_safe, named_user_modules, user_module, user_name
 
 __all__ = ["Fault", "Injection", "backward", "grad", "inject", "loss", "output"]
 
@@ -377,6 +377,8 @@ class Injection:
 def inject(opt: Any, model: torch.nn.Module | Fault | None = None, *faults: Fault) -> Injection:
     """Install ``faults`` on a guarded optimizer (and its model: by default ``wrap(model=...)``'s).
     Returns the :class:`Injection`."""
+    guard = getattr(opt, "guard", None)  # a framework's wrapper around the guard (accelerate's)
+    opt = guard if guard is not None and hasattr(guard, "register_loss_hook") else opt
     if not hasattr(opt, "register_loss_hook"):
         raise TypeError("inject() needs the optimizer returned by ampguard.wrap()")
     if isinstance(model, Fault):

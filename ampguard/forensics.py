@@ -2,15 +2,48 @@
 
 Healthy runs pay nothing: no hook exists until a step goes non-finite. Then the guard arms
 a :class:`Localizer` on the model for the following steps (``GuardConfig.forensics_window``
-clean steps, then it disarms). While armed, every module's forward output, and the
-gradients arriving at and leaving every module, are checked on device; the flags are read
-with one host sync per step (armed steps only). On the next non-finite step it names the
-**first** module, in execution order, whose forward output, or whose backward gradient,
-became non-finite.
+clean steps, then it disarms). While armed, every module call's inputs and outputs, and the
+gradients arriving at its output and leaving it through its inputs, are checked on device; the
+flags are read with one host sync per step (armed steps only).
 
-With a replay closure (``opt.step(closure, replay=True)``) the guard replays a non-finite step with the
-hooks armed at the same loss scale, so the culprit is named on the step itself, and a
-replay that comes out clean is classified ``"transient"``.
+The rule (:meth:`Localizer.collect`), first match wins:
+
+1. **input**: a module called from outside every hooked module (the model itself) receives a
+   non-finite input: the batch is bad (``Phase.INPUT``, no module), unless a module named below
+   went non-finite earlier;
+2. **forward**: the first module call, in execution order, whose inputs were all finite and
+   whose output was not. A container finishes after its children, so it is named only when no
+   child qualifies: the non-finite value arose in its own code (an attention's ``q @ kᵀ`` and
+   softmax). An embedding's integer input counts as finite, so a NaN embedding row names it;
+3. **loss**: every module output was finite, the loss was not (``Phase.LOSS``, no module);
+4. **backward**: the first module, in backward order, whose incoming gradient (at its outputs)
+   was finite and whose outgoing gradient (at its inputs) was not. Each module sees its inputs
+   through views of its own, so its outgoing gradient is its own contribution, not the sum of
+   every consumer of the same tensor;
+5. **parameter**: every flag above was finite, yet a parameter's gradient is not (a hook, a
+   custom autograd function, corruption between backward and step): its owner and the parameter.
+
+"All finite" for a module's inputs: its first floating-point input entirely finite, the others
+free of NaN and +inf (-inf is the masking convention of additive attention masks).
+
+Classification of a forward culprit (``Finding.cause``), from evidence: the culprit is
+recomputed on its saved inputs twice, in the run's precision (the autocast state of the call,
+and the module's own weights, half precision included) and in fp32 (inputs and a float32 copy
+of its half-precision parameters and buffers):
+
+- non-finite in the run's precision, finite in fp32 -> ``"overflow"`` (also inside the
+  module, as attention logits past 65504 in fp16);
+- non-finite in both -> ``"nan"`` (log of a negative, 0/0, a NaN weight);
+- finite in both -> ``"not_reproduced"``: the module's math on these inputs is fine (an
+  injected value, a race, hardware, or state the recompute does not see);
+- a recompute that fails (an error, sharded parameters) -> cause None, the reason in ``detail``.
+
+A backward culprit is ``"overflow"`` when its gradient holds inf but no NaN under fp16 loss
+scaling, else ``"nan"``. A non-finite model input is ``"nan"`` (bad data).
+
+A replay (``opt.step(closure, replay=True)``, :mod:`ampguard.diagnosis`) then decides
+persistence: a replay that reproduces keeps the recompute's cause (``persistent=True``); a
+clean replay makes it ``"transient"`` (``persistent=False``).
 
 With ``torch.compile`` (the model compiled whole, in place, per submodule, fullgraph or not; the
 guard given the compiled module or the original): names are as the user wrote them (no
@@ -19,150 +52,52 @@ guard given the compiled module or the original): names are as the user wrote th
 compiled code runs again once disarmed. Armed steps are therefore eager steps (slower, more
 activation memory), and a NaN that only the compiled kernels produce does not recur while armed:
 it is reported, and skipped, but not attributed to a module.
-
-Classification (``Anomaly.cause``):
-
-- ``"overflow"``: the culprit's computation is finite in fp32 but exceeds fp16's range
-  (max-abs > 65504), or a backward gradient went to ±inf under fp16 loss scaling;
-- ``"nan"``: the culprit's computation is non-finite in fp32 too (log of 0, 0/0, bad data);
-- ``"transient"``: recomputing the culprit (or replaying the batch) is clean.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import sys
+import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from .compiled import _disarm, _EagerWhileArmed, compile_safe, named_user_modules, user_module, user_name
 from .vocab import Cause, Phase
 
 __all__ = ["FP16_MAX", "Finding", "Localizer", "compile_safe", "named_user_modules", "user_module", "user_name"]
+# (compile_safe, named_user_modules, user_module, user_name live in ampguard.compiled; re-exported here)
 
 FP16_MAX = 65504.0
+_HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Finding:
     """What the localizer found on one step."""
 
-    module: str
-    """Qualified name as the user wrote it (no DDP ``module.`` prefix); "" for the model root."""
-    phase: Phase
-    """"forward" | "backward" | "loss"."""
-    cause: Cause
-    """"overflow" | "nan" | "transient"."""
+    module: str | None
+    """Qualified name as the user wrote it (no DDP ``module.`` prefix), "" for the model root;
+    None where no module applies (the input batch, the loss)."""
+    phase: Phase | None
+    """"input" | "forward" | "loss" | "backward"; None where unknown (a clean replay of a step
+    whose first pass was not observed)."""
+    cause: Cause | None
+    """"overflow" | "nan" | "not_reproduced" | "transient"; None where the evidence could not
+    be gathered (``detail`` says why)."""
     dtype: str
     """dtype of the non-finite tensor."""
     input_max_abs: float
-    """max |x| of the culprit's (finite) input, or NaN where unknown."""
+    """max |x| of the culprit's first input, or NaN where unknown."""
     detail: str
     rank: int | None = None
     """The rank whose view this is (in a distributed run, the first rank where it originated)."""
-
-
-# ---------------------------------------------------------------- torch.compile
-# Under torch.compile, module hooks are not called per module: dynamo inlines each submodule's call
-# into the compiled code and, by default (``torch._dynamo.config.skip_nnmodule_hook_guards``), does
-# not guard on empty hook dicts, so code compiled before the hooks existed never calls them (measured
-# on a compiled GPT: only the root's hooks fire, 1 of 25 modules). Hooks present when dynamo traces
-# are traced into the graph: their Python state baked in and guarded on (recompiles until dynamo's
-# limit, measured), their tensor hooks put on graph intermediates (where they can be called with
-# None: the crash reported on nanoGPT). So:
-#
-# - while armed, compiled code runs eagerly (``torch.compiler.set_stance("force_eager")``, the whole
-#   process, from arming to disarming): every hook fires as without compile, nothing is traced or
-#   recompiled, and fullgraph=True regions do not object; disarmed, the cached compiled code runs
-#   again. The armed steps are eager steps: slower, more activation memory, and a NaN that only the
-#   compiled kernels produce does not recur while armed. (torch < 2.6 has no stance: hooks inside
-#   compiled code are then not called);
-# - every hook body here is :func:`compile_safe`: where dynamo does trace a hooked call anyway (the
-#   stance could not be set; compiled autograd), the call is a graph break and the body runs eagerly
-#   on real tensors; the gradient hooks take None. (``ampguard.faults`` is traced instead: see there.)
-
-
-def compile_safe(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` never traced by torch.compile: where dynamo meets a call to it, it breaks the graph and
-    calls it eagerly, so it sees real tensors and Python state that dynamo would otherwise bake into
-    the graph (and guard on, recompiling when it changes)."""
-    return torch.compiler.disable(fn, recursive=True)
-
-
-class _EagerWhileArmed:
-    """``torch.compiler.set_stance("force_eager")`` while any Localizer is armed (counted: several
-    guarded optimizers may arm at once); the stance from before put back when the last disarms."""
-
-    armed = 0
-    stance: Any = None
-
-    @classmethod
-    def enter(cls) -> bool:
-        if cls.armed == 0 and cls.stance is None:
-            set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
-            if set_stance is None:
-                return False
-            try:
-                cls.stance = set_stance("force_eager")  # sets it now; keeps the previous
-            except RuntimeError:  # called inside a compiled region: leave the stance alone
-                return False
-        cls.armed += 1
-        return True
-
-    @classmethod
-    def exit(cls) -> None:
-        cls.armed -= 1
-        if cls.armed == 0 and cls.stance is not None:
-            eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-            if getattr(eval_frame, "_stance", None) is cls.stance.stance:  # nobody changed it since
-                try:
-                    cls.stance.__exit__(None, None, None)  # the stance from before
-                except RuntimeError:  # inside a compiled region (a finalizer run by the GC): keep it for
-                    return  # the next enter() to take over
-            cls.stance = None
-
-
-def _disarm(handles: list[Any], eager: bool) -> None:
-    for h in handles:
-        h.remove()
-    handles.clear()
-    if eager:
-        _EagerWhileArmed.exit()
-
-
-def _compiled_wrapper_type() -> type | None:
-    """``torch.compile``'s module wrapper class, if dynamo was imported (else nothing is compiled)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return getattr(eval_frame, "OptimizedModule", None)
-
-
-def _strip_compiled(module: torch.nn.Module) -> torch.nn.Module:
-    wrapper = _compiled_wrapper_type()
-    while wrapper is not None and isinstance(module, wrapper):
-        module = module._modules["_orig_mod"]  # type: ignore[assignment]  # always a Module
-    return module
-
-
-def user_module(model: torch.nn.Module) -> torch.nn.Module:
-    """The module the user wrote: without the DDP/FSDP ``module`` wrapper and without
-    ``torch.compile``'s ``OptimizedModule`` (outside or inside the DDP wrapper)."""
-    root = _strip_compiled(model)
-    return _strip_compiled(getattr(root, "module", root))
-
-
-def user_name(name: str) -> str:
-    """A qualified name without the ``_orig_mod`` of modules compiled inside the model."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod") if "_orig_mod" in name else name
-
-
-def named_user_modules(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """``root.named_modules()`` as the user wrote them: compiled submodules' wrappers left out (their
-    ``_orig_mod`` takes the wrapper's name)."""
-    wrapper = _compiled_wrapper_type()
-    return [(user_name(name), m) for name, m in root.named_modules()
-            if wrapper is None or not isinstance(m, wrapper)]
+    param: str | None = None
+    """The parameter named, when the finding is about one parameter's gradient."""
+    persistent: bool | None = None
+    """A replay of the same batch reproduced it (True), was clean (False); None: no replay."""
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -185,32 +120,90 @@ def _all_finite(t: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(t).all()
 
 
-class Localizer:
-    """Hooks on every module of ``model``; one record per hook firing, flags kept on device."""
+def _floats(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The floating-point tensors in a module's inputs or outputs (tuples, lists, dicts and
+    ``ModelOutput``s, a few levels deep), in order."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield value
+    elif depth < 4 and isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _floats(v, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for v in value.values():
+            yield from _floats(v, depth + 1)
 
-    def __init__(self, model: torch.nn.Module) -> None:
+
+def _inputs_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The first tensor finite, the others free of NaN and +inf (-inf: attention masks)."""
+    first, *rest = tensors
+    flags = [torch.isfinite(first.detach()).all()]
+    flags += [(torch.isfinite(t.detach()) | (t.detach() == -math.inf)).all() for t in rest]
+    return flags[0] if not rest else torch.stack([f.to(flags[0].device) for f in flags]).all()
+
+
+def _outputs_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    flags = [torch.isfinite(t.detach()).all() for t in tensors]
+    return flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).all()
+
+
+def _map_tensors(value: Any, fn: Any) -> Any:
+    """``value`` with every tensor at its top level (positional args, kwargs values) mapped."""
+    if isinstance(value, tuple):
+        return tuple(fn(v) if isinstance(v, torch.Tensor) else v for v in value)
+    return {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+
+
+class _Call:
+    """One forward call of one module, while armed. Flags are indices into ``Localizer._flags``."""
+
+    __slots__ = ("args", "autocast", "enter", "exit", "grad_out", "idx", "in_ok", "kwargs", "out_dtype", "out_ok",
+                 "parent")
+
+    def __init__(self, idx: int, parent: int, enter: int) -> None:
+        self.idx, self.parent, self.enter = idx, parent, enter
+        self.exit = -1
+        self.args: tuple[Any, ...] = ()
+        self.kwargs: dict[str, Any] = {}
+        self.autocast: tuple[str, torch.dtype] | None = None
+        self.in_ok: int | None = None  # flag index: the inputs were all finite (None: no float input)
+        self.out_ok: int | None = None  # flag index: the outputs were all finite (None: no float output)
+        self.out_dtype = ""
+        self.grad_out: list[int] = []  # flag indices: the gradients arriving at the outputs were finite
+
+
+class Localizer:
+    """Hooks on every module of ``model``; one record per module call, flags kept on device."""
+
+    def __init__(self, model: torch.nn.Module, within: str | None = None) -> None:
         root = user_module(model)  # DDP/FSDP/torch.compile wrappers: names as the user wrote them
         self.root = root
-        self.modules: list[tuple[str, Any]] = named_user_modules(root)
+        self.within = within
+        """Hooks on this module and its descendants only (a block the sentinel named); None: all."""
+        self.modules: list[tuple[str, Any]] = [
+            (n, m) for n, m in named_user_modules(root)
+            if not within or n == within or n.startswith(f"{within}.")]
         self._handles: list[Any] = []
         self._recomputing = False
         self.reset()
         for idx, (_, m) in enumerate(self.modules):
             # prepend: see the inputs as the caller passed them, before other pre-hooks replace them
-            self._handles.append(m.register_forward_pre_hook(self._pre_hook(idx), prepend=True))
+            self._handles.append(m.register_forward_pre_hook(self._pre_hook(idx), prepend=True, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._fwd_hook(idx)))
         eager = _EagerWhileArmed.enter()  # torch.compile: see the comment above compile_safe
         self._disarm = weakref.finalize(self, _disarm, self._handles, eager)
         self._disarm.atexit = False
 
-    # Each record: (order, module index, phase, finite flag tensor, tensor dtype).
     def reset(self) -> None:
-        self._fwd: list[tuple[int, int, torch.Tensor, str, torch.Tensor | None]] = []
-        self._bwd_out: dict[int, torch.Tensor] = {}  # module -> finite flag of grad at its output
-        # (module, finite flag of the gradient at its input, dtype, which input tensor)
-        self._bwd_in: list[tuple[int, torch.Tensor, str, int]] = []
-        self._inputs: dict[int, tuple[Any, ...]] = {}
-        self._order = 0
+        self._calls: list[_Call] = []
+        self._stack: list[int] = []  # the calls under way, innermost last
+        self._flags: list[torch.Tensor] = []  # 0-dim bool tensors on device, read at collect
+        # backward order: (call, flag index: the gradient leaving it through this input was finite,
+        # flag index: it held a NaN, dtype)
+        self._grad_in: list[tuple[int, int, int, str]] = []
+        self._seq = 0
+        self.observed = False
+        """A forward call was recorded since the last reset."""
 
     def remove(self) -> None:
         self._disarm()  # once; also when the Localizer is collected without remove()
@@ -220,6 +213,11 @@ class Localizer:
     def armed(self) -> bool:
         return bool(self._handles)
 
+    # ------------------------------------------------------------------ hooks
+    def _flag(self, t: torch.Tensor) -> int:
+        self._flags.append(t)
+        return len(self._flags) - 1
+
     # The hooks are compile_safe: where torch.compile traces a module call (a region compiled while
     # they were on it), they run eagerly at a graph break instead of being traced into the graph.
     # The module hooks hold the Localizer weakly: a guard dropped while armed does not keep it (and the
@@ -228,16 +226,41 @@ class Localizer:
         ref = weakref.ref(self)
 
         @compile_safe
-        def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             loc = ref()
             if loc is None or loc._recomputing or not torch.is_grad_enabled():
-                return
-            loc._inputs[idx] = args
-            x = _first_tensor(args)
-            if x is not None and x.requires_grad and x.is_floating_point():
-                x.register_hook(loc._in_grad_hook(idx, id(x)))
+                return None
+            return loc._enter(idx, args, kwargs)
 
         return hook
+
+    def _enter(self, idx: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        call = _Call(idx, self._stack[-1] if self._stack else -1, self._seq)
+        self._seq += 1
+        self.observed = True
+        floats = list(_floats((args, kwargs)))
+        if floats:
+            call.in_ok = self._flag(_inputs_finite(floats))
+            device = floats[0].device.type
+            if torch.is_autocast_enabled(device):
+                call.autocast = (device, torch.get_autocast_dtype(device))
+        # Each module sees its inputs through views of its own: the gradient reaching a view is this
+        # module's contribution only (a tensor feeding q, k and v gets three).
+        views: dict[int, torch.Tensor] = {}
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            if not (t.requires_grad and t.is_floating_point()):
+                return t
+            if id(t) not in views:
+                views[id(t)] = v = t.view_as(t)
+                v.register_hook(self._in_grad_hook(len(self._calls)))
+            return views[id(t)]
+
+        args, kwargs = _map_tensors(args, own), _map_tensors(kwargs, own)
+        call.args, call.kwargs = args, kwargs
+        self._stack.append(len(self._calls))
+        self._calls.append(call)
+        return (args, kwargs) if views else None
 
     def _fwd_hook(self, idx: int) -> Any:
         ref = weakref.ref(self)
@@ -247,70 +270,150 @@ class Localizer:
             loc = ref()
             if loc is None or loc._recomputing or not torch.is_grad_enabled():
                 return
-            t = _first_tensor(out)
-            if t is None or not t.is_floating_point():
-                return
-            x = _first_tensor(args)
-            in_max = x.detach().abs().max().float() if x is not None and x.is_floating_point() and x.numel() else None
-            loc._fwd.append((loc._order, idx, _all_finite(t.detach()), str(t.dtype), in_max))
-            loc._order += 1
-            if t.requires_grad:
-                t.register_hook(loc._out_grad_hook(idx))
+            loc._exit(idx, out)
 
         return hook
+
+    def _exit(self, idx: int, out: Any) -> None:
+        # The innermost call under way of this module (a forward that raised leaves others open).
+        pos = next((p for p in range(len(self._stack) - 1, -1, -1) if self._calls[self._stack[p]].idx == idx), None)
+        if pos is None:
+            return
+        c = self._stack[pos]
+        del self._stack[pos:]
+        call = self._calls[c]
+        call.exit = self._seq
+        self._seq += 1
+        outs = list(_floats(out))
+        if not outs:
+            return
+        call.out_ok = self._flag(_outputs_finite(outs))
+        call.out_dtype = str(outs[0].dtype)
+        for t in outs:
+            if t.requires_grad:
+                t.register_hook(self._out_grad_hook(c))
 
     # Gradient hooks may get None (no gradient flowed to that tensor: an output that did not require
     # grad in a compiled graph, a branch the loss does not depend on): nothing to check then.
-    def _out_grad_hook(self, idx: int) -> Any:
+    def _out_grad_hook(self, c: int) -> Any:
         @compile_safe
         def hook(g: torch.Tensor | None) -> None:
             if g is not None:
-                self._bwd_out[idx] = _all_finite(g)
+                self._calls[c].grad_out.append(self._flag(_all_finite(g)))
 
         return hook
 
-    def _in_grad_hook(self, idx: int, key: int) -> Any:
+    def _in_grad_hook(self, c: int) -> Any:
         @compile_safe
         def hook(g: torch.Tensor | None) -> None:
             if g is not None:
-                self._bwd_in.append((idx, _all_finite(g), str(g.dtype), key))
+                self._grad_in.append((c, self._flag(_all_finite(g)), self._flag(torch.isnan(g).any()), str(g.dtype)))
 
         return hook
+
+    # ------------------------------------------------------------------ the rule
+    def _read_flags(self) -> list[bool]:
+        """Every flag of the step, read with one host sync per device (one, usually)."""
+        if not self._flags:
+            return []
+        by_device: dict[torch.device, list[int]] = {}
+        for i, f in enumerate(self._flags):
+            by_device.setdefault(f.device, []).append(i)
+        values = [False] * len(self._flags)
+        for idxs in by_device.values():
+            for i, v in zip(idxs, torch.stack([self._flags[i] for i in idxs]).cpu().tolist()):  # SYNC (armed)
+                values[i] = bool(v)
+        return values
 
     def collect(self, *, loss_finite: bool, fp16_scaling: bool) -> Finding | None:
-        """Read the flags (one host sync) and name the first culprit, or None if all were finite."""
-        finding = None
-        if self._fwd:
-            flags = torch.stack([f[2] for f in self._fwd]).cpu().tolist()
-            for (_, idx, _, dtype, in_max), ok in zip(self._fwd, flags):
-                if not ok:
-                    finding = self._forward_finding(idx, dtype, in_max)
-                    break
-        if finding is None and not loss_finite:
-            finding = Finding("", Phase.LOSS, Cause.NAN, "float32", float("nan"),
-                              "the forward outputs were finite; the loss itself was non-finite")
-        if finding is None and self._bwd_in:
-            # Backward order: the first module whose input-gradient is non-finite while the gradient
-            # arriving at its output was finite produced it.
-            flags = torch.stack([f[1] for f in self._bwd_in]).cpu().tolist()
-            out_flags = {k: bool(v) for k, v in zip(self._bwd_out, torch.stack(list(self._bwd_out.values()))
-                                                     .cpu().tolist())} if self._bwd_out else {}
-            candidates = [(idx, dtype, key) for (idx, _, dtype, key), ok in zip(self._bwd_in, flags)
-                          if not ok and out_flags.get(idx, True)]
-            if candidates:
-                # Modules sharing one input tensor (a block and its first sub-layer) get the same
-                # gradient; the deepest of them is the one whose backward wrote into it.
-                key = candidates[0][2]
-                idx, dtype, _ = max((c for c in candidates if c[2] == key), key=lambda c: self._depth(c[0]))
-                name = self.modules[idx][0]
-                cause = Cause.OVERFLOW if fp16_scaling else Cause.NAN
-                finding = Finding(name, Phase.BACKWARD, cause, dtype, float("nan"),
-                                  f"the gradient leaving {name or 'the model'} in backward became non-finite"
-                                  f" ({dtype}) while the gradient arriving at its output was finite")
-        if finding is None:
-            finding = self._param_finding(fp16_scaling)
-        self.reset()
+        """Read the flags (one host sync) and name the culprit, or None if all were finite.
+        None too when no forward was observed (the hooks were armed after this step's forward)."""
+        if not self.observed:
+            self.reset()
+            return None
+        ok = self._read_flags()
+        top = [call for call in self._calls if call.parent == -1]
+        try:
+            finding = self._forward_finding(ok)
+            if finding is None and (not loss_finite or any(c.in_ok is not None and not ok[c.in_ok] for c in top)):
+                finding = self._outside(Phase.FORWARD) if self.within is not None else Finding(
+                    None, Phase.LOSS, Cause.NAN, "float32", math.nan,
+                    "every module's inputs and outputs were finite; the loss itself was non-finite "
+                    "(the code between the model's output and the loss)")
+            if finding is None:
+                finding = self._backward_finding(ok, fp16_scaling)
+            if finding is None and any(not ok[f] for c in top for f in c.grad_out):
+                finding = self._outside(Phase.BACKWARD) if self.within is not None else Finding(
+                    None, Phase.BACKWARD, Cause.NAN, "", math.nan,
+                    "the gradient arriving at the model's output was already non-finite: it arose in the loss's "
+                    "backward (the code between the model's output and the loss)")
+            if finding is None:
+                finding = self._param_finding(fp16_scaling)
+        finally:
+            self.reset()
         return finding
+
+    def _outside(self, phase: Phase) -> Finding:
+        """Hooks inside one block (the sentinel's) only, and the first non-finite value was not made
+        there: no module is named (``Forensics`` widens the hooks to the whole model)."""
+        what = "forward value" if phase == Phase.FORWARD else "gradient"
+        return Finding(None, phase, None, "", math.nan,
+                       f"the first non-finite {what} arose outside {self.within}, the only block watched: "
+                       "forensics hooks widen to the whole model")
+
+    def _forward_finding(self, ok: list[bool]) -> Finding | None:
+        # (when, call, phase): a top-level call given a non-finite input, at its entry; a call whose
+        # inputs were finite and whose output was not, at its exit (after every child's).
+        events = []
+        for c, call in enumerate(self._calls):
+            in_ok = call.in_ok is None or ok[call.in_ok]
+            if not in_ok and call.parent == -1 and self.within is None:  # inside a block: from upstream
+                events.append((call.enter, c, Phase.INPUT))
+            elif in_ok and call.out_ok is not None and not ok[call.out_ok]:
+                events.append((call.exit, c, Phase.FORWARD))
+        if not events:
+            return None
+        _, c, phase = min(events)
+        call = self._calls[c]
+        name = self.modules[call.idx][0]
+        x = _first_tensor(list(_floats((call.args, call.kwargs))))
+        in_max = float(x.detach().abs().max()) if x is not None and x.numel() else math.nan
+        if phase == Phase.INPUT:
+            what = "NaN" if x is not None and bool(torch.isnan(x).any()) else "inf"
+            return Finding(None, Phase.INPUT, Cause.NAN, str(x.dtype) if x is not None else "", in_max,
+                           f"the input of {name or 'the model'} holds {what} before any module ran on it: a bad batch "
+                           "(or code outside the model's modules); the step's batch_ids are quarantined")
+        cause, detail = self._classify_forward(call)
+        label = f"{name or 'the model'} ({type(self.modules[call.idx][1]).__name__})"
+        return Finding(name, Phase.FORWARD, cause, call.out_dtype, in_max,
+                       f"{label}'s inputs were finite and its output was not; {detail}; input max |x| = {in_max:.4g}",
+                       param=self._own_param(call.idx))
+
+    def _backward_finding(self, ok: list[bool], fp16_scaling: bool) -> Finding | None:
+        for c, in_ok, has_nan, dtype in self._grad_in:
+            call = self._calls[c]
+            if ok[in_ok] or not all(ok[f] for f in call.grad_out):
+                continue
+            name = self.modules[call.idx][0]
+            overflow = fp16_scaling and not ok[has_nan]
+            cause = Cause.OVERFLOW if overflow else Cause.NAN
+            why = ("inf but no NaN, under fp16 loss scaling: the scaled gradient exceeded fp16's range" if overflow
+                   else "it holds NaN" if ok[has_nan] else "it holds inf")
+            return Finding(name, Phase.BACKWARD, cause, dtype, math.nan,
+                           f"the gradient leaving {name or 'the model'} in backward became non-finite ({dtype}: {why}) "
+                           "while the gradient arriving at its output was finite", param=self._own_param(call.idx))
+        return None
+
+    def _own_param(self, idx: int) -> str | None:
+        """The culprit's first parameter (its own or its children's) whose gradient is non-finite."""
+        name, module = self.modules[idx]
+        for pname, p in module.named_parameters():
+            g = p.grad
+            if g is not None:
+                g = g.to_local() if callable(getattr(g, "to_local", None)) else g
+                if not bool(torch.isfinite(g).all()):  # SYNC (the culprit's parameters only)
+                    return f"{name}.{pname}" if name else pname
+        return None
 
     def _param_finding(self, fp16_scaling: bool) -> Finding | None:
         """No module output or input-gradient was non-finite, yet a parameter gradient is (a hook,
@@ -327,51 +430,15 @@ class Localizer:
                 has_nan = bool(torch.isnan(g).any())
                 cause = Cause.OVERFLOW if fp16_scaling and not has_nan else Cause.NAN
                 full = f"{name}.{pname}" if name else pname
-                return Finding(name, Phase.BACKWARD, cause, str(g.dtype), float("nan"),
+                return Finding(name, Phase.BACKWARD, cause, str(g.dtype), math.nan,
                                f"the gradient of {full} is non-finite ({'NaN' if has_nan else 'inf'}) while every "
-                               "module's output and input gradients were finite")
+                               "module's output and input gradients were finite", param=full)
         return None
 
-    def _depth(self, idx: int) -> int:
-        name = self.modules[idx][0]
-        return name.count(".") + 1 if name else 0
+    # ------------------------------------------------------------------ classification
+    def _classify_forward(self, call: _Call) -> tuple[Cause | None, str]:
+        """Recompute the culprit on its saved inputs in the run's precision and in fp32
+        (:func:`ampguard.recompute.classify`)."""
+        from .recompute import classify
 
-    def _forward_finding(self, idx: int, dtype: str, in_max: torch.Tensor | None) -> Finding:
-        name, module = self.modules[idx]
-        in_max_f = float(in_max) if in_max is not None else float("nan")
-        cause = self._classify_forward(idx, module)
-        label = name or "the model"
-        detail = {
-            "overflow": f"{label}'s output overflowed {dtype} (finite in fp32, beyond ±{FP16_MAX:g})",
-            "nan": f"{label}'s output is non-finite in fp32 too: a genuine NaN/inf (bad input or math)",
-            "transient": f"{label}'s output was non-finite but recomputing it is clean: transient or injected",
-        }[cause]
-        return Finding(name, Phase.FORWARD, cause, dtype, in_max_f, f"{detail}; input max |x| = {in_max_f:.4g}")
-
-    @torch.no_grad()
-    def _classify_forward(self, idx: int, module: torch.nn.Module) -> Cause:
-        args = self._inputs.get(idx)
-        if args is None:
-            return Cause.NAN
-        self._recomputing = True
-        try:
-            fp32_args = tuple(a.detach().float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                              for a in args)
-            device_type = next((a.device.type for a in fp32_args if isinstance(a, torch.Tensor)), "cpu")
-            cuda = [a.device for a in fp32_args if isinstance(a, torch.Tensor) and a.device.type == "cuda"][:1]
-            # The recompute must not draw from the run's RNG (a dropout inside the module would
-            # shift every later mask): fork it, CPU and the module's CUDA device.
-            with torch.random.fork_rng(devices=cuda), torch.autocast(device_type=device_type, enabled=False):
-                out = _first_tensor(module(*fp32_args))
-            if out is None:
-                return Cause.NAN
-            out = out.float()
-            if not bool(torch.isfinite(out).all()):
-                return Cause.NAN
-            if float(out.abs().max()) > FP16_MAX:
-                return Cause.OVERFLOW
-            return Cause.TRANSIENT
-        except Exception:  # a module that cannot be re-run on its saved input: say what we know
-            return Cause.NAN
-        finally:
-            self._recomputing = False
+        return classify(self, call)

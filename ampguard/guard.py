@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import sys
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -69,7 +70,8 @@ class GuardedOptimizer(InnerOptimizerView):
         self._names: tuple[str, ...] = ()
         self._reporter = rep = _make_reporter(self, ladder)
         self._forensics = Forensics(model=model, config=config, backend=backend, fp16=scaler is not None,
-                                    findings=rep.findings)
+                                    findings=rep.findings, device=device)
+        rep.sentinel = self._forensics.sentinel
         self._stage = Stage.READY
         self._step = 0  # step() calls completed = index of the step being prepared
         self._loss = LossMeter()
@@ -171,13 +173,15 @@ class GuardedOptimizer(InnerOptimizerView):
                 result = closure()
         fresh = self._fresh_grads()
         self._check_step_call(fresh)
-        self._fixed_point()  # the previous step's reports, if they were left pending
+        self._fixed_point(self._step + 1)  # the previous step's reports, if left pending; this forward is done
         if self._reporter.ladder is not None and self._reporter.ladder.pending_rollback is not None:
             actions.rollback_step(self)
             return result
         measured = self._measured if self._measured is not None else self._measure()
         pipe = self._pipeline
-        gathered = pipe.gather(measured, self._loss.value(), no_grads=not fresh)
+        sentinel = self._forensics.sentinel
+        gathered = pipe.gather(measured, self._loss.value(), no_grads=not fresh,
+                               sentinel=sentinel.value() if sentinel is not None else None)
         decision, tracker = pipe.decide(gathered)
         if self._forensics.armed:  # armed only after an anomaly
             self._forensics.collect(self._step, decision, gathered)
@@ -194,7 +198,7 @@ class GuardedOptimizer(InnerOptimizerView):
         if every is not None and self.backend.world_size > 1 and self._step % every == 0:
             consistency.check_guard(self)  # collective, on the same step everywhere
         if synced or not self._lagged_reports:
-            self._fixed_point()
+            self._fixed_point(self._step)  # after _end_step: the next forward is this step's
             if self._reporter.ladder is not None and self._reporter.ladder.pending_rollback is not None:
                 self._reporter.ladder.rollback(self, self.model, self.optimizer)
         return result
@@ -288,7 +292,7 @@ class GuardedOptimizer(InnerOptimizerView):
             self.flush()
         finally:
             self._closed = True
-            self._forensics.remove()
+            self._forensics.close()
             if self._scaler is not None:
                 self._scaler.detach()
             self._exporter.close()
@@ -364,9 +368,10 @@ class GuardedOptimizer(InnerOptimizerView):
             hook(self._step)
         return self._pipeline.measure(self)
 
-    def _fixed_point(self) -> None:
-        """Where reports turn into actions, the same step on every rank (:func:`actions.carry_out`)."""
-        actions.carry_out(self)
+    def _fixed_point(self, next_forward: int) -> None:
+        """Where reports turn into actions, the same step on every rank (:func:`actions.carry_out`).
+        ``next_forward``: the first step whose forward forensics hooks armed here would see."""
+        actions.carry_out(self, next_forward)
 
     def _replay_scale(self, decision: torch.Tensor) -> Any:
         from .stats import Dec
@@ -397,6 +402,11 @@ def _make_reporter(guard: GuardedOptimizer, ladder: Ladder | None) -> Any:
     cfg = guard.config
     track = (MemoryPeaks(guard.device, per_step=cfg.memory_peak_per_step)
              if guard.device.type == "cuda" and cfg.track_memory else None)
+    # A weak reference: the reporter must not keep its guard alive. With a cycle, `del opt, model` left
+    # the model (a DDP model, its reducer and process group) to the cyclic collector, which may run only
+    # at interpreter exit, after dist.destroy_process_group() (issue 15, item 8).
+    guard_ref = weakref.ref(guard)
     return Reporter(config=guard.config, rank=guard.backend.rank, world_size=guard.backend.world_size,
-                    names=lambda: guard.param_names, exporter=guard._exporter, scaled=guard.scaler is not None,
+                    names=lambda: guard_ref().param_names,  # type: ignore[union-attr]
+                    exporter=guard._exporter, scaled=guard.scaler is not None,
                     ladder=ladder, can_snapshot=guard.model is not None, track_memory=track)

@@ -189,13 +189,16 @@ class StepPipeline:
         groups = grads_by_device_and_dtype(self.params())
         return Measured(found, found_inf, groups, per_tensor_norms(groups, self.device))
 
-    def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False) -> torch.Tensor:
+    def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False,
+               sentinel: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's statistics, all-gathered: ``[world_size, LOCAL_K]`` on device. collective:
         every rank gathers, also one whose backward reached no parameter (``no_grads``): the
-        decision then skips the step on every rank."""
+        decision then skips the step on every rank. ``sentinel``:
+        :meth:`ampguard.sentinel.Sentinel.value` (None: off)."""
         pack = local_vector_host if self.host_decision else local_vector
         vec = pack(loss=loss, tensor_norms=measured.norms, found_inf=measured.found_inf,
-                   pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads)
+                   pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads,
+                   sentinel=sentinel)
         return self.backend.all_gather(vec).wait()  # type: ignore[no-any-return]
 
     def decide(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | int | None]:
@@ -304,7 +307,8 @@ def _takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def local_vector_host(*, loss: torch.Tensor | None, tensor_norms: torch.Tensor, found_inf: torch.Tensor | None,
-                      pre_reduction: torch.Tensor | None, device: torch.device, no_grads: bool = False) -> torch.Tensor:
+                      pre_reduction: torch.Tensor | None, device: torch.device, no_grads: bool = False,
+                      sentinel: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`ampguard.stats.local_vector` for the host decision (CPU tensors; ``device`` is the
     CPU): the same ``LOCAL_K`` float32 values, counted and packed on the host (no op packs them).
     The total norm is the same torch reduction (so it stays bitwise ``clip_grad_norm_``'s)."""
@@ -320,6 +324,7 @@ def local_vector_host(*, loss: torch.Tensor | None, tensor_norms: torch.Tensor, 
         0.0 if found_inf is None else f32(float(found_inf.item())),
         0.0 if pre_reduction is None else f32(float(pre_reduction.item())),
         1.0 if no_grads else 0.0,
+        -1.0 if sentinel is None else f32(float(sentinel.item())),
     ])
 
 

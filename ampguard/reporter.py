@@ -29,6 +29,7 @@ from .escalation import Ladder
 from .exporters.base import MultiExporter
 from .forensics import Finding
 from .report import Anomaly, History, StepReport
+from .sentinel import Sentinel
 from .stats import DECISION_K, LOCAL_K, Decision, Loc, origin_ranks
 from .vocab import AnomalyKind, Phase, SkipReason
 
@@ -78,6 +79,8 @@ class Actions:
     """The ladder's diagnosis, and the report it stopped at."""
     escalation: Exception | None = None
     """An error to raise at the fixed point (consecutive skips, abort)."""
+    blocks: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Step -> the block the sentinel named on it (forensics hooks arm inside it)."""
 
 
 class Reporter:
@@ -113,6 +116,9 @@ class Reporter:
         """Forensics' findings by step, waiting for their step's report."""
         self.divergence: Anomaly | None = None
         """A consistency check's finding, until its step is reported."""
+        self.sentinel: Sentinel | None = None
+        """The opt-in sentinel, whose slot of the gathered vector names a block on its own step."""
+        self._blocks: dict[int, str] = {}
         self.actions = Actions()
         self._pending: deque[_Pending] = deque()
         self._unexported: list[tuple[StepReport, list[Anomaly]]] = []
@@ -158,6 +164,9 @@ class Reporter:
             anomalies.append(self.divergence)
             self.divergence = None
         anomalies = annotate(anomalies, self.findings.pop(report.step, None))
+        block = self._blocks.pop(report.step, None)
+        if block is not None:
+            self.actions.blocks[report.step] = block
         if report.nonfinite and batch_ids:
             self.quarantine.extend(batch_ids)
         if self.ladder is not None and report.reason != SkipReason.ROLLBACK:
@@ -221,7 +230,28 @@ class Reporter:
             param_norms=tuple(norms) if want_norms else None, wall_time=time.time(),
             scale_backoff=d.backoff, scale_growth=d.growth,
         )
-        return report, self._anomalies(report, d, ranks, bad_params, rows)
+        anomalies = self._anomalies(report, d, ranks, bad_params, rows)
+        if self.sentinel is not None and anomalies and report.nonfinite:
+            anomalies[0] = self._sentinel_named(step, anomalies[0], rows, ranks)
+        return report, anomalies
+
+    def _sentinel_named(self, step: int, first: Anomaly, rows: list[list[float]], ranks: tuple[int, ...]) -> Anomaly:
+        """The first non-finite anomaly of a step, with the block (or input) the sentinel flagged
+        first on the first rank where the values originated (every rank decodes the same rows)."""
+        assert self.sentinel is not None  # internal: called when on
+        order = [*ranks, *(r for r in range(len(rows)) if r not in ranks)]
+        hit = next(((r, rows[r][Loc.SENTINEL]) for r in order if rows[r][Loc.SENTINEL] >= 0), None)
+        name = self.sentinel.name(hit[1]) if hit is not None else None
+        if hit is None or name is None:
+            return first
+        where = f" on rank {hit[0]}" if self.world_size > 1 else ""
+        if name == "":
+            return dataclasses.replace(first, module=None, phase=Phase.INPUT, detail=(
+                f"{first.detail}. Sentinel{where}: the model's input was non-finite before any block ran"))
+        self._blocks[step] = name
+        return dataclasses.replace(first, module=name, phase=Phase.FORWARD, detail=(
+            f"{first.detail}. Sentinel{where}: {name} is the first watched block whose output was non-finite "
+            "(forensics hooks arm inside it)"))
 
     def _anomalies(self, report: StepReport, d: Decision, ranks: tuple[int, ...],
                    bad_params: tuple[str, ...], rows: list[list[float]]) -> list[Anomaly]:

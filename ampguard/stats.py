@@ -57,6 +57,9 @@ class Loc(enum.IntEnum):
     """1.0 when this rank's own contribution was non-finite before reduction."""
     NO_GRADS = 6
     """1.0 when no parameter received a gradient on this rank since the last step (a detached output)."""
+    SENTINEL = 7
+    """The sentinel's first non-finite slot this step (-1: none or off; 0: the model's input;
+    k+1: block k), see :mod:`ampguard.sentinel`."""
 
 
 LOCAL_K = len(Loc)
@@ -198,6 +201,7 @@ def local_vector(
     pre_reduction: torch.Tensor | None,
     device: torch.device,
     no_grads: bool = False,
+    sentinel: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pack this rank's statistics into the ``LOCAL_K`` vector (:class:`Loc`). ``loss``: this
     step's loss on device (None: no loss was given for this step). ``no_grads``: no parameter
@@ -207,7 +211,7 @@ def local_vector(
     else:
         total = torch.zeros((), dtype=torch.float32, device=device)
     nonfinite = (~torch.isfinite(tensor_norms)).sum()
-    zero, one, nan = _constants(device)
+    zero, one, nan, minus_one = _constants(device)
     vec = torch.stack(
         [
             nan if loss is None else loss,
@@ -217,20 +221,21 @@ def local_vector(
             zero if found_inf is None else found_inf.to(device).reshape(()),  # ShardedGradScaler: [1]
             zero if pre_reduction is None else pre_reduction.to(device),
             one if no_grads else zero,
+            minus_one if sentinel is None else sentinel.to(device),
         ]
     ).float()
     return vec
 
 
-_CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
-def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """0, 1 and NaN as float32 0-d tensors on ``device``, made once (only ever read)."""
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """0, 1, NaN and -1 as float32 0-d tensors on ``device``, made once (only ever read)."""
     c = _CONSTANTS.get(device)
     if c is None:
         c = _CONSTANTS[device] = tuple(  # type: ignore[assignment]
-            torch.full((), v, dtype=torch.float32, device=device) for v in (0.0, 1.0, math.nan)
+            torch.full((), v, dtype=torch.float32, device=device) for v in (0.0, 1.0, math.nan, -1.0)
         )
     return c  # type: ignore[return-value]
 

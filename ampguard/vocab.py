@@ -68,19 +68,30 @@ class Phase(_StrEnum):
     """Where forensics saw the first non-finite value (``Anomaly.phase``)."""
 
     FORWARD = "forward"
+    """A module whose inputs were finite produced a non-finite output."""
     BACKWARD = "backward"
+    """A module whose incoming gradient was finite produced a non-finite outgoing gradient (or a
+    parameter's gradient went non-finite outside every module's backward)."""
     LOSS = "loss"
+    """Every module output was finite; the loss was not."""
+    INPUT = "input"
+    """The model's input (the batch) was non-finite before any module ran on it."""
 
 
 class Cause(_StrEnum):
     """Why forensics thinks it went non-finite (``Anomaly.cause``)."""
 
     OVERFLOW = "overflow"
-    """Finite in fp32, beyond fp16's range in the run's precision."""
+    """Recomputed, non-finite in the run's precision and finite in fp32 (beyond fp16's range);
+    or, in backward, inf without NaN under fp16 loss scaling."""
     NAN = "nan"
     """Non-finite in fp32 too: a genuine NaN/inf (bad input or math)."""
     TRANSIENT = "transient"
     """A replay of the same batch was clean: suspect hardware or a race."""
+    NOT_REPRODUCED = "not_reproduced"
+    """Recomputing the culprit on its saved inputs was finite in the run's precision and in
+    fp32, and no replay said more: an injected value, a race, hardware, or state the recompute
+    does not see."""
 
 
 Precision = Literal["auto", "fp16", "bf16", "fp32"]

@@ -6,7 +6,7 @@ Runs the same DDP + guarded-AdamW loop three ways on each rank and prints per-st
 - ``nogather``: the guard with a backend that replicates the local vector instead of
   gathering it (the LocalBackend-equivalent: every other cost of the guard is there);
 - ``gather_nohook``: the guard with TorchDistBackend(pre_reduction=False): one all_gather of
-  6 floats per rank per step (stats.LOCAL_K);
+  8 floats per rank per step (stats.LOCAL_K);
 - ``gather``:   the default TorchDistBackend: that all-gather plus the pre-reduction DDP comm hook.
 
 The figure asked for is ``gather_nohook / nogather`` (the collective alone), and

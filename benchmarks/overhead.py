@@ -9,6 +9,8 @@ Variants (each with its own copy of the model, same initial weights, same batch)
   anomaly          forward/backward under ``torch.autograd.detect_anomaly()`` (``--anomaly``; fused only)
   guard            ``ampguard.wrap(opt, scaler=scaler, precision="fp16")``, default config
   guard_clip       + ``GuardConfig(clip_grad_norm=1.0)``
+  guard_sentinel   + ``GuardConfig(sentinel="top")``: one on-device finiteness flag per top-level block output
+                   (issue 14's opt-in sentinel); its ratio is against ``guard``, the cost the sentinel adds
   guard_exporters  + ampguard's PrometheusExporter (serving on 127.0.0.1, any free port) and JsonlExporter
                    when those modules import; each missing one is recorded as unavailable, and a stand-in
                    exporter (the benchmark's own: one JSON line + 4 prometheus_client metrics per step)
@@ -300,6 +302,8 @@ def build_variant(kind: str, fused: bool, ctx: dict[str, Any]) -> Variant:
         return v
 
     cfg = ampguard.GuardConfig(clip_grad_norm=CLIP) if kind == "guard_clip" else ampguard.GuardConfig()
+    if kind == "guard_sentinel":
+        cfg = ampguard.GuardConfig(sentinel="top")
     exporters: list[Any] = []
     if kind == "guard_exporters":
         exporters, v.info["exporters"] = make_exporters(ctx["tmpdir"])
@@ -360,7 +364,7 @@ def variant_kinds(args: argparse.Namespace) -> list[tuple[str, bool]]:
         return out
     kinds = []
     for fused in (True, False):
-        for k in ("plain", "clip", "itemcheck", "guard", "guard_clip", "guard_exporters"):
+        for k in ("plain", "clip", "itemcheck", "guard", "guard_clip", "guard_exporters", "guard_sentinel"):
             kinds.append((k, fused))
     if args.anomaly:
         kinds.append(("anomaly", True))
@@ -430,6 +434,7 @@ def summarise(variants: list[Variant]) -> dict[str, Any]:
         "guard_exporters": "plain",
         "guard_lazy": "plain",
         "guard_armed": "plain",
+        "guard_sentinel": "guard",
     }
     for name, e in out.items():
         kind, opt = name.rsplit("_", 1)

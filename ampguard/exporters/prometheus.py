@@ -85,7 +85,15 @@ class PrometheusExporter:
 
     - ``port``: base port; rank ``r`` of a host serves at ``port + local_rank`` (so 8 GPUs of
       a host use ``port .. port+7``).
-    - ``addr``: interface to bind ("0.0.0.0": all IPv4; "127.0.0.1": loopback only; "::": IPv6).
+    - ``addr``: interface to bind. The default, ``"0.0.0.0"``, is every IPv4 interface of the
+      host: what a Prometheus on another machine needs, and prometheus_client's own convention.
+      It also means that anyone who can reach the host on that port can read the endpoint (no
+      authentication, no TLS): the run id, the device name, the ampguard/torch/python versions,
+      the world size and precision (the run-info metric), and the training numbers (loss, loss
+      scale, gradient norm, skipped and non-finite steps, device memory). Nothing can be written
+      through it (GET/HEAD on ``/metrics`` only). Where the scraper runs on the same host, or
+      behind a local agent or SSH tunnel, bind ``addr="127.0.0.1"`` (loopback only); ``"::"`` binds
+      every IPv6 interface; a firewall or network policy limits who reaches ``0.0.0.0``.
     - ``registry``: a ``prometheus_client.CollectorRegistry`` to register into (e.g. the global
       ``REGISTRY`` to share an existing endpoint). None: a private one.
     - ``serve``: False registers the metrics but starts no server (use your own endpoint for

@@ -160,8 +160,9 @@ def test_horovod_one_decision_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> 
         assert r["adasum"] is not None and "Adasum" in r["adasum"]
         assert r["broadcast"] == (1024.0, 7, 2)
         assert r["zeroed"]
-        # a first anomaly: no hooks were armed on the first pass, so the clean replay says only "transient"
-        assert r["replay"] == [(2, "", "loss", "transient", (1,))], r["replay"]
+        # a first anomaly: no hooks were armed on the first pass, so the clean replay says only "transient";
+        # no module applies: None (issue 14; it was "", the name of the model root)
+        assert r["replay"] == [(2, None, "loss", "transient", (1,))], r["replay"]
     assert all(torch.equal(a, b) for a, b in zip(res[0]["replay_params"], res[1]["replay_params"]))
 
 

@@ -117,8 +117,8 @@ _SEEN = {
     SkipReason: ["nonfinite_loss", "nonfinite_grad", "grad_spike", "loss_spike", "rollback", "no_gradients"],
     AnomalyKind: ["nonfinite_loss", "nonfinite_grad", "overflow", "grad_spike", "loss_spike", "scale_floor",
                   "rank_divergence", "rollback", "abort", "no_gradients"],
-    Phase: ["forward", "backward", "loss"],
-    Cause: ["overflow", "nan", "transient"],
+    Phase: ["forward", "backward", "loss", "input"],  # "input": issue 14
+    Cause: ["overflow", "nan", "transient", "not_reproduced"],  # "not_reproduced": issue 14
 }
 
 

@@ -518,3 +518,24 @@ def test_memory_tracking_settings():
     assert opt._reporter.track_memory is None  # off CUDA nothing is read, nothing reset
     guarded_steps(opt, model, make_data(1))
     assert opt.last_report.memory_allocated_peak is None
+
+
+# ---------------------------------------------------------------------------------- 9. the bind address
+def test_default_bind_is_every_interface_documented_and_loopback_is_one_argument_away():
+    from ampguard.exporters import PrometheusExporter
+
+    doc = " ".join((PrometheusExporter.__doc__ or "").split())
+    assert 'The default, ``"0.0.0.0"``, is every IPv4 interface' in doc
+    assert "run id" in doc and 'addr="127.0.0.1"' in doc
+    readme = (REPO / "README.md").read_text()
+    monitoring = readme[readme.index("## Monitoring"):readme.index("## The `ampguard` command")]
+    assert "binds `0.0.0.0` by default" in monitoring and 'addr="127.0.0.1"' in monitoring
+    default, loopback = PrometheusExporter(port=0), PrometheusExporter(port=0, addr="127.0.0.1")
+    try:
+        default.start(local_rank=0)
+        loopback.start(local_rank=0)
+        assert default._server.server_address[0] == "0.0.0.0"
+        assert loopback._server.server_address[0] == "127.0.0.1" and loopback.url.startswith("http://127.0.0.1:")
+    finally:
+        default.close()
+        loopback.close()

@@ -1,0 +1,87 @@
+"""Classification of a forward culprit from evidence: recompute it on its saved inputs in the
+run's precision and in fp32 (see :mod:`ampguard.forensics` for the verdicts)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from .forensics import _HALF, FP16_MAX, _floats, _map_tensors
+from .vocab import Cause
+
+if TYPE_CHECKING:
+    from .forensics import Localizer, _Call
+
+__all__ = ["classify"]
+
+
+@torch.no_grad()
+def classify(loc: Localizer, call: _Call) -> tuple[Cause | None, str]:
+    """Recompute the culprit on its saved inputs in the run's precision and in fp32."""
+    module = loc.modules[call.idx][1]
+    if any(hasattr(p, "placements") for p in module.parameters()):
+        return None, "not recomputed: its parameters are sharded (DTensor/FSDP2)"
+    ac = call.autocast
+    run_label = (f"{str(ac[1]).removeprefix('torch.')} autocast" if ac is not None
+                 else call.out_dtype.removeprefix("torch."))
+    run, run_err = _recompute(loc, module, call, fp32=False)
+    fp32, fp32_err = _recompute(loc, module, call, fp32=True)
+    if run_err is not None or fp32_err is not None:
+        said = [f"recomputed in {label} it is {'finite' if res[0] else 'non-finite'}" if err is None
+                else f"the {label} recompute failed ({err})"
+                for label, res, err in ((run_label, run, run_err), ("fp32", fp32, fp32_err))]
+        return None, "; ".join(said)
+    run_ok, fp32_ok, fp32_max = run[0], fp32[0], fp32[1]
+    if not run_ok and fp32_ok:
+        return Cause.OVERFLOW, (f"recomputed on its saved inputs it is non-finite in {run_label} and finite in "
+                                f"fp32 (max |y| = {fp32_max:.4g}): the run's precision overflowed (fp16 ends at "
+                                f"±{FP16_MAX:g}), possibly inside the module")
+    if not run_ok:
+        return Cause.NAN, (f"recomputed on its saved inputs it is non-finite in {run_label} and in fp32: a "
+                           "genuine NaN/inf (log of a negative, 0/0, a non-finite weight)")
+    if not fp32_ok:
+        return Cause.NAN, f"recomputed on its saved inputs it is finite in {run_label} but non-finite in fp32"
+    return Cause.NOT_REPRODUCED, (f"recomputed on its saved inputs it is finite in {run_label} and in fp32: not "
+                                  "reproducible by recompute (an injected value, a race, hardware, or state the "
+                                  "recompute does not see)")
+
+def _recompute(loc: Localizer, module: torch.nn.Module, call: _Call, *,
+               fp32: bool) -> tuple[tuple[bool, float], str | None]:
+    """(outputs all finite, max |output|), or the error that stopped the recompute. Buffers
+    are copies (a BatchNorm's running stats stay as they were); the RNG is forked (a dropout
+    inside does not shift the run's masks)."""
+
+    def prep(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        return t.float() if fp32 and t.dtype in _HALF else t
+
+    args, kwargs = _map_tensors(call.args, prep), _map_tensors(call.kwargs, prep)
+    state = {n: prep(b).clone() for n, b in module.named_buffers()}
+    if fp32:
+        state.update({n: p.detach().float() for n, p in module.named_parameters() if p.dtype in _HALF})
+    devices = {t.device for t in _floats((args, kwargs, list(state.values())))}
+    devices |= {p.device for p in module.parameters()}
+    device_type = next(iter(devices)).type if devices else "cpu"
+    cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)[:1]
+    ac = call.autocast
+    loc._recomputing = True
+    try:
+        # fork_rng: CPU and the module's CUDA device
+        with torch.random.fork_rng(devices=cuda), torch.autocast(
+                device_type=ac[0] if ac is not None and not fp32 else device_type,
+                dtype=ac[1] if ac is not None and not fp32 else None,
+                enabled=ac is not None and not fp32):
+            out = torch.func.functional_call(module, state, args, kwargs, strict=False)
+        outs = list(_floats(out))
+        if not outs:
+            return (True, math.nan), "no floating-point output"
+        finite = all(bool(torch.isfinite(t).all()) for t in outs)
+        top = max(float(t.detach().float().abs().nan_to_num(0.0, posinf=0.0).max()) if t.numel() else 0.0
+                  for t in outs)
+        return (finite, top), None
+    except Exception as exc:  # a module that cannot be re-run on its saved inputs: say so, guess nothing
+        return (True, math.nan), f"{type(exc).__name__}: {str(exc)[:200]}"
+    finally:
+        loc._recomputing = False

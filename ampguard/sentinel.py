@@ -1,0 +1,106 @@
+"""The coarse sentinel (``GuardConfig(sentinel=...)``): a block named on the step it goes non-finite.
+
+Opt-in. Without it, forensics hooks exist only after a non-finite step, so a name comes one
+step late (two on the fused CUDA path) and only if the fault recurs (``docs/diagnosis.md``).
+With it, one forward hook on each chosen block (and a forward pre-hook on the model for its
+input) checks the block's output on device: ``isfinite(out).all()`` or-ed into a flag, no host
+sync, no hook inside a block. :meth:`Sentinel.value` packs which came first into one float of
+the step's all-gathered vector (``stats.Loc.SENTINEL``), so the step's own report names the
+block (or the input) on every rank alike, and the fine hooks then arm inside that block only.
+
+Blocks: ``"top"`` (:func:`top_blocks`: the model's children, the items of its ``ModuleList``s
+and ``ModuleDict``s rather than the lists, descending into children that hold such lists, as
+GPT-2's ``transformer``), or a list of module names in the order they run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .compiled import named_user_modules, user_module
+
+__all__ = ["Sentinel", "top_blocks"]
+
+_LISTS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def top_blocks(root: torch.nn.Module) -> list[str]:
+    """The top-level blocks of ``root`` (see the module docstring), in registration order."""
+    out: list[str] = []
+
+    def visit(prefix: str, module: torch.nn.Module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}{name}"
+            if isinstance(child, _LISTS):
+                out.extend(f"{full}.{n}" for n, _ in child.named_children())
+            elif any(isinstance(m, _LISTS) for m in child.modules()):
+                visit(f"{full}.", child)
+            else:
+                out.append(full)
+
+    visit("", root)
+    return out
+
+
+class Sentinel:
+    """Flags on device: slot 0 the model's input, slot k+1 block k's output, set when non-finite."""
+
+    def __init__(self, model: torch.nn.Module, spec: str | Sequence[str], device: torch.device) -> None:
+        root = user_module(model)
+        table = dict(named_user_modules(root))
+        names = top_blocks(root) if spec == "top" else list(spec)
+        missing = [n for n in names if n not in table]
+        if missing:
+            raise ValueError(f"GuardConfig.sentinel: no module named {', '.join(map(repr, missing))} in the model; "
+                             f"its top-level blocks: {', '.join(top_blocks(root)[:20])}")
+        if not names:
+            raise ValueError("GuardConfig.sentinel='top': the model has no child module to watch; name the blocks")
+        self.names: tuple[str, ...] = tuple(names)
+        self.flags = torch.zeros(len(names) + 1, dtype=torch.bool, device=device)
+        self._codes = torch.arange(1, len(names) + 2, dtype=torch.float32, device=device)
+        self._handles: list[Any] = [root.register_forward_pre_hook(self._input_hook, prepend=True)]
+        for k, name in enumerate(names):
+            self._handles.append(table[name].register_forward_hook(self._output_hook(k + 1)))
+
+    def _input_hook(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        if torch.is_grad_enabled():
+            x = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
+            if x is not None:
+                self._mark(0, x)
+
+    def _output_hook(self, slot: int) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            t = out[0] if isinstance(out, (tuple, list)) and out else out
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self._mark(slot, t)
+
+        return hook
+
+    def _mark(self, slot: int, t: torch.Tensor) -> None:
+        bad = ~torch.isfinite(t.detach()).all()  # on device: no sync
+        self.flags[slot : slot + 1].logical_or_(bad.to(self.flags.device))
+
+    def value(self) -> torch.Tensor:
+        """This step's first flagged slot as a float (-1: none; 0: the input; k+1: block k), on
+        device; then the flags are cleared for the next step. No sync."""
+        first = torch.where(self.flags, self._codes, torch.full_like(self._codes, torch.inf)).min()
+        value = torch.where(torch.isfinite(first), first - 1.0, torch.full_like(first, -1.0))
+        self.flags.zero_()
+        return value
+
+    def name(self, code: float) -> str | None:
+        """The block a decoded value names ("" for the model's input), None for none."""
+        k = int(code)
+        if k < 0 or k > len(self.names):
+            return None
+        return "" if k == 0 else self.names[k - 1]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

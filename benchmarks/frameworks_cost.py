@@ -1,0 +1,603 @@
+#!/usr/bin/env python
+"""What each framework integration costs per optimizer step, against the same framework's own fp16
+loop without the guard. All arms side by side in one process, interleaved block by block.
+
+Arms (each its own copy of one GPT-2: same ``GPT2Config``, same initial weights, same token batches;
+dropout off so every arm computes the same numbers, fp16 with loss scaling, fused AdamW where the
+framework permits it):
+
+  accelerate_plain    ``Accelerator(mixed_precision="fp16")``; ``prepare(model, optimizer, scheduler)``;
+                      the documented loop: forward, ``accelerator.backward``, ``accelerator.clip_grad_norm_(1.0)``,
+                      ``optimizer.step()``, ``scheduler.step()``, ``optimizer.zero_grad()``. Fused AdamW.
+  accelerate_guarded  + ``optimizer = ampguard.wrap(optimizer, model=model)``.
+  trainer_plain       transformers ``Trainer``, its own ``train()`` loop: ``TrainingArguments(fp16=True,
+                      optim="adamw_torch_fused", max_grad_norm=1.0)``, its linear scheduler; no logging, no saving.
+  trainer_guarded     ``GuardedTrainer``, the same arguments.
+  lightning_plain     ``lightning.Trainer(precision="16-mixed")``, its own ``fit()`` loop; fused AdamW, a
+                      ``LambdaLR`` with ``interval="step"``; no clipping (Lightning's own ``MixedPrecision``
+                      refuses to clip a fused optimizer, so neither arm clips).
+  lightning_guarded   ``Trainer(plugins=[AmpGuardPrecision("16-mixed")])``, the same module.
+
+Gradient accumulation 1. The accelerate arms read batches from a plain ``DataLoader`` and move them with
+``.to(device)`` (a prepared ``DataLoaderShard`` would register in accelerate's process-wide
+``GradientState``, which the four accelerate-based arms share here); the Trainer and Lightning arms use
+their own data loading.
+
+Timing (the method of ``overhead.py``, adapted to loops that are not ours): every arm runs its framework's
+own loop ONCE, for (warm-up + timed + spare) blocks of ``--block`` optimizer steps, each loop in its own
+thread. The threads take turns: only one runs at a time while the others wait on an Event, so the
+loops are interleaved block by block in one process. A callback at the end of every optimizer step
+(``TrainerCallback.on_step_end``, ``Callback.on_train_batch_end``, the end of our accelerate iteration)
+counts steps; at each block edge the device is synchronised, the time taken, and the thread hands back.
+A round runs one block of every arm, in an order rotated per round; one block's time / ``--block`` is
+one sample. The first ``--warmup`` rounds are discarded (the first holds each loop's own setup:
+``prepare``, data loader, first steps, the guard's CUDA-graph capture). Reported per arm: median,
+p25/p75, min/max of the samples; per framework: the ratio of medians guarded/plain (the headline,
+against the 1.01 target) and the median of the per-round ratios (each guarded block against the plain
+block of the same round). What is timed is the loop between block edges: forward, backward, clipping,
+optimizer and scheduler steps, the framework's per-step bookkeeping and data loading; not the setup
+before the first step.
+
+On CUDA also (before the timing, with fresh models): host-device syncs per accelerate step, counted
+for one step after 3 warm-up steps (``torch.cuda.set_sync_debug_mode("warn")`` warnings plus
+``torch.cuda.Event.synchronize`` calls, which the debug mode does not see) for the plain loop, the
+guarded loop, and the guarded loop without a scheduler. The prepared scheduler reads
+``optimizer.step_was_skipped`` every step, which waits for the guard's decision: the difference
+between the last two is what that read adds.
+
+    python benchmarks/frameworks_cost.py --device cuda --out benchmarks/results/frameworks_cost.json
+    python benchmarks/frameworks_cost.py --quick --device cpu      # tiny GPT-2, a smoke run of the harness
+
+On CPU the fp16 arms use the stand-ins of ``tests/frameworks`` (accelerate and the Trainer build no
+GradScaler and no fp16 autocast on CPU: the benchmark sets ``native_amp``/``scaler`` as
+``Accelerator.__init__`` does on CUDA; Lightning gets ``MixedPrecision("16-mixed", "cpu", scaler)``):
+the CPU numbers check the harness, not the cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ampguard
+
+FRAMEWORKS = ("accelerate", "transformers", "lightning")
+TARGET = 1.01
+CLIP = 1.0
+LR, WD = 1e-4, 0.1
+
+SIZES: dict[str, dict[str, int]] = {
+    # GPT-2 small: GPT2Config()'s 12 layers, 768 wide, 12 heads, 50257 tokens (124M parameters, tied head)
+    "gpt2": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, seq=256, batch=8),
+    "tiny": dict(n_layer=2, n_embd=64, n_head=2, vocab_size=512, seq=32, batch=4),
+}
+
+
+# ---------------------------------------------------------------------------------------- model, data
+def build_model(size: dict[str, int], device: torch.device) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=size["n_layer"], n_embd=size["n_embd"], n_head=size["n_head"],
+                        vocab_size=size["vocab_size"], n_positions=max(1024, size["seq"]), resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=min(50256, size["vocab_size"] - 1),
+                        eos_token_id=min(50256, size["vocab_size"] - 1))
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config).to(device)  # built on the CPU (its RNG), then moved: the same weights anywhere
+
+
+class Tokens(Dataset):  # type: ignore[type-arg]
+    """``rows`` rows of ``seq`` random tokens, the same for every arm."""
+
+    def __init__(self, rows: int, size: dict[str, int]) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, size["vocab_size"], (rows, size["seq"]), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------- interleaving
+class Arm:
+    """One framework loop in its own thread, run ``block`` optimizer steps at a time."""
+
+    def __init__(self, name: str, framework: str, guarded: bool, block: int, device: torch.device) -> None:
+        self.name, self.framework, self.guarded = name, framework, guarded
+        self.block, self.device = block, device
+        self.body: Callable[[Arm], None] = lambda arm: None
+        self.times: list[float | None] = []  # seconds per step, per round; None where the loop had ended
+        self.steps = 0
+        self.stop = False  # set by the controller: the loop ends at its next step
+        self.finished = False
+        self.error: str | None = None
+        self.info: dict[str, Any] = {}
+        self._go = threading.Event()
+        self._parked = threading.Event()
+        self._t_edge = 0.0
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._started = False
+
+    def _main(self) -> None:
+        self._go.wait()
+        self._go.clear()
+        try:
+            self.body(self)
+        except BaseException:
+            self.error = traceback.format_exc()[-3000:]
+        finally:
+            self.finished = True
+            self._parked.set()
+
+    def step_done(self) -> bool:
+        """In the arm's thread, after every optimizer step. At a block edge: synchronise, note the time,
+        hand back and wait for the next turn. Returns True when the loop should stop."""
+        self.steps += 1
+        if self.steps % self.block == 0 and not self.stop:
+            sync(self.device)
+            self._t_edge = time.perf_counter()
+            self._parked.set()
+            self._go.wait()
+            self._go.clear()
+        return self.stop
+
+    def run_block(self) -> float | None:
+        """In the controller: let the arm run one block; its time, or None if its loop has ended."""
+        if self.finished:
+            return None
+        sync(self.device)
+        t0 = time.perf_counter()
+        self._parked.clear()
+        if not self._started:
+            self._started = True
+            self._thread.start()
+        self._go.set()
+        self._parked.wait()
+        return None if self.finished else self._t_edge - t0
+
+    def end(self, timeout: float = 120.0) -> None:
+        """Let the loop finish its current step and return (the framework's own teardown runs)."""
+        self.stop = True
+        if self._started and not self.finished:
+            self._parked.clear()
+            self._go.set()
+            self._parked.wait(timeout)
+            self._thread.join(timeout)
+
+
+# ---------------------------------------------------------------------------------------- the arms
+def _fresh_accelerate_state() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _cpu_fp16_as_on_cuda(accelerator: Any) -> None:
+    """What ``Accelerator.__init__`` sets for fp16 on CUDA, with the CPU's GradScaler (CPU smoke runs)."""
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu")
+
+
+def build_accelerate(arm: Arm, model: torch.nn.Module, ctx: dict[str, Any], *, scheduler: bool = True) -> Any:
+    """Prepared accelerate objects; ``arm.body`` is the documented loop."""
+    from accelerate import Accelerator
+
+    device: torch.device = ctx["device"]
+    acc = Accelerator(mixed_precision="fp16", cpu=device.type == "cpu")
+    if device.type == "cpu":
+        _cpu_fp16_as_on_cuda(acc)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
+    total = ctx["total_steps"]
+    objs: list[Any] = [model, opt]
+    if scheduler:
+        objs.append(torch.optim.lr_scheduler.LambdaLR(opt, lambda n: max(0.0, 1.0 - n / total)))
+    prepared = acc.prepare(*objs)
+    model, opt = prepared[0], prepared[1]
+    sched = prepared[2] if scheduler else None
+    if arm.guarded:
+        opt = ampguard.wrap(opt, model=model)
+        arm.info["guard"] = opt.guard
+    arm.info["scaler"] = acc.scaler
+    loader = DataLoader(ctx["dataset"], batch_size=ctx["size"]["batch"], pin_memory=device.type == "cuda")
+
+    def step(batch: dict[str, torch.Tensor]) -> None:
+        x = batch["input_ids"].to(acc.device, non_blocking=True)
+        loss = model(input_ids=x, labels=x).loss
+        acc.backward(loss)
+        acc.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad()
+
+    def body(arm: Arm) -> None:
+        while True:
+            for batch in loader:
+                step(batch)
+                if arm.step_done():
+                    return
+
+    arm.body = body
+    return step, loader
+
+
+def build_trainer(arm: Arm, model: torch.nn.Module, ctx: dict[str, Any]) -> None:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    device: torch.device = ctx["device"]
+    args = TrainingArguments(
+        output_dir=os.path.join(ctx["tmpdir"], arm.name), max_steps=ctx["total_steps"],
+        per_device_train_batch_size=ctx["size"]["batch"], gradient_accumulation_steps=1, fp16=True,
+        optim="adamw_torch_fused", learning_rate=LR, weight_decay=WD, max_grad_norm=CLIP, logging_strategy="no",
+        save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0, seed=0,
+        use_cpu=device.type == "cpu",
+    )
+
+    class Clock(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if arm.step_done():
+                control.should_training_stop = True
+            return control
+
+    if arm.guarded:
+        from ampguard.integrations.transformers import GuardedTrainer
+
+        trainer: Any = GuardedTrainer(model=model, args=args, train_dataset=ctx["dataset"], callbacks=[Clock()])
+    else:
+        trainer = Trainer(model=model, args=args, train_dataset=ctx["dataset"], callbacks=[Clock()])
+    if device.type == "cpu":
+        _cpu_fp16_as_on_cuda(trainer.accelerator)
+    arm.info["trainer"] = trainer
+
+    def body(arm: Arm) -> None:
+        trainer.train()
+        arm.info["guard"] = getattr(trainer, "guard", None)
+        arm.info["scaler"] = trainer.accelerator.scaler
+
+    arm.body = body
+
+
+def build_lightning(arm: Arm, model: torch.nn.Module, ctx: dict[str, Any]) -> None:
+    import lightning as L
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    device: torch.device = ctx["device"]
+    total = ctx["total_steps"]
+
+    class LitGPT(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return self.model(input_ids=batch["input_ids"], labels=batch["labels"]).loss  # type: ignore[no-any-return]
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WD, fused=True)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: max(0.0, 1.0 - n / total))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    class Clock(L.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if arm.step_done():
+                trainer.should_stop = True
+
+    kw: dict[str, Any] = {}
+    if arm.guarded:
+        from ampguard.integrations.lightning import AmpGuardPrecision
+
+        scaler = torch.amp.GradScaler("cpu") if device.type == "cpu" else None
+        kw["plugins"] = [AmpGuardPrecision("16-mixed", device="cpu" if device.type == "cpu" else None, scaler=scaler)]
+    elif device.type == "cpu":  # Lightning turns "16-mixed" into bf16 on CPU: build the fp16 plugin
+        kw["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+    else:
+        kw["precision"] = "16-mixed"
+    trainer = L.Trainer(accelerator="gpu" if device.type == "cuda" else "cpu", devices=1, max_steps=total,
+                        max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                        default_root_dir=os.path.join(ctx["tmpdir"], arm.name), callbacks=[Clock()], **kw)
+    module = LitGPT()
+    loader = DataLoader(ctx["dataset"], batch_size=ctx["size"]["batch"], pin_memory=device.type == "cuda")
+
+    def body(arm: Arm) -> None:
+        trainer.fit(module, train_dataloaders=loader)
+        plugin = trainer.precision_plugin
+        arm.info["guard"] = getattr(plugin, "guard", None)
+        arm.info["scaler"] = plugin.scaler
+
+    arm.body = body
+
+
+BUILDERS: dict[str, Callable[..., Any]] = {
+    "accelerate": build_accelerate,
+    "transformers": build_trainer,
+    "lightning": build_lightning,
+}
+
+
+# ---------------------------------------------------------------------------------------- accelerate syncs
+class _EventSyncCounter:
+    """Counts ``torch.cuda.Event.synchronize`` calls (the sync debug mode does not report them)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._orig = torch.cuda.Event.synchronize
+
+    def __enter__(self) -> _EventSyncCounter:
+        orig, counter = self._orig, self
+
+        def counted(ev: Any) -> Any:
+            counter.count += 1
+            return orig(ev)
+
+        torch.cuda.Event.synchronize = counted  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.Event.synchronize = self._orig  # type: ignore[method-assign]
+
+
+def accelerate_sync_phase(base: torch.nn.Module, ctx: dict[str, Any]) -> dict[str, Any]:
+    """Host syncs in one accelerate step, plain vs guarded vs guarded without a scheduler."""
+    device: torch.device = ctx["device"]
+    out: dict[str, Any] = {}
+    for name, guarded, scheduler in (("plain", False, True), ("guarded", True, True),
+                                     ("guarded_no_scheduler", True, False)):
+        _fresh_accelerate_state()
+        arm = Arm(name, "accelerate", guarded, 1, device)
+        step, loader = build_accelerate(arm, copy.deepcopy(base), ctx, scheduler=scheduler)
+        batches = iter(loader)
+        for _ in range(3):
+            step(next(batches))
+        batch = next(batches)
+        sync(device)
+        with warnings.catch_warnings(record=True) as caught, _EventSyncCounter() as events:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                step(batch)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        messages = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+        out[name] = {"sync_warnings": len(messages), "event_synchronize": events.count,
+                     "total": len(messages) + events.count,
+                     "samples": sorted({m.splitlines()[0][:160] for m in messages})[:5]}
+        guard = arm.info.get("guard")
+        if guard is not None:
+            guard.close()
+        del arm, step, loader, batches
+        gc.collect()
+        torch.cuda.empty_cache()
+    out["added_by_guard"] = out["guarded"]["total"] - out["plain"]["total"]
+    out["added_by_reading_step_was_skipped"] = out["guarded"]["total"] - out["guarded_no_scheduler"]["total"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------- summary
+def _stats(times: list[float]) -> dict[str, Any]:
+    t = sorted(times)
+    return {"median_ms": 1e3 * statistics.median(t), "p25_ms": 1e3 * t[len(t) // 4],
+            "p75_ms": 1e3 * t[(3 * len(t)) // 4], "min_ms": 1e3 * t[0], "max_ms": 1e3 * t[-1], "samples": len(t)}
+
+
+def summarise(arms: list[Arm], warmup: int) -> dict[str, Any]:
+    timing: dict[str, Any] = {}
+    timed: dict[str, list[float | None]] = {}
+    for arm in arms:
+        samples = arm.times[warmup:]
+        timed[arm.name] = samples
+        ok = [t for t in samples if t is not None]
+        timing[arm.name] = _stats(ok) if ok else {"samples": 0}
+        if arm.error:
+            timing[arm.name]["error"] = arm.error
+    ratios: dict[str, Any] = {}
+    for fw in FRAMEWORKS:
+        plain, guarded = f"{fw}_plain", f"{fw}_guarded"
+        if timing.get(plain, {}).get("samples") and timing.get(guarded, {}).get("samples"):
+            ratio = timing[guarded]["median_ms"] / timing[plain]["median_ms"]
+            paired = [g / p for g, p in zip(timed[guarded], timed[plain]) if g is not None and p is not None]
+            ratios[fw] = {
+                "ratio": ratio,
+                "ratio_p25_p75": [timing[guarded]["p25_ms"] / timing[plain]["p25_ms"],
+                                  timing[guarded]["p75_ms"] / timing[plain]["p75_ms"]],
+                "paired_ratio_median": statistics.median(paired) if paired else None,
+                "added_ms_per_step": timing[guarded]["median_ms"] - timing[plain]["median_ms"],
+                "target": TARGET,
+                "met": ratio <= TARGET,
+            }
+    return {"timing": timing, "ratios": ratios}
+
+
+def print_table(results: dict[str, Any]) -> None:
+    timing, ratios = results.get("timing", {}), results.get("ratios", {})
+    print(f"\n{'arm':20s} {'median ms':>10s} {'p25':>9s} {'p75':>9s} {'min':>9s} {'max':>9s} {'n':>4s}")
+    for name, e in timing.items():
+        if not e.get("samples"):
+            print(f"{name:20s} {'no samples':>10s}" + ("  ERROR (see JSON)" if e.get("error") else ""))
+            continue
+        print(f"{name:20s} {e['median_ms']:10.3f} {e['p25_ms']:9.3f} {e['p75_ms']:9.3f} {e['min_ms']:9.3f} "
+              f"{e['max_ms']:9.3f} {e['samples']:4d}")
+    print(f"\n{'framework':14s} {'guarded/plain':>13s} {'p25..p75':>15s} {'paired':>8s} {'+ms/step':>9s}  "
+          f"target <= {TARGET}")
+    for fw, r in ratios.items():
+        paired = f"{r['paired_ratio_median']:.4f}" if r["paired_ratio_median"] is not None else "-"
+        lo, hi = r["ratio_p25_p75"]
+        print(f"{fw:14s} {r['ratio']:13.4f} {lo:7.3f}..{hi:6.3f} {paired:>8s} {r['added_ms_per_step']:9.3f}  "
+              f"{'met' if r['met'] else 'NOT met'}")
+    syncs = results.get("accelerate_syncs")
+    if isinstance(syncs, dict) and "error" not in syncs:
+        print("\naccelerate host syncs per step (debug-mode warnings + Event.synchronize):")
+        for name in ("plain", "guarded", "guarded_no_scheduler"):
+            e = syncs[name]
+            print(f"  {name:22s} {e['sync_warnings']:3d} + {e['event_synchronize']:3d} = {e['total']}")
+        print(f"  added by the guard: {syncs['added_by_guard']}; by the scheduler's read of step_was_skipped: "
+              f"{syncs['added_by_reading_step_was_skipped']}")
+    for name, e in results.get("guards", {}).items():
+        print(f"  {name}: {e}")
+    for name, e in timing.items():
+        if e.get("error"):
+            print(f"\n{name} FAILED:\n{e['error']}")
+
+
+# ---------------------------------------------------------------------------------------- main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny GPT-2 and few blocks: a smoke run of the harness")
+    ap.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma list of " + ", ".join(FRAMEWORKS))
+    ap.add_argument("--block", type=int, default=None, help="optimizer steps per block (default 10; --quick 3)")
+    ap.add_argument("--blocks", type=int, default=None, help="timed rounds (default 50; --quick 5)")
+    ap.add_argument("--warmup", type=int, default=None, help="rounds discarded first (default 3; --quick 1)")
+    ap.add_argument("--budget-s", type=float, default=300.0,
+                    help="stop timing early (keeping the rounds done) when the next round would end past this many "
+                         "seconds since start (default 300)")
+    ap.add_argument("--no-syncs", action="store_true", help="skip the accelerate sync count (CUDA only anyway)")
+    ap.add_argument("--out", default=None, help="write the JSON results here")
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+
+    def elapsed() -> str:
+        return f"[{time.perf_counter() - t_start:6.1f}s]"
+
+    device = torch.device(args.device)
+    on_cuda = device.type == "cuda"
+    size = SIZES["tiny" if args.quick else "gpt2"]
+    block = args.block or (3 if args.quick else 10)
+    blocks = args.blocks or (5 if args.quick else 50)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+    frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+    unknown = set(frameworks) - set(FRAMEWORKS)
+    if unknown:
+        ap.error(f"unknown framework(s) {sorted(unknown)}; choose from {FRAMEWORKS}")
+    rounds = warmup + blocks
+    total_steps = (rounds + 2) * block  # the loops never end on their own before the controller stops them
+    tmpdir = tempfile.mkdtemp(prefix="ampguard-frameworks-")
+
+    versions: dict[str, str] = {"torch": torch.__version__, "ampguard": ampguard.__version__,
+                                "python": platform.python_version()}
+    for pkg in ("accelerate", "transformers", "lightning"):
+        try:
+            versions[pkg] = __import__(pkg).__version__
+        except Exception as exc:
+            versions[pkg] = f"unavailable ({type(exc).__name__}: {exc})"
+    meta: dict[str, Any] = {
+        "command": "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:])),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions,
+        "device": torch.cuda.get_device_name(device) if on_cuda else (platform.processor() or platform.machine()),
+        "cpu_count": os.cpu_count(),
+        "model": size,
+        "precision": "fp16 (GradScaler on)",
+        "block_steps": block, "timed_rounds": blocks, "warmup_rounds": warmup, "budget_s": args.budget_s,
+        "frameworks": frameworks,
+        "method": "one thread per framework loop, one runs at a time; rounds of one block per arm in rotated order; "
+                  "device synchronised at block edges; warm-up rounds discarded; median of block time / block",
+    }
+    print(json.dumps({k: meta[k] for k in ("command", "device", "versions")}), flush=True)
+    results: dict[str, Any] = {"meta": meta}
+
+    def save() -> None:
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+
+    base = build_model(size, device)
+    meta["params"] = sum(p.numel() for p in base.parameters())
+    print(f"{elapsed()} GPT-2 built: {meta['params'] / 1e6:.1f}M parameters on {device}", flush=True)
+    ctx: dict[str, Any] = {"device": device, "size": size, "tmpdir": tmpdir, "total_steps": total_steps,
+                           "dataset": Tokens(total_steps * size["batch"], size)}
+
+    if on_cuda and "accelerate" in frameworks and not args.no_syncs:
+        try:
+            results["accelerate_syncs"] = accelerate_sync_phase(base, ctx)
+        except Exception:
+            results["accelerate_syncs"] = {"error": traceback.format_exc()[-3000:]}
+        print(f"{elapsed()} accelerate sync count done", flush=True)
+        save()
+
+    if any(f in frameworks for f in ("accelerate", "transformers")):
+        _fresh_accelerate_state()
+    arms: list[Arm] = []
+    for fw in frameworks:
+        for guarded in (False, True):
+            arm = Arm(f"{fw}_{'guarded' if guarded else 'plain'}", fw, guarded, block, device)
+            try:
+                BUILDERS[fw](arm, copy.deepcopy(base), ctx)
+            except Exception:
+                arm.error, arm.finished = traceback.format_exc()[-3000:], True
+                print(f"{elapsed()} {arm.name}: could not be built:\n{arm.error}", flush=True)
+            arms.append(arm)
+    del base
+    gc.collect()
+    print(f"{elapsed()} {len(arms)} arms built; {rounds} rounds of {block} steps each", flush=True)
+
+    last_round = 0.0
+    for r in range(rounds):
+        now = time.perf_counter() - t_start
+        if r > warmup and now + last_round > args.budget_s:
+            print(f"{elapsed()} time budget reached: stopping after {r - warmup} timed rounds", flush=True)
+            meta["stopped_early_after_rounds"] = r - warmup
+            break
+        t_round = time.perf_counter()
+        k = r % len(arms)
+        for arm in arms[k:] + arms[:k]:
+            t = arm.run_block()
+            arm.times.append(None if t is None else t / block)  # seconds per optimizer step
+        last_round = time.perf_counter() - t_round
+        if r < warmup or (r - warmup) % 10 == 0 or r == rounds - 1:
+            done = ", ".join(f"{a.name} {1e3 * a.times[-1]:.1f}" if a.times[-1] is not None else f"{a.name} -"
+                             for a in arms)
+            print(f"{elapsed()} round {r + 1}/{rounds}{' (warm-up)' if r < warmup else ''}: ms/step {done}",
+                  flush=True)
+    for arm in arms:
+        arm.end()
+    print(f"{elapsed()} loops ended", flush=True)
+
+    results.update(summarise(arms, warmup))
+    guards: dict[str, Any] = {}
+    for arm in arms:
+        scaler = arm.info.get("scaler")
+        entry: dict[str, Any] = {"steps": arm.steps,
+                                 "final_loss_scale": float(scaler.get_scale()) if scaler is not None else None}
+        guard = arm.info.get("guard")
+        if guard is not None:
+            entry.update(guard_steps=guard.step_count, skipped_steps=guard.skipped_steps)
+            if not guard._closed:
+                guard.close()
+        guards[arm.name] = entry
+    results["guards"] = guards
+    meta["wall_s"] = time.perf_counter() - t_start
+    save()
+    print_table(results)
+    print(f"\n{elapsed()} total", flush=True)
+    return 1 if any(a.error for a in arms) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""The opt-in coarse sentinel (issue 14, item 4): a block named on the step it goes non-finite,
+without a closure, and the fine hooks then armed inside that block only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ampguard
+from ampguard import faults
+from ampguard.sentinel import top_blocks
+
+from .test_forensics import batches, lm
+from .test_forensics import train as train_lm
+
+
+def hooked(model: torch.nn.Module) -> dict[str, int]:
+    counts = {name: len(m._forward_hooks) + len(m._forward_pre_hooks) for name, m in model.named_modules()}
+    return {name: n for name, n in counts.items() if n}
+
+
+def train(opt, model, data, lagged=False):
+    opt._lagged_reports = lagged  # True: the fused-CUDA report lag, emulated on CPU
+    train_lm(opt, model, data)
+    opt.flush()
+
+
+def test_top_blocks_are_the_repeated_blocks_and_the_layers_around_them():
+    assert top_blocks(lm()) == ["emb", *(f"blocks.{i}" for i in range(6)), "head"]
+    gpt = torch.nn.Module()
+    gpt.transformer = torch.nn.Module()
+    gpt.transformer.wte = torch.nn.Embedding(4, 4)
+    gpt.transformer.h = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+    gpt.lm_head = torch.nn.Linear(4, 4)
+    assert top_blocks(gpt) == ["transformer.wte", "transformer.h.0", "transformer.h.1", "lm_head"]
+
+
+def test_off_by_default_and_on_it_hooks_only_the_blocks():
+    model = lm()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16")
+    train(opt, model, batches(2))
+    assert hooked(model) == {}  # sentinel off: a healthy run registers no hook
+    model = lm()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
+                        config={"sentinel": "top"})
+    train(opt, model, batches(2))
+    # one forward hook per top-level block, one pre-hook on the model for its input, nothing inside
+    assert hooked(model) == {"": 1, "emb": 1, **{f"blocks.{i}": 1 for i in range(6)}, "head": 1}
+    assert all(not r.skipped for r in opt.history)
+    opt.close()
+    assert hooked(model) == {}
+
+
+@pytest.mark.parametrize("lagged", [False, True], ids=["cpu", "fused_cuda_lag"])
+def test_names_the_block_on_the_same_step_then_arms_inside_it_only(lagged):
+    model = lm()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model,
+                        precision="bf16", config={"sentinel": "top"})
+    faults.inject(opt, faults.output("blocks.2.mlp", "nan", steps=range(3, 7)))
+    train(opt, model, batches(7), lagged=lagged)
+    by_step = {a.step: a for a in opt.anomalies}
+    # step 3: no closure, no hook inside any block, yet the block is named on the step itself
+    assert (by_step[3].module, by_step[3].phase, by_step[3].cause) == ("blocks.2", "forward", None)
+    assert "Sentinel" in by_step[3].detail
+    # the fine hooks arm inside blocks.2 only; from the step their first forward ran, the module
+    # inside the block is named, and classified
+    first_fine = 5 if lagged else 4
+    assert by_step[first_fine - 1].module == "blocks.2"
+    for step in range(first_fine, 7):
+        assert (by_step[step].module, by_step[step].phase, by_step[step].cause) == (
+            "blocks.2.mlp", "forward", "not_reproduced"), by_step[step]
+    inside = {n for n in hooked(model) if n.startswith("blocks.2.") or n == "blocks.2.mlp"}
+    outside = {n: c for n, c in hooked(model).items() if n not in inside and n != "blocks.2"}
+    assert inside and all(c == 1 for c in outside.values())  # only the sentinel's hook out there
+
+
+def test_input_inf_is_named_on_the_same_step():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=1e-2), model=model, precision="bf16",
+                        config={"sentinel": "top"})
+    for step in range(3):
+        x = torch.randn(4, 8)
+        if step == 1:
+            x[0, 0] = float("inf")
+        with opt.autocast():
+            loss = model(x).float().pow(2).mean()
+        opt.backward(loss, batch_id=step)
+        opt.step()
+        opt.zero_grad()
+    (a,) = opt.anomalies
+    assert (a.step, a.module, a.phase) == (1, None, "input") and opt.quarantine == [1]
+
+
+def test_bad_sentinel_config_is_refused():
+    with pytest.raises(ValueError, match="sentinel"):
+        ampguard.GuardConfig(sentinel="all")
+    model = lm()
+    with pytest.raises(ValueError, match=r"no module named 'blocks\.9'"):
+        ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model=model, precision="bf16",
+                      config={"sentinel": ["blocks.9"]})
+    with pytest.raises(ValueError, match="needs the model"):
+        ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.1), precision="bf16", config={"sentinel": "top"})
+
+
+def test_a_fault_outside_the_watched_block_widens_the_hooks_to_the_whole_model():
+    model = lm()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
+                        config={"sentinel": "top"})
+    faults.inject(opt, faults.output("blocks.2.mlp", "nan", steps=[2]),  # the sentinel: hooks inside blocks.2
+                  faults.backward("blocks.4.mlp", "inf", steps=[4, 5]))  # then a fault elsewhere, in backward
+    train(opt, model, batches(6))
+    by_step = {a.step: a for a in opt.anomalies}
+    assert by_step[2].module == "blocks.2"
+    # step 4: the gradient reaching blocks.2 was already non-finite: not blamed on anything inside it
+    assert (by_step[4].module, by_step[4].phase, by_step[4].cause) == (None, "backward", None)
+    assert "outside blocks.2" in by_step[4].detail
+    # step 5: the hooks watch the whole model again and name the module
+    assert (by_step[5].module, by_step[5].phase) == ("blocks.4.mlp", "backward")
+
+
+def test_a_replay_leaves_no_flag_for_the_next_step():
+    model = lm()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
+                        config={"sentinel": "top"})
+    faults.inject(opt, faults.output("blocks.1", "nan", steps=[2]),  # fires on step 2 and on its replay
+                  faults.loss("nan", steps=[3]))  # step 3: only the loss; no block output is non-finite
+    train_lm(opt, model, batches(4), closure=True)
+    by_step = {a.step: a for a in opt.anomalies}
+    assert (by_step[2].module, by_step[2].phase) == ("blocks.1", "forward")
+    assert "Sentinel" not in by_step[3].detail and by_step[3].module is None
