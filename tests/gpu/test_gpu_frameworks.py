@@ -146,14 +146,47 @@ def _fault(prefix: str = "") -> faults.Fault:
 
 
 class _Steps:
-    """What :class:`ampguard.faults.Injection` reads of a guard (``step_count``), from an unguarded run."""
+    """What :class:`ampguard.faults.Injection` needs of a guard, from an unguarded run: the step
+    count, and the two moments a guarded step has (before the gradients are read, after the
+    step). The reference loops call :meth:`before` and :meth:`after` at the matching points."""
 
     def __init__(self, count: Callable[[], int]) -> None:
         self.count = count
+        self._before: list[Any] = []
+        self._after: list[Any] = []
+        self._last_after: int | None = None
 
     @property
     def step_count(self) -> int:
         return self.count()
+
+    def register_pre_unscale_hook(self, hook: Any) -> Any:
+        return _Handle(self._before, hook)
+
+    def register_step_post_hook(self, hook: Any) -> Any:
+        return _Handle(self._after, hook)
+
+    def before(self) -> None:
+        for hook in list(self._before):
+            hook(self.count())
+
+    def after(self) -> None:
+        """After an optimizer step (once per step: a framework's per-micro-batch hook may call it again)."""
+        if self._last_after == self.count():
+            return
+        self._last_after = self.count()
+        for hook in list(self._after):
+            hook()
+
+
+class _Handle:
+    def __init__(self, hooks: list[Any], hook: Any) -> None:
+        self.hooks, self.hook = hooks, hook
+        hooks.append(hook)
+
+    def remove(self) -> None:
+        if self.hook in self.hooks:
+            self.hooks.remove(self.hook)
 
 
 def _adamw(model: torch.nn.Module, *, fused: bool) -> torch.optim.Optimizer:
@@ -233,12 +266,14 @@ def _run_accelerate(precision: str, guarded: bool, tmp_path: Path) -> Run:
     if DEV == "cuda":
         assert precision != "fp16" or isinstance(acc.scaler, torch.amp.GradScaler)  # accelerate's own, for CUDA
     step = 0
+    ref_steps: _Steps | None = None
     if guarded:
         opt = ampguard.wrap(opt, model=model)
         run.guard = opt.guard
         run.injection = faults.inject(opt, model, _fault())
     elif precision == "fp16":
-        run.injection = faults.Injection(_Steps(lambda: step), model, [_fault()])
+        ref_steps = _Steps(lambda: step)
+        run.injection = faults.Injection(ref_steps, model, [_fault()])
     micro: list[torch.Tensor] = []
     for (x,) in loader:
         with acc.accumulate(model):
@@ -247,6 +282,8 @@ def _run_accelerate(precision: str, guarded: bool, tmp_path: Path) -> Run:
             acc.backward(loss)
             sync = acc.sync_gradients
             if sync:
+                if ref_steps is not None:
+                    ref_steps.before()
                 acc.clip_grad_norm_(model.parameters(), CLIP)
                 run.pre_step(step, model, opt.param_groups[0]["lr"])
             drop = sync and not guarded and precision == "bf16" and step == K  # the bf16 reference's skip
@@ -257,6 +294,8 @@ def _run_accelerate(precision: str, guarded: bool, tmp_path: Path) -> Run:
             if sync:
                 run.skipped.append(bool(acc.optimizer_step_was_skipped))
                 step += 1
+                if ref_steps is not None:
+                    ref_steps.after()
     run.losses = [float(sum(micro[s * GA:(s + 1) * GA])) for s in range(STEPS)]
     run.finish(model, opt, acc.scaler.get_scale() if acc.scaler is not None else None)
     if guarded:
@@ -274,6 +313,7 @@ def _run_trainer(precision: str, guarded: bool, tmp_path: Path) -> Run:
     opt = _adamw(model, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, run.schedule())
     holder: list[Any] = []
+    ref_steps: list[_Steps] = []
     drop = not guarded and precision == "bf16"
 
     class Probe(TrainerCallback):  # type: ignore[misc]
@@ -284,11 +324,13 @@ def _run_trainer(precision: str, guarded: bool, tmp_path: Path) -> Run:
                 run.guard = trainer.guard
                 run.injection = faults.inject(trainer.guard, trainer.model, _fault())
             elif precision == "fp16":
-                run.injection = faults.Injection(_Steps(lambda: trainer.state.global_step), trainer.model,
-                                                 [_fault()])
+                ref_steps.append(_Steps(lambda: trainer.state.global_step))
+                run.injection = faults.Injection(ref_steps[0], trainer.model, [_fault()])
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             trainer = holder[0]
+            for steps in ref_steps:
+                steps.before()
             run.pre_step(state.global_step, trainer.model, trainer.optimizer.param_groups[0]["lr"])
             if drop and state.global_step == K:  # the bf16 reference leaves this update out
                 for p in trainer.model.parameters():
@@ -296,6 +338,10 @@ def _run_trainer(precision: str, guarded: bool, tmp_path: Path) -> Run:
 
         def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             run.skipped.append(bool(holder[0].accelerator.optimizer_step_was_skipped))
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            for steps in ref_steps:  # global_step has advanced
+                steps.after()
 
     args = TrainingArguments(
         output_dir=str(tmp_path / ("guarded" if guarded else "plain")), max_steps=STEPS,
@@ -354,10 +400,17 @@ def _run_lightning(precision: str, guarded: bool, tmp_path: Path) -> Run:
                 run.guard = trainer.precision_plugin.guard
                 run.injection = faults.inject(run.guard, pl_module, _fault("model."))
             elif precision == "fp16":
-                run.injection = faults.Injection(_Steps(lambda: trainer.global_step), pl_module, [_fault("model.")])
+                self.steps = _Steps(lambda: trainer.global_step)
+                run.injection = faults.Injection(self.steps, pl_module, [_fault("model.")])
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            if getattr(self, "steps", None) is not None:
+                self.steps.before()
             run.pre_step(trainer.global_step, pl_module.model, optimizer.param_groups[0]["lr"])
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if getattr(self, "steps", None) is not None:
+                self.steps.after()  # once per optimizer step (global_step has advanced)
 
     lightning_precision = {"fp16": "16-mixed", "bf16": "bf16-mixed"}[precision]
     kw: dict[str, Any] = {}
