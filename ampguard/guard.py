@@ -160,6 +160,12 @@ class GuardedOptimizer(InnerOptimizerView):
         collective: every rank must call it, once per iteration. Host syncs: see
         :mod:`ampguard.pipeline` (none beyond GradScaler's and the optimizer's own).
 
+        With a GradScaler and a fused optimizer (the fused fast path, ``GuardConfig.fused_fast_path``)
+        the gradients are measured still scaled and the optimizer's kernel unscales and clips them
+        as it updates; ``.grad`` is then left as the plain fused GradScaler loop leaves it: unscaled
+        (and clipped) on a step taken, still scaled on a skipped one. After :meth:`unscale_` (or
+        ``scaler.unscale_(opt)``) this step unscales first, as without the fast path.
+
         ``closure``: run exactly once, first, with grad enabled (as ``torch.optim`` promises); it
         computes the loss and its gradients. ``replay=True`` (with a closure that zeroes the
         gradients and recomputes the loss of the *same batch*): on a non-finite step the guard runs

@@ -23,6 +23,27 @@ the host waits for the device (the only places it does):
                                 skipping step needs, and the one GradScaler already makes.
                                 On CPU the skip is already a host bool: no ``.item()``.
 8. scale update               ``GradScaler.update(new_scale=tensor)``. No sync.
+
+The fused fast path (``GuardConfig.fused_fast_path``, on by default; see :meth:`StepPipeline.fast_path`
+for when it is taken: a GradScaler, a fused optimizer, nobody unscaled this iteration) replaces
+stages 2, 3, 6 and 7:
+
+2+3. per-tensor norms         of the **still-scaled** gradients (the one read), times ``1/scale``
+                              on device (exact for a power-of-two scale: the norms and the total
+                              stay bitwise ``clip_grad_norm_``'s on unscaled gradients, barring
+                              float32 over/underflow); ``found_inf`` := some norm is non-finite,
+                              recorded as GradScaler's own (a norm that overflows float32 on finite
+                              scaled values counts too: skipped and backed off, conservatively).
+                              No sync.
+6+7. clip + inner step        no pass of their own: the fused optimizer gets ``grad_scale = scale``
+                              (``scale / clip_coef`` when clipping) and ``found_inf = skip``, as
+                              GradScaler.step hands them to such optimizers, and unscales, clips
+                              and updates in its kernel, or skips there. No sync.
+
+Passes over the gradients: today's path reads+writes (unscale), reads (norms), reads+writes (clip,
+when clipping) before the optimizer's own pass; the fast path reads once. ``.grad`` afterwards:
+torch's fused kernels write the unscaled (and clipped) gradients back on a step they take, and
+leave them as they were, scaled, on a skipped step: the plain fused GradScaler loop's state.
 """
 
 from __future__ import annotations
