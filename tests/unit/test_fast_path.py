@@ -315,3 +315,24 @@ def test_per_parameter_norms_on_the_report_are_the_unscaled_ones(clip):
     assert seen >= len(data) // 2
     # and they are not the scaled norms
     assert max(opt.history[0].param_norms) < 100.0
+
+
+# ---------------------------------------------------------------------------------- GradScaler's bookkeeping
+@pytest.mark.parametrize("bad", [False, True])
+def test_grad_scalers_own_update_finds_the_inf_check_recorded(bad):
+    """The fast path records its found_inf as GradScaler's inf check for the inner optimizer (what
+    GradScaler's fused step records), so GradScaler's own ``update()`` works on it: no "No inf
+    checks were recorded", and it backs off exactly when the norms were non-finite."""
+    model = make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opt = ampguard.wrap(fused(model), model=model, precision="fp16", scaler=scaler)
+    x, y = make_data(1)[0]
+    with opt.autocast():
+        loss = loss_of(model, x, y)
+    opt.backward(loss * math.inf if bad else loss)
+    measured = opt._pipeline.measure(opt, fast=True)
+    assert measured.scaled
+    recorded = scaler._per_optimizer_states[id(opt.optimizer)]["found_inf_per_device"]
+    assert [float(t) for t in recorded.values()] == [1.0 if bad else 0.0]
+    torch.amp.GradScaler.update(scaler)  # GradScaler's own, not the guard's refusal
+    assert scaler.get_scale() == (512.0 if bad else 1024.0)
