@@ -41,9 +41,10 @@ stages 2, 3, 6 and 7:
                               and updates in its kernel, or skips there. No sync.
 
 Passes over the gradients: today's path reads+writes (unscale), reads (norms), reads+writes (clip,
-when clipping) before the optimizer's own pass; the fast path reads once. ``.grad`` afterwards:
-torch's fused kernels write the unscaled (and clipped) gradients back on a step they take, and
-leave them as they were, scaled, on a skipped step: the plain fused GradScaler loop's state.
+when clipping) before the optimizer's own pass; the fast path reads once. Given a ``grad_scale``,
+torch's fused kernels (Adam/AdamW/SGD/Adagrad) also write the unscaled (and clipped) gradients
+back as they update, as in the plain fused GradScaler loop, and leave them untouched, scaled, on
+a skipped step: ``.grad`` afterwards is the plain fused loop's.
 """
 
 from __future__ import annotations
