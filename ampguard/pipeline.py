@@ -33,8 +33,9 @@ stages 2, 3, 6 and 7:
                               stay bitwise ``clip_grad_norm_``'s on unscaled gradients, barring
                               float32 over/underflow); ``found_inf`` := some norm is non-finite,
                               recorded as GradScaler's own (a norm that overflows float32 on finite
-                              scaled values counts too: skipped and backed off, conservatively).
-                              No sync.
+                              scaled values counts too: skipped and backed off, conservatively;
+                              torch's norm kernels sum squares in float32, so that is a scaled
+                              norm above ~1.8e19, an unscaled one above 1.8e19/scale). No sync.
 6+7. clip + inner step        no pass of their own: the fused optimizer gets ``grad_scale = scale``
                               (``scale / clip_coef`` when clipping) and ``found_inf = skip``, as
                               GradScaler.step hands them to such optimizers, and unscales, clips
@@ -238,7 +239,9 @@ class StepPipeline:
         norms (and the total) are bitwise those of the unscaled gradients, barring float32 over-
         or underflow. A non-finite norm is GradScaler's ``found_inf``; so is a norm that
         overflows float32 on finite scaled values (conservative: the step is skipped and the
-        scale backed off, where GradScaler's element check would have stepped). None (take
+        scale backed off, where GradScaler's element check would have stepped; the norm kernels
+        sum squares in float32, so any scaled norm above sqrt(float32 max) ~ 1.8e19, i.e. an
+        unscaled norm above 1.8e19/scale: 2.8e14 at scale 65536). None (take
         today's path) where there is no gradient or a float16 gradient (GradScaler refuses to
         unscale those: today's path raises its error). No sync."""
         adapter = self.adapter

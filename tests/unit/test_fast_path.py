@@ -336,3 +336,31 @@ def test_grad_scalers_own_update_finds_the_inf_check_recorded(bad):
     assert [float(t) for t in recorded.values()] == [1.0 if bad else 0.0]
     torch.amp.GradScaler.update(scaler)  # GradScaler's own, not the guard's refusal
     assert scaler.get_scale() == (512.0 if bad else 1024.0)
+
+
+# ---------------------------------------------------------------------------------- the conservative rule
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_norm_that_overflows_float32_on_finite_scaled_gradients_skips_on_the_fast_path(fast):
+    """Conservative, and documented: torch's norm kernels sum the squares in float32, so a norm
+    above sqrt(float32 max) ~ 1.8e19 is inf even where every element is finite. The fast path takes
+    the norm of the *scaled* gradients: here each scaled element is 1e19 (norm 1.1e20: inf), so the
+    step is skipped and the scale backed off. Today's path unscales first (1e19 / 1024, norm 1.1e17:
+    finite) and steps, as the plain GradScaler loop (an element check) would."""
+    model = make_model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    opt = ampguard.wrap(fused(model), model=model, precision="fp16", scaler=scaler,
+                        config={"fused_fast_path": fast})
+    x, y = make_data(1)[0]
+    with opt.autocast():
+        loss = loss_of(model, x, y)
+    opt.backward(loss)
+    model[0].weight.grad.fill_(1e19)  # finite, scaled; norm 1e19 * sqrt(128) > 1.8e19
+    assert torch.isfinite(model[0].weight.grad).all()
+    opt.step()
+    r = opt.last_report
+    if fast:
+        assert r.skipped and r.reason == "nonfinite_grad" and r.nonfinite_grads == 1
+        assert opt.get_scale() == 512.0
+    else:
+        assert not r.skipped and math.isfinite(r.grad_norm)
+        assert opt.get_scale() == 1024.0
