@@ -134,6 +134,15 @@ class GuardConfig:
     step and replay it: one launch instead of ~70, which is most of the guard's host cost. The
     capture synchronises once."""
 
+    fused_fast_path: bool = True
+    """With a GradScaler and a fused optimizer (``_step_supports_amp_scaling``, e.g.
+    ``AdamW(fused=True)``), measure the still-scaled gradients and let the optimizer's kernel
+    unscale (and clip) them as it updates: one read of the gradients instead of an unscale pass,
+    a norm pass and a clip pass. Numerically the plain fused GradScaler loop (see
+    :mod:`ampguard.pipeline`). Visible difference: a *skipped* step leaves ``.grad`` scaled (and
+    unclipped), as the plain fused loop does; False: today's unscale-first path, which leaves
+    unscaled gradients behind on every step."""
+
     track_memory: bool = True
     """On CUDA, report the peak allocated/reserved device memory: the caching allocator's
     high-water mark (since the process started, or since your last

@@ -160,6 +160,12 @@ class GuardedOptimizer(InnerOptimizerView):
         collective: every rank must call it, once per iteration. Host syncs: see
         :mod:`ampguard.pipeline` (none beyond GradScaler's and the optimizer's own).
 
+        With a GradScaler and a fused optimizer (the fused fast path, ``GuardConfig.fused_fast_path``)
+        the gradients are measured still scaled and the optimizer's kernel unscales and clips them
+        as it updates; ``.grad`` is then left as the plain fused GradScaler loop leaves it: unscaled
+        (and clipped) on a step taken, still scaled on a skipped one. After :meth:`unscale_` (or
+        ``scaler.unscale_(opt)``) this step unscales first, as without the fast path.
+
         ``closure``: run exactly once, first, with grad enabled (as ``torch.optim`` promises); it
         computes the loss and its gradients. ``replay=True`` (with a closure that zeroes the
         gradients and recomputes the loss of the *same batch*): on a non-finite step the guard runs
@@ -177,7 +183,7 @@ class GuardedOptimizer(InnerOptimizerView):
         if self._reporter.ladder is not None and self._reporter.ladder.pending_rollback is not None:
             actions.rollback_step(self)
             return result
-        measured = self._measured if self._measured is not None else self._measure()
+        measured = self._measured if self._measured is not None else self._measure(fast=True)
         pipe = self._pipeline
         sentinel = self._forensics.sentinel
         gathered = pipe.gather(measured, self._loss.value(), no_grads=not fresh,
@@ -362,11 +368,13 @@ class GuardedOptimizer(InnerOptimizerView):
                 "opt.scaler.scale(loss).backward() with the scaler the guard shares. Unscaling unscaled gradients "
                 "would shrink the update by the loss scale. Nothing was changed.")
 
-    def _measure(self) -> Any:
+    def _measure(self, fast: bool = False) -> Any:
+        """``fast``: from ``step()``, the fused fast path may measure the gradients still scaled
+        (never from ``unscale_()``, whose caller wants them unscaled)."""
         self.backend.before_unscale(self.optimizer)
         for hook in tuple(self._pre_unscale_hooks.values()):
             hook(self._step)
-        return self._pipeline.measure(self)
+        return self._pipeline.measure(self, fast=fast)
 
     def _fixed_point(self, next_forward: int) -> None:
         """Where reports turn into actions, the same step on every rank (:func:`actions.carry_out`).

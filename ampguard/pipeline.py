@@ -23,6 +23,29 @@ the host waits for the device (the only places it does):
                                 skipping step needs, and the one GradScaler already makes.
                                 On CPU the skip is already a host bool: no ``.item()``.
 8. scale update               ``GradScaler.update(new_scale=tensor)``. No sync.
+
+The fused fast path (``GuardConfig.fused_fast_path``, on by default; see :meth:`StepPipeline.fast_path`
+for when it is taken: a GradScaler, a fused optimizer, nobody unscaled this iteration) replaces
+stages 2, 3, 6 and 7:
+
+2+3. per-tensor norms         of the **still-scaled** gradients (the one read), times ``1/scale``
+                              on device (exact for a power-of-two scale: the norms and the total
+                              stay bitwise ``clip_grad_norm_``'s on unscaled gradients, barring
+                              float32 over/underflow); ``found_inf`` := some norm is non-finite,
+                              recorded as GradScaler's own (a norm that overflows float32 on finite
+                              scaled values counts too: skipped and backed off, conservatively;
+                              torch's norm kernels sum squares in float32, so that is a scaled
+                              norm above ~1.8e19, an unscaled one above 1.8e19/scale). No sync.
+6+7. clip + inner step        no pass of their own: the fused optimizer gets ``grad_scale = scale``
+                              (``scale / clip_coef`` when clipping) and ``found_inf = skip``, as
+                              GradScaler.step hands them to such optimizers, and unscales, clips
+                              and updates in its kernel, or skips there. No sync.
+
+Passes over the gradients: today's path reads+writes (unscale), reads (norms), reads+writes (clip,
+when clipping) before the optimizer's own pass; the fast path reads once. Given a ``grad_scale``,
+torch's fused kernels (Adam/AdamW/SGD/Adagrad) also write the unscaled (and clipped) gradients
+back as they update, as in the plain fused GradScaler loop, and leave them untouched, scaled, on
+a skipped step: ``.grad`` afterwards is the plain fused loop's.
 """
 
 from __future__ import annotations
@@ -92,7 +115,11 @@ class Measured:
     """The same, summed on the guard's device (None without loss scaling)."""
     groups: GradGroups
     norms: torch.Tensor
-    """Per-tensor L2 norms (float32, on the guard's device), in ``groups.index`` order."""
+    """Per-tensor L2 norms (float32, on the guard's device), in ``groups.index`` order: of the
+    unscaled gradients, also on the fast path (the scaled norms times ``1/scale``)."""
+    scaled: bool = False
+    """The fused fast path: the gradients are still scaled, ``found_inf`` comes from the norms,
+    and the fused optimizer unscales (and clips) them in its kernel (:meth:`StepPipeline.measure`)."""
 
 
 class DecisionGraph:
@@ -163,6 +190,9 @@ class StepPipeline:
         self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._takes_grad_scaler = self.fused and _takes_grad_scaler(optimizer)
         """A fused optimizer of GradScaler's older protocol (``step(grad_scaler=...)``)."""
+        self.fast_capable = (config.fused_fast_path and adapter is not None and self.fused
+                             and not self._takes_grad_scaler and getattr(backend, "name", None) in _FAST_BACKENDS)
+        """The fused fast path may be taken (each step also asks :meth:`fast_path`)."""
         self.spikes = SpikeState.fresh(device)
         self.scale_state = ScaleState.fresh(device)
         self.graph = DecisionGraph(config.cuda_graph)
@@ -175,9 +205,23 @@ class StepPipeline:
     def params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
-    def measure(self, guard: object) -> Measured:
+    def fast_path(self, guard: object) -> bool:
+        """Whether this step takes the fused fast path: a GradScaler (GradScaler's own unscaling,
+        not a subclass's) with a fused optimizer of the current protocol, on a local or
+        torch.distributed backend with unsharded gradients, ``GuardConfig.fused_fast_path`` on,
+        and nobody has unscaled this iteration."""
+        return (self.fast_capable and not self.backend.grads_sharded
+                and self.adapter.fast_path_ok(guard, self.optimizer))  # type: ignore[union-attr]
+
+    def measure(self, guard: object, *, fast: bool = False) -> Measured:
         """Unscale (adopting an ``unscale_`` already done this iteration), check and measure the
-        gradients: one read. ``guard``: the guarded optimizer (GradScaler may know it by its id)."""
+        gradients: one read. ``guard``: the guarded optimizer (GradScaler may know it by its id).
+        ``fast`` (only from ``step()``, never from ``unscale_()``, whose caller wants unscaled
+        gradients): take the fused fast path where :meth:`fast_path` allows it."""
+        if fast and self.fast_path(guard):
+            measured = self._measure_scaled()
+            if measured is not None:
+                return measured
         found: dict[torch.device, torch.Tensor] = {}
         if self.adapter is not None:
             found = self.adapter.unscale(guard, self.optimizer)
@@ -188,6 +232,30 @@ class StepPipeline:
             found_inf = torch.stack([t.to(self.device, non_blocking=True).reshape(()) for t in found.values()]).sum()
         groups = grads_by_device_and_dtype(self.params())
         return Measured(found, found_inf, groups, per_tensor_norms(groups, self.device))
+
+    def _measure_scaled(self) -> Measured | None:
+        """The fused fast path's measurement: per-tensor norms of the still-scaled gradients (the
+        one read), times ``1/scale`` on device: with a power-of-two scale that is exact, so the
+        norms (and the total) are bitwise those of the unscaled gradients, barring float32 over-
+        or underflow. A non-finite norm is GradScaler's ``found_inf``; so is a norm that
+        overflows float32 on finite scaled values (conservative: the step is skipped and the
+        scale backed off, where GradScaler's element check would have stepped; the norm kernels
+        sum squares in float32, so any scaled norm above sqrt(float32 max) ~ 1.8e19, i.e. an
+        unscaled norm above 1.8e19/scale: 2.8e14 at scale 65536). None (take
+        today's path) where there is no gradient or a float16 gradient (GradScaler refuses to
+        unscale those: today's path raises its error). No sync."""
+        adapter = self.adapter
+        assert adapter is not None  # internal: fast_path() checked
+        groups = grads_by_device_and_dtype(self.params())
+        if not groups.index or any(dtype == torch.float16 for _, dtype in groups.tensors):
+            return None
+        inv = adapter.inv_scale()
+        norms = per_tensor_norms(groups, self.device) * inv.to(self.device, non_blocking=True)
+        found = adapter.record_found_inf(self.optimizer, torch.isfinite(norms).all().logical_not())
+        (found_inf,) = found.values()
+        if found_inf.device != self.device:
+            found_inf = found_inf.to(self.device, non_blocking=True)
+        return Measured(found, found_inf, groups, norms, scaled=True)
 
     def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False,
                sentinel: torch.Tensor | None = None) -> torch.Tensor:
@@ -226,8 +294,8 @@ class StepPipeline:
         return host[1] if host is not None and host[0] is decision else None
 
     def clip(self, measured: Measured, decision: torch.Tensor) -> None:
-        if self.config.clip_grad_norm is None:
-            return
+        if self.config.clip_grad_norm is None or measured.scaled:
+            return  # the fast path folds the coefficient into the fused optimizer's grad_scale
         host = self.host_values(decision)
         if host is not None and host[Dec.CLIP_COEF] == 1.0:
             return  # a multiply by 1 changes no value: skip the pass over the gradients
@@ -242,6 +310,9 @@ class StepPipeline:
             # nothing to step here (GradScaler.step would refuse: it recorded no inf check).
             return False
         skip = decision[Dec.SKIP]
+        if measured.scaled:
+            self._step_scaled(decision, skip, measured)
+            return False
         host = self.host_values(decision)
         if host is not None:
             return self._inner_step_host(host[Dec.SKIP] > 0, skip, measured)
@@ -281,6 +352,22 @@ class StepPipeline:
                 inner.step()
         return True
 
+    def _step_scaled(self, decision: torch.Tensor, skip: torch.Tensor, measured: Measured) -> None:
+        """The fast path's step: what GradScaler.step does for a fused optimizer whose gradients
+        it did not unscale (``grad_scale = scale``, ``found_inf``), with the skip as ``found_inf``
+        and the clip coefficient folded in: ``grad_scale = scale / clip_coef``. The kernel skips
+        on device, or unscales, clips and updates in one pass. No sync."""
+        adapter = self.adapter
+        assert adapter is not None  # internal: measured.scaled
+        adapter.force_found_inf(measured.found_inf_per_device, skip)  # GradScaler's record: the decision
+        scale = adapter.scale
+        grad_scale = scale
+        if self.config.clip_grad_norm is not None:
+            host = self.host_values(decision)
+            if host is None or host[Dec.CLIP_COEF] != 1.0:
+                grad_scale = scale / decision[Dec.CLIP_COEF].to(scale.device, non_blocking=True)
+        self._step_fused(skip, grad_scale)
+
     def _step_fused(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
         """A fused optimizer's step (``_step_supports_amp_scaling``): it skips in its kernel."""
         inner = self.optimizer
@@ -296,6 +383,10 @@ class StepPipeline:
         if self.adapter is not None:
             host = self.host_values(decision)
             self.adapter.update(decision[Dec.NEXT_SCALE] if host is None else host[Dec.NEXT_SCALE], tracker)
+
+
+_FAST_BACKENDS = ("local", "torch.distributed")
+"""Backends the fast path is taken on (Horovod: today's path; untested there)."""
 
 
 def _takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:

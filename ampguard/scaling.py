@@ -52,8 +52,9 @@ class ScalerView:
 class GradScalerAdapter:
     """The guard's view of, and hold on, one ``torch.amp.GradScaler``.
 
-    Reads: :attr:`scale` (the device tensor), :meth:`view`. Writes: :meth:`unscale` (adopting an
-    ``unscale_`` already done this iteration), :meth:`force_found_inf`, :meth:`update` (new scale
+    Reads: :attr:`scale` (the device tensor), :meth:`view`, :meth:`inv_scale`, :meth:`fast_path_ok`.
+    Writes: :meth:`unscale` (adopting an ``unscale_`` already done this iteration),
+    :meth:`record_found_inf` (the fused fast path's inf check), :meth:`force_found_inf`, :meth:`update` (new scale
     and growth tracker), :meth:`at_scale` (run at a given scale, for a replay).
 
     :meth:`attach` makes the scaler's own public methods guard-aware, on this scaler instance
@@ -128,6 +129,38 @@ class GradScalerAdapter:
         """Whether ``inner``'s gradients were unscaled this iteration."""
         state = self.scaler._per_optimizer_states.get(id(inner))
         return state is not None and state["stage"].name == _UNSCALED
+
+    def fast_path_ok(self, guard: object, inner: torch.optim.Optimizer) -> bool:
+        """Whether the fused fast path may measure ``inner``'s gradients still scaled: the scaler
+        is enabled and is GradScaler itself (not a subclass that unscales its own way, such as
+        FSDP's ShardedGradScaler), and nobody unscaled this iteration (``scaler.unscale_`` on the
+        guard or the inner optimizer: the gradients are unscaled already, today's path adopts that)."""
+        scaler = self.scaler
+        if not scaler.is_enabled() or not _unscales_as_grad_scaler(type(scaler)):
+            return False
+        states = scaler._per_optimizer_states
+        for key in (id(guard), id(inner)):
+            state = states.get(key)
+            if state is not None and state["stage"].name != _READY:
+                return False
+        return True
+
+    def inv_scale(self) -> torch.Tensor:
+        """``1 / scale`` as GradScaler's ``unscale_`` computes it (the reciprocal in float64,
+        rounded to float32), on the scale's device. No sync."""
+        scale = self.scale
+        return scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
+
+    def record_found_inf(self, inner: torch.optim.Optimizer,
+                         found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+        """The fast path's inf check, recorded as GradScaler's own for ``inner`` (what its
+        ``_check_inf_per_device`` records before a fused step), so its bookkeeping stays whole:
+        ``found_inf`` (0-d float32) is moved to the scale's device. Returns the per-device dict
+        (one entry), which :meth:`force_found_inf` then sets to the decision. No sync."""
+        t = found_inf.to(self.scale.device, dtype=torch.float32, non_blocking=True).reshape(())
+        found = {t.device: t}
+        self.scaler._per_optimizer_states[id(inner)]["found_inf_per_device"] = found
+        return found
 
     @staticmethod
     def force_found_inf(found_inf_per_device: dict[torch.device, torch.Tensor], skip: torch.Tensor) -> None:
@@ -229,6 +262,12 @@ class GradScalerAdapter:
                 setattr(self.scaler, name, previous)
         self._saved.clear()
         self._targets = ()
+
+
+def _unscales_as_grad_scaler(cls: type) -> bool:
+    """``cls`` (a GradScaler class) checks and unscales gradients with GradScaler's own code."""
+    base = torch.amp.GradScaler
+    return all(getattr(cls, name, None) is getattr(base, name) for name in ("unscale_", "_unscale_grads_"))
 
 
 @dataclasses.dataclass(slots=True)

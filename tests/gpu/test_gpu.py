@@ -72,7 +72,8 @@ class _Plain:
 
 
 class _Guarded:
-    def __init__(self, fused: bool, clip: float | None = None, init_scale: float = 2.0**16, seed: int = 0):
+    def __init__(self, fused: bool, clip: float | None = None, init_scale: float = 2.0**16, seed: int = 0,
+                 fast: bool = True):
         self.model = _model(seed)
         self.scaler = torch.amp.GradScaler(DEV, init_scale=init_scale)
         self.opt = ampguard.wrap(
@@ -80,7 +81,7 @@ class _Guarded:
             model=self.model,
             scaler=self.scaler,
             precision="fp16",
-            config=ampguard.GuardConfig(clip_grad_norm=clip),
+            config=ampguard.GuardConfig(clip_grad_norm=clip, fused_fast_path=fast),
         )
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -214,20 +215,64 @@ def _run(loop: _Plain | _Guarded, batches: list[tuple[torch.Tensor, torch.Tensor
 
 
 @pytest.mark.parametrize(
-    ("fused", "clip"), [(True, None), (False, None), (True, 1.0)], ids=["fused", "unfused", "fused-clip"]
+    ("fused", "clip", "fast"), [(True, None, True), (False, None, True), (True, 1.0, False)],
+    ids=["fused", "unfused", "fused-clip-unscale-first"],
 )
-def test_bitwise_identical_to_plain_gradscaler_loop(fused: bool, clip: float | None) -> None:
+def test_bitwise_identical_to_plain_gradscaler_loop(fused: bool, clip: float | None, fast: bool) -> None:
     """GuardConfig() (and clip_grad_norm vs unscale_ + clip_grad_norm_) changes nothing numerically
     on CUDA: same parameters, bit for bit, and the same loss scale, over steps that include the
-    first fp16 overflows (init_scale 2**24 forces a few)."""
+    first fp16 overflows (init_scale 2**24 forces a few). Fused with clipping: bitwise on the
+    unscale-first path (``fused_fast_path=False``); the fast path folds the coefficient into the
+    kernel's grad_scale (next test)."""
     batches = _batches(20)
     ref, ref_scale = _run(_Plain(fused, clip, init_scale=2.0**24), batches)
     again, again_scale = _run(_Plain(fused, clip, init_scale=2.0**24), batches)
     if not all(torch.equal(a, b) for a, b in zip(ref, again)) or ref_scale != again_scale:
         pytest.skip("the plain loop itself is not bitwise reproducible on this device")
-    guarded = _Guarded(fused, clip, init_scale=2.0**24)
+    guarded = _Guarded(fused, clip, init_scale=2.0**24, fast=fast)
     got, got_scale = _run(guarded, batches)
     assert got_scale == ref_scale
     for i, (a, b) in enumerate(zip(ref, got)):
         assert torch.equal(a, b), f"parameter {i} differs: max |diff| {(a - b).abs().max().item():.3e}"
     assert guarded.opt.skipped_steps >= 1  # the overflow path was exercised
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["default", "clip"])
+def test_fused_fast_path_is_taken(clip: float | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fused AdamW + GradScaler: no GradScaler unscale/inf-check kernel runs (the norms of the
+    still-scaled gradients give found_inf; the optimizer unscales), and every step measured scaled."""
+    calls: list[int] = []
+    original = torch.amp.GradScaler._unscale_grads_
+
+    def counting(self: torch.amp.GradScaler, *args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(torch.amp.GradScaler, "_unscale_grads_", counting)
+    guarded = _Guarded(True, clip)
+    measure, taken = guarded.opt._pipeline.measure, []
+
+    def spy(guard: object, *, fast: bool = False) -> object:
+        m = measure(guard, fast=fast)
+        taken.append(m.scaled)
+        return m
+
+    guarded.opt._pipeline.measure = spy  # type: ignore[method-assign]
+    _run(guarded, _batches(4))
+    assert taken == [True] * 4 and calls == []
+    assert not guarded.opt.step_was_skipped
+
+
+def test_fused_fast_path_with_clipping_is_close_to_unscale_plus_clip_grad_norm() -> None:
+    """The fused fast path with clipping hands the kernel ``grad_scale = scale / clip_coef``: it
+    differs from ``unscale_`` + ``clip_grad_norm_`` by float32 rounding of the clipped gradient (a
+    few ulp per element; see tests/unit/test_fast_path.py), carried by AdamW over 20 steps (lr 1e-3):
+    the same scale sequence and skips, parameters within atol 1e-6 / rtol 1e-5."""
+    batches = _batches(20)
+    ref, ref_scale = _run(_Plain(True, 1.0, init_scale=2.0**24), batches)
+    guarded = _Guarded(True, 1.0, init_scale=2.0**24)
+    got, got_scale = _run(guarded, batches)
+    assert got_scale == ref_scale
+    for i, (a, b) in enumerate(zip(ref, got)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"parameter {i}")
+    assert guarded.opt.skipped_steps >= 1
