@@ -124,13 +124,25 @@ def _scheduled_state_dict(self: Any) -> dict[str, Any]:
     return _base(self).state_dict(self)  # type: ignore[no-any-return]
 
 
+def _scheduled_reduce_ex(self: Any, protocol: Any) -> Any:
+    """Pickled (and deep-copied) as the scheduler's own class: a copy is not registered."""
+    return _rebuild, (_base(self), dict(self.__dict__))
+
+
+def _rebuild(cls: Any, state: dict[str, Any]) -> Any:
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    return obj
+
+
 def _scheduled_class(cls: type) -> type:
     """``cls`` whose ``step()`` is refused and whose ``state_dict()`` applies a pending advance.
     A class change, not instance attributes: ``LRScheduler.state_dict`` saves ``__dict__``."""
     sub = _CLASSES.get(cls)
     if sub is None:
         sub = _CLASSES[cls] = type(cls.__name__, (cls,), {
-            "step": _scheduled_step, "state_dict": _scheduled_state_dict, "_ampguard_scheduled": True,
+            "step": _scheduled_step, "state_dict": _scheduled_state_dict, "__reduce_ex__": _scheduled_reduce_ex,
+            "_ampguard_scheduled": True,
             "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
         })
     return sub
@@ -178,7 +190,6 @@ class EMA:
             groups.setdefault((p.device, p.dtype), []).append(i)
         self._groups = list(groups.items())
         """(device, dtype) -> indices: one foreach call per group."""
-        self._keep: dict[torch.device, torch.Tensor] = {}
 
     @property
     def averaged(self) -> dict[str, torch.Tensor]:

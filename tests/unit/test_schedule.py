@@ -17,6 +17,7 @@ The guard's three paths, on CPU:
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 
 import pytest
@@ -365,6 +366,8 @@ def test_refusals_and_close_hands_the_scheduler_back():
     assert "step" not in state and "state_dict" not in state  # nothing of ours in the saved __dict__
     # a scheduler built on the inner optimizer is accepted too (same param_groups)
     inner_sched = opt.schedule(torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5))
+    copied = pickle.loads(pickle.dumps(inner_sched))  # a copy is the plain class, not registered
+    assert type(copied) is torch.optim.lr_scheduler.StepLR and type(inner_sched) is not type(copied)
     opt.close()
     assert type(sched) is torch.optim.lr_scheduler.StepLR and type(inner_sched) is torch.optim.lr_scheduler.StepLR
     with warnings.catch_warnings():
