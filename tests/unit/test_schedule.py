@@ -96,7 +96,9 @@ def guarded(kind: str, path: str, data, *, precision: str = "fp16", config: Guar
             fault: faults.Fault | None = None, accum: int = 1, schedule: bool = True, decay: float = 0.9,
             model: torch.nn.Module | None = None):
     """A guarded run. ``schedule=True``: opt.schedule + opt.track_ema; False: the eager reference
-    (``step_was_skipped`` read after each step, scheduler and EMA stepped by hand)."""
+    (``step_was_skipped`` read after each step, scheduler and EMA stepped by hand). Returns
+    (LR before each update, last LR, params, averaged params, skipped flags) and (the scheduler's
+    ``last_epoch`` between steps, the LR each call of the inner optimizer's step read)."""
     model = model if model is not None else make_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=OVERFLOW_SCALE) if precision == "fp16" else None
     opt = ampguard.wrap(make_opt(model, kind) if not isinstance(kind, torch.optim.Optimizer) else kind,
@@ -110,7 +112,9 @@ def guarded(kind: str, path: str, data, *, precision: str = "fp16", config: Guar
         ref = params(model)
     lrs: list[float] = []
     between: list[int] = []
-    opt.register_pre_unscale_hook(lambda step: lrs.append(opt.param_groups[0]["lr"]))  # what the update reads
+    opt.register_pre_unscale_hook(lambda step: lrs.append(opt.param_groups[0]["lr"]))  # before the update
+    read: list[float] = []  # what the inner optimizer's step reads (fused: every step; else taken steps)
+    opt.optimizer.register_step_pre_hook(lambda o, a, k: read.append(o.param_groups[0]["lr"]))
     handle = faults.inject(opt, fault) if fault is not None else None
     for x, y in data:
         for xs, ys in zip(x.chunk(accum), y.chunk(accum)):
@@ -130,7 +134,7 @@ def guarded(kind: str, path: str, data, *, precision: str = "fp16", config: Guar
     averaged = list(ema.averaged.values()) if schedule else ref
     result = lrs, sched.get_last_lr(), params(model), averaged, skipped
     opt.close()
-    return result, between
+    return result, (between, read)
 
 
 # ---------------------------------------------------------------------------------------- LR and EMA
@@ -141,9 +145,10 @@ def test_same_lr_at_every_step_as_the_eager_gradscaler_loop_across_overflows(pat
     data = make_data(14)
     lrs, last, final, ema, skipped = plain_fp16(kind, data)
     assert sum(skipped) >= 3 and not all(skipped)  # real fp16 overflows
-    (g_lrs, g_last, g_final, g_ema, g_skipped), between = guarded(kind, path, data)
+    (g_lrs, g_last, g_final, g_ema, g_skipped), (between, inner_read) = guarded(kind, path, data)
     assert g_skipped == skipped
     assert g_lrs == lrs  # float ==: bitwise (the same Python floats)
+    assert inner_read == (lrs if kind == "adamw_fused" else [lr for lr, sk in zip(lrs, skipped) if not sk])
     assert g_last == last
     assert_bitwise(g_final, final)
     assert_bitwise(g_ema, ema)
@@ -242,6 +247,45 @@ def test_ema_update_on_device_reads_nothing_to_the_host(monkeypatch):
     assert_bitwise(list(ema.averaged.values()), before)
     ema.update(torch.tensor(0.0))
     assert_bitwise(list(ema.averaged.values()), expected)
+
+
+@pytest.mark.parametrize(("path", "kind"), PATHS, ids=IDS)
+def test_schedule_and_ema_add_no_host_read_to_the_step(path, kind, monkeypatch):
+    """The same run with and without opt.schedule + track_ema: the same number of .item(),
+    .tolist() and bool() of a tensor inside step() (the advance reads two host integers)."""
+    counts = {}
+    calls = {"n": 0}
+    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__bool__")}
+
+    def counting(orig):
+        def f(*args, **kwargs):
+            calls["n"] += 1
+            return orig(*args, **kwargs)
+        return f
+
+    for schedule in (False, True):
+        model = make_model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=OVERFLOW_SCALE)
+        opt = ampguard.wrap(make_opt(model, kind), model=model, precision="fp16", scaler=scaler)
+        set_path(opt, path)
+        sched = make_sched(opt)
+        if schedule:
+            opt.schedule(sched)
+            opt.track_ema(ampguard.EMA(model, 0.9))
+        calls["n"] = 0
+        for x, y in make_data(10):
+            with opt.autocast():
+                loss = loss_of(model, x, y)
+            opt.backward(loss)
+            for name, orig in originals.items():
+                monkeypatch.setattr(torch.Tensor, name, counting(orig))
+            opt.step()
+            monkeypatch.undo()
+            opt.zero_grad()
+        assert any(r.skipped for r in opt.history)
+        counts[schedule] = calls["n"]
+        opt.close()
+    assert counts[True] == counts[False]
 
 
 def test_ema_state_dict_copy_to_and_applied():
