@@ -22,6 +22,7 @@ from .guard import GuardedOptimizer
 from .hardware import UnsupportedPrecisionError
 from .preflight import Recommendation, preflight
 from .report import Anomaly, History, RunInfo, StepReport
+from .schedule import EMA
 
 __all__ = [
     "AmpGuardError",
@@ -31,6 +32,7 @@ __all__ = [
     "TensorBoardExporter",
     "Anomaly",
     "BackendUnavailableError",
+    "EMA",
     "Escalation",
     "Exporter",
     "GuardConfig",

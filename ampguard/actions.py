@@ -23,6 +23,7 @@ def carry_out(guard: Any, next_forward: int) -> None:
     ``next_forward``: the step whose forward has not run yet (hooks armed now see it whole)."""
     rep = guard._reporter
     rep.decode()
+    guard._schedules.advance(guard)  # opt.schedule(): once per decoded taken step, before the next inner step
     rep.export_pending()
     actions = rep.take_actions()
     for report in actions.reports:

@@ -26,6 +26,8 @@ from .optimizer_view import InnerOptimizerView
 from .pipeline import LossMeter, StepPipeline, grad_marks, payload
 from .report import Anomaly, History, RunInfo, StepReport
 from .scaling import GradScalerAdapter
+from .schedule import EMA, Schedules
+from .stats import Dec
 
 __all__ = ["GuardedOptimizer", "Stage"]
 
@@ -81,6 +83,7 @@ class GuardedOptimizer(InnerOptimizerView):
         self._loss_hooks: OrderedDict[int, Callable[[torch.Tensor, int], torch.Tensor]] = OrderedDict()
         self._pre_unscale_hooks: OrderedDict[int, Callable[[int], None]] = OrderedDict()
         self._lagged_reports = device.type != "cpu"  # CPU steps are synchronous: report at once
+        self._schedules = Schedules()  # opt.schedule(), opt.track_ema()
         self._closed = False
         self.backend.attach(self)
         self.run_info = run_info(self)
@@ -193,6 +196,9 @@ class GuardedOptimizer(InnerOptimizerView):
             self._forensics.collect(self._step, decision, gathered)
         pipe.clip(measured, decision)
         synced = pipe.inner_step(decision, measured)
+        if self._schedules.emas:  # on device: torch.where on the skip flag (a host bool on CPU)
+            host = pipe.host_values(decision)
+            self._schedules.update_emas(decision[Dec.SKIP], None if host is None else host[Dec.SKIP] > 0)
         pipe.update_scale(decision, tracker)
         if replay and closure is not None and self._forensics.enabled and _nonfinite(decision):  # SYNC
             self._forensics.replay(self._step, closure, scale=self._replay_scale(decision), gathered=gathered,
@@ -231,6 +237,30 @@ class GuardedOptimizer(InnerOptimizerView):
         handle = RemovableHandle(self._pre_unscale_hooks)
         self._pre_unscale_hooks[handle.id] = hook
         return handle
+
+    # ------------------------------------------------------------------ skip-aware schedules and EMA
+    def schedule(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> torch.optim.lr_scheduler.LRScheduler:
+        """Hand ``scheduler`` to the guard: it is stepped once per *taken* optimizer step (a
+        skipped step holds the LR), with no host sync; returns it. Do not call its ``step()``
+        any more: a call raises :class:`GuardStateError` (``close()`` gives it back).
+
+        When: right after the step where the step synchronised or decided on the host (CPU,
+        non-fused optimizers on CUDA); on the sync-free path (fused optimizer on CUDA) at the
+        start of the next ``step()``, before its inner update reads the LR, so every update uses
+        the LR of a loop that syncs each step. The last step's advance is applied at ``flush()``,
+        ``state_dict()``, ``close()`` or the scheduler's own ``state_dict()``. Registering waits
+        for the pending reports once. See ``docs/schedules.md``."""
+        self._check_open("schedule")
+        self._schedules.add_scheduler(self, scheduler)
+        return scheduler
+
+    def track_ema(self, ema: EMA) -> EMA:
+        """Update ``ema`` (:class:`ampguard.EMA`) inside each ``step()``, right after the inner
+        step, only when the step is taken: gated on device by the skip flag, no host sync.
+        Returns it."""
+        self._check_open("track_ema")
+        self._schedules.add_ema(self, ema)
+        return ema
 
     # ------------------------------------------------------------------ results (read only: decode, never act)
     @property
@@ -287,6 +317,7 @@ class GuardedOptimizer(InnerOptimizerView):
     def flush(self) -> None:
         """Block until every step's report has reached the host and the exporters."""
         self._reporter.decode()
+        self._schedules.advance(self)  # the last step's scheduler advance (opt.schedule)
         self._reporter.export_pending()
 
     def close(self) -> None:
@@ -299,6 +330,7 @@ class GuardedOptimizer(InnerOptimizerView):
         finally:
             self._closed = True
             self._forensics.close()
+            self._schedules.release()
             if self._scaler is not None:
                 self._scaler.detach()
             self._exporter.close()
@@ -308,14 +340,18 @@ class GuardedOptimizer(InnerOptimizerView):
     def state_dict(self) -> dict[str, Any]:
         """Inner optimizer, scaler and every piece of guard state, as plain Python values (plus the
         inner optimizer's tensors). Runs the state-dict hooks registered on this optimizer.
-        Synchronises the host (reads device counters)."""
+        Synchronises the host (reads device counters). A scheduler advance still pending
+        (:meth:`schedule`) is applied first: the scheduler's own state_dict holds it."""
         self._reporter.decode()
+        self._schedules.advance(self)
         return self._with_state_dict_hooks(checkpoint.save)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; the run then continues bit for bit. The whole
-        dict is checked first: a failed load changes nothing."""
+        dict is checked first: a failed load changes nothing. Registered schedulers and EMAs
+        are not in it: load their own state dicts."""
         self._with_load_state_dict_hooks(checkpoint.load, state_dict)
+        self._schedules.resync(self)
 
     def _reset_iteration(self, step: int) -> None:
         """After a restore: at ``step``, ready for the next backward."""
@@ -382,8 +418,6 @@ class GuardedOptimizer(InnerOptimizerView):
         actions.carry_out(self, next_forward)
 
     def _replay_scale(self, decision: torch.Tensor) -> Any:
-        from .stats import Dec
-
         adapter = self._scaler
         return None if adapter is None else (lambda: adapter.at_scale(decision[Dec.SCALE]))
 
@@ -399,8 +433,6 @@ class GuardedOptimizer(InnerOptimizerView):
 
 
 def _nonfinite(decision: torch.Tensor) -> bool:
-    from .stats import Dec
-
     return bool(decision[Dec.LOSS_NONFINITE] + decision[Dec.GRAD_NONFINITE] > 0)
 
 
