@@ -39,6 +39,8 @@ from ampguard.errors import GuardStateError
 from ampguard.integrations._versions import IntegrationVersionError
 from ampguard.integrations.lightning import AmpGuardPrecision, HeldScheduler
 
+from ._steps import StepHooks
+
 pytestmark = [
     pytest.mark.frameworks,
     pytest.mark.filterwarnings("ignore::UserWarning"),  # Lightning's num_workers / None-step / logging hints
@@ -111,41 +113,6 @@ def loader(batches: int) -> DataLoader:
     return DataLoader(data, batch_size=4)
 
 
-class _GlobalStep:
-    """What :class:`~ampguard.faults.Injection` needs of a guard, from an unguarded Trainer: the
-    step count, and the two moments a guard's step has (before the gradients are read, after the
-    step), which :class:`Recorder` calls at the matching Lightning hooks."""
-
-    def __init__(self, trainer: L.Trainer) -> None:
-        self.trainer = trainer
-        self.before: list[Any] = []
-        self.after: list[Any] = []
-
-    @property
-    def step_count(self) -> int:
-        return self.trainer.global_step
-
-    def register_pre_unscale_hook(self, hook: Any) -> Any:
-        return _Handle(self.before, hook)
-
-    def register_step_post_hook(self, hook: Any) -> Any:
-        return _Handle(self.after, hook)
-
-
-class _Handle:
-    def __init__(self, hooks: list[Any], hook: Any) -> None:
-        self.hooks, self.hook = hooks, hook
-        hooks.append(hook)
-
-    def remove(self) -> None:
-        if self.hook in self.hooks:
-            self.hooks.remove(self.hook)
-
-
-_NO_STEPS = _GlobalStep.__new__(_GlobalStep)
-_NO_STEPS.before, _NO_STEPS.after = [], []
-
-
 class Recorder(L.Callback):
     """Per batch: the LR the step will use, and the parameters after it. Installs ``fault`` on
     ``plugin.guard`` (guarded runs) or on Lightning's global step (reference runs)."""
@@ -163,20 +130,20 @@ class Recorder(L.Callback):
         if guard is not None:
             self.injection = faults.inject(guard, pl_module, self.fault)
         else:
-            self.steps = _GlobalStep(trainer)
+            self.steps = StepHooks(lambda: trainer.global_step)
             self.injection = faults.Injection(self.steps, pl_module, [self.fault])
 
     def on_before_optimizer_step(self, trainer: L.Trainer, *args: Any) -> None:
-        for hook in list(getattr(self, "steps", _NO_STEPS).before):
-            hook(trainer.global_step)
+        if getattr(self, "steps", None) is not None:
+            self.steps.before()
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self.params.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
-        for hook in list(getattr(self, "steps", _NO_STEPS).after):
-            hook()
+        if getattr(self, "steps", None) is not None:
+            self.steps.after()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.injection is not None:

@@ -63,6 +63,8 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import ampguard
 from ampguard import faults
 
+from ..frameworks._steps import StepHooks
+
 ON_CPU = os.environ.get("AMPGUARD_GPU_TESTS_ON_CPU") == "1" or os.environ.get("AMPGUARD_GPU_TEST_DEVICE") == "cpu"
 DEV = "cpu" if ON_CPU else "cuda"
 
@@ -145,50 +147,6 @@ def _fault(prefix: str = "") -> faults.Fault:
     return faults.output(prefix + BLOCK, "nan", steps=[K])
 
 
-class _Steps:
-    """What :class:`ampguard.faults.Injection` needs of a guard, from an unguarded run: the step
-    count, and the two moments a guarded step has (before the gradients are read, after the
-    step). The reference loops call :meth:`before` and :meth:`after` at the matching points."""
-
-    def __init__(self, count: Callable[[], int]) -> None:
-        self.count = count
-        self._before: list[Any] = []
-        self._after: list[Any] = []
-        self._last_after: int | None = None
-
-    @property
-    def step_count(self) -> int:
-        return self.count()
-
-    def register_pre_unscale_hook(self, hook: Any) -> Any:
-        return _Handle(self._before, hook)
-
-    def register_step_post_hook(self, hook: Any) -> Any:
-        return _Handle(self._after, hook)
-
-    def before(self) -> None:
-        for hook in list(self._before):
-            hook(self.count())
-
-    def after(self) -> None:
-        """After an optimizer step (once per step: a framework's per-micro-batch hook may call it again)."""
-        if self._last_after == self.count():
-            return
-        self._last_after = self.count()
-        for hook in list(self._after):
-            hook()
-
-
-class _Handle:
-    def __init__(self, hooks: list[Any], hook: Any) -> None:
-        self.hooks, self.hook = hooks, hook
-        hooks.append(hook)
-
-    def remove(self) -> None:
-        if self.hook in self.hooks:
-            self.hooks.remove(self.hook)
-
-
 def _adamw(model: torch.nn.Module, *, fused: bool) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, **({"fused": True} if fused else
                                                                             {"foreach": True}))
@@ -266,13 +224,13 @@ def _run_accelerate(precision: str, guarded: bool, tmp_path: Path) -> Run:
     if DEV == "cuda":
         assert precision != "fp16" or isinstance(acc.scaler, torch.amp.GradScaler)  # accelerate's own, for CUDA
     step = 0
-    ref_steps: _Steps | None = None
+    ref_steps: StepHooks | None = None
     if guarded:
         opt = ampguard.wrap(opt, model=model)
         run.guard = opt.guard
         run.injection = faults.inject(opt, model, _fault())
     elif precision == "fp16":
-        ref_steps = _Steps(lambda: step)
+        ref_steps = StepHooks(lambda: step)
         run.injection = faults.Injection(ref_steps, model, [_fault()])
     micro: list[torch.Tensor] = []
     for (x,) in loader:
@@ -313,7 +271,7 @@ def _run_trainer(precision: str, guarded: bool, tmp_path: Path) -> Run:
     opt = _adamw(model, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, run.schedule())
     holder: list[Any] = []
-    ref_steps: list[_Steps] = []
+    ref_steps: list[StepHooks] = []
     drop = not guarded and precision == "bf16"
 
     class Probe(TrainerCallback):  # type: ignore[misc]
@@ -324,7 +282,7 @@ def _run_trainer(precision: str, guarded: bool, tmp_path: Path) -> Run:
                 run.guard = trainer.guard
                 run.injection = faults.inject(trainer.guard, trainer.model, _fault())
             elif precision == "fp16":
-                ref_steps.append(_Steps(lambda: trainer.state.global_step))
+                ref_steps.append(StepHooks(lambda: trainer.state.global_step))
                 run.injection = faults.Injection(ref_steps[0], trainer.model, [_fault()])
 
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -400,7 +358,7 @@ def _run_lightning(precision: str, guarded: bool, tmp_path: Path) -> Run:
                 run.guard = trainer.precision_plugin.guard
                 run.injection = faults.inject(run.guard, pl_module, _fault("model."))
             elif precision == "fp16":
-                self.steps = _Steps(lambda: trainer.global_step)
+                self.steps = StepHooks(lambda: trainer.global_step)
                 run.injection = faults.Injection(self.steps, pl_module, [_fault("model.")])
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
