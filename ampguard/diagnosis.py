@@ -170,7 +170,7 @@ class Forensics:
             if temporary:
                 localizer.remove()
             if self.sentinel is not None:
-                self.sentinel.flags.zero_()  # the replay's forward belongs to no step's report
+                self.sentinel.clear()  # the replay's forward belongs to no step's report
             self.backend.zero_grad(optimizer, True)
 
     def _replay_finding(self, step: int, localizer: Localizer, optimizer: torch.optim.Optimizer) -> Finding:

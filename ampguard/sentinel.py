@@ -3,10 +3,16 @@
 Opt-in. Without it, forensics hooks exist only after a non-finite step, so a name comes one
 step late (two on the fused CUDA path) and only if the fault recurs (``docs/diagnosis.md``).
 With it, one forward hook on each chosen block (and a forward pre-hook on the model for its
-input) checks the block's output on device: ``isfinite(out).all()`` or-ed into a flag, no host
-sync, no hook inside a block. :meth:`Sentinel.value` packs which came first into one float of
-the step's all-gathered vector (``stats.Loc.SENTINEL``), so the step's own report names the
-block (or the input) on every rank alike, and the fine hooks then arm inside that block only.
+input) checks the block's output on device: one float32 sum of it (a NaN or inf anywhere makes
+the sum non-finite), kept per block until the step reads it, no host sync, no hook inside a
+block. One reduction kernel per block output and nothing written the size of the activation:
+``isfinite(out).all()`` cost a full-size boolean write and five more launches per block, 15 %
+of a GPT-2 124M step on an H200 (benchmarks/RESULTS.md). A sum can also overflow float32 on
+finite values (a bf16/fp32 activation summing past 3.4e38): that block is then named on a step
+that is non-finite for another reason, which such activations make all but certain.
+:meth:`Sentinel.value` packs which came first into one float of the step's all-gathered
+vector (``stats.Loc.SENTINEL``), so the step's own report names the block (or the input) on
+every rank alike, and the fine hooks then arm inside that block only.
 
 Blocks: ``"top"`` (:func:`top_blocks`: the model's children, the items of its ``ModuleList``s
 and ``ModuleDict``s rather than the lists, descending into children that hold such lists, as
@@ -59,8 +65,13 @@ class Sentinel:
         if not names:
             raise ValueError("GuardConfig.sentinel='top': the model has no child module to watch; name the blocks")
         self.names: tuple[str, ...] = tuple(names)
-        self.flags = torch.zeros(len(names) + 1, dtype=torch.bool, device=device)
-        self._codes = torch.arange(1, len(names) + 2, dtype=torch.float32, device=device)
+        self.device = device
+        self._sums: dict[int, torch.Tensor] = {}
+        """Slot -> float32 sum of what it saw this step (several forwards: their sums added)."""
+        self._codes: dict[tuple[int, ...], torch.Tensor] = {}
+        """The slots' codes (slot + 1) on device, per set of slots seen (made once per set)."""
+        self._none = torch.full((), -1.0, dtype=torch.float32, device=device)
+        self._arange = torch.arange(1, len(names) + 2, dtype=torch.float32, device=device)
         self._handles: list[Any] = [root.register_forward_pre_hook(self._input_hook, prepend=True)]
         for k, name in enumerate(names):
             self._handles.append(table[name].register_forward_hook(self._output_hook(k + 1)))
@@ -82,16 +93,28 @@ class Sentinel:
         return hook
 
     def _mark(self, slot: int, t: torch.Tensor) -> None:
-        bad = ~torch.isfinite(t.detach()).all()  # on device: no sync
-        self.flags[slot : slot + 1].logical_or_(bad.to(self.flags.device))
+        total = t.detach().sum(dtype=torch.float32).to(self.device)  # on device: no sync
+        seen = self._sums.get(slot)
+        self._sums[slot] = total if seen is None else seen + total
+
+    def clear(self) -> None:
+        """Forget what the hooks saw (a replay's forward belongs to no step's report)."""
+        self._sums.clear()
 
     def value(self) -> torch.Tensor:
         """This step's first flagged slot as a float (-1: none; 0: the input; k+1: block k), on
         device; then the flags are cleared for the next step. No sync."""
-        first = torch.where(self.flags, self._codes, torch.full_like(self._codes, torch.inf)).min()
-        value = torch.where(torch.isfinite(first), first - 1.0, torch.full_like(first, -1.0))
-        self.flags.zero_()
-        return value
+        if not self._sums:
+            return self._none
+        slots = tuple(sorted(self._sums))
+        codes = self._codes.get(slots)
+        if codes is None:
+            # from a device arange, by views: no host-to-device copy (that would sync)
+            codes = self._codes[slots] = torch.stack([self._arange[s] for s in slots])
+        sums = torch.stack([self._sums[s] for s in slots])
+        self._sums.clear()
+        first = torch.where(torch.isfinite(sums), torch.full_like(codes, torch.inf), codes).min()
+        return torch.where(torch.isfinite(first), first - 1.0, self._none)
 
     def name(self, code: float) -> str | None:
         """The block a decoded value names ("" for the model's input), None for none."""
