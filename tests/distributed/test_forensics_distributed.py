@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import ampguard
 from ampguard import faults
+from tests.unit._models import step_once
 
 from ._common import spawn
 
@@ -42,12 +43,7 @@ def _run_forensics(rank: int, world: int, closure: bool) -> dict[str, Any]:
                 loss = F.mse_loss(model(x).float(), y)
             opt.backward(loss)
 
-        if closure:
-            opt.step(run, replay=True)
-        else:
-            run()
-            opt.step()
-        opt.zero_grad()
+        step_once(opt, run, closure=closure)
     opt.close()
     return {
         "anomalies": [(a.step, a.kind, a.ranks, a.module, a.phase, a.cause, a.detail) for a in opt.anomalies],

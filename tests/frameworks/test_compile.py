@@ -28,6 +28,8 @@ import ampguard
 from ampguard import faults
 from ampguard.forensics import Localizer
 
+from ..unit._models import step_once
+
 pytestmark = pytest.mark.frameworks
 
 VOCAB, WIDTH, HEADS, SEQ, LAYERS = 32, 16, 2, 8, 2
@@ -149,12 +151,7 @@ def _train(opt, compiled, counter, steps: int, *, closure: bool = False, before_
                 _, loss = compiled(tokens[:, :-1], tokens[:, 1:])
             opt.backward(loss)
 
-        if closure:
-            opt.step(run, replay=True)
-        else:
-            run()
-            opt.step()
-        opt.zero_grad()
+        step_once(opt, run, closure=closure)
         graphs.append(counter.graphs)
         if runs is not None:
             runs.append(counter.runs)

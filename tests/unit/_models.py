@@ -41,6 +41,17 @@ def guarded_steps(opt: ampguard.GuardedOptimizer, model: torch.nn.Module, data) 
         opt.zero_grad(set_to_none=True)
 
 
+def step_once(opt: ampguard.GuardedOptimizer, run, *, closure: bool) -> None:
+    """One guarded step of ``run`` (zero_grad, forward, ``opt.backward``): handed to ``step()``
+    as a replay closure (``closure=True``), or run first and then ``step()``; then zero_grad."""
+    if closure:
+        opt.step(run, replay=True)
+    else:
+        run()
+        opt.step()
+    opt.zero_grad()
+
+
 def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     out = {f"p.{n}": p.detach().clone() for n, p in model.named_parameters()}
     for i, st in enumerate(opt.state.values()):

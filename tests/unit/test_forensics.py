@@ -11,6 +11,8 @@ import torch.nn.functional as F
 import ampguard
 from ampguard import faults
 
+from ._models import step_once
+
 VOCAB, WIDTH, SEQ, BLOCKS = 32, 16, 8, 6
 
 
@@ -61,12 +63,7 @@ def train(opt, model, data, closure: bool = False):
                 logits = model(tokens[:, :-1])
             opt.backward(F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)))
 
-        if closure:
-            opt.step(run, replay=True)
-        else:
-            run()
-            opt.step()
-        opt.zero_grad()
+        step_once(opt, run, closure=closure)
 
 
 def located(opt, step):
