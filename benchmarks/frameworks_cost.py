@@ -77,6 +77,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from overhead import EventSyncCounter  # benchmarks/ is sys.path[0] when run as a script
+
 import ampguard
 
 FRAMEWORKS = ("accelerate", "transformers", "lightning")
@@ -341,27 +343,6 @@ BUILDERS: dict[str, Callable[..., Any]] = {
 
 
 # ---------------------------------------------------------------------------------------- accelerate syncs
-class _EventSyncCounter:
-    """Counts ``torch.cuda.Event.synchronize`` calls (the sync debug mode does not report them)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._orig = torch.cuda.Event.synchronize
-
-    def __enter__(self) -> _EventSyncCounter:
-        orig, counter = self._orig, self
-
-        def counted(ev: Any) -> Any:
-            counter.count += 1
-            return orig(ev)
-
-        torch.cuda.Event.synchronize = counted  # type: ignore[method-assign]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        torch.cuda.Event.synchronize = self._orig  # type: ignore[method-assign]
-
-
 def accelerate_sync_phase(base: torch.nn.Module, ctx: dict[str, Any]) -> dict[str, Any]:
     """Host syncs in one accelerate step, plain vs guarded vs guarded without a scheduler."""
     device: torch.device = ctx["device"]
@@ -376,7 +357,7 @@ def accelerate_sync_phase(base: torch.nn.Module, ctx: dict[str, Any]) -> dict[st
             step(next(batches))
         batch = next(batches)
         sync(device)
-        with warnings.catch_warnings(record=True) as caught, _EventSyncCounter() as events:
+        with warnings.catch_warnings(record=True) as caught, EventSyncCounter() as events:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:

@@ -486,12 +486,15 @@ def memory_phase(kinds: list[tuple[str, bool]], ctx: dict[str, Any]) -> dict[str
     return res
 
 
-class _EventSyncCounter:
+class EventSyncCounter:
+    """Counts ``torch.cuda.Event.synchronize`` calls (the sync debug mode does not report them);
+    also used by ``frameworks_cost.py``."""
+
     def __init__(self) -> None:
         self.count = 0
         self._orig = torch.cuda.Event.synchronize
 
-    def __enter__(self) -> _EventSyncCounter:
+    def __enter__(self) -> EventSyncCounter:
         orig = self._orig
         counter = self
 
@@ -518,7 +521,7 @@ def sync_phase(kinds: list[tuple[str, bool]], ctx: dict[str, Any]) -> dict[str, 
         sync(device)
         entry: dict[str, Any] = {}
         # "warn": count the synchronising calls of one step
-        with warnings.catch_warnings(record=True) as caught, _EventSyncCounter() as evc:
+        with warnings.catch_warnings(record=True) as caught, EventSyncCounter() as evc:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
