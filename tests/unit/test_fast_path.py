@@ -19,7 +19,7 @@ import torch
 
 import ampguard
 
-from ._models import assert_same, loss_of, make_data, make_model, snapshot
+from ._models import assert_same, guarded_steps, loss_of, make_data, make_model, snapshot
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 SCALER_KW = {"init_scale": 2.0**16, "growth_interval": 3}  # grows, and overflows fp16 naturally
@@ -272,12 +272,7 @@ def test_not_taken_when_switched_off_or_not_applicable():
     no_scaler = ampguard.wrap(fused(model), model=model, precision="bf16")
     assert not no_scaler._pipeline.fast_capable
     taken = _fast_steps(off)
-    for x, y in make_data(2):
-        with off.autocast():
-            loss = loss_of(model, x, y)
-        off.backward(loss)
-        off.step()
-        off.zero_grad()
+    guarded_steps(off, model, make_data(2))
     assert taken == [False, False]
 
 

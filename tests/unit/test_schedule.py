@@ -58,6 +58,14 @@ def assert_bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         assert x.dtype == y.dtype and torch.equal(x, y), (x, y)
 
 
+def assert_same_run(got, ref) -> None:
+    """Two :func:`guarded` runs: the same LR before every update, last LR and skips, and bitwise
+    the same parameters and averages."""
+    assert got[0] == ref[0] and got[1] == ref[1] and got[4] == ref[4]
+    assert_bitwise(got[2], ref[2])
+    assert_bitwise(got[3], ref[3])
+
+
 def ref_ema_update(ema: list[torch.Tensor], model: torch.nn.Module, decay: float) -> None:
     """The eager reference: torch.lerp per tensor (swa_utils.get_ema_multi_avg_fn's formula)."""
     with torch.no_grad():
@@ -166,9 +174,7 @@ def test_injected_inf_and_nan_bf16_against_the_eager_report(path, kind):
     ref, _ = guarded(kind, "host", data, precision="bf16", fault=fault, schedule=False)
     got, _ = guarded(kind, path, data, precision="bf16", fault=fault)
     assert ref[4] == [s in (2, 3, 7) for s in range(12)]
-    assert got[0] == ref[0] and got[1] == ref[1] and got[4] == ref[4]
-    assert_bitwise(got[2], ref[2])
-    assert_bitwise(got[3], ref[3])
+    assert_same_run(got, ref)
 
 
 @pytest.mark.parametrize(("path", "kind"), PATHS, ids=IDS)
@@ -177,9 +183,7 @@ def test_gradient_accumulation_several_backwards_per_step(path, kind):
     ref, _ = guarded(kind, "host", data, accum=2, schedule=False)
     got, _ = guarded(kind, path, data, accum=2)
     assert any(ref[4]) and not all(ref[4])
-    assert got[0] == ref[0] and got[1] == ref[1] and got[4] == ref[4]
-    assert_bitwise(got[2], ref[2])
-    assert_bitwise(got[3], ref[3])
+    assert_same_run(got, ref)
 
 
 @pytest.mark.parametrize(("path", "kind"), PATHS, ids=IDS)
@@ -190,9 +194,7 @@ def test_spike_skips_hold_the_schedule_and_the_average(path, kind):
     ref, _ = guarded(kind, "host", data, precision="bf16", config=config, fault=fault, schedule=False)
     got, _ = guarded(kind, path, data, precision="bf16", config=config, fault=fault)
     assert [s for s, sk in enumerate(ref[4]) if sk] == [6, 9]
-    assert got[0] == ref[0] and got[1] == ref[1] and got[4] == ref[4]
-    assert_bitwise(got[2], ref[2])
-    assert_bitwise(got[3], ref[3])
+    assert_same_run(got, ref)
 
 
 def test_ema_of_several_dtypes_against_the_eager_reference():
