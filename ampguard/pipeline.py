@@ -191,7 +191,8 @@ class StepPipeline:
         self._takes_grad_scaler = self.fused and _takes_grad_scaler(optimizer)
         """A fused optimizer of GradScaler's older protocol (``step(grad_scaler=...)``)."""
         self.fast_capable = (config.fused_fast_path and adapter is not None and self.fused
-                             and not self._takes_grad_scaler and getattr(backend, "name", None) in _FAST_BACKENDS)
+                             and not self._takes_grad_scaler and getattr(backend, "name", None) in _FAST_BACKENDS
+                             and adapter.fast_path_capable())
         """The fused fast path may be taken (each step also asks :meth:`fast_path`)."""
         self.spikes = SpikeState.fresh(device)
         self.scale_state = ScaleState.fresh(device)

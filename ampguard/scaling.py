@@ -52,7 +52,8 @@ class ScalerView:
 class GradScalerAdapter:
     """The guard's view of, and hold on, one ``torch.amp.GradScaler``.
 
-    Reads: :attr:`scale` (the device tensor), :meth:`view`, :meth:`inv_scale`, :meth:`fast_path_ok`.
+    Reads: :attr:`scale` (the device tensor), :meth:`view`, :meth:`inv_scale`,
+    :meth:`fast_path_capable`, :meth:`fast_path_ok`.
     Writes: :meth:`unscale` (adopting an ``unscale_`` already done this iteration),
     :meth:`record_found_inf` (the fused fast path's inf check), :meth:`force_found_inf`, :meth:`update` (new scale
     and growth tracker), :meth:`at_scale` (run at a given scale, for a replay).
@@ -130,15 +131,17 @@ class GradScalerAdapter:
         state = self.scaler._per_optimizer_states.get(id(inner))
         return state is not None and state["stage"].name == _UNSCALED
 
+    def fast_path_capable(self) -> bool:
+        """Whether the scaler allows the fused fast path at all (fixed for its life: asked once):
+        it is enabled and is GradScaler itself, not a subclass that unscales its own way, such as
+        FSDP's ShardedGradScaler."""
+        return self.scaler.is_enabled() and _unscales_as_grad_scaler(type(self.scaler))
+
     def fast_path_ok(self, guard: object, inner: torch.optim.Optimizer) -> bool:
-        """Whether the fused fast path may measure ``inner``'s gradients still scaled: the scaler
-        is enabled and is GradScaler itself (not a subclass that unscales its own way, such as
-        FSDP's ShardedGradScaler), and nobody unscaled this iteration (``scaler.unscale_`` on the
+        """Whether, this iteration, the fused fast path may measure ``inner``'s gradients still
+        scaled (given :meth:`fast_path_capable`): nobody unscaled them (``scaler.unscale_`` on the
         guard or the inner optimizer: the gradients are unscaled already, today's path adopts that)."""
-        scaler = self.scaler
-        if not scaler.is_enabled() or not _unscales_as_grad_scaler(type(scaler)):
-            return False
-        states = scaler._per_optimizer_states
+        states = self.scaler._per_optimizer_states
         for key in (id(guard), id(inner)):
             state = states.get(key)
             if state is not None and state["stage"].name != _READY:
