@@ -107,6 +107,13 @@ class GuardConfig:
     """Copy per-parameter gradient norms to the host every N steps, for histograms (None:
     only on steps with non-finite gradients, where they name the parameters)."""
 
+    numerics_every: int | None = None
+    """Every N steps, sample the numerics of the still-scaled gradients and the update on the device:
+    the fraction of gradient elements that are exactly zero (fp16 underflow), the loss-scale
+    headroom log2(65504 / max|scaled grad|), and the leading indicators per top-level module of
+    ``wrap(model=...)`` (gradient norm and update-to-weight ratio). The values ride the step's report
+    (``StepReport.grad_zero_fraction`` etc.): no host sync (None: off)."""
+
     consistency_every: int | None = None
     """Every N steps, compare step count, skip count, loss scale and a parameter fingerprint
     across ranks (None: off). Costs one extra small collective on those steps."""
@@ -191,6 +198,7 @@ class GuardConfig:
         _int_at_least("history_size", self.history_size, 1)
         _int_at_least("max_anomalies", self.max_anomalies, 1)
         _optional_int_at_least("param_norms_every", self.param_norms_every, 1)
+        _optional_int_at_least("numerics_every", self.numerics_every, 1)
         _optional_int_at_least("consistency_every", self.consistency_every, 1)
         _choice("on_divergence", self.on_divergence, _ON_DIVERGENCE)
         _int_at_least("forensics_window", self.forensics_window, 1)

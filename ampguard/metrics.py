@@ -26,6 +26,10 @@ __all__ = [
     "EXPORTER_UP",
     "MEMORY_KINDS",
     "GRAD_NORM",
+    "GRAD_ZERO_FRACTION",
+    "LOSS_SCALE_HEADROOM",
+    "MODULE_GRAD_NORM",
+    "MODULE_UPDATE_RATIO",
     "GRAD_NORM_BUCKETS",
     "GRAD_NORM_HISTOGRAM",
     "LAST_STEP_TIMESTAMP",
@@ -181,6 +185,34 @@ EXPORTER_UP = Metric(
 #: Metrics whose ``exporter`` label takes the names of the run's exporters (``JsonlExporter``,
 #: ``JsonlExporter#2`` for a second one: :attr:`ampguard.exporters.ExporterHealth.name`).
 PER_EXPORTER = (EXPORTER_ERRORS, EXPORTER_UP)
+GRAD_ZERO_FRACTION = Metric(
+    "ampguard_grad_zero_fraction",
+    "gauge",
+    "Fraction of gradient elements exactly zero at the last sampled step (GuardConfig.numerics_every), per "
+    "param group (group=\"all\": every gradient): fp16 underflow shows as a rise.",
+    labels=("group",),
+    label_values=((),),
+)
+LOSS_SCALE_HEADROOM = Metric(
+    "ampguard_loss_scale_headroom_log2",
+    "gauge",
+    "log2(65504 / max|scaled gradient|) at the last sampled step: doublings of the loss scale left before "
+    "fp16 overflows (negative: it overflowed).",
+)
+MODULE_GRAD_NORM = Metric(
+    "ampguard_module_grad_norm",
+    "gauge",
+    "L2 norm of the unscaled gradients of each top-level module at the last sampled step (leading indicator).",
+    labels=("module",),
+    label_values=((),),
+)
+MODULE_UPDATE_RATIO = Metric(
+    "ampguard_module_update_ratio",
+    "gauge",
+    "||delta w|| / ||w|| of each top-level module's update at the last sampled step (leading indicator).",
+    labels=("module",),
+    label_values=((),),
+)
 RUN_INFO = Metric(
     "ampguard_run_info",
     "info",

@@ -74,6 +74,18 @@ class StepReport:
     """The loss scale was backed off after this step (``next_loss_scale < loss_scale``)."""
     scale_growth: bool = False
     """The loss scale grew after this step (``next_loss_scale > loss_scale``)."""
+    grad_zero_fraction: float | None = None
+    """Fraction of this rank's gradient elements that were exactly zero (fp16 underflow shows here),
+    on steps sampled by ``GuardConfig.numerics_every``; None on other steps."""
+    group_zero_fractions: tuple[float, ...] | None = None
+    """The same fraction per optimizer param group (``param_groups`` order), on sampled steps."""
+    headroom_log2: float | None = None
+    """log2(65504 / max|scaled gradient|) on sampled steps: how many doublings of the loss scale fp16
+    has left before an overflow (negative: it overflowed). None on other steps."""
+    module_grad_norms: tuple[tuple[str, float], ...] | None = None
+    """(top-level module, L2 norm of its unscaled gradients) on sampled steps: a leading indicator."""
+    module_update_ratios: tuple[tuple[str, float], ...] | None = None
+    """(top-level module, ||delta w|| / ||w|| of this step's update) on sampled steps."""
 
     @property
     def nonfinite(self) -> bool:
