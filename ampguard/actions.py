@@ -32,7 +32,7 @@ def carry_out(guard: Any, next_forward: int) -> None:
     if ladder is not None:
         if guard.model is not None:
             for step in actions.snapshots:
-                ladder.take_snapshot(guard.model, guard.optimizer, step)
+                ladder.take_snapshot(guard.model, guard.optimizer, step, guard._schedules)
         if actions.abort is not None and ladder.on_abort is not None:
             ladder.on_abort(guard, actions.abort[0])
     if actions.escalation is not None:

@@ -112,9 +112,13 @@ class Ladder:
         )
 
     @torch.no_grad()
-    def take_snapshot(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    def take_snapshot(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
+                      schedules: Any = None) -> None:
+        """Copy the model and optimizer state, and the state of the schedulers and EMAs registered
+        with ``opt.schedule()``/``opt.track_ema()`` (``schedules``), so a rollback rewinds them too."""
         device = self.config.snapshot_device
-        self.snapshot = {"model": _to(model.state_dict(), device), "optimizer": _to(optimizer.state_dict(), device)}
+        self.snapshot = {"model": _to(model.state_dict(), device), "optimizer": _to(optimizer.state_dict(), device),
+                         "schedules": None if schedules is None else _to(schedules.state(), device)}
         self.snapshot_step = step
         self.pending_snapshot = None
 
@@ -124,12 +128,17 @@ class Ladder:
         *not* restored: the backed-off scale is part of the recovery."""
         self.pending_rollback = None
         self.rollbacks += 1
+        schedules = getattr(opt, "_schedules", None)
         if self.on_rollback is not None:
             self.on_rollback(opt, opt.step_count)
+            if schedules is not None:  # the callback restored (or not) the schedulers: theirs is the truth
+                schedules.resync(opt)
             return
         assert self.snapshot is not None and model is not None  # internal: observe() checked
         model.load_state_dict(_to(self.snapshot["model"], None))
         optimizer.load_state_dict(_to(self.snapshot["optimizer"], None))
+        if schedules is not None and self.snapshot.get("schedules") is not None:
+            schedules.restore(_to(self.snapshot["schedules"], None), opt)
 
     def state_dict(self) -> dict[str, Any]:
         return {"recent": list(self.recent), "rollbacks": self.rollbacks}

@@ -64,6 +64,23 @@ class Schedules:
         """After a restore: the schedulers' own state is the truth (see ``docs/schedules.md``)."""
         self.applied = self.taken(guard)
 
+    def state(self) -> dict[str, Any]:
+        """The registered schedulers' and EMAs' state (for the ladder's snapshot; not copied here).
+        Each entry keeps its object, so a scheduler or EMA registered later is left alone."""
+        return {"schedulers": [(s, _base(s).state_dict(s)) for s in self.schedulers],
+                "emas": [(e, e.state_dict()) for e in self.emas]}
+
+    def restore(self, state: dict[str, Any], guard: Any) -> None:
+        """A ladder rollback: put back :meth:`state`'s values, then count taken steps from here
+        (the rolled-back steps stay in the history, but their advance is undone)."""
+        for scheduler, sd in state["schedulers"]:
+            if any(scheduler is s for s in self.schedulers):
+                _base(scheduler).load_state_dict(scheduler, sd)
+        for ema, sd in state["emas"]:
+            if any(ema is e for e in self.emas):
+                ema.load_state_dict(sd)
+        self.resync(guard)
+
     def add_scheduler(self, guard: Any, scheduler: Any) -> None:
         _check_scheduler(guard, scheduler)
         guard._reporter.decode()  # registering waits for pending reports (once, not per step)

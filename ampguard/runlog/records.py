@@ -130,6 +130,15 @@ def _reals(value: Any, name: str) -> tuple[float, ...]:
     return _items(value, name, real)
 
 
+def _named_reals(value: Any, name: str) -> tuple[tuple[str, float], ...]:
+    """``[[name, value], ...]`` (per-module indicators) as a tuple of pairs."""
+    def pair(v: Any, n: str) -> tuple[str, float]:
+        if not (isinstance(v, list) and len(v) == 2):
+            raise _refuse(n, v, "a [name, number] pair")
+        return text(v[0], n), real(v[1], n)
+    return _items(value, name, pair)
+
+
 def _reason(value: Any, name: str) -> SkipReason:
     return word(SkipReason, value, name)
 
@@ -139,11 +148,13 @@ def _reason(value: Any, name: str) -> SkipReason:
 _BY_TYPE: dict[str, Callable[[Any, str], Any]] = {
     "int": integer,
     "float": real,
+    "float | None": _optional(real),
     "bool": flag,
     "int | None": _optional(integer),
     "SkipReason | None": _optional(_reason),
     "tuple[int, ...]": _ranks,
     "tuple[float, ...] | None": _optional(_reals),
+    "tuple[tuple[str, float], ...] | None": _optional(_named_reals),
 }
 _STEP_READERS: dict[str, Callable[[Any, str], Any]] = {
     f.name: _BY_TYPE[str(f.type)] for f in dataclasses.fields(StepReport)

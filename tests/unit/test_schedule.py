@@ -420,3 +420,42 @@ def test_refusals_and_close_hands_the_scheduler_back():
         warnings.simplefilter("ignore")  # torch's: this optimizer never stepped
         sched.step()  # the user's again
     assert sched.last_epoch == 1
+
+
+@pytest.mark.parametrize("path", ["host", "device_lagged"])
+def test_a_ladder_rollback_rewinds_the_schedule_and_the_average_with_the_model(path):
+    """The snapshot after step 5 holds the model, the optimizer, the scheduler and the EMA; two
+    overflowing steps (7, 8) roll back to it: the LR and the average continue from step 5's, as
+    the weights do (before, the scheduler kept counting the rolled-back steps 6..8)."""
+    model = make_model()
+    config = GuardConfig(escalation=ampguard.Escalation(rollback_after=2, window=10, snapshot_every=3))
+    opt = ampguard.wrap(make_opt(model, "adamw_fused"), model=model, precision="bf16", config=config)
+    set_path(opt, path)
+    sched = opt.schedule(make_sched(opt))
+    ema = opt.track_ema(ampguard.EMA(model, 0.9))
+    handle = faults.inject(opt, faults.grad("0.weight", "inf", steps=[7, 8]))
+    after: dict[int, tuple] = {}
+    for step, (x, y) in enumerate(make_data(12)):
+        opt.backward(loss_of(model, x, y))
+        opt.step()
+        opt.zero_grad()
+        opt.flush()  # this step's advance applied: the state "after step N"
+        if opt._reporter.ladder.rollbacks:
+            break
+        averaged = [t.clone() for t in ema.averaged.values()]  # the EMA's own tensors change in place
+        after[step] = (params(model), averaged, sched.last_epoch, opt.param_groups[0]["lr"])
+    handle.remove()
+    assert opt._reporter.ladder.snapshot_step == 5 and opt._reporter.ladder.rollbacks == 1
+    assert step == (8 if path == "host" else 9)  # the lagged path learns of step 8 at step 9
+    weights, averaged, last_epoch, lr = after[5]
+    assert after[6][2] == 7 and last_epoch == 6  # step 6 was taken, and is rolled back
+    assert_bitwise(params(model), weights)
+    assert_bitwise(list(ema.averaged.values()), averaged)
+    assert sched.last_epoch == last_epoch and opt.param_groups[0]["lr"] == lr
+    assert sched.get_last_lr() == [lr]
+    (x, y), = make_data(1, seed=5)  # training goes on from there: the next taken step advances once
+    opt.backward(loss_of(model, x, y))
+    opt.step()
+    opt.flush()
+    assert sched.last_epoch == last_epoch + 1 and opt.param_groups[0]["lr"] == after[6][3]
+    opt.close()
