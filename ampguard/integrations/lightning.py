@@ -20,7 +20,8 @@ The plugin is Lightning's own :class:`~lightning.pytorch.plugins.precision.Mixed
   manual optimization) is Lightning's own, on gradients the guard has already unscaled and
   measured: reports show the norm before clipping.
 - LR schedulers with ``interval="step"`` are wrapped in :class:`HeldScheduler`: a scheduler step
-  that follows a skipped optimizer step is held, so the schedule counts the steps taken.
+  that follows a skipped optimizer step is held, so the schedule counts the steps taken (with no
+  host sync in automatic optimization: the guard steps the scheduler itself).
 """
 
 from __future__ import annotations
@@ -52,26 +53,47 @@ class HeldScheduler:
     """An LR scheduler that does not advance after a step the guard skipped.
 
     Lightning steps ``interval="step"`` schedulers after every optimizer step and does not know
-    about skips; :class:`AmpGuardPrecision` puts this wrapper in their place. ``step()`` is held
-    when the guard stepped since the last call and its last step was skipped; otherwise it is
-    the scheduler's own ``step()``. Everything else (``get_last_lr()``, ``state_dict()``,
-    attributes) is the wrapped scheduler's: checkpoints hold the scheduler's own state.
-    ``self.lr_schedulers()`` returns this wrapper; ``.scheduler`` is yours.
+    about skips; :class:`AmpGuardPrecision` puts this wrapper in their place. Two ways:
+
+    - ``sync_free=True`` (automatic optimization, ``frequency=1``, an ``LRScheduler``): the
+      scheduler is handed to the guard (:meth:`GuardedOptimizer.schedule`), which steps it once
+      per *taken* step with no host sync (on CUDA with a fused optimizer: at the start of the
+      next step, before its update reads the LR); Lightning's call of ``step()`` does nothing.
+    - otherwise (manual optimization, ``frequency > 1``, ``ReduceLROnPlateau``): ``step()`` is
+      held when the guard stepped since the last call and its last step was skipped; otherwise
+      it is the scheduler's own ``step()``. Reading the skip waits for the decision (on CUDA with
+      a fused optimizer: one sync per call).
+
+    Everything else (``get_last_lr()``, ``state_dict()``, attributes) is the wrapped scheduler's:
+    checkpoints hold the scheduler's own state. ``self.lr_schedulers()`` returns this wrapper;
+    ``.scheduler`` is yours.
     """
 
-    def __init__(self, scheduler: Any, guard: GuardedOptimizer) -> None:
+    def __init__(self, scheduler: Any, guard: GuardedOptimizer, *, sync_free: bool = False) -> None:
         self.scheduler = scheduler
         self.guard = guard
-        self.held = 0
-        """Scheduler steps held so far (not checkpointed)."""
+        self.sync_free = sync_free
+        self._held = 0
         self._seen = guard.step_count
+        if sync_free:
+            self._skipped_before = guard.skipped_steps
+            guard.schedule(scheduler)
+
+    @property
+    def held(self) -> int:
+        """Scheduler steps held so far, i.e. skipped optimizer steps since the wrapper was made
+        (not checkpointed)."""
+        return self.guard.skipped_steps - self._skipped_before if self.sync_free else self._held
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
-        """The scheduler's ``step()``, unless the optimizer step just before it was skipped.
-        Reads the guard's decision: on CUDA with a fused optimizer, waits for it."""
+        """Nothing when ``sync_free`` (the guard steps the scheduler). Otherwise the scheduler's
+        ``step()``, unless the optimizer step just before it was skipped (reading that waits for
+        the guard's decision)."""
+        if self.sync_free:
+            return None
         stepped, self._seen = self.guard.step_count != self._seen, self.guard.step_count
         if stepped and self.guard.step_was_skipped:
-            self.held += 1
+            self._held += 1
             return None
         return self.scheduler.step(*args, **kwargs)
 
@@ -88,6 +110,15 @@ class HeldScheduler:
 
     def __repr__(self) -> str:
         return f"HeldScheduler({self.scheduler!r})"
+
+
+def _sync_free(config: Any, automatic: bool) -> bool:
+    """Whether Lightning's calls of this scheduler's ``step()`` can be left to the guard's
+    :meth:`~GuardedOptimizer.schedule`: one call per optimizer step (automatic optimization,
+    ``frequency=1``) of a scheduler without a metric."""
+    scheduler = config.scheduler
+    return (automatic and config.frequency == 1 and isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
+            and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
 
 
 class AmpGuardPrecision(MixedPrecision):
@@ -175,8 +206,9 @@ class AmpGuardPrecision(MixedPrecision):
             guard._scaler.route_steps = True  # Lightning's scaler.step(opt) is the guarded step
         guard.register_load_state_dict_pre_hook(self._adopt_plain_state)
         self.guard = guard
-        held = [dataclasses.replace(c, scheduler=HeldScheduler(c.scheduler, guard)) if c.interval == "step" else c
-                for c in lr_schedulers]
+        automatic = getattr(getattr(model, "module", model), "automatic_optimization", True)
+        held = [dataclasses.replace(c, scheduler=HeldScheduler(c.scheduler, guard, sync_free=_sync_free(c, automatic)))
+                if c.interval == "step" else c for c in lr_schedulers]
         return model, [guard], held
 
     def _check(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:

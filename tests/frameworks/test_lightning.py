@@ -283,6 +283,62 @@ def test_step_scheduler_is_held_on_skipped_steps() -> None:
     assert (logged["ampguard/skipped_steps"], logged["ampguard/skipped"], logged["ampguard/loss_scale"]) == (2, 0, 1)
 
 
+def test_step_scheduler_is_held_without_reading_the_decision_on_the_sync_free_path(monkeypatch) -> None:
+    """The fused CUDA path, emulated on CPU (the tensor decision, reports decoded at the next
+    step): the plugin hands the scheduler to the guard (``opt.schedule``), so Lightning's call of
+    ``scheduler.step()`` reads no decision (on CUDA: no sync), and every update still runs at
+    1e-2 * 0.5**(steps taken before it)."""
+    class Fused(Net):
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.5**n)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    seen: list[float] = []
+
+    class Lagged(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            guard = trainer.precision_plugin.guard
+            guard._pipeline.host_decision = False  # CUDA's tensor decision
+            guard._lagged_reports = True  # and its lag: a report decoded at the next step()
+            # the LR the inner (fused) optimizer's update reads, skipped steps included
+            guard.optimizer.register_step_pre_hook(lambda o, a, k: seen.append(o.param_groups[0]["lr"]))
+
+    reads = {"n": 0}
+    original = ampguard.GuardedOptimizer.step_was_skipped
+
+    def counted(self: ampguard.GuardedOptimizer) -> bool:
+        reads["n"] += 1
+        return original.fget(self)  # type: ignore[attr-defined,no-any-return]
+
+    monkeypatch.setattr(ampguard.GuardedOptimizer, "step_was_skipped", property(counted))
+    plugin = AmpGuardPrecision("bf16-mixed")
+    trainer, _ = fit(Fused(), plugin=plugin, batches=6, fault=faults.output("layer", "nan", steps=[1, 3]),
+                     callbacks=[Lagged()])
+    assert reads["n"] == 0  # nobody waited for a decision
+    assert skipped(plugin) == [1, 3]
+    assert seen == [1e-2 * 0.5**t for t in (0, 1, 1, 2, 2, 3)]
+    held = trainer.lr_scheduler_configs[0].scheduler
+    assert isinstance(held, HeldScheduler) and held.sync_free and held.held == 2
+
+
+def test_manual_optimization_keeps_the_reading_scheduler() -> None:
+    """In manual optimization you call ``scheduler.step()`` when you choose: the wrapper stays the
+    one that reads the skip (the guard does not step it for you)."""
+    class Manual(Net):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = super().training_step(batch, batch_idx)
+            self.lr_schedulers().step()
+            return loss
+
+    plugin = AmpGuardPrecision("bf16-mixed")
+    trainer, _ = fit(Manual(sched=True, manual=True), plugin=plugin, batches=6,
+                     fault=faults.output("layer", "nan", steps=[1, 3]))
+    held = trainer.lr_scheduler_configs[0].scheduler
+    assert isinstance(held, HeldScheduler) and not held.sync_free and held.held == 2
+    assert held.get_last_lr() == [1e-2 * 0.5**4]
+
+
 def test_fused_optimizer_can_be_clipped() -> None:
     """Lightning's own fp16 plugin refuses to clip a fused optimizer (it would unscale inside its
     step); under the guard, which unscales before clipping, it trains and skips the NaN step."""
