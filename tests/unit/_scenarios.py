@@ -181,21 +181,23 @@ def batch(step: int, rank: int, seq: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run(name: str, *, closure: bool, rank: int = 0, world: int = 1, culprit: int = 0,
         wrap_model: Callable[[nn.Module], nn.Module] = lambda m: m, config: dict[str, Any] | None = None,
-        ) -> dict[str, Any]:
+        device: str = "cpu") -> dict[str, Any]:
     """Train scenario ``name``; the cause occurs on rank ``culprit``. Returns the anomalies (as
     tuples: step, kind, module, phase, cause, params, ranks, detail), the quarantine, the skipped
-    steps and the parameter names."""
+    steps and the parameter names. ``device``: where the model and batches live ("cuda" on the GPU
+    machine: ``tests/gpu/test_gpu_diagnosis.py``)."""
     s = SCENARIOS[name]
-    base = s.model()
+    base = s.model().to(device)
     inner = s.optimizer(base)
     model = wrap_model(base)
-    scaler = torch.amp.GradScaler("cpu", init_scale=s.init_scale) if s.precision == "fp16" else None
+    scaler = torch.amp.GradScaler(device, init_scale=s.init_scale) if s.precision == "fp16" else None
     opt = ampguard.wrap(inner, model=model, precision=s.precision, scaler=scaler, config=config)
     sched = torch.optim.lr_scheduler.LambdaLR(inner, s.schedule) if s.schedule is not None else None
     faults.inject(opt, *s.faults(culprit))
     for step in range(s.steps):
         x, y = batch(step, rank, s.seq)
         x = s.bad(step, rank == culprit, x)
+        x, y = x.to(device), y.to(device)
 
         def compute(x: torch.Tensor = x, y: torch.Tensor = y, step: int = step) -> None:
             opt.zero_grad()
