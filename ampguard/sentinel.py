@@ -4,8 +4,9 @@ Opt-in. Without it, forensics hooks exist only after a non-finite step, so a nam
 step late (two on the fused CUDA path) and only if the fault recurs (``docs/diagnosis.md``).
 With it, one forward hook on each chosen block (and a forward pre-hook on the model for its
 input) checks the block's output on device: one float32 sum of it (a NaN or inf anywhere makes
-the sum non-finite), kept per block until the step reads it, no host sync, no hook inside a
-block. One reduction kernel per block output and nothing written the size of the activation:
+the sum non-finite), written into the block's slot of one preallocated buffer until the step
+reads it, no host sync, no hook inside a block. One reduction kernel per block output and
+nothing written the size of the activation:
 ``isfinite(out).all()`` cost a full-size boolean write and five more launches per block, 15 %
 of a GPT-2 124M step on an H200 (benchmarks/RESULTS.md). A sum can also overflow float32 on
 finite values (a bf16/fp32 activation summing past 3.4e38): that block is then named on a step
@@ -66,12 +67,14 @@ class Sentinel:
             raise ValueError("GuardConfig.sentinel='top': the model has no child module to watch; name the blocks")
         self.names: tuple[str, ...] = tuple(names)
         self.device = device
-        self._sums: dict[int, torch.Tensor] = {}
-        """Slot -> float32 sum of what it saw this step (several forwards: their sums added)."""
-        self._codes: dict[tuple[int, ...], torch.Tensor] = {}
-        """The slots' codes (slot + 1) on device, per set of slots seen (made once per set)."""
+        self._sums = torch.zeros(len(names) + 1, dtype=torch.float32, device=device)
+        """Slot -> float32 sum of what it saw this step (several forwards: their sums added);
+        0 for a slot not seen. One buffer: the hooks write into views of it, no stack per step."""
+        self._slots = [self._sums[k] for k in range(len(names) + 1)]  # the views, made once
+        self._seen: set[int] = set()
         self._none = torch.full((), -1.0, dtype=torch.float32, device=device)
-        self._arange = torch.arange(1, len(names) + 2, dtype=torch.float32, device=device)
+        self._codes = torch.arange(0, len(names) + 1, dtype=torch.float32, device=device)
+        self._inf = torch.full((), torch.inf, dtype=torch.float32, device=device)
         self._handles: list[Any] = [root.register_forward_pre_hook(self._input_hook, prepend=True)]
         for k, name in enumerate(names):
             self._handles.append(table[name].register_forward_hook(self._output_hook(k + 1)))
@@ -93,28 +96,32 @@ class Sentinel:
         return hook
 
     def _mark(self, slot: int, t: torch.Tensor) -> None:
-        total = t.detach().sum(dtype=torch.float32).to(self.device)  # on device: no sync
-        seen = self._sums.get(slot)
-        self._sums[slot] = total if seen is None else seen + total
+        t = t.detach()
+        if t.device != self.device:  # e.g. a CPU tensor in a CUDA model: copied, still no sync
+            t = t.to(self.device, non_blocking=True)
+        if slot in self._seen:  # a second forward in this step (accumulation): add its sum
+            self._slots[slot].add_(t.sum(dtype=torch.float32))
+        elif t.dim():  # one reduction kernel, straight into the step's buffer
+            torch.sum(t, dim=tuple(range(t.dim())), dtype=torch.float32, out=self._slots[slot])
+            self._seen.add(slot)
+        else:
+            self._slots[slot].copy_(t)
+            self._seen.add(slot)
 
     def clear(self) -> None:
         """Forget what the hooks saw (a replay's forward belongs to no step's report)."""
-        self._sums.clear()
+        if self._seen:
+            self._sums.zero_()
+            self._seen.clear()
 
     def value(self) -> torch.Tensor:
         """This step's first flagged slot as a float (-1: none; 0: the input; k+1: block k), on
         device; then the flags are cleared for the next step. No sync."""
-        if not self._sums:
+        if not self._seen:
             return self._none
-        slots = tuple(sorted(self._sums))
-        codes = self._codes.get(slots)
-        if codes is None:
-            # from a device arange, by views: no host-to-device copy (that would sync)
-            codes = self._codes[slots] = torch.stack([self._arange[s] for s in slots])
-        sums = torch.stack([self._sums[s] for s in slots])
-        self._sums.clear()
-        first = torch.where(torch.isfinite(sums), torch.full_like(codes, torch.inf), codes).min()
-        return torch.where(torch.isfinite(first), first - 1.0, self._none)
+        first = torch.where(torch.isfinite(self._sums), self._inf, self._codes).min()
+        self.clear()  # stream-ordered after the read above
+        return torch.where(torch.isfinite(first), first, self._none)
 
     def name(self, code: float) -> str | None:
         """The block a decoded value names ("" for the model's input), None for none."""
