@@ -49,7 +49,9 @@ def _dashboards(args: argparse.Namespace, argv: list[str]) -> int:
         args.command_parser.error(f"--burst-threshold must be >= {dashboards.MIN_BURST_THRESHOLD}")
     try:
         paths = dashboards.write_all(
-            args.out, job_selector=args.job_selector, burst_threshold=args.burst_threshold, test_job=args.test_job
+            args.out, job_selector=args.job_selector, burst_threshold=args.burst_threshold, test_job=args.test_job,
+            skip_rate_thresholds=dict(args.skip_rate_threshold), grad_growth_factor=args.grad_growth_factor,
+            grad_growth_window=args.grad_growth_window,
         )
     except (OSError, ValueError) as exc:
         print(f"ampguard dashboards: error: {exc}", file=sys.stderr)
@@ -59,6 +61,16 @@ def _dashboards(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def _precision_fraction(text: str) -> tuple[str, float]:
+    precision, sep, value = text.partition("=")
+    try:
+        if sep:
+            return precision, float(value)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: expected PRECISION=FRACTION, e.g. bf16=0.001")
+
+
 def _dashboards_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="dashboards", help="output directory (default: dashboards/)")
     p.add_argument("--job-selector", default="",
@@ -66,6 +78,18 @@ def _dashboards_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst-threshold", type=int, default=dashboards.DEFAULT_BURST_THRESHOLD,
                    help="AmpguardNonFiniteBurst fires above this many non-finite steps in 5 minutes "
                    f"(default: {dashboards.DEFAULT_BURST_THRESHOLD})")
+    p.add_argument("--skip-rate-threshold", type=_precision_fraction, action="append", default=[],
+                   metavar="PRECISION=FRACTION",
+                   help="AmpguardSkipRate fires when a run of that precision skips more than this fraction of its "
+                   "steps (5-minute rate) for 10 minutes; repeat per precision (default: "
+                   + " ".join(f"{p}={t:g}" for p, t in dashboards.DEFAULT_SKIP_RATE_THRESHOLDS.items()) + ")")
+    p.add_argument("--grad-growth-factor", type=float, default=dashboards.DEFAULT_GRAD_GROWTH_FACTOR,
+                   help="AmpguardModuleGradNormGrowth fires when a module's median gradient norm over the window is "
+                   "more than this factor times the window before's "
+                   f"(default: {dashboards.DEFAULT_GRAD_GROWTH_FACTOR:g})")
+    p.add_argument("--grad-growth-window", default=dashboards.DEFAULT_GRAD_GROWTH_WINDOW,
+                   help="that window, a Prometheus duration of at least 10m "
+                   f"(default: {dashboards.DEFAULT_GRAD_GROWTH_WINDOW})")
     p.add_argument("--test-job", default="train",
                    help="job label of the synthetic series in the rule tests; must match --job-selector")
 

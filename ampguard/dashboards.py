@@ -13,8 +13,10 @@ take the ``max`` over ranks rather than the sum.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,9 @@ from .errors import BackendUnavailableError
 __all__ = [
     "ALERTS",
     "DEFAULT_BURST_THRESHOLD",
+    "DEFAULT_GRAD_GROWTH_FACTOR",
+    "DEFAULT_GRAD_GROWTH_WINDOW",
+    "DEFAULT_SKIP_RATE_THRESHOLDS",
     "MIN_BURST_THRESHOLD",
     "build_dashboard",
     "build_rule_tests",
@@ -39,6 +44,16 @@ DEFAULT_BURST_THRESHOLD = 10
 #: AmpguardNonFiniteBurst fires when a run saw *more* non-finite steps in 5 minutes than its
 #: threshold: at 0 every single one (each routine fp16 overflow) would page, which is no burst.
 MIN_BURST_THRESHOLD = 1
+#: AmpguardSkipRate fires when a run's skipped fraction of steps (5-minute rate) stays above the
+#: threshold of its precision. fp16 skips by design: dynamic loss scaling probes a larger scale
+#: every growth_interval (2000) clean steps and skips the step that overflows, about 0.05% of
+#: steps, more while the scale settles; 1% sustained is 20 times that. bf16 and fp32 have no loss
+#: scale to probe: every skip is a NaN/inf (or a spike skip), so any sustained skipping is abnormal.
+DEFAULT_SKIP_RATE_THRESHOLDS: dict[str, float] = {"fp16": 0.01, "bf16": 0.0, "fp32": 0.0}
+#: AmpguardModuleGradNormGrowth: one module's gradient norm (median over the window) more than
+#: this factor above its median over the window before.
+DEFAULT_GRAD_GROWTH_FACTOR = 10.0
+DEFAULT_GRAD_GROWTH_WINDOW = "30m"
 DASHBOARD_UID = "ampguard-numerics"
 RULES_FILE = "ampguard.rules.yml"
 RULES_TEST_FILE = "ampguard.rules.test.yml"
@@ -53,6 +68,9 @@ ALERTS = (
     "AmpguardTrainingStalled",
     "AmpguardRankDivergence",
     "AmpguardExporterDown",
+    "AmpguardSkipRate",
+    "AmpguardLossScaleAtFloor",
+    "AmpguardModuleGradNormGrowth",
 )
 
 # Recording rule names (level:metric:operations).
@@ -61,10 +79,41 @@ _REC_SKIP_RATIO = "job:" + M.SKIPPED_STEPS.name.removesuffix("_total") + ":ratio
 _REC_SCALE_MIN = "job:" + M.LOSS_SCALE.name + ":min"
 _REC_SCALE_MAX = "job:" + M.LOSS_SCALE.name + ":max"
 _REC_STEPS_RATE = "job:" + M.STEPS.name.removesuffix("_total") + ":rate5m"
+_REC_SKIP_RATE_PRECISION = "job_precision:" + M.SKIPPED_STEPS.name.removesuffix("_total") + ":ratio_rate5m"
+#: The series of one rank's endpoint: what joins a rank's metrics with its run-info labels.
+_RANK_SERIES = ("job", "instance", *M.RANK_LABELS)
+_DURATION = re.compile(r"(\d+)([mhd])")
+_MINUTES = {"m": 1, "h": 60, "d": 1440}
 
 
 def _sel(metric: str, selector: str) -> str:
     return f"{metric}{{{selector}}}" if selector else metric
+
+
+def _skip_rate_thresholds(given: Mapping[str, float] | None) -> dict[str, float]:
+    """The per-precision thresholds of AmpguardSkipRate: the defaults, with ``given`` over them."""
+    thresholds = {**DEFAULT_SKIP_RATE_THRESHOLDS, **(given or {})}
+    unknown = sorted(set(thresholds) - set(DEFAULT_SKIP_RATE_THRESHOLDS))
+    if unknown:
+        raise ValueError(f"skip_rate_thresholds names unknown precisions {unknown}; known: "
+                         f"{', '.join(DEFAULT_SKIP_RATE_THRESHOLDS)}")
+    for precision, t in thresholds.items():
+        if not (isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < 1):
+            raise ValueError(f"skip_rate_thresholds[{precision!r}]={t!r}; allowed: a fraction in [0, 1) (the alert "
+                             "fires above it; 0: on any sustained skipping)")
+    return {precision: float(t) for precision, t in thresholds.items()}
+
+
+def _grad_growth(factor: float, window: str) -> int:
+    """Check AmpguardModuleGradNormGrowth's factor and window; return the window in minutes."""
+    if not (isinstance(factor, (int, float)) and not isinstance(factor, bool) and 1 < factor < math.inf):
+        raise ValueError(f"grad_growth_factor={factor!r}; allowed: a number > 1")
+    m = _DURATION.fullmatch(window) if isinstance(window, str) else None
+    minutes = int(m.group(1)) * _MINUTES[m.group(2)] if m else 0
+    if minutes < 10:
+        raise ValueError(f"grad_growth_window={window!r}; allowed: a Prometheus duration in m, h or d of at least "
+                         "10m, e.g. '30m' or '2h' (it must hold several samples of a norm sampled every N steps)")
+    return minutes
 
 
 # ---------------------------------------------------------------------------------- rules
@@ -76,6 +125,9 @@ def build_rules(
     burst_threshold: int = DEFAULT_BURST_THRESHOLD,
     fors: dict[str, str] | None = None,
     interval: str | None = None,
+    skip_rate_thresholds: Mapping[str, float] | None = None,
+    grad_growth_factor: float = DEFAULT_GRAD_GROWTH_FACTOR,
+    grad_growth_window: str = DEFAULT_GRAD_GROWTH_WINDOW,
 ) -> dict[str, Any]:
     """The Prometheus rules document.
 
@@ -85,6 +137,11 @@ def build_rules(
       steps in 5 minutes for a run; at least :data:`MIN_BURST_THRESHOLD` (1).
     - ``fors``: override the ``for:`` of given alerts (tests use short ones).
     - ``interval``: evaluation interval of the groups (None: Prometheus's global one).
+    - ``skip_rate_thresholds``: ``AmpguardSkipRate``'s threshold per precision (a fraction of steps
+      in [0, 1)), over :data:`DEFAULT_SKIP_RATE_THRESHOLDS`.
+    - ``grad_growth_factor``, ``grad_growth_window``: ``AmpguardModuleGradNormGrowth`` fires when a
+      module's median gradient norm over the window is more than the factor (> 1) times its median
+      over the window before (a duration of at least 10m).
     """
     whole = isinstance(burst_threshold, int) and not isinstance(burst_threshold, bool)  # True would render "> True"
     if not (whole and burst_threshold >= MIN_BURST_THRESHOLD):
@@ -92,6 +149,8 @@ def build_rules(
             f"burst_threshold={burst_threshold!r}; allowed: an int >= {MIN_BURST_THRESHOLD} (the alert fires above it: "
             "0 would fire on every non-finite step, e.g. each fp16 overflow)"
         )
+    thresholds = _skip_rate_thresholds(skip_rate_thresholds)
+    _grad_growth(grad_growth_factor, grad_growth_window)
     s = job_selector
     nonfinite = _sel(M.NONFINITE_STEPS.name, s)
     skipped = _sel(M.SKIPPED_STEPS.name, s)
@@ -100,6 +159,10 @@ def build_rules(
     last = _sel(M.LAST_STEP_TIMESTAMP.name, s)
     divergence = _sel(M.RANK_DIVERGENCE.name, s)
     exporter_up = _sel(M.EXPORTER_UP.name, s)
+    floor = _sel(M.LOSS_SCALE_FLOOR.name, s)
+    module_norm = _sel(M.MODULE_GRAD_NORM.name, s)
+    with_precision = f"* on ({', '.join(_RANK_SERIES)}) group_left (precision) {_sel(M.RUN_INFO.name, s)}"
+    window, factor = grad_growth_window, grad_growth_factor
     recording = [
         {
             "record": _REC_NONFINITE,
@@ -112,6 +175,13 @@ def build_rules(
         {"record": _REC_STEPS_RATE, "expr": f"max by (job) (rate({steps}[5m]))"},
         {"record": _REC_SCALE_MIN, "expr": f"min by (job) ({scale})"},
         {"record": _REC_SCALE_MAX, "expr": f"max by (job) ({scale})"},
+        {
+            # every rank of a run reports the same global counts: max over ranks, as above; the
+            # precision comes from each rank's run-info series
+            "record": _REC_SKIP_RATE_PRECISION,
+            "expr": f"max by (job, precision) (sum without (reason) (rate({skipped}[5m])) {with_precision})"
+            f" / max by (job, precision) ((rate({steps}[5m]) > 0) {with_precision})",
+        },
     ]
     fors = dict(fors or {})
 
@@ -187,6 +257,39 @@ def build_rules(
             "it with backoff and holds the last steps for it; meanwhile its records (e.g. the JSONL event log) are "
             "missing. Check disk space, permissions or the TensorBoard directory of that rank.",
         ),
+        alert(
+            "AmpguardSkipRate",
+            " or ".join(f'{_REC_SKIP_RATE_PRECISION}{{precision="{p}"}} > {t!r}' for p, t in thresholds.items()),
+            "10m",
+            "warning",
+            "{{ $labels.job }} ({{ $labels.precision }}) keeps skipping steps",
+            "{{ $value | humanizePercentage }} of the steps of the last 5 minutes were skipped, above the "
+            "{{ $labels.precision }} threshold (" + ", ".join(f"{p} {t * 100:g}%" for p, t in thresholds.items())
+            + ") for 10 minutes. bf16 and fp32 have no loss scale to back off: each skip is a NaN/inf (or spike) "
+            "ampguard kept out of the weights, and they keep coming. Open the ampguard event log for the first one.",
+        ),
+        alert(
+            "AmpguardLossScaleAtFloor",
+            f"max by (job) ({scale} <= {floor})",
+            "10m",
+            "warning",
+            "fp16 loss scale of {{ $labels.job }} sits at its floor",
+            "The loss scale has stayed at its floor GuardConfig.min_scale ({{ $value }}) for 10 minutes: overflows "
+            "back it off as soon as it grows, and gradients get the least protection from fp16 underflow. The "
+            "model likely needs bf16/fp32 for some layers, a lower learning rate or a fix.",
+        ),
+        alert(
+            "AmpguardModuleGradNormGrowth",
+            f"quantile_over_time(0.5, {module_norm}[{window}])"
+            f" / (quantile_over_time(0.5, {module_norm}[{window}] offset {window}) > 0) > {factor!r}",
+            "5m",
+            "warning",
+            "Gradient norm of module {{ $labels.module }} is growing on {{ $labels.job }} rank {{ $labels.rank }}",
+            f"The median gradient norm of module {{{{ $labels.module }}}} on rank {{{{ $labels.rank }}}} over the "
+            f"last {window} is {{{{ $value | printf \"%.1f\" }}}} times its median over the {window} before "
+            f"(threshold {factor:g}x): a leading sign of divergence or of coming overflows. The per-module norms "
+            "(sampled every GuardConfig.numerics_every steps) show where it started.",
+        ),
     ]
     if fors:
         raise ValueError(f"fors names unknown alerts {sorted(fors)}; known: {', '.join(ALERTS)}")
@@ -243,22 +346,33 @@ def build_rule_tests(
     job_selector: str = "",
     test_job: str = "train",
     rules_file: str = RULES_FILE,
+    skip_rate_thresholds: Mapping[str, float] | None = None,
+    grad_growth_factor: float = DEFAULT_GRAD_GROWTH_FACTOR,
+    grad_growth_window: str = DEFAULT_GRAD_GROWTH_WINDOW,
 ) -> dict[str, Any]:
     """promtool unit tests: every alert fires when it should and stays silent on a healthy run.
 
-    The synthetic series carry ``job=test_job``: with a ``job_selector``, pick a job it matches."""
-    rules = build_rules(burst_threshold=burst_threshold, job_selector=job_selector)
+    The synthetic series carry ``job=test_job``: with a ``job_selector``, pick a job it matches.
+    The rule options are :func:`build_rules`'s: the tests are for the rules built with them."""
+    rules = build_rules(burst_threshold=burst_threshold, job_selector=job_selector,
+                        skip_rate_thresholds=skip_rate_thresholds, grad_growth_factor=grad_growth_factor,
+                        grad_growth_window=grad_growth_window)
+    thresholds = _skip_rate_thresholds(skip_rate_thresholds)
+    window = _grad_growth(grad_growth_factor, grad_growth_window)
     job = test_job
     r0 = {"job": job, "instance": "node0:9400", "rank": "0", "local_rank": "0"}
     r1 = {"job": job, "instance": "node0:9401", "rank": "1", "local_rank": "1"}
     burst = burst_threshold + 5
 
-    def healthy(labels: dict[str, str], minutes: int) -> list[dict[str, str]]:
+    def healthy(labels: dict[str, str], minutes: int, precision: str = "fp16") -> list[dict[str, str]]:
         # 60 steps a minute, scrape every minute, nothing bad.
         n = minutes
+        fp16 = precision == "fp16"
         out = [
             _series(M.STEPS.name, labels, f"0+60x{n}"),
-            _series(M.LOSS_SCALE.name, labels, f"65536x{n}"),
+            _series(M.LOSS_SCALE.name, labels, f"{65536 if fp16 else 1}x{n}"),
+            _series(M.LOSS_SCALE_FLOOR.name, labels, f"1x{n}" if fp16 else " ".join(["NaN"] * (n + 1))),
+            _series(M.RUN_INFO.name, {**labels, "run_id": "r1", "precision": precision}, f"1x{n}"),
             _series(M.LAST_STEP_TIMESTAMP.name, labels, f"60+60x{n}"),
             _series(M.RANK_DIVERGENCE.name, labels, f"0x{n}"),
         ]
@@ -269,6 +383,8 @@ def build_rule_tests(
             out.append(_series(M.NONFINITE_STEPS.name, {**labels, "kind": kind}, f"0x{n}"))
         for reason in M.SKIPPED_STEPS.label_values[0]:
             out.append(_series(M.SKIPPED_STEPS.name, {**labels, "reason": reason}, f"0x{n}"))
+        for module in ("encoder", "decoder"):
+            out.append(_series(M.MODULE_GRAD_NORM.name, {**labels, "module": module}, f"0.5x{n}"))
         return out
 
     def silent(minutes: int) -> list[dict[str, Any]]:
@@ -284,8 +400,15 @@ def build_rule_tests(
 
     tests: list[dict[str, Any]] = []
 
-    def case(series: list[dict[str, str]], *checks: dict[str, Any]) -> None:
+    def case(series: list[dict[str, str]], *checks: dict[str, Any], exprs: tuple[dict[str, Any], ...] = ()) -> None:
         tests.append({"interval": "1m", "input_series": series, "alert_rule_test": list(checks)})
+        if exprs:
+            tests[-1]["promql_expr_test"] = list(exprs)
+
+    def skips_per_600(minute: int, labels: dict[str, str], skips: int) -> dict[str, Any]:
+        # the skip-rate recording rule, as skips per 600 steps (rounded: promtool compares exactly)
+        return {"expr": f"round({_REC_SKIP_RATE_PRECISION} * 600)", "eval_time": f"{minute}m",
+                "exp_samples": [{"labels": _series("", labels, "")["series"], "value": skips}]}
 
     def quiet(minute: int, alert: str) -> dict[str, Any]:
         return {"eval_time": f"{minute}m", "alertname": alert, "exp_alerts": []}
@@ -294,7 +417,8 @@ def build_rule_tests(
         return {"eval_time": f"{minute}m", "alertname": alert, "exp_alerts": [_expected(rules, alert, labels, value)]}
 
     # 1. a healthy two-rank run: every alert silent
-    case(healthy(r0, 30) + healthy(r1, 30), *silent(30))
+    case(healthy(r0, 30) + healthy(r1, 30), *silent(30),
+         exprs=(skips_per_600(30, {"job": job, "precision": "fp16"}, 0),))
 
     # 2. a NaN burst on both ranks (every rank reports the global count)
     s = healthy(r0, 20) + healthy(r1, 20)
@@ -351,6 +475,53 @@ def build_rule_tests(
     replace(s, M.EXPORTER_UP.name, blip, "1x5 0 1x14")
     replace(s, M.EXPORTER_ERRORS.name, blip, "0x5 1x15")
     case(s, quiet(15, "AmpguardExporterDown"))
+
+    # 8. skipping, per precision: 600 steps a minute, `per_minute` of them skipped from minute 10
+    def skipping(precision: str, per_minute: int) -> list[dict[str, str]]:
+        s = healthy(r0, 40, precision)
+        replace(s, M.STEPS.name, r0, "0+600x40")
+        replace(s, M.SKIPPED_STEPS.name, {**r0, "reason": "nonfinite_loss"}, f"0x10 0+{per_minute}x30")
+        return s
+
+    for precision, threshold in thresholds.items():
+        labels = {"job": job, "precision": precision}
+        above = min(math.floor(threshold * 600) + 1, 600)  # sustained, just above the threshold: fires
+        case(skipping(precision, above), quiet(15, "AmpguardSkipRate"),
+             fires(30, "AmpguardSkipRate", labels, f"{above / 6:.4g}%"),
+             exprs=(skips_per_600(30, labels, above),))
+        below = math.floor(threshold * 600 / 2)  # sustained, half the threshold (fp16's default: 0.5%): silent
+        if below >= 1:
+            case(skipping(precision, below), quiet(30, "AmpguardSkipRate"))
+        # a burst of 20 skips in one minute, then none: not sustained, silent
+        s = healthy(r0, 40, precision)
+        replace(s, M.SKIPPED_STEPS.name, {**r0, "reason": "nonfinite_loss"}, "0x10 20x30")
+        case(s, quiet(14, "AmpguardSkipRate"), quiet(30, "AmpguardSkipRate"))
+
+    # 9. the fp16 loss scale backs off to its floor (1) on both ranks at minute 10 and stays there
+    s = healthy(r0, 30) + healthy(r1, 30)
+    for r in (r0, r1):
+        replace(s, M.LOSS_SCALE.name, r, "65536x10 1x20")
+    case(s, quiet(15, "AmpguardLossScaleAtFloor"), fires(25, "AmpguardLossScaleAtFloor", {"job": job}, "1"))
+    # touching the floor for 3 minutes then growing again is not sitting there; a bf16 run's scale is 1
+    # and it has no floor (NaN)
+    s = healthy(r0, 30) + healthy(r1, 30, "bf16")
+    replace(s, M.LOSS_SCALE.name, r0, "65536x10 1x3 2x17")
+    case(s, quiet(25, "AmpguardLossScaleAtFloor"))
+
+    # 10. rank 0's decoder gradient norm steps up to twice the factor at minute `window` and stays
+    big = 2 * grad_growth_factor
+    grown = 2 * window + 1
+    s = healthy(r0, grown + 5) + healthy(r1, grown + 5)
+    replace(s, M.MODULE_GRAD_NORM.name, {**r0, "module": "decoder"}, f"0.5x{window - 1} {big / 2!r}x{window + 5}")
+    case(s, quiet(window, "AmpguardModuleGradNormGrowth"),
+         fires(grown, "AmpguardModuleGradNormGrowth", {**r0, "module": "decoder"}, f"{big:.1f}"))
+    # one noisy sample (say a sampling period) a hundred times the factor up; a module whose norm was 0
+    # (frozen) and starts learning: silent
+    s = healthy(r0, grown + 5)
+    replace(s, M.MODULE_GRAD_NORM.name, {**r0, "module": "decoder"},
+            f"0.5x{window - 1} {50 * grad_growth_factor!r} 0.5x{window + 5}")
+    replace(s, M.MODULE_GRAD_NORM.name, {**r0, "module": "encoder"}, f"0x{window - 1} 0.5x{window + 5}")
+    case(s, quiet(window + 5, "AmpguardModuleGradNormGrowth"), quiet(grown, "AmpguardModuleGradNormGrowth"))
     return {"rule_files": [rules_file], "evaluation_interval": "1m", "tests": tests}
 
 
@@ -403,6 +574,32 @@ def _panel(
         else:
             panel[key] = value
     return panel
+
+
+def _precision_panels() -> list[dict[str, Any]]:
+    """The row of AmpguardSkipRate and AmpguardLossScaleAtFloor: skip rate by precision, scale vs floor."""
+    y = 61
+    return [
+        _panel(30, "row", "Skips by precision, loss-scale floor", "What AmpguardSkipRate and "
+               "AmpguardLossScaleAtFloor look at.", "none", [], (0, y, 24, 1), collapsed=False),
+        _panel(
+            31, "timeseries", "Skip rate by precision", "Fraction of steps skipped over 5 minutes per run and "
+            "precision (the recording rule AmpguardSkipRate uses). bf16 and fp32 skips are NaN/inf or spikes, "
+            "never a loss-scale probe: any lasting rate there is abnormal.", "percentunit",
+            [_target(f"{_REC_SKIP_RATE_PRECISION}{{{_JOB}}}", "{{job}} {{precision}}")],
+            (0, y + 1, 12, 8),
+        ),
+        _panel(
+            32, "timeseries", "Loss scale vs floor", "fp16 loss scale of each rank and its floor (GuardConfig."
+            "min_scale), log2 axis: a scale lying on its floor gets the least protection from underflow. bf16/fp32 "
+            "runs have no floor.", "short",
+            [
+                _target(f"max by (rank) ({_q(M.LOSS_SCALE)})", "rank {{rank}} scale", "A"),
+                _target(f"max by (rank) ({_q(M.LOSS_SCALE_FLOOR)})", "rank {{rank}} floor", "B"),
+            ],
+            (12, y + 1, 12, 8), defaults={"custom": {"scaleDistribution": {"type": "log", "log": 2}}},
+        ),
+    ]
 
 
 def build_dashboard() -> dict[str, Any]:
@@ -551,6 +748,7 @@ def build_dashboard() -> dict[str, Any]:
             ],
         ),
     ]
+    panels += _precision_panels()
     annotations = [
         {
             "builtIn": 1,
@@ -659,21 +857,28 @@ def write_all(
     job_selector: str = "",
     burst_threshold: int = DEFAULT_BURST_THRESHOLD,
     test_job: str = "train",
+    *,
+    skip_rate_thresholds: Mapping[str, float] | None = None,
+    grad_growth_factor: float = DEFAULT_GRAD_GROWTH_FACTOR,
+    grad_growth_window: str = DEFAULT_GRAD_GROWTH_WINDOW,
 ) -> list[Path]:
     """Write the dashboard, the rules and their promtool tests into ``out_dir``; return the paths.
 
     ``job_selector`` (e.g. ``'job=~"llm-.*"'``) restricts every rule to matching series;
     ``burst_threshold`` is AmpguardNonFiniteBurst's threshold; ``test_job`` is the job label of
-    the rule tests' synthetic series (it must match ``job_selector``)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    the rule tests' synthetic series (it must match ``job_selector``); the other options are
+    :func:`build_rules`'s."""
+    options: dict[str, Any] = {
+        "job_selector": job_selector, "burst_threshold": burst_threshold, "skip_rate_thresholds": skip_rate_thresholds,
+        "grad_growth_factor": grad_growth_factor, "grad_growth_window": grad_growth_window,
+    }
     files = {
         DASHBOARD_FILE: render_dashboard(),
-        RULES_FILE: render_rules(job_selector=job_selector, burst_threshold=burst_threshold),
-        RULES_TEST_FILE: render_rule_tests(
-            burst_threshold=burst_threshold, job_selector=job_selector, test_job=test_job
-        ),
+        RULES_FILE: render_rules(**options),
+        RULES_TEST_FILE: render_rule_tests(test_job=test_job, **options),
     }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, text in files.items():
         path = out / name

@@ -20,7 +20,7 @@ from .exporters.base import Exporter
 from .guard import GuardedOptimizer
 from .hardware import check_precision
 from .report import RunInfo
-from .scaling import GradScalerAdapter
+from .scaling import GradScalerAdapter, f32
 from .vocab import Precision
 
 __all__ = ["param_names", "wrap"]
@@ -72,7 +72,8 @@ def _run_info(precision: str, device: torch.device) -> Callable[[GuardedOptimize
                        world_size=backend.world_size, precision=precision, backend=backend.name, device=str(device),
                        param_names=guard.param_names,
                        versions=(("ampguard", __version__), ("torch", torch.__version__),
-                                 ("python", platform.python_version())))
+                                 ("python", platform.python_version())),
+                       loss_scale_floor=None if guard.scaler is None else f32(guard.config.min_scale))
 
     return build
 

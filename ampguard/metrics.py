@@ -35,6 +35,7 @@ __all__ = [
     "LAST_STEP_TIMESTAMP",
     "LOSS",
     "LOSS_SCALE",
+    "LOSS_SCALE_FLOOR",
     "NONFINITE_KINDS",
     "NONFINITE_ORIGIN",
     "NONFINITE_STEPS",
@@ -122,6 +123,12 @@ LOSS_SCALE = Metric(
     "ampguard_loss_scale",
     "gauge",
     "Loss scale that multiplied the last step's loss, as StepReport.loss_scale (1 without loss scaling).",
+)
+LOSS_SCALE_FLOOR = Metric(
+    "ampguard_loss_scale_floor",
+    "gauge",
+    "Floor of the fp16 loss scale (GuardConfig.min_scale, as the scaler clamps to it), set once at open; NaN "
+    "without loss scaling (bf16, fp32).",
 )
 GRAD_NORM = Metric(
     "ampguard_grad_norm", "gauge", "Global L2 norm of the unscaled gradients of the last step (NaN/inf allowed)."
@@ -239,6 +246,7 @@ CATALOGUE: tuple[Metric, ...] = (
     NONFINITE_STEPS,
     NONFINITE_ORIGIN,
     LOSS_SCALE,
+    LOSS_SCALE_FLOOR,
     GRAD_NORM,
     GRAD_NORM_HISTOGRAM,
     LOSS,

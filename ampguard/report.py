@@ -210,6 +210,9 @@ class RunInfo:
     """Parameter names, in the order of ``StepReport.param_norms``."""
     versions: tuple[tuple[str, str], ...] = ()
     """(package, version) pairs: ampguard, torch, python."""
+    loss_scale_floor: float | None = None
+    """Floor of the fp16 loss scale: ``GuardConfig.min_scale`` rounded to float32, as the scaler
+    clamps to it. None without loss scaling (bf16, fp32)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}

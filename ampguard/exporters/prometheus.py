@@ -188,6 +188,8 @@ class PrometheusExporter:
         }
         children[M.RUN_INFO.name][()].info(_run_info_values(info))
         self._bound = _Bound(children)
+        floor = info.loss_scale_floor
+        children[M.LOSS_SCALE_FLOOR.name][()].set(math.nan if floor is None else floor)  # fixed for the run
         self._health_bound = [
             (h, self._m[M.EXPORTER_UP.name].labels(name, *rank), self._m[M.EXPORTER_ERRORS.name].labels(name, *rank),
              [0]) for name, h in self._health.items()

@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytestmark = pytest.mark.integration
 
@@ -49,13 +50,20 @@ def test_help_and_usage_errors():
 
 def test_dashboards_command_writes_valid_rules(tmp_path):
     out = subprocess.run([*CLI, "dashboards", "--out", str(tmp_path), "--burst-threshold", "3",
-                          "--job-selector", 'job=~"llm-.*"', "--test-job", "llm-7b"],
+                          "--job-selector", 'job=~"llm-.*"', "--test-job", "llm-7b",
+                          "--skip-rate-threshold", "bf16=0.002", "--skip-rate-threshold", "fp16=0.05",
+                          "--grad-growth-factor", "4", "--grad-growth-window", "1h"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["ampguard.json", "ampguard.rules.test.yml", "ampguard.rules.yml"]
     rules = (tmp_path / "ampguard.rules.yml").read_text()
     assert '> 3' in rules and 'job=~"llm-.*"' in rules
+    exprs = {r["alert"]: r["expr"] for g in yaml.safe_load(rules)["groups"] for r in g["rules"] if "alert" in r}
+    skip_rate = exprs["AmpguardSkipRate"]
+    assert 'precision="bf16"} > 0.002' in skip_rate and 'precision="fp16"} > 0.05' in skip_rate
+    assert 'precision="fp32"} > 0.0' in skip_rate  # the default kept
+    assert exprs["AmpguardModuleGradNormGrowth"].endswith("[1h] offset 1h) > 0) > 4.0")
     json.loads((tmp_path / "ampguard.json").read_text())
     if shutil.which("promtool"):
         check = subprocess.run(["promtool", "test", "rules", "ampguard.rules.test.yml"], cwd=tmp_path,
@@ -69,6 +77,20 @@ def test_dashboards_command_refuses_a_burst_threshold_below_one(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.splitlines()[-1] == "ampguard dashboards: error: --burst-threshold must be >= 1"
+    assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--skip-rate-threshold", "bf16=2", "skip_rate_thresholds['bf16']=2.0; allowed: a fraction in [0, 1)"),
+    ("--skip-rate-threshold", "tf32=0.1", "skip_rate_thresholds names unknown precisions ['tf32']"),
+    ("--grad-growth-factor", "1", "grad_growth_factor=1.0; allowed: a number > 1"),
+    ("--grad-growth-window", "5m", "grad_growth_window='5m'; allowed: a Prometheus duration"),
+])
+def test_dashboards_command_refuses_bad_rule_options(tmp_path, option, value, message):
+    out = subprocess.run([*CLI, "dashboards", "--out", str(tmp_path / "d"), option, value],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.splitlines()[-1].startswith(f"ampguard dashboards: error: {message}"), out.stderr
     assert not (tmp_path / "d").exists()
 
 

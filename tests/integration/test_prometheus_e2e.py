@@ -207,6 +207,11 @@ def _substitute(expr: str, rate_interval: str) -> str:
     )
 
 
+#: The recording rule AmpguardSkipRate reads (its name, from the generated rules).
+_SKIP_RATE_BY_PRECISION = next(r["record"] for g in dashboards.build_rules()["groups"] for r in g["rules"]
+                               if r.get("record", "").startswith("job_precision:"))
+
+
 # ---------------------------------------------------------------------------------- the test
 @needs_prometheus
 def test_two_rank_training_scraped_by_real_prometheus(prometheus_server, tmp_path):
@@ -253,6 +258,9 @@ def test_two_rank_training_scraped_by_real_prometheus(prometheus_server, tmp_pat
         q = _api(prom, "query", query=f'ampguard_run_info{{job="{JOB}"}}')
         assert {s["metric"]["world_size"] for s in q["result"]} == {"2"}
         assert len({s["metric"]["run_id"] for s in q["result"]}) == 1  # one run id on both ranks
+        # the skip rate per precision: one series for the run, labelled with its precision
+        q = _api(prom, "query", query=f'{_SKIP_RATE_BY_PRECISION}{{job="{JOB}"}}')
+        assert [s["metric"]["precision"] for s in q["result"]] == ["bf16"]
 
         # 4. every query of every dashboard panel (and annotation) returns data
         rate_interval = "10s"
@@ -322,6 +330,53 @@ def test_two_rank_training_scraped_by_real_prometheus(prometheus_server, tmp_pat
         assert all(a["rank"] == r and a["ranks"] == [1] and a["kind"] == "nonfinite_loss" for a in anomalies)
 
 
+@needs_prometheus
+def test_bf16_skips_recorded_by_precision_and_alerted_by_real_prometheus(prometheus_server):
+    """A real bf16 run on CPU whose loss is, every 5th step, the log of a negative number (a genuine NaN,
+    no fault injection): the server's recording rule shows its skip rate labelled precision="bf16",
+    AmpguardSkipRate (threshold 0 for bf16) fires, and the scale-floor alert stays silent (no floor)."""
+    import torch
+
+    import ampguard
+    from ampguard.exporters import PrometheusExporter
+
+    port = _free_ports(1)
+    rules = dashboards.render_rules(fors={"AmpguardSkipRate": "1s", "AmpguardLossScaleAtFloor": "0s"}, interval="1s")
+    prom = prometheus_server([f"127.0.0.1:{port}"], rules)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.01), model=model, precision="bf16",
+                        exporters=[PrometheusExporter(port=port, addr="127.0.0.1")])
+    try:
+        _wait("target up", lambda: [t for t in _api(prom, "targets")["activeTargets"] if t["health"] == "up"], 60)
+
+        def firing() -> Any:
+            # train on until the alert fires: steps of ~20 ms, every 5th one with a NaN loss
+            for _ in range(25):
+                with opt.autocast():
+                    loss = model(torch.randn(16, 8)).float().pow(2).mean()
+                if opt.step_count % 5 == 4:
+                    loss = torch.log(-loss)  # the log of a negative number: NaN
+                opt.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                time.sleep(0.02)
+            return [a for a in _api(prom, "alerts")["alerts"]
+                    if a["labels"]["alertname"] == "AmpguardSkipRate" and a["state"] == "firing"]
+
+        alert = _wait("AmpguardSkipRate firing", firing, 120, every=0)[0]
+        assert alert["labels"]["precision"] == "bf16" and alert["labels"]["job"] == JOB
+        assert opt.skipped_steps == opt.step_count // 5 > 0
+        q = _api(prom, "query", query=f'{_SKIP_RATE_BY_PRECISION}{{job="{JOB}"}}')["result"]
+        assert [s["metric"] for s in q] == [{"__name__": _SKIP_RATE_BY_PRECISION, "job": JOB, "precision": "bf16"}]
+        assert 0 < float(q[0]["value"][1]) <= 0.25  # one step in 5 skipped (the 5m rate lags a little)
+        floor = _api(prom, "query", query=f'ampguard_loss_scale_floor{{job="{JOB}"}}')["result"]
+        assert [s["value"][1] for s in floor] == ["NaN"]  # bf16: no loss scale floor
+        assert not [a for a in _api(prom, "alerts")["alerts"] if a["labels"]["alertname"] == "AmpguardLossScaleAtFloor"]
+    finally:
+        opt.close()
+
+
 _KILLED_RUN = textwrap.dedent(
     """
     import sys, time, torch, ampguard
@@ -383,6 +438,13 @@ def test_promtool_checks_and_tests_the_generated_rules(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "> 3" in (tmp_path / dashboards.RULES_FILE).read_text()
+    # other skip-rate thresholds and grad-growth factor/window, generated fresh, pass their own tests too
+    opts = tmp_path / "opts"
+    dashboards.write_all(opts, skip_rate_thresholds={"fp16": 0.05, "bf16": 0.002}, grad_growth_factor=3,
+                         grad_growth_window="1h")
+    res = subprocess.run([PROMTOOL, "test", "rules", dashboards.RULES_TEST_FILE], cwd=opts,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
     # a job selector, with a test job it matches
     sel = tmp_path / "sel"
     dashboards.write_all(sel, job_selector='job=~"llm-.*"', test_job="llm-7b")

@@ -4,6 +4,7 @@ dashboard-linter applies (no Grafana server runs here)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -71,11 +72,11 @@ def test_every_panel_uses_the_datasource_variable_and_has_unit_and_description()
 
 def test_every_query_is_templated_on_job_and_rank():
     for title, expr in _exprs():
-        selectors = re.findall(r"\{([^{}]*)\}", re.sub(r"\{\{[^}]*\}\}", "", expr))
+        selectors = re.findall(r"([\w:]*)\{([^{}]*)\}", re.sub(r"\{\{[^}]*\}\}", "", expr))
         assert selectors, (title, expr)
-        for sel in selectors:
+        for name, sel in selectors:
             assert 'job=~"$job"' in sel, (title, expr)
-            if "up{" not in expr and "ALERTS{" not in expr:
+            if name not in ("up", "ALERTS") and ":" not in name:  # a job-level recording rule has no rank
                 assert 'rank=~"$rank"' in sel, (title, expr)
 
 
@@ -112,8 +113,16 @@ def test_required_panels_are_there():
         "Gradient norm distribution": "heatmap",
         "Gradient norm (last step)": "timeseries",
         "Per-rank summary": "table",
+        "Skip rate by precision": "timeseries",
+        "Loss scale vs floor": "timeseries",
     }.items():
         assert types.get(title) == kind, title
+    records = [r["record"] for g in dashboards.build_rules()["groups"] for r in g["rules"] if "record" in r]
+    by_precision = next(p for p in _panels() if p["title"] == "Skip rate by precision")
+    assert by_precision["targets"][0]["expr"].split("{")[0] in records  # the rule AmpguardSkipRate uses
+    floor = next(p for p in _panels() if p["title"] == "Loss scale vs floor")
+    assert [M.LOSS_SCALE.name in t["expr"] for t in floor["targets"]] == [True, True]
+    assert M.LOSS_SCALE_FLOOR.name in floor["targets"][1]["expr"]
     scale = next(p for p in _panels() if p["title"] == "Loss scale per rank")
     assert scale["fieldConfig"]["defaults"]["custom"]["scaleDistribution"] == {"type": "log", "log": 2}
     names = [a["name"] for a in DASH["annotations"]["list"]]
@@ -131,10 +140,12 @@ def test_rules_have_every_alert_with_severity_summary_description():
         assert re.fullmatch(r"\d+[smh]", rule["for"]), name
     records = [r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r]
     assert all(re.fullmatch(r"[a-z_]+:[a-z0-9_]+:[a-z0-9_]+", r) for r in records), records
+    # every metric the rules read is defined in ampguard.metrics (MODULE_GRAD_NORM before it is exported)
+    defined = {m.name: m for m in vars(M).values() if isinstance(m, M.Metric)}
     for g in rules["groups"]:
         for r in g["rules"]:
             for name in METRIC.findall(r["expr"]):
-                M.by_name(name)
+                assert defined.get(name) or M.by_name(name)
 
 
 def test_burst_threshold_selector_and_fors_are_configurable():
@@ -163,6 +174,50 @@ def test_burst_threshold_is_at_least_one_as_on_the_command_line():
             dashboards.build_rules(burst_threshold=bad)  # type: ignore[arg-type]
 
 
+def _alert(rules: dict, name: str) -> dict:
+    return next(r for g in rules["groups"] for r in g["rules"] if r.get("alert") == name)
+
+
+def test_skip_rate_is_recorded_per_precision_with_a_threshold_per_precision():
+    rules = dashboards.build_rules()
+    record = next(r for g in rules["groups"] for r in g["rules"]
+                  if r.get("record", "").startswith("job_precision:"))
+    # the precision comes from each rank's run-info series, joined on what identifies a rank's endpoint
+    assert "group_left (precision) " + M.RUN_INFO.name in record["expr"]
+    assert "on (job, instance, rank, local_rank)" in record["expr"]
+    expr = _alert(rules, "AmpguardSkipRate")["expr"]
+    assert expr == " or ".join(f'{record["record"]}{{precision="{p}"}} > {t!r}'
+                               for p, t in dashboards.DEFAULT_SKIP_RATE_THRESHOLDS.items())
+    assert dashboards.DEFAULT_SKIP_RATE_THRESHOLDS["fp16"] > dashboards.DEFAULT_SKIP_RATE_THRESHOLDS["bf16"] == 0
+    custom = _alert(dashboards.build_rules(skip_rate_thresholds={"bf16": 0.001}), "AmpguardSkipRate")["expr"]
+    assert 'precision="bf16"} > 0.001' in custom and 'precision="fp16"} > 0.01' in custom
+    for bad, match in (({"tf32": 0.1}, "unknown precisions"), ({"bf16": 1}, "allowed: a fraction in"),
+                       ({"fp16": -0.1}, "allowed: a fraction in"), ({"fp32": True}, "allowed: a fraction in")):
+        with pytest.raises(ValueError, match=match):
+            dashboards.build_rules(skip_rate_thresholds=bad)
+
+
+def test_scale_floor_alert_compares_the_scale_with_the_exported_floor():
+    expr = _alert(dashboards.build_rules(), "AmpguardLossScaleAtFloor")["expr"]
+    assert expr == f"max by (job) ({M.LOSS_SCALE.name} <= {M.LOSS_SCALE_FLOOR.name})"
+    assert M.LOSS_SCALE_FLOOR in M.CATALOGUE
+
+
+def test_module_grad_norm_growth_factor_and_window_are_configurable():
+    rule = _alert(dashboards.build_rules(grad_growth_factor=4, grad_growth_window="2h", job_selector='job="a"'),
+                  "AmpguardModuleGradNormGrowth")
+    norm = M.MODULE_GRAD_NORM.name + '{job="a"}'
+    assert rule["expr"] == (f"quantile_over_time(0.5, {norm}[2h]) / (quantile_over_time(0.5, {norm}[2h] offset 2h)"
+                            " > 0) > 4")
+    assert "2h" in rule["annotations"]["description"] and "{{ $labels.module }}" in rule["annotations"]["summary"]
+    for kw, match in (({"grad_growth_factor": 1}, "grad_growth_factor=1"),
+                      ({"grad_growth_factor": math.inf}, "grad_growth_factor=inf"),
+                      ({"grad_growth_window": "5m"}, "grad_growth_window='5m'"),
+                      ({"grad_growth_window": "30"}, "grad_growth_window='30'")):
+        with pytest.raises(ValueError, match=match):
+            dashboards.build_rules(**kw)
+
+
 def test_rule_tests_cover_every_alert_firing_and_silent():
     doc = yaml.safe_load((CHECKED_IN / dashboards.RULES_TEST_FILE).read_text())
     fires: set[str] = set()
@@ -171,4 +226,8 @@ def test_rule_tests_cover_every_alert_firing_and_silent():
         for case in t["alert_rule_test"]:
             (fires if case["exp_alerts"] else silent).add(case["alertname"])
     assert fires == set(dashboards.ALERTS) and silent == set(dashboards.ALERTS)
+    # the skip-rate recording rule: checked for each precision (and on the healthy run)
+    exprs = [e for t in doc["tests"] for e in t.get("promql_expr_test", [])]
+    precisions = {re.search(r'precision="(\w+)"', s["labels"]).group(1) for e in exprs for s in e["exp_samples"]}
+    assert precisions == set(dashboards.DEFAULT_SKIP_RATE_THRESHOLDS)
     assert doc["rule_files"] == [dashboards.RULES_FILE]

@@ -199,6 +199,28 @@ def test_loss_scale_gauge_is_the_scale_that_multiplied_the_step():
     assert "StepReport.loss_scale" in M.LOSS_SCALE.help
 
 
+def test_loss_scale_floor_is_the_configured_min_scale_as_the_scaler_clamps_and_nan_without_scaling():
+    import dataclasses
+
+    lab = {"rank": "0", "local_rank": "0"}
+    model = torch.nn.Linear(4, 1)
+    fp16 = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model=model, precision="fp16",
+                         config={"min_scale": 0.1})
+    bf16 = ampguard.wrap(torch.optim.SGD(torch.nn.Linear(4, 1).parameters(), lr=0.1), precision="bf16")
+    try:
+        assert fp16.run_info.loss_scale_floor == 0.10000000149011612  # float32(0.1): what the scale clamps to
+        assert bf16.run_info.loss_scale_floor is None
+    finally:
+        fp16.close()
+        bf16.close()
+    for floor, expected in ((0.10000000149011612, 0.10000000149011612), (None, math.nan)):
+        exp = PrometheusExporter(serve=False)
+        exp.open(dataclasses.replace(_info(), loss_scale_floor=floor))
+        exp.export(_report(0, loss_scale=1.0), [])
+        got = exp.registry.get_sample_value(M.LOSS_SCALE_FLOOR.name, lab)
+        assert got == expected or (math.isnan(expected) and math.isnan(got))
+
+
 def test_backoff_and_growth_counters_follow_the_report_flags_not_the_scale_ordering():
     """The guard's decision (scale_backoff/scale_growth) is counted, even where the two scales
     would say otherwise."""
