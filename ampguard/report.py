@@ -210,6 +210,9 @@ class RunInfo:
     """Parameter names, in the order of ``StepReport.param_norms``."""
     versions: tuple[tuple[str, str], ...] = ()
     """(package, version) pairs: ampguard, torch, python."""
+    param_groups: int = 1
+    """Number of the optimizer's param groups at ``wrap()`` (the ``group`` label values of the
+    sampled zero fraction: "all", "0", "1", ...)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
