@@ -56,27 +56,23 @@ class Numerics:
         already (max|scaled| = max|unscaled| * scale), None when they are still scaled. A group
         without gradient elements has a NaN fraction; no gradient at all: fraction NaN, headroom inf."""
         where = group_of(param_groups)
-        n_groups = len(param_groups)
         dev = self.device
-        per_group = torch.zeros(n_groups, dtype=torch.int64, device=dev)
-        numel = [0] * n_groups
+        zeros: list[list[torch.Tensor]] = [[] for _ in param_groups]  # per param group: zeros per tensor (int64)
+        numel = [0] * len(param_groups)
         peaks: list[torch.Tensor] = []
         k = 0
-        for (gdev, _), grads in groups.tensors.items():
-            idx = groups.index[k : k + len(grads)]
+        # Device ops only (Python ints enter as kernel arguments): no host-to-device copy, no sync.
+        for (_, _), grads in groups.tensors.items():
+            for g, i in zip(grads, groups.index[k : k + len(grads)]):
+                zeros[where[i]].append((g.numel() - torch.count_nonzero(g)).to(dev, non_blocking=True))
+                numel[where[i]] += g.numel()
             k += len(grads)
-            nonzero = torch.stack([torch.count_nonzero(g) for g in grads])
-            sizes = [g.numel() for g in grads]
-            zeros = torch.tensor(sizes, dtype=torch.int64, device=gdev) - nonzero
-            ids = [where[i] for i in idx]
-            for i, n in zip(ids, sizes):
-                numel[i] += n
-            per_group.index_add_(0, torch.tensor(ids, dtype=torch.int64, device=dev), zeros.to(dev, non_blocking=True))
             peaks.append(torch.stack(torch._foreach_norm(grads, math.inf)).float().amax().to(dev, non_blocking=True))
-        sizes_t = torch.tensor(numel, dtype=torch.float64, device=dev)
-        fractions = per_group.double() / sizes_t  # 0/0: NaN, a group with no gradient element
-        total = per_group.sum().double() / float(sum(numel)) if sum(numel) else torch.full(
-            (), math.nan, dtype=torch.float64, device=dev)
+        nan = torch.full((), math.nan, dtype=torch.float64, device=dev)
+        per_group = [torch.stack(z).sum() if z else None for z in zeros]
+        fractions = [nan if z is None else z.double() / n for z, n in zip(per_group, numel)]  # no element: NaN
+        counted = [z for z in per_group if z is not None]
+        total = torch.stack(counted).sum().double() / sum(numel) if counted else nan
         if self.headroom and peaks:
             peak = torch.stack(peaks).amax() if len(peaks) > 1 else peaks[0]
             if factor is not None:
@@ -84,4 +80,4 @@ class Numerics:
             headroom = torch.log2(FP16_MAX / peak)  # 0 -> inf; inf -> -inf; NaN stays NaN
         else:
             headroom = torch.full((), math.inf if self.headroom else math.nan, dtype=torch.float32, device=dev)
-        return torch.cat([torch.stack([total.float(), headroom.float().reshape(())]), fractions.float()])
+        return torch.stack([total, headroom.double().reshape(()), *fractions]).float()

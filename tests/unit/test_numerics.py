@@ -358,3 +358,30 @@ def test_the_log_reads_back_none_nan_and_inf(tmp_path):
     assert math.isnan(got[0].group_zero_fractions[0]) and got[0].group_zero_fractions[1] == 0.5
     assert got[1].grad_zero_fraction is None and got[1].group_zero_fractions is None and got[1].headroom_log2 is None
     assert got[2].group_zero_fractions == (0.0,) and got[2].headroom_log2 is None
+
+
+# ---------------------------------------------------------------------------------------- the benchmark
+
+
+def test_the_benchmark_smoke_run_writes_json_and_markdown(tmp_path):
+    """``benchmarks/numerics.py --device cpu --quick``: both phases run and write their tables (the
+    numbers of a smoke run mean nothing; the GPU run is the lead's)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "numerics_smoke"
+    res = subprocess.run([sys.executable, str(root / "benchmarks" / "numerics.py"), "--device", "cpu", "--quick",
+                          "--blocks", "1", "--steps", "6", "--out", str(out)],
+                         capture_output=True, text=True, timeout=240, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert set(data["cost"]["ratio"]) == {"p25", "median", "p75"} and data["cost"]["numerics_every"] == 10
+    runs = data["policy"]["runs"]
+    assert set(runs) == {"default", "headroom"} and runs["default"]["steps"] == 6
+    for run in runs.values():
+        assert {"skipped", "zero_fraction_mean", "final_loss", "loss_curve", "loss_scale"} <= set(run)
+    table = out.with_suffix(".md").read_text()
+    assert "| default |" in table and "| headroom |" in table and "**Verdict:**" in table
