@@ -97,7 +97,10 @@ def plot(run: Run, out_png: str | os.PathLike[str], *, width_px: int = 1600, hei
     _anomaly_labels(ax_loss, run.anomalies)
     _finish_axes(axes, multi=len(story.ranks) > 1)
     _legend_and_title(fig, story)
-    fig.subplots_adjust(left=0.07, right=0.985, top=0.915, bottom=0.055)
+    if numerics:  # the step axis label under the last panel; room for the headroom axis on the right
+        ax_nf.set_xlabel("")
+        axes[4].set_xlabel("step")
+    fig.subplots_adjust(left=0.07, right=0.955 if numerics else 0.985, top=0.915, bottom=0.055)
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=_DPI)
@@ -207,14 +210,14 @@ def _numerics_panel(ax: Any, story: _Story) -> None:
     for i, log in enumerate(story.ranks):
         sampled = [r for r in log.reports if r.grad_zero_fraction is not None]
         who = f"rank {log.rank}" if len(story.ranks) > 1 else "all params"
-        ax.plot([r.step for r in sampled], [r.grad_zero_fraction for r in sampled], "-o", ms=2.5, lw=1.4,
-                color=story.color(i), label=f"zero fraction, {who}")
+        ax.plot([r.step for r in sampled], [r.grad_zero_fraction for r in sampled], "-o", ms=2.5, lw=1.0,
+                color=story.color(i), label=f"zero fraction, {who}", zorder=3)
         groups = max((len(r.group_zero_fractions or ()) for r in sampled), default=0)
         for g in range(groups if groups > 1 else 0):
             pts = [(r.step, r.group_zero_fractions[g]) for r in sampled
                    if r.group_zero_fractions is not None and len(r.group_zero_fractions) > g
                    and math.isfinite(r.group_zero_fractions[g])]
-            ax.plot([x for x, _ in pts], [y for _, y in pts], ":", lw=1.1, color=story.color(i + 1 + g),
+            ax.plot([x for x, _ in pts], [y for _, y in pts], ":", lw=2.4, color=story.color(i + 1 + g),
                     label=f"zero fraction, group {g}" + (f", rank {log.rank}" if len(story.ranks) > 1 else ""))
         pts = [(r.step, r.headroom_log2) for r in sampled if r.headroom_log2 is not None
                and math.isfinite(r.headroom_log2)]
