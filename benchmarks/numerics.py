@@ -39,7 +39,6 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead
@@ -129,10 +128,8 @@ def train(policy: str, data: torch.Tensor, size: dict[str, Any], args: argparse.
                                                     history_size=steps))
     t0 = time.perf_counter()
     for step in range(steps):
-        x, y = data[step, :, :-1], data[step, :, 1:]
-        with opt.autocast():
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        with opt.autocast():  # cross_entropy runs in float32 under autocast
+            loss = overhead.compute_loss(model, (data[step, :, :-1], data[step, :, 1:]))
         opt.backward(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
