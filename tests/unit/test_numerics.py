@@ -129,10 +129,12 @@ def test_measuring_changes_no_parameter(kind):
     results = []
     for every in (None, 1, 3):
         model = make_model()
-        opt = fp16_guard(model, two_groups(model, kind), scale=2.0**-10, numerics_every=every)
-        opt.scaler._growth_interval = 2  # grows every other step: runs into overflows too
-        guarded_steps(opt, model, make_data(24))
+        opt = fp16_guard(model, two_groups(model, kind), scale=2.0**-22, numerics_every=every)
+        opt.scaler._growth_interval = 1  # doubles every clean step: from underflow into overflows
+        guarded_steps(opt, model, make_data(48))
         results.append((snapshot(model, opt.optimizer), [r.loss_scale for r in opt.history]))
+        if every == 1:
+            assert opt.history[0].grad_zero_fraction > 0.3 and opt.skipped_steps >= 2
     for snap, scales in results[1:]:
         assert_same(results[0][0], snap)
         assert scales == results[0][1]
