@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ampguard
+from ampguard import faults
 from ampguard.config import GuardConfig
 from ampguard.stats import Dec, Loc
 
@@ -387,3 +388,32 @@ def test_the_benchmark_smoke_run_writes_json_and_markdown(tmp_path):
         assert {"skipped", "zero_fraction_mean", "final_loss", "loss_curve", "loss_scale"} <= set(run)
     table = out.with_suffix(".md").read_text()
     assert "| default |" in table and "| headroom |" in table and "**Verdict:**" in table
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
+def test_a_guarded_run_under_the_headroom_policy_is_the_same_on_both_paths(kind):
+    """End to end on CPU: the host decision and the tensor decision give the same run (parameters,
+    reports, scale), through underflow at the start, headroom moves and overflows."""
+    from .test_host_decision import both_paths
+
+    def make(m):
+        return fp16_guard(m, two_groups(m, kind), scale=2.0**-20, numerics_every=3, scale_policy="headroom",
+                          headroom_margin_log2=0)
+
+    hist = both_paths(make, 18, faults.grad("0.weight", "inf", steps=[7]))
+    assert any(r.scale_growth for r in hist) and any(r.skipped for r in hist)
+
+
+def test_the_headroom_rides_the_local_vector_on_both_paths():
+    from ampguard.pipeline import local_vector_host
+    from ampguard.stats import local_vector
+
+    from .test_host_decision import bits
+
+    for h in (None, 3.25, -math.inf, math.inf, math.nan, 1e-3):
+        kw = dict(loss=torch.tensor(1.5), tensor_norms=torch.tensor([1.0, 2.0]), found_inf=None, pre_reduction=None,
+                  device=torch.device("cpu"), headroom=None if h is None else torch.tensor(h))
+        a, b = local_vector(**kw).tolist(), local_vector_host(**kw).tolist()
+        assert [bits(x) for x in a] == [bits(x) for x in b]
+        want = math.nan if h is None else torch.tensor(h).item()  # float32
+        assert bits(a[Loc.HEADROOM]) == bits(want)
