@@ -4,7 +4,8 @@ On a sampled step, before the gradients are unscaled (or, where somebody unscale
 from the unscaled ones times the scale), one pass over this rank's gradients measures on device:
 
 - the fraction of gradient elements that are exactly zero, over every gradient and per optimizer
-  param group (``torch.count_nonzero`` per tensor: exact int64 counts);
+  param group (``torch.count_nonzero``: exact int64 counts;
+  per large tensor, and once over the small ones of a group);
 - the largest magnitude of a scaled gradient (``torch._foreach_norm(grads, inf)``), as the headroom
   ``log2(65504 / max|scaled grad|)``: how many doublings of the loss scale fp16 has left.
 
@@ -28,6 +29,9 @@ __all__ = ["FP16_MAX", "Numerics", "group_of"]
 
 FP16_MAX = 65504.0
 """The largest finite float16 value."""
+
+_SMALL = 1 << 16
+"""Gradients with fewer elements are counted together per param group (one flat copy of them)."""
 
 
 def group_of(param_groups: Sequence[dict]) -> list[int]:  # type: ignore[type-arg]
@@ -57,21 +61,31 @@ class Numerics:
         without gradient elements has a NaN fraction; no gradient at all: fraction NaN, headroom inf."""
         where = group_of(param_groups)
         dev = self.device
-        zeros: list[list[torch.Tensor]] = [[] for _ in param_groups]  # per param group: zeros per tensor (int64)
+        nonzero: list[list[torch.Tensor]] = [[] for _ in param_groups]  # per param group: int64 counts
         numel = [0] * len(param_groups)
         peaks: list[torch.Tensor] = []
         k = 0
         # Device ops only (Python ints enter as kernel arguments): no host-to-device copy, no sync.
+        # Small tensors (biases, norms) of one param group are counted together, one flat copy of
+        # them: a few kernels per group instead of two per tensor.
         for (_, _), grads in groups.tensors.items():
+            small: list[list[torch.Tensor]] = [[] for _ in param_groups]
             for g, i in zip(grads, groups.index[k : k + len(grads)]):
-                zeros[where[i]].append((g.numel() - torch.count_nonzero(g)).to(dev, non_blocking=True))
                 numel[where[i]] += g.numel()
+                if g.numel() < _SMALL:
+                    small[where[i]].append(g.reshape(-1))
+                else:
+                    nonzero[where[i]].append(torch.count_nonzero(g).to(dev, non_blocking=True))
+            for group, flat in enumerate(small):
+                if flat:
+                    both = flat[0] if len(flat) == 1 else torch.cat(flat)
+                    nonzero[group].append(torch.count_nonzero(both).to(dev, non_blocking=True))
             k += len(grads)
             peaks.append(torch.stack(torch._foreach_norm(grads, math.inf)).float().amax().to(dev, non_blocking=True))
+        zeros = [n - (torch.stack(c).sum() if len(c) > 1 else c[0]) if c else None for c, n in zip(nonzero, numel)]
         nan = torch.full((), math.nan, dtype=torch.float64, device=dev)
-        per_group = [torch.stack(z).sum() if z else None for z in zeros]
-        fractions = [nan if z is None else z.double() / n for z, n in zip(per_group, numel)]  # no element: NaN
-        counted = [z for z in per_group if z is not None]
+        fractions = [nan if z is None else z.double() / n for z, n in zip(zeros, numel)]  # no element: NaN
+        counted = [z for z in zeros if z is not None]
         total = torch.stack(counted).sum().double() / sum(numel) if counted else nan
         if self.headroom and peaks:
             peak = torch.stack(peaks).amax() if len(peaks) > 1 else peaks[0]

@@ -417,3 +417,24 @@ def test_the_headroom_rides_the_local_vector_on_both_paths():
         assert [bits(x) for x in a] == [bits(x) for x in b]
         want = math.nan if h is None else torch.tensor(h).item()  # float32
         assert bits(a[Loc.HEADROOM]) == bits(want)
+
+
+def test_the_measurement_of_large_and_small_tensors_in_several_groups():
+    """Counted per large tensor and once over a group's small ones: the same exact counts."""
+    from ampguard.numerics import Numerics
+    from ampguard.stats import grads_by_device_and_dtype
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (70_000, 5, 300, 1 << 16, 7)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * (torch.rand(p.shape, generator=g) > 0.3)
+    params[3].grad = None  # a parameter without gradient (frozen, unused)
+    param_groups = [{"params": params[:2]}, {"params": params[2:4]}, {"params": params[4:]}]
+    got = Numerics(1, device=torch.device("cpu"), headroom=True).measure(
+        grads_by_device_and_dtype(params), param_groups, torch.tensor([8.0])).tolist()
+    zeros = [[int((p.grad == 0).sum()) for p in grp["params"] if p.grad is not None] for grp in param_groups]
+    sizes = [[p.grad.numel() for p in grp["params"] if p.grad is not None] for grp in param_groups]
+    assert got[0] == pytest.approx(sum(map(sum, zeros)) / sum(map(sum, sizes)), rel=1e-6)
+    assert got[2:] == pytest.approx([sum(z) / sum(n) for z, n in zip(zeros, sizes)], rel=1e-6)
+    peak = max(float(p.grad.abs().max()) for p in params if p.grad is not None) * 8.0
+    assert got[1] == pytest.approx(math.log2(65504.0 / peak), abs=1e-5)
