@@ -35,6 +35,8 @@ def save(guard: Any) -> dict[str, Any]:
             "ema_count": int(pipe.spikes.count.item()),
             "quarantine": list(rep.quarantine),
             "escalation": ladder.state_dict() if ladder is not None else None,
+            "scale_policy": guard.config.scale_policy,
+            "headroom_margin_log2": guard.config.headroom_margin_log2,
         },
     }
 
@@ -135,6 +137,18 @@ def _check_escalation(value: Any) -> dict[str, Any]:
                                                         "escalation.rollbacks")}
 
 
+def _check_scale_policy(g: dict[str, Any]) -> None:
+    """The scale policy the state was saved under (absent in states saved before issue 17: the
+    default). Either policy's state loads into either: the scale, growth tracker and hysteresis run
+    are the scaler's and the guard's own (the headroom policy keeps the tracker at 0)."""
+    policy = g.get("scale_policy", "default")
+    if policy not in ("default", "headroom"):
+        raise _bad("scale_policy", policy, "'default' | 'headroom'")
+    margin = g.get("headroom_margin_log2", 2)
+    if not (_is_int(margin) and 0 <= margin <= 15):
+        raise _bad("headroom_margin_log2", margin, "an int in [0, 15]")
+
+
 def load(guard: Any, state_dict: Any) -> None:
     """Restore what :func:`save` made; the run then continues bit for bit."""
     if not isinstance(state_dict, dict) or "ampguard" not in state_dict or "optimizer" not in state_dict:
@@ -164,6 +178,7 @@ def load(guard: Any, state_dict: Any) -> None:
     if not isinstance(quarantine, (list, tuple)):
         raise _bad("quarantine", quarantine, "a list of batch ids")
     escalation = _check_escalation(_present(g, "escalation"))
+    _check_scale_policy(g)
     scaler = _check_scaler(guard, state_dict["scaler"])
     _check_optimizer(guard, state_dict["optimizer"])
 

@@ -12,6 +12,7 @@ __all__ = ["Escalation", "GuardConfig"]
 
 _ON_SPIKE = ("warn", "skip")
 _ON_DIVERGENCE = ("warn", "raise")
+_SCALE_POLICIES = ("default", "headroom")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -114,6 +115,19 @@ class GuardConfig:
     ``wrap(model=...)`` (gradient norm and update-to-weight ratio). The values ride the step's report
     (``StepReport.grad_zero_fraction`` etc.): no host sync (None: off)."""
 
+    scale_policy: str = "default"
+    """How the loss scale grows. "default": GradScaler's rule (back off on overflow, grow after
+    ``growth_interval`` clean steps). "headroom" (opt-in; fp16 with a GradScaler; needs
+    ``numerics_every``): overflows still skip and back off, but the growth timer never grows the
+    scale; instead, on every sampled step that was taken, the scale is set from the headroom
+    measured on the still-scaled gradients, the minimum over ranks (agreed through the step's one
+    collective): ``scale * 2**(floor(headroom) - headroom_margin_log2)``, clamped to
+    [``min_scale``, ``max_scale``] (``max_scale`` None: 2**24). See docs/numerics.md."""
+
+    headroom_margin_log2: int = 2
+    """With ``scale_policy="headroom"``: doublings of the loss scale kept free below fp16's
+    largest value (an int in [0, 15]): the largest scaled gradient is aimed at 65504 / 2**k."""
+
     consistency_every: int | None = None
     """Every N steps, compare step count, skip count, loss scale and a parameter fingerprint
     across ranks (None: off). Costs one extra small collective on those steps."""
@@ -200,6 +214,15 @@ class GuardConfig:
         _optional_int_at_least("param_norms_every", self.param_norms_every, 1)
         _optional_int_at_least("numerics_every", self.numerics_every, 1)
         _optional_int_at_least("consistency_every", self.consistency_every, 1)
+        _choice("scale_policy", self.scale_policy, _SCALE_POLICIES)
+        if not (isinstance(self.headroom_margin_log2, int) and not isinstance(self.headroom_margin_log2, bool)
+                and 0 <= self.headroom_margin_log2 <= 15):
+            raise ValueError(f"GuardConfig.headroom_margin_log2={self.headroom_margin_log2!r}; allowed: an int in "
+                             "[0, 15] (doublings of the loss scale kept free below fp16's max 65504)")
+        if self.scale_policy == "headroom" and self.numerics_every is None:
+            raise ValueError("GuardConfig.scale_policy='headroom' with numerics_every=None: the headroom policy sets "
+                             "the scale from the sampled headroom; allowed: numerics_every=N (e.g. 10), or "
+                             "scale_policy='default'")
         _choice("on_divergence", self.on_divergence, _ON_DIVERGENCE)
         _int_at_least("forensics_window", self.forensics_window, 1)
         if self.memory_peak_per_step and not self.track_memory:

@@ -749,6 +749,7 @@ def build_dashboard() -> dict[str, Any]:
         ),
     ]
     panels += _precision_panels()
+    panels += _numerics_panels(y=70)
     annotations = [
         {
             "builtIn": 1,
@@ -819,6 +820,19 @@ def build_dashboard() -> dict[str, Any]:
             "current": {},
             "sort": 3,
         },
+        {
+            "name": "group",
+            "label": "Param group",
+            "type": "query",
+            "datasource": _DS,
+            "query": {"query": f'label_values({M.GRAD_ZERO_FRACTION.name}{{{_JOB}}}, group)', "refId": "group"},
+            "definition": f'label_values({M.GRAD_ZERO_FRACTION.name}{{{_JOB}}}, group)',
+            "refresh": 2,
+            "includeAll": True,
+            "multi": True,
+            "current": {},
+            "sort": 1,
+        },
     ]
     return {
         "__inputs": [],
@@ -839,6 +853,39 @@ def build_dashboard() -> dict[str, Any]:
         "panels": panels,
         "links": [],
     }
+
+
+def _numerics_panels(y: int) -> list[dict[str, Any]]:
+    """The fp16 numerics row (issue 17): the sampled zero fraction and headroom, rank-local values
+    (``GuardConfig.numerics_every``; the gauges hold the last sampled step's value, NaN before one)."""
+    zero, headroom = M.GRAD_ZERO_FRACTION, M.LOSS_SCALE_HEADROOM
+    by_group = _SEL + ', group=~"$group"'
+    return [
+        _panel(40, "row", "fp16 numerics (sampled)", "GuardConfig.numerics_every: underflow and overflow headroom of "
+               "each rank's own still-scaled gradients.", "none", [], (0, y, 24, 1), collapsed=False),
+        _panel(
+            41, "timeseries", "Gradient zero fraction",
+            "Fraction of this rank's gradient elements that are exactly zero, per param group (group=all: every "
+            "gradient). A rise at a falling loss scale is fp16 underflow: gradients lost below 2^-24.",
+            "percentunit",
+            [_target(f'max by (rank, group) ({_q(zero, selector=by_group)})',
+                     "rank {{rank}} group {{group}}")],
+            (0, y + 1, 12, 8), defaults={"min": 0, "max": 1},
+        ),
+        _panel(
+            42, "timeseries", "Loss-scale headroom (log2)",
+            "log2(65504 / max|scaled gradient|) per rank: doublings of the loss scale left before fp16 overflows. "
+            "Near 0: the next growth overflows; large: the scale could be higher (less underflow).",
+            "none",
+            [_target(f"min by (rank) ({_q(headroom)})", "rank {{rank}}")],
+            (12, y + 1, 12, 8), defaults=_red_below(0),
+        ),
+    ]
+
+
+def _red_below(value: float) -> dict[str, Any]:
+    return {"thresholds": {"mode": "absolute", "steps": [{"color": "red", "value": None},
+                                                          {"color": "green", "value": value}]}}
 
 
 def dashboard_queries(dashboard: dict[str, Any] | None = None) -> list[tuple[str, str]]:

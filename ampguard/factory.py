@@ -70,7 +70,7 @@ def _run_info(precision: str, device: torch.device) -> Callable[[GuardedOptimize
         run_id = backend.broadcast_object(run_id, 0)  # collective: same id on every rank
         return RunInfo(run_id=str(run_id), rank=backend.rank, local_rank=backend.local_rank,
                        world_size=backend.world_size, precision=precision, backend=backend.name, device=str(device),
-                       param_names=guard.param_names,
+                       param_names=guard.param_names, param_groups=len(guard.optimizer.param_groups),
                        versions=(("ampguard", __version__), ("torch", torch.__version__),
                                  ("python", platform.python_version())),
                        loss_scale_floor=None if guard.scaler is None else f32(guard.config.min_scale))

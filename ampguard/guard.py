@@ -61,6 +61,10 @@ class GuardedOptimizer(InnerOptimizerView):
                  backend: Any, device: torch.device, run_info: Callable[[GuardedOptimizer], RunInfo],
                  on_rollback: Callable[[Any, int], None] | None = None,
                  on_abort: Callable[[Any, str], None] | None = None) -> None:
+        if config.scale_policy == "headroom" and (scaler is None or not scaler.is_enabled()):
+            raise ValueError(f"GuardConfig.scale_policy='headroom' with precision={precision!r} and no enabled "
+                             "GradScaler: the headroom policy sets an fp16 loss scale; allowed: precision='fp16' "
+                             "(with a GradScaler), or scale_policy='default'. Nothing was changed.")
         super().__init__(optimizer)
         self.precision, self.scaler, self.config = precision, scaler, config
         self.model, self.backend, self.device, self.dtype = model, backend, device, _DTYPES[precision]
@@ -203,8 +207,8 @@ class GuardedOptimizer(InnerOptimizerView):
         if replay and closure is not None and self._forensics.enabled and _nonfinite(decision):  # SYNC
             self._forensics.replay(self._step, closure, scale=self._replay_scale(decision), gathered=gathered,
                                    optimizer=self.optimizer)
-        self._reporter.enqueue(self._step, payload(decision, gathered, measured.norms), measured.groups.index,
-                               self._batch_ids)
+        self._reporter.enqueue(self._step, payload(decision, gathered, measured.norms, measured.numerics),
+                               measured.groups.index, self._batch_ids)
         self._end_step()
         every = self.config.consistency_every
         if every is not None and self.backend.world_size > 1 and self._step % every == 0:
@@ -410,7 +414,10 @@ class GuardedOptimizer(InnerOptimizerView):
         self.backend.before_unscale(self.optimizer)
         for hook in tuple(self._pre_unscale_hooks.values()):
             hook(self._step)
-        return self._pipeline.measure(self, fast=fast)
+        pipe = self._pipeline
+        if pipe.numerics.sampled(self._step):  # GuardConfig.numerics_every: an int compare
+            return pipe.measure(self, fast=fast, sample=True)
+        return pipe.measure(self, fast=fast)
 
     def _fixed_point(self, next_forward: int) -> None:
         """Where reports turn into actions, the same step on every rank (:func:`actions.carry_out`).

@@ -195,16 +195,16 @@ PER_EXPORTER = (EXPORTER_ERRORS, EXPORTER_UP)
 GRAD_ZERO_FRACTION = Metric(
     "ampguard_grad_zero_fraction",
     "gauge",
-    "Fraction of gradient elements exactly zero at the last sampled step (GuardConfig.numerics_every), per "
-    "param group (group=\"all\": every gradient): fp16 underflow shows as a rise.",
+    "Fraction of this rank's gradient elements exactly zero at the last sampled step (GuardConfig.numerics_every), "
+    "per param group (group=\"all\": every gradient; NaN: a group without gradients): fp16 underflow shows as a rise.",
     labels=("group",),
     label_values=((),),
 )
 LOSS_SCALE_HEADROOM = Metric(
     "ampguard_loss_scale_headroom_log2",
     "gauge",
-    "log2(65504 / max|scaled gradient|) at the last sampled step: doublings of the loss scale left before "
-    "fp16 overflows (negative: it overflowed).",
+    "log2(65504 / max|scaled gradient|) of this rank at the last sampled step: doublings of the loss scale left "
+    "before fp16 overflows (negative: beyond fp16's range; -inf or NaN: it overflowed). fp16 only.",
 )
 MODULE_GRAD_NORM = Metric(
     "ampguard_module_grad_norm",
@@ -257,6 +257,8 @@ CATALOGUE: tuple[Metric, ...] = (
     ANOMALIES,
     TRANSIENT_FAULTS,
     DEVICE_MEMORY_PEAK,
+    GRAD_ZERO_FRACTION,
+    LOSS_SCALE_HEADROOM,
     EXPORTER_ERRORS,
     EXPORTER_UP,
     RUN_INFO,

@@ -63,6 +63,7 @@ import torch
 
 from .config import GuardConfig
 from .errors import GuardStateError
+from .numerics import Numerics
 from .policies import SpikeState, decide, decide_host
 from .scaling import GradScalerAdapter, ScalerView, ScaleState, f32
 from .stats import Dec, GradGroups, grads_by_device_and_dtype, local_vector, per_tensor_norms
@@ -117,6 +118,9 @@ class Measured:
     norms: torch.Tensor
     """Per-tensor L2 norms (float32, on the guard's device), in ``groups.index`` order: of the
     unscaled gradients, also on the fast path (the scaled norms times ``1/scale``)."""
+    numerics: torch.Tensor | None = None
+    """On a step sampled by ``GuardConfig.numerics_every``: :meth:`ampguard.numerics.Numerics.measure`'s
+    vector (zero fractions and headroom), taken before the gradients were unscaled. None otherwise."""
     scaled: bool = False
     """The fused fast path: the gradients are still scaled, ``found_inf`` comes from the norms,
     and the fused optimizer unscales (and clips) them in its kernel (:meth:`StepPipeline.measure`)."""
@@ -202,6 +206,9 @@ class StepPipeline:
         and each tiny tensor op costs microseconds. Elsewhere the tensor path (no host sync)."""
         self._host: tuple[torch.Tensor, list[float]] | None = None
         """The last host decision: the tensor handed out, and its values."""
+        self.numerics = Numerics(config.numerics_every, device=device,
+                                 headroom=adapter is not None and adapter.scaler.is_enabled())
+        """The sampled fp16 numerics (``GuardConfig.numerics_every``)."""
 
     def params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -214,15 +221,25 @@ class StepPipeline:
         return (self.fast_capable and not self.backend.grads_sharded
                 and self.adapter.fast_path_ok(guard, self.optimizer))  # type: ignore[union-attr]
 
-    def measure(self, guard: object, *, fast: bool = False) -> Measured:
+    def measure(self, guard: object, *, fast: bool = False, sample: bool = False) -> Measured:
         """Unscale (adopting an ``unscale_`` already done this iteration), check and measure the
         gradients: one read. ``guard``: the guarded optimizer (GradScaler may know it by its id).
         ``fast`` (only from ``step()``, never from ``unscale_()``, whose caller wants unscaled
-        gradients): take the fused fast path where :meth:`fast_path` allows it."""
+        gradients): take the fused fast path where :meth:`fast_path` allows it. ``sample``: a step
+        sampled by ``GuardConfig.numerics_every``: also measure the zero fractions and headroom
+        (:mod:`ampguard.numerics`) of the still-scaled gradients, before they are unscaled."""
         if fast and self.fast_path(guard):
             measured = self._measure_scaled()
             if measured is not None:
+                if sample:
+                    measured.numerics = self.numerics.measure(measured.groups, self.optimizer.param_groups, None)
                 return measured
+        numerics = None
+        if sample:
+            # Before the unscale, unless somebody unscaled already: then max|scaled| = max|unscaled| * scale.
+            unscaled = self.adapter is not None and not self.adapter.fast_path_ok(guard, self.optimizer)
+            numerics = self.numerics.measure(grads_by_device_and_dtype(self.params()), self.optimizer.param_groups,
+                                             self.adapter.scale if unscaled else None)  # type: ignore[union-attr]
         found: dict[torch.device, torch.Tensor] = {}
         if self.adapter is not None:
             found = self.adapter.unscale(guard, self.optimizer)
@@ -232,7 +249,7 @@ class StepPipeline:
         elif found:
             found_inf = torch.stack([t.to(self.device, non_blocking=True).reshape(()) for t in found.values()]).sum()
         groups = grads_by_device_and_dtype(self.params())
-        return Measured(found, found_inf, groups, per_tensor_norms(groups, self.device))
+        return Measured(found, found_inf, groups, per_tensor_norms(groups, self.device), numerics)
 
     def _measure_scaled(self) -> Measured | None:
         """The fused fast path's measurement: per-tensor norms of the still-scaled gradients (the
@@ -267,7 +284,7 @@ class StepPipeline:
         pack = local_vector_host if self.host_decision else local_vector
         vec = pack(loss=loss, tensor_norms=measured.norms, found_inf=measured.found_inf,
                    pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads,
-                   sentinel=sentinel)
+                   sentinel=sentinel, headroom=None if measured.numerics is None else measured.numerics[1])
         return self.backend.all_gather(vec).wait()  # type: ignore[no-any-return]
 
     def decide(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | int | None]:
@@ -400,7 +417,7 @@ def _takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
 
 def local_vector_host(*, loss: torch.Tensor | None, tensor_norms: torch.Tensor, found_inf: torch.Tensor | None,
                       pre_reduction: torch.Tensor | None, device: torch.device, no_grads: bool = False,
-                      sentinel: torch.Tensor | None = None) -> torch.Tensor:
+                      sentinel: torch.Tensor | None = None, headroom: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`ampguard.stats.local_vector` for the host decision (CPU tensors; ``device`` is the
     CPU): the same ``LOCAL_K`` float32 values, counted and packed on the host (no op packs them).
     The total norm is the same torch reduction (so it stays bitwise ``clip_grad_norm_``'s)."""
@@ -417,6 +434,7 @@ def local_vector_host(*, loss: torch.Tensor | None, tensor_norms: torch.Tensor, 
         0.0 if pre_reduction is None else f32(float(pre_reduction.item())),
         1.0 if no_grads else 0.0,
         -1.0 if sentinel is None else f32(float(sentinel.item())),
+        math.nan if headroom is None else f32(float(headroom.item())),
     ])
 
 
@@ -426,9 +444,14 @@ def host_tensor(values: list[float]) -> torch.Tensor:
     return torch.frombuffer(array.array("f", values), dtype=torch.float32)
 
 
-def payload(decision: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    """Everything the host report needs from one step, in one float32 vector (one copy)."""
-    return torch.cat([decision, gathered.reshape(-1).float(), norms])
+def payload(decision: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor,
+            numerics: torch.Tensor | None = None) -> torch.Tensor:
+    """Everything the host report needs from one step, in one float32 vector (one copy):
+    decision, gathered matrix, per-tensor norms, then the sampled numerics (if any)."""
+    parts = [decision, gathered.reshape(-1).float(), norms]
+    if numerics is not None:
+        parts.append(numerics.to(norms.device))
+    return torch.cat(parts)
 
 
 def grad_marks(params: Sequence[torch.Tensor]) -> tuple[Any, ...]:

@@ -121,6 +121,9 @@ def decide(
             hysteresis=config.hysteresis,
             min_scale=config.min_scale,
             max_scale=config.max_scale,
+            headroom=(g[:, Loc.HEADROOM].amin(0) if world > 1 else g[0, Loc.HEADROOM])  # NaN: not sampled
+            if config.scale_policy == "headroom" else None,
+            margin=config.headroom_margin_log2,
         )
     else:
         scale = new_scale = torch.ones((), dtype=torch.float32, device=dev)
@@ -200,8 +203,11 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
     if scaler is not None:
         scale, tracker = scaler.scale.item(), int(scaler.growth_tracker.item())
         run = int(scale_state.overflow_run.item())
+        headroom = None
+        if config.scale_policy == "headroom":  # the minimum over ranks, NaN-propagating as amin
+            headroom = g[:, Loc.HEADROOM].amin(0).item() if world > 1 else cmax[Loc.HEADROOM]
         new_scale, new_tracker, backoff, growth, floor_hit, new_run = next_scale_host(
-            scale, tracker, grad_bad, skip and not grad_bad, run, scaler=scaler, config=config)
+            scale, tracker, grad_bad, skip and not grad_bad, run, scaler=scaler, config=config, headroom=headroom)
         if new_run != run:
             scale_state.overflow_run.fill_(new_run)
     else:

@@ -78,10 +78,12 @@ class StepReport:
     """Fraction of this rank's gradient elements that were exactly zero (fp16 underflow shows here),
     on steps sampled by ``GuardConfig.numerics_every``; None on other steps."""
     group_zero_fractions: tuple[float, ...] | None = None
-    """The same fraction per optimizer param group (``param_groups`` order), on sampled steps."""
+    """The same fraction per optimizer param group (``param_groups`` order), on sampled steps (NaN for
+    a group with no gradient: frozen or unused parameters are not counted)."""
     headroom_log2: float | None = None
-    """log2(65504 / max|scaled gradient|) on sampled steps: how many doublings of the loss scale fp16
-    has left before an overflow (negative: it overflowed). None on other steps."""
+    """log2(65504 / max|scaled gradient|) of this rank's gradients on sampled steps: how many doublings
+    of the loss scale fp16 has left before an overflow (negative: beyond fp16's range; -inf or NaN:
+    it overflowed). None on other steps, and without fp16 loss scaling (bf16/fp32). See docs/numerics.md."""
     module_grad_norms: tuple[tuple[str, float], ...] | None = None
     """(top-level module, L2 norm of its unscaled gradients) on sampled steps: a leading indicator."""
     module_update_ratios: tuple[tuple[str, float], ...] | None = None
@@ -213,6 +215,9 @@ class RunInfo:
     loss_scale_floor: float | None = None
     """Floor of the fp16 loss scale: ``GuardConfig.min_scale`` rounded to float32, as the scaler
     clamps to it. None without loss scaling (bf16, fp32)."""
+    param_groups: int = 1
+    """Number of the optimizer's param groups at ``wrap()`` (the ``group`` label values of the
+    sampled zero fraction: "all", "0", "1", ...)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -215,8 +215,10 @@ class Reporter:
         names = self.names()
         # Attribution by construction: the k-th norm belongs to parameter index[k].
         norms = [math.nan] * len(names)
-        for i, n in zip(index, values[DECISION_K + world * LOCAL_K :]):
+        tail = DECISION_K + world * LOCAL_K
+        for i, n in zip(index, values[tail:]):
             norms[i] = n
+        numerics = values[tail + len(index) :]  # a sampled step's [zero fraction, headroom, per group...]
         bad_params = tuple(names[i] for i in sorted(index) if not math.isfinite(norms[i]))
         ranks = origin_ranks(rows) if world > 1 else ()
         every = self.config.param_norms_every
@@ -230,6 +232,10 @@ class Reporter:
             param_norms=tuple(norms) if want_norms else None, wall_time=time.time(),
             scale_backoff=d.backoff, scale_growth=d.growth,
         )
+        if numerics:
+            report = dataclasses.replace(
+                report, grad_zero_fraction=numerics[0], group_zero_fractions=tuple(numerics[2:]),
+                headroom_log2=numerics[1] if self.scaled else None)
         anomalies = self._anomalies(report, d, ranks, bad_params, rows)
         if self.sentinel is not None and anomalies and report.nonfinite:
             anomalies[0] = self._sentinel_named(step, anomalies[0], rows, ranks)

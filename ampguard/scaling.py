@@ -298,6 +298,8 @@ def next_scale(
     hysteresis: int,
     min_scale: float,
     max_scale: float | None,
+    headroom: torch.Tensor | None = None,
+    margin: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The scale for the next step, without a host sync.
 
@@ -306,7 +308,17 @@ def next_scale(
     the scale and the growth count stay as they are. Updates ``state`` in place; ``growth_tracker``
     is only read (the new tracker is returned). Returns ``(new_scale, new_tracker, backoff, growth,
     floor_hit)``; the last three are bool tensors for the report.
+
+    ``headroom`` (the headroom scale policy, ``GuardConfig.scale_policy="headroom"``): the headroom
+    agreed across ranks (NaN on a step not sampled). The growth timer is then off (tracker 0, no
+    growth by it); on a sampled step that was taken the scale becomes ``scale * 2**(floor(headroom)
+    - margin)`` (:func:`headroom_target_host`). Overflows back off as without it. ``backoff`` and
+    ``growth`` then also say which way the policy moved the scale.
     """
+    if headroom is not None:
+        return _next_scale_headroom(scale=scale, growth_tracker=growth_tracker, overflow=overflow, held=held,
+                                    state=state, backoff_factor=backoff_factor, hysteresis=hysteresis,
+                                    min_scale=min_scale, max_scale=max_scale, headroom=headroom, margin=margin)
     run = torch.where(overflow, state.overflow_run + 1, torch.zeros_like(state.overflow_run))
     backoff = overflow & (run >= hysteresis)
     state.overflow_run.copy_(torch.where(backoff, torch.zeros_like(run), run))
@@ -330,6 +342,43 @@ def next_scale(
     return new, tracker, backoff, growth, floor_hit
 
 
+HEADROOM_MAX_SCALE = 2.0**24
+"""The headroom policy's ceiling when ``GuardConfig.max_scale`` is None."""
+
+
+def _next_scale_headroom(*, scale: torch.Tensor, growth_tracker: torch.Tensor, overflow: torch.Tensor,
+                         held: torch.Tensor, state: ScaleState, backoff_factor: float, hysteresis: int,
+                         min_scale: float, max_scale: float | None, headroom: torch.Tensor,
+                         margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`next_scale` under the headroom policy (see there and :func:`headroom_target_host`)."""
+    run = torch.where(overflow, state.overflow_run + 1, torch.zeros_like(state.overflow_run))
+    backoff = overflow & (run >= hysteresis)
+    state.overflow_run.copy_(torch.where(backoff, torch.zeros_like(run), run))
+    backed = scale * backoff_factor
+    floor_hit = backoff & (backed <= min_scale)
+    apply = torch.isfinite(headroom) & ~overflow & ~held
+    shift = torch.clamp(torch.floor(headroom) - margin, min=-_SHIFT_MAX, max=_SHIFT_MAX)
+    target = torch.clamp(scale * torch.exp2(shift), min=min_scale,
+                         max=HEADROOM_MAX_SCALE if max_scale is None else max_scale)
+    new = torch.where(backoff, backed, torch.where(apply, target, scale))
+    new = torch.clamp(new, min=min_scale, max=max_scale)
+    moved_down = apply & (new < scale)
+    return new, torch.zeros_like(growth_tracker), backoff | moved_down, apply & (new > scale), floor_hit
+
+
+_SHIFT_MAX = 126.0
+"""The policy's largest step, in doublings (headroom of a tiny gradient can exceed float32's range)."""
+
+
+def headroom_target_host(scale: float, headroom: float, margin: int, min_scale: float,
+                         max_scale: float | None) -> float:
+    """The headroom policy's next scale on host values (``scale``, ``headroom`` float32 values):
+    ``scale * 2**(floor(headroom) - margin)`` (the step bounded to +-126 doublings), clamped to
+    [min_scale, max_scale] (None: ``HEADROOM_MAX_SCALE``). Exact: a power-of-two step."""
+    shift = min(max(float(math.floor(headroom) - margin), -_SHIFT_MAX), _SHIFT_MAX)
+    return clamp_f32(f32(scale * 2.0**shift), min_scale, HEADROOM_MAX_SCALE if max_scale is None else max_scale)
+
+
 _F32 = struct.Struct("f")
 
 
@@ -351,14 +400,25 @@ def clamp_f32(x: float, lo: float | None, hi: float | None) -> float:
 
 
 def next_scale_host(scale: float, growth_tracker: int, overflow: bool, held: bool, overflow_run: int, *,
-                    scaler: ScalerView, config: GuardConfig) -> tuple[float, int, bool, bool, bool, int]:
+                    scaler: ScalerView, config: GuardConfig,
+                    headroom: float | None = None) -> tuple[float, int, bool, bool, bool, int]:
     """:func:`next_scale` on host values (``scale`` a float32 value), with the scaler's factors
     and interval and the config's hysteresis, floor and ceiling: the same rule, float32 op for op.
+    ``headroom``: as for :func:`next_scale` (the headroom policy; None: off).
     Returns ``(new_scale, new_tracker, backoff, growth, floor_hit, new_overflow_run)``."""
     min_scale, max_scale = config.min_scale, config.max_scale
     run = overflow_run + 1 if overflow else 0
     backoff = overflow and run >= config.hysteresis
     new_run = 0 if backoff else run
+    if headroom is not None:
+        backed = f32(scale * f32(scaler.backoff_factor))
+        apply = math.isfinite(headroom) and not overflow and not held
+        new = backed if backoff else (
+            headroom_target_host(scale, headroom, config.headroom_margin_log2, min_scale, max_scale) if apply
+            else scale)
+        new = clamp_f32(new, min_scale, max_scale)
+        return (new, 0, backoff or (apply and new < scale), apply and new > scale,
+                backoff and backed <= f32(min_scale), new_run)
 
     tracker = 0 if overflow else growth_tracker if held else growth_tracker + 1
     grown = f32(scale * f32(scaler.growth_factor))

@@ -60,6 +60,9 @@ class Loc(enum.IntEnum):
     SENTINEL = 7
     """The sentinel's first non-finite slot this step (-1: none or off; 0: the model's input;
     k+1: block k), see :mod:`ampguard.sentinel`."""
+    HEADROOM = 8
+    """This rank's log2(65504 / max|scaled grad|) on a step sampled by ``GuardConfig.numerics_every``
+    (fp16), NaN on other steps: the headroom scale policy decides on the minimum over ranks."""
 
 
 LOCAL_K = len(Loc)
@@ -202,10 +205,12 @@ def local_vector(
     device: torch.device,
     no_grads: bool = False,
     sentinel: torch.Tensor | None = None,
+    headroom: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pack this rank's statistics into the ``LOCAL_K`` vector (:class:`Loc`). ``loss``: this
     step's loss on device (None: no loss was given for this step). ``no_grads``: no parameter
-    received a gradient on this rank (known on the host, from the gradients' version counters)."""
+    received a gradient on this rank (known on the host, from the gradients' version counters).
+    ``headroom``: this rank's sampled headroom (None: not sampled, NaN)."""
     if tensor_norms.numel():
         total = torch.linalg.vector_norm(tensor_norms, 2.0)
     else:
@@ -222,6 +227,7 @@ def local_vector(
             zero if pre_reduction is None else pre_reduction.to(device),
             one if no_grads else zero,
             minus_one if sentinel is None else sentinel.to(device),
+            nan if headroom is None else headroom.to(device).reshape(()),
         ]
     ).float()
     return vec

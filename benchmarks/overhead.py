@@ -304,6 +304,8 @@ def build_variant(kind: str, fused: bool, ctx: dict[str, Any]) -> Variant:
     cfg = ampguard.GuardConfig(clip_grad_norm=CLIP) if kind == "guard_clip" else ampguard.GuardConfig()
     if kind == "guard_sentinel":
         cfg = ampguard.GuardConfig(sentinel="top")
+    if kind == "guard_numerics":  # issue 17: the sampled zero fraction and headroom (benchmarks/numerics.py)
+        cfg = ampguard.GuardConfig(numerics_every=ctx.get("numerics_every", 10))
     exporters: list[Any] = []
     if kind == "guard_exporters":
         exporters, v.info["exporters"] = make_exporters(ctx["tmpdir"])
@@ -435,6 +437,7 @@ def summarise(variants: list[Variant]) -> dict[str, Any]:
         "guard_lazy": "plain",
         "guard_armed": "plain",
         "guard_sentinel": "guard",
+        "guard_numerics": "guard",
     }
     for name, e in out.items():
         kind, opt = name.rsplit("_", 1)

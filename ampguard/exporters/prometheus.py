@@ -187,6 +187,11 @@ class PrometheusExporter:
             for metric in M.CATALOGUE
         }
         children[M.RUN_INFO.name][()].info(_run_info_values(info))
+        # The group label's values are known now: "all", then one per param group of the optimizer.
+        children[M.GRAD_ZERO_FRACTION.name] = {
+            (group,): self._m[M.GRAD_ZERO_FRACTION.name].labels(group, *rank)
+            for group in ("all", *map(str, range(info.param_groups)))
+        }
         self._bound = _Bound(children)
         floor = info.loss_scale_floor
         children[M.LOSS_SCALE_FLOOR.name][()].set(math.nan if floor is None else floor)  # fixed for the run
@@ -236,6 +241,12 @@ class PrometheusExporter:
                 b.rank_divergence.inc()
             if anomaly.cause == Cause.TRANSIENT and (not anomaly.ranks or report.rank in anomaly.ranks):
                 b.transient_faults.inc()
+        if report.grad_zero_fraction is not None:  # a step sampled by GuardConfig.numerics_every
+            b.zero_fraction[0].set(report.grad_zero_fraction)
+            for child, value in zip(b.zero_fraction[1:], report.group_zero_fractions or ()):
+                child.set(value)
+        if report.headroom_log2 is not None:
+            b.headroom.set(report.headroom_log2)
         if report.memory_allocated_peak is not None:
             b.memory_allocated_peak.set(report.memory_allocated_peak)
         if report.memory_reserved_peak is not None:
@@ -286,6 +297,7 @@ class _Bound:
         "anomalies",
         "grad_norm",
         "grad_norm_finite",
+        "headroom",
         "last_step_timestamp",
         "loss",
         "loss_scale",
@@ -301,6 +313,7 @@ class _Bound:
         "skipped_other",
         "steps",
         "transient_faults",
+        "zero_fraction",
     )
 
     def __init__(self, children: dict[str, dict[tuple[str, ...], Any]]) -> None:
@@ -328,8 +341,12 @@ class _Bound:
         self.transient_faults = one(M.TRANSIENT_FAULTS)
         memory = by_value(M.DEVICE_MEMORY_PEAK)
         self.memory_allocated_peak, self.memory_reserved_peak = memory["allocated"], memory["reserved"]
-        # NaN until a step reports them (memory: until a CUDA step does; off CUDA it stays NaN).
-        for gauge in (self.loss, self.grad_norm, self.loss_scale, *memory.values()):
+        self.zero_fraction = list(by_value(M.GRAD_ZERO_FRACTION).values())  # "all", "0", "1", ...
+        self.headroom = one(M.LOSS_SCALE_HEADROOM)
+        # NaN until a step reports them (memory: until a CUDA step does; off CUDA it stays NaN; the
+        # numerics: until a sampled step does; the headroom: fp16 only).
+        for gauge in (self.loss, self.grad_norm, self.loss_scale, *memory.values(), *self.zero_fraction,
+                      self.headroom):
             gauge.set(math.nan)
 
 

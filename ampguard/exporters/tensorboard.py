@@ -101,9 +101,24 @@ class TensorBoardExporter:
         w.add_scalar("ampguard/skipped_steps", self._skipped, s, walltime=t)
         w.add_scalar("ampguard/nonfinite_grads", report.nonfinite_grads, s, walltime=t)
         w.add_scalar("ampguard/nonfinite_steps", self._nonfinite, s, walltime=t)
+        if report.grad_zero_fraction is not None:
+            self._numerics(report, t)
         every = self.histogram_every
         if every is not None and report.param_norms is not None and s % every == 0:
             self._histograms(report)
+
+    def _numerics(self, report: StepReport, t: float | None) -> None:
+        """A step sampled by ``GuardConfig.numerics_every``: ``ampguard/grad_zero_fraction`` (every
+        gradient), ``ampguard/grad_zero_fraction/group<i>``, ``ampguard/loss_scale_headroom_log2``
+        (fp16; finite values only, as every scalar here)."""
+        values = [("ampguard/grad_zero_fraction", report.grad_zero_fraction)]
+        groups = report.group_zero_fractions or ()
+        values += [(f"ampguard/grad_zero_fraction/group{i}", v) for i, v in enumerate(groups)]
+        if report.headroom_log2 is not None:
+            values.append(("ampguard/loss_scale_headroom_log2", report.headroom_log2))
+        for tag, value in values:
+            if value is not None and math.isfinite(value):
+                self._writer.add_scalar(tag, value, report.step, walltime=t)
 
     def _histograms(self, report: StepReport) -> None:
         import numpy as np

@@ -79,12 +79,16 @@ def plot(run: Run, out_png: str | os.PathLike[str], *, width_px: int = 1600, hei
     Needs matplotlib (the ``ampguard[cli]`` extra); uses the Agg backend, so no display is needed.
     """
     plt = _pyplot()
+    numerics = _has_numerics(run)
+    ratios = [3, 2.2, 2.2, 0.9 + 0.35 * max(len(run.ranks), 1)] + ([2.2] if numerics else [])
     fig, axes = plt.subplots(
-        4, 1, sharex=True, figsize=(width_px / _DPI, height_px / _DPI), dpi=_DPI,
-        gridspec_kw={"height_ratios": [3, 2.2, 2.2, 0.9 + 0.35 * max(len(run.ranks), 1)], "hspace": 0.26},
+        len(ratios), 1, sharex=True, figsize=(width_px / _DPI, (height_px + 300 * numerics) / _DPI), dpi=_DPI,
+        gridspec_kw={"height_ratios": ratios, "hspace": 0.26},
     )
-    ax_loss, ax_scale, ax_norm, ax_nf = axes
+    ax_loss, ax_scale, ax_norm, ax_nf = axes[:4]
     story = _Story(run, plt.get_cmap("tab10"))
+    if numerics:
+        _numerics_panel(axes[4], story)
     _mark_skips_and_anomalies(axes, story)
     _loss_panel(ax_loss, story)
     _scale_panel(ax_scale, story)
@@ -93,7 +97,10 @@ def plot(run: Run, out_png: str | os.PathLike[str], *, width_px: int = 1600, hei
     _anomaly_labels(ax_loss, run.anomalies)
     _finish_axes(axes, multi=len(story.ranks) > 1)
     _legend_and_title(fig, story)
-    fig.subplots_adjust(left=0.07, right=0.985, top=0.915, bottom=0.055)
+    if numerics:  # the step axis label under the last panel; room for the headroom axis on the right
+        ax_nf.set_xlabel("")
+        axes[4].set_xlabel("step")
+    fig.subplots_adjust(left=0.07, right=0.955 if numerics else 0.985, top=0.915, bottom=0.055)
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=_DPI)
@@ -190,6 +197,43 @@ def _nonfinite_panel(ax: Any, story: _Story) -> None:
     ax.set_xlim(-0.5, story.x_max + 0.5)
 
 
+def _has_numerics(run: Run) -> bool:
+    """Whether any logged step was sampled by ``GuardConfig.numerics_every`` (then the fifth panel)."""
+    return any(r.grad_zero_fraction is not None for log in run.ranks.values() for r in log.reports)
+
+
+def _numerics_panel(ax: Any, story: _Story) -> None:
+    """fp16 numerics of the sampled steps, per rank (rank-local values): the fraction of gradient
+    elements exactly zero (left axis; solid: every gradient, dotted: per param group) and the headroom
+    log2(65504 / max|scaled grad|) (right axis, dashed; fp16 only, finite values)."""
+    right = ax.twinx()
+    for i, log in enumerate(story.ranks):
+        sampled = [r for r in log.reports if r.grad_zero_fraction is not None]
+        who = f"rank {log.rank}" if len(story.ranks) > 1 else "all params"
+        ax.plot([r.step for r in sampled], [r.grad_zero_fraction for r in sampled], "-o", ms=2.5, lw=1.0,
+                color=story.color(i), label=f"zero fraction, {who}", zorder=3)
+        groups = max((len(r.group_zero_fractions or ()) for r in sampled), default=0)
+        for g in range(groups if groups > 1 else 0):
+            pts = [(r.step, r.group_zero_fractions[g]) for r in sampled
+                   if r.group_zero_fractions is not None and len(r.group_zero_fractions) > g
+                   and math.isfinite(r.group_zero_fractions[g])]
+            ax.plot([x for x, _ in pts], [y for _, y in pts], ":", lw=2.4, color=story.color(i + 1 + g),
+                    label=f"zero fraction, group {g}" + (f", rank {log.rank}" if len(story.ranks) > 1 else ""))
+        pts = [(r.step, r.headroom_log2) for r in sampled if r.headroom_log2 is not None
+               and math.isfinite(r.headroom_log2)]
+        if pts:
+            right.plot([x for x, _ in pts], [y for _, y in pts], "--", lw=1.3, color="#555555" if i == 0 else
+                       story.color(i), label="headroom (log2)" + (f", rank {log.rank}" if len(story.ranks) > 1 else ""))
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_ylabel("zero fraction")
+    right.set_ylabel("headroom (log2)")
+    right.axhline(0, color="#d62728", lw=0.8, alpha=0.6)
+    handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    if handles:
+        ax.legend(handles=handles, **_LEGEND)
+    ax.set_title("fp16 numerics (sampled steps): gradient zero fraction, loss-scale headroom", **_TITLE)
+
+
 def _anomaly_labels(ax: Any, anomalies: Sequence[LoggedAnomaly]) -> None:
     """Each anomaly's kind, where it was localised and its origin ranks, staggered so neighbours
     do not overlap."""
@@ -211,7 +255,7 @@ def _finish_axes(axes: Sequence[Any], multi: bool) -> None:
     """Plain numbers on log axes, grids, and the legends of the first three panels."""
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    ax_loss, ax_scale, ax_norm, _ = axes
+    ax_loss, ax_scale, ax_norm = axes[:3]
     for ax in (ax_loss, ax_norm):
         if ax.get_yscale() == "log":  # plain numbers (2, 3, 0.5), not 2x10^0
             lo, hi = ax.get_ylim()

@@ -73,7 +73,7 @@ class _Plain:
 
 class _Guarded:
     def __init__(self, fused: bool, clip: float | None = None, init_scale: float = 2.0**16, seed: int = 0,
-                 fast: bool = True):
+                 fast: bool = True, **config: object):
         self.model = _model(seed)
         self.scaler = torch.amp.GradScaler(DEV, init_scale=init_scale)
         self.opt = ampguard.wrap(
@@ -81,7 +81,7 @@ class _Guarded:
             model=self.model,
             scaler=self.scaler,
             precision="fp16",
-            config=ampguard.GuardConfig(clip_grad_norm=clip, fused_fast_path=fast),
+            config=ampguard.GuardConfig(clip_grad_norm=clip, fused_fast_path=fast, **config),  # type: ignore[arg-type]
         )
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -134,6 +134,41 @@ def test_fused_guarded_step_adds_no_host_sync(clip: float | None) -> None:
     # the lagged report still arrives, and the run stayed healthy
     assert guarded.opt.step_count == 5
     assert guarded.opt.last_report is not None and guarded.opt.last_report.step == 4
+
+
+@needs_cuda
+@pytest.mark.parametrize("policy", ["default", "headroom"])
+def test_sampled_numerics_add_no_host_sync(policy: str) -> None:
+    """numerics_every=1 (every step sampled: zero counts and headroom on device, the headroom in the
+    all-gather, the headroom policy inside the CUDA-graph decision): still no sync the plain fused
+    loop does not make, and the sampled values arrive with the lagged report."""
+    batches = _batches(8)
+    plain = _Plain(fused=True)
+    guarded = _Guarded(fused=True, numerics_every=1, scale_policy=policy)
+    for b in batches[:4]:  # warm-up; the decision graph is captured on the second step
+        plain.step(*b)
+        guarded.step(*b)
+    plain_n, plain_raised = _syncs_of_one_step(plain, batches[4])
+    guard_n, guard_raised = _syncs_of_one_step(guarded, batches[4])
+    assert guard_n <= plain_n, f"guarded step made {guard_n} synchronising calls, the plain loop {plain_n}"
+    assert guard_raised == plain_raised or not guard_raised
+    guarded.opt.flush()
+    rep = guarded.opt.last_report
+    assert rep is not None and rep.step == 5 and rep.grad_zero_fraction is not None
+    assert rep.headroom_log2 is not None and rep.headroom_log2 > 0 and len(rep.group_zero_fractions or ()) == 1
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_sampling_numerics_changes_no_parameter(fused: bool) -> None:
+    """With the default scale policy, numerics_every=1 only reads: the same parameters, bit for bit,
+    and the same scale as without it, through the first overflows (init_scale 2**24)."""
+    batches = _batches(20)
+    ref, ref_scale = _run(_Guarded(fused, init_scale=2.0**24), batches)
+    sampled = _Guarded(fused, init_scale=2.0**24, numerics_every=1)
+    got, got_scale = _run(sampled, batches)
+    assert got_scale == ref_scale
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert sampled.opt.skipped_steps >= 1 and sampled.opt.history[0].headroom_log2 is not None
 
 
 @needs_cuda

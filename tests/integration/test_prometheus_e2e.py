@@ -42,6 +42,7 @@ WORLD = 2
 STEPS = 140
 BURST = range(60, 80)  # 20 non-finite steps on rank 1 (> the default threshold of 10)
 STEP_SLEEP = 0.05  # ~7 s of training: several scrapes at 1 s
+NUMERICS_EVERY = 5  # GuardConfig.numerics_every: the fp16 numerics panels' series
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -115,8 +116,10 @@ def _rank_main(rank: int, world: int, base_port: int, init_port: int, workdir: s
         opt = ampguard.wrap(
             torch.optim.SGD(model.parameters(), lr=0.01),
             model=model,
-            precision="bf16",
-            config={"param_norms_every": 10},
+            precision="fp16",  # the headroom is an fp16 series (issue 17)
+            scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10),
+            # min_scale below 2**10 * 0.5**len(BURST): the burst backs off without reaching the floor
+            config={"param_norms_every": 10, "numerics_every": NUMERICS_EVERY, "min_scale": 2.0**-16},
             backend=TorchDistBackend(),
             exporters=[
                 prom,
@@ -204,6 +207,7 @@ def _substitute(expr: str, rate_interval: str) -> str:
         expr.replace("$__rate_interval", rate_interval)
         .replace('job=~"$job"', f'job=~"{JOB}"')
         .replace('rank=~"$rank"', 'rank=~".*"')
+        .replace('group=~"$group"', 'group=~".*"')
     )
 
 
@@ -260,7 +264,15 @@ def test_two_rank_training_scraped_by_real_prometheus(prometheus_server, tmp_pat
         assert len({s["metric"]["run_id"] for s in q["result"]}) == 1  # one run id on both ranks
         # the skip rate per precision: one series for the run, labelled with its precision
         q = _api(prom, "query", query=f'{_SKIP_RATE_BY_PRECISION}{{job="{JOB}"}}')
-        assert [s["metric"]["precision"] for s in q["result"]] == ["bf16"]
+        assert [s["metric"]["precision"] for s in q["result"]] == ["fp16"]
+        # the sampled fp16 numerics: a real headroom and zero fraction per rank and group ("all", "0")
+        q = _api(prom, "query", query=f'ampguard_loss_scale_headroom_log2{{job="{JOB}"}}')
+        assert sorted(s["metric"]["rank"] for s in q["result"]) == ["0", "1"]
+        assert all(0 < float(s["value"][1]) < 40 for s in q["result"]), q["result"]
+        q = _api(prom, "query", query=f'ampguard_grad_zero_fraction{{job="{JOB}"}}')
+        assert sorted((s["metric"]["rank"], s["metric"]["group"]) for s in q["result"]) == [
+            ("0", "0"), ("0", "all"), ("1", "0"), ("1", "all")]
+        assert all(0 <= float(s["value"][1]) < 1 for s in q["result"]), q["result"]
 
         # 4. every query of every dashboard panel (and annotation) returns data
         rate_interval = "10s"
@@ -320,6 +332,9 @@ def test_two_rank_training_scraped_by_real_prometheus(prometheus_server, tmp_pat
     hist_steps = [h.step for h in acc.Histograms("ampguard/param_grad_norms")]
     assert hist_steps and all(s % 10 == 0 for s in hist_steps)
     assert [p.name for p in (work / "tb").iterdir() if p.is_dir()] == []  # rank 1 wrote nothing
+    headroom = acc.Scalars("ampguard/loss_scale_headroom_log2")
+    assert headroom and all(e.step % NUMERICS_EVERY == 0 for e in headroom)
+    assert {e.step for e in acc.Scalars("ampguard/grad_zero_fraction")} >= {e.step for e in headroom}
 
     # 7. the per-rank event logs
     for r in range(WORLD):
@@ -328,6 +343,8 @@ def test_two_rank_training_scraped_by_real_prometheus(prometheus_server, tmp_pat
         anomalies = [x for x in recs if x["event"] == "anomaly"]
         assert [a["step"] for a in anomalies] == list(BURST)
         assert all(a["rank"] == r and a["ranks"] == [1] and a["kind"] == "nonfinite_loss" for a in anomalies)
+        sampled = [a["report"] for a in anomalies if a["step"] % NUMERICS_EVERY == 0]
+        assert sampled and all(rep["grad_zero_fraction"] is not None for rep in sampled)
 
 
 @needs_prometheus

@@ -1,0 +1,97 @@
+"""fp16 underflow and headroom, sampled every ``GuardConfig.numerics_every`` steps (issue 17).
+
+On a sampled step, before the gradients are unscaled (or, where somebody unscaled them already,
+from the unscaled ones times the scale), one pass over this rank's gradients measures on device:
+
+- the fraction of gradient elements that are exactly zero, over every gradient and per optimizer
+  param group (``torch.count_nonzero``: exact int64 counts;
+  per large tensor, and once over the small ones of a group);
+- the largest magnitude of a scaled gradient (``torch._foreach_norm(grads, inf)``), as the headroom
+  ``log2(65504 / max|scaled grad|)``: how many doublings of the loss scale fp16 has left.
+
+The values ride the step's payload (:func:`ampguard.pipeline.payload`) to the host; the headroom
+also rides this rank's local vector (``stats.Loc.HEADROOM``), so the opt-in headroom scale policy
+decides on the minimum over ranks, agreed through the step's one collective. Non-sampled steps
+cost an int compare. Values are rank-local: this rank's gradients (frozen parameters, which have
+no gradient, are not counted). Nothing here writes a gradient.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from .stats import GradGroups
+
+__all__ = ["FP16_MAX", "Numerics", "group_of"]
+
+FP16_MAX = 65504.0
+"""The largest finite float16 value."""
+
+_SMALL = 1 << 16
+"""Gradients with fewer elements are counted together per param group (one flat copy of them)."""
+
+
+def group_of(param_groups: Sequence[dict]) -> list[int]:  # type: ignore[type-arg]
+    """The param group of every parameter, in ``param_groups`` order (the index order of
+    :class:`~ampguard.stats.GradGroups`)."""
+    return [g for g, group in enumerate(param_groups) for _ in group["params"]]
+
+
+class Numerics:
+    """When to sample, and the measurement (see the module docstring)."""
+
+    def __init__(self, every: int | None, *, device: torch.device, headroom: bool) -> None:
+        self.every = every
+        self.device = device
+        self.headroom = headroom
+        """fp16 with a GradScaler: the headroom is measured (else NaN in the vector, None reported)."""
+
+    def sampled(self, step: int) -> bool:
+        """Whether step ``step`` is sampled: an int compare."""
+        return self.every is not None and step % self.every == 0
+
+    def measure(self, groups: GradGroups, param_groups: Sequence[dict],  # type: ignore[type-arg]
+                factor: torch.Tensor | None) -> torch.Tensor:
+        """``[zero fraction, headroom_log2, zero fraction of group 0, 1, ...]`` (float32, on the
+        guard's device; no sync). ``factor``: the loss scale when the gradients were unscaled
+        already (max|scaled| = max|unscaled| * scale), None when they are still scaled. A group
+        without gradient elements has a NaN fraction; no gradient at all: fraction NaN, headroom inf."""
+        where = group_of(param_groups)
+        dev = self.device
+        nonzero: list[list[torch.Tensor]] = [[] for _ in param_groups]  # per param group: int64 counts
+        numel = [0] * len(param_groups)
+        peaks: list[torch.Tensor] = []
+        k = 0
+        # Device ops only (Python ints enter as kernel arguments): no host-to-device copy, no sync.
+        # Small tensors (biases, norms) of one param group are counted together, one flat copy of
+        # them: a few kernels per group instead of two per tensor.
+        for (_, _), grads in groups.tensors.items():
+            small: list[list[torch.Tensor]] = [[] for _ in param_groups]
+            for g, i in zip(grads, groups.index[k : k + len(grads)]):
+                numel[where[i]] += g.numel()
+                if g.numel() < _SMALL:
+                    small[where[i]].append(g.reshape(-1))
+                else:
+                    nonzero[where[i]].append(torch.count_nonzero(g).to(dev, non_blocking=True))
+            for group, flat in enumerate(small):
+                if flat:
+                    both = flat[0] if len(flat) == 1 else torch.cat(flat)
+                    nonzero[group].append(torch.count_nonzero(both).to(dev, non_blocking=True))
+            k += len(grads)
+            peaks.append(torch.stack(torch._foreach_norm(grads, math.inf)).float().amax().to(dev, non_blocking=True))
+        zeros = [n - (torch.stack(c).sum() if len(c) > 1 else c[0]) if c else None for c, n in zip(nonzero, numel)]
+        nan = torch.full((), math.nan, dtype=torch.float64, device=dev)
+        fractions = [nan if z is None else z.double() / n for z, n in zip(zeros, numel)]  # no element: NaN
+        counted = [z for z in zeros if z is not None]
+        total = torch.stack(counted).sum().double() / sum(numel) if counted else nan
+        if self.headroom and peaks:
+            peak = torch.stack(peaks).amax() if len(peaks) > 1 else peaks[0]
+            if factor is not None:
+                peak = peak * factor.to(dev, non_blocking=True).reshape(())
+            headroom = torch.log2(FP16_MAX / peak)  # 0 -> inf; inf -> -inf; NaN stays NaN
+        else:
+            headroom = torch.full((), math.inf if self.headroom else math.nan, dtype=torch.float32, device=dev)
+        return torch.stack([total, headroom.double().reshape(()), *fractions]).float()
