@@ -130,6 +130,12 @@ def _reals(value: Any, name: str) -> tuple[float, ...]:
     return _items(value, name, real)
 
 
+def _named_real(value: Any, name: str) -> tuple[str, float]:
+    if not (isinstance(value, list) and len(value) == 2):
+        raise _refuse(name, value, "a [name, number] pair")
+    return text(value[0], name), real(value[1], name)
+
+
 def _reason(value: Any, name: str) -> SkipReason:
     return word(SkipReason, value, name)
 
@@ -144,6 +150,8 @@ _BY_TYPE: dict[str, Callable[[Any, str], Any]] = {
     "SkipReason | None": _optional(_reason),
     "tuple[int, ...]": _ranks,
     "tuple[float, ...] | None": _optional(_reals),
+    "float | None": _optional(real),
+    "tuple[tuple[str, float], ...] | None": _optional(lambda v, n: _items(v, n, _named_real)),
 }
 _STEP_READERS: dict[str, Callable[[Any, str], Any]] = {
     f.name: _BY_TYPE[str(f.type)] for f in dataclasses.fields(StepReport)
