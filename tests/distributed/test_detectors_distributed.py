@@ -12,8 +12,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ampguard
+from ampguard import faults
 
-from ._common import batch, flat_params, spawn, tiny_model
+from ._common import flat_params, spawn, tiny_model, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -26,16 +27,9 @@ def _train(rank: int, ddp: bool) -> dict[str, Any]:
     model = tiny_model()
     net = DDP(model) if ddp else model
     opt = ampguard.wrap(torch.optim.AdamW(net.parameters(), lr=1e-2), model=net, precision="bf16", config=CONFIG)
-    for step in range(STEPS):
-        x, y = batch(rank, step)
-        if step == SPIKE and rank == 1:
-            y = y * 1000.0  # a bad batch on rank 1 only
-        with opt.autocast():
-            loss = torch.nn.functional.mse_loss(net(x).float(), y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    opt.flush()
+    # a bad batch on rank 1 only: its loss times 1000, before backward (so before DDP's reduction)
+    with faults.inject(opt, net, faults.loss(1000.0, mode="mul", steps=[SPIKE], ranks=[1])):
+        train(opt, net, rank, STEPS)
     hist = list(opt.history)
     spikes = opt._pipeline.spikes
     out = {
