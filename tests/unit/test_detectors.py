@@ -268,3 +268,17 @@ def test_a_state_without_the_statistics_loads_them_fresh():
     assert [t.item() for t in (spikes.z_mean, spikes.z_var, spikes.clip_mean, spikes.clip_var,
                                spikes.clip_count)] == [0.0] * 5
     assert spikes.count.item() == 12  # the factor detector's statistics still load
+
+
+def test_thresholds_travel_through_the_event_log(tmp_path):
+    from ampguard import runlog
+    from ampguard.exporters import JsonlExporter
+
+    model = make_model()
+    opt = ampguard.wrap(make_opt(model), model=model, precision="bf16", exporters=[JsonlExporter(tmp_path, True)],
+                        config={**ZCLIP_CFG, "spike_detector": "zscore", "spike_warmup": 3})
+    guarded_steps(opt, model, make_data(6))
+    opt.close()
+    logged = runlog.load_run(tmp_path).ranks[0].reports
+    assert logged == list(opt.history)  # inf (ZClip's warm-up) and floats read back as written
+    assert logged[0].clip_threshold == math.inf and math.isfinite(logged[5].clip_threshold)
