@@ -33,6 +33,7 @@ def save(guard: Any) -> dict[str, Any]:
             "grad_ema": float(pipe.spikes.grad_ema.item()),
             "loss_ema": float(pipe.spikes.loss_ema.item()),
             "ema_count": int(pipe.spikes.count.item()),
+            **_save_detectors(pipe.spikes),
             "quarantine": list(rep.quarantine),
             "escalation": ladder.state_dict() if ladder is not None else None,
             "scale_policy": guard.config.scale_policy,
@@ -82,6 +83,39 @@ def _real(g: dict[str, Any], field: str) -> float:
     if not (_is_real(v) and abs(v) <= _FLOAT32_MAX and math.isfinite(v)):  # abs() first: no float(10**400)
         raise _bad(field, v, "a finite number (float32 range)")
     return float(v)
+
+
+# -- issue 17 item 4: the z-score detector's and ZClip's running statistics --
+_DETECTOR_REALS = ("z_mean", "z_var", "zclip_mean", "zclip_var")
+_DETECTOR_STATE = {"z_mean": "z_mean", "z_var": "z_var", "zclip_mean": "clip_mean", "zclip_var": "clip_var",
+                   "zclip_count": "clip_count"}
+"""state_dict key -> SpikeState attribute."""
+
+
+def _save_detectors(spikes: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {k: float(getattr(spikes, a).item()) for k, a in _DETECTOR_STATE.items()}
+    out["zclip_count"] = int(out["zclip_count"])
+    return out
+
+
+def _check_detectors(g: dict[str, Any]) -> dict[str, Any] | None:
+    """The detectors' statistics to restore; None when the state predates them (a checkpoint of an
+    earlier version: the statistics then start afresh). Present, all must be valid: a mean finite,
+    a variance finite and >= 0, the count an int32."""
+    if not any(k in g for k in _DETECTOR_STATE):
+        return None
+    values: dict[str, Any] = {k: _real(g, k) for k in _DETECTOR_REALS}
+    for var in ("z_var", "zclip_var"):
+        if values[var] < 0:
+            raise _bad(var, g[var], "a finite number >= 0 (float32 range)")
+    values["zclip_count"] = _count(g, "zclip_count", _INT32_MAX)
+    return values
+
+
+def _restore_detectors(spikes: Any, values: dict[str, Any] | None) -> None:
+    for key, attr in _DETECTOR_STATE.items():
+        getattr(spikes, attr).fill_(0 if values is None else values[key])
+# -- end of issue 17 item 4 --
 
 
 def _check_optimizer(guard: Any, sd: Any) -> None:
@@ -174,6 +208,7 @@ def load(guard: Any, state_dict: Any) -> None:
         raise _bad("skipped_total", counts["skipped_total"],
                    f"skipped_total <= step ({step}) and consecutive_skips <= skipped_total")
     emas = {f: _real(g, f) for f in ("grad_ema", "loss_ema")}
+    detectors = _check_detectors(g)
     quarantine = _present(g, "quarantine")
     if not isinstance(quarantine, (list, tuple)):
         raise _bad("quarantine", quarantine, "a list of batch ids")
@@ -189,6 +224,7 @@ def load(guard: Any, state_dict: Any) -> None:
     if guard.scaler is not None:
         guard.scaler.load_state_dict(scaler)
     _restore_counters(guard, step, counts, emas, list(quarantine), escalation)
+    _restore_detectors(guard._pipeline.spikes, detectors)
 
 
 def _restore_counters(guard: Any, step: int, counts: dict[str, int], emas: dict[str, float],

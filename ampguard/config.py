@@ -13,6 +13,7 @@ __all__ = ["Escalation", "GuardConfig"]
 _ON_SPIKE = ("warn", "skip")
 _ON_DIVERGENCE = ("warn", "raise")
 _SCALE_POLICIES = ("default", "headroom")
+_SPIKE_DETECTORS = ("factor", "zscore")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -97,6 +98,35 @@ class GuardConfig:
     clip_grad_norm: float | None = None
     """Clip the unscaled gradients to this global L2 norm (> 0), using the norm the guard
     already computed: no second pass over the gradients. None: no clipping."""
+
+    # -- issue 17 item 4: alternative spike detectors and adaptive clipping (docs/detectors.md) --
+    spike_detector: str = "factor"
+    """Which detector flags a gradient-norm spike: "factor" (a step whose norm exceeds
+    ``grad_spike_factor`` times the running average; today's behaviour, bit for bit) or "zscore"
+    (a step whose norm lies more than ``spike_zscore`` standard deviations above the running mean,
+    mean and variance over a window of ``spike_window`` healthy steps). Both honour
+    ``spike_warmup`` and ``on_spike``; ``loss_spike_factor`` works alongside either."""
+
+    spike_zscore: float = 4.0
+    """The "zscore" detector's threshold (> 0): flag when ``(norm - mean) / std > spike_zscore``."""
+
+    spike_window: int = 50
+    """The "zscore" detector's window (>= 2): mean and variance are exponential moving averages of
+    span ``spike_window`` (decay ``1 - 2 / (spike_window + 1)``, the window's centre of mass), exact
+    running mean and variance over the first healthy steps (see :mod:`ampguard.policies`)."""
+
+    zclip: bool = False
+    """Adaptive gradient clipping in the style of ZClip (Kumar et al. 2025, arXiv:2504.02507):
+    after ``spike_warmup`` finite steps, clip a step whose gradient norm has an EMA z-score above
+    ``zclip_z`` to ``mean + zclip_z**2 * std / z``, and fold the clipped norm into the averages.
+    Replaces a fixed ``clip_grad_norm`` (the two are exclusive)."""
+
+    zclip_z: float = 2.5
+    """ZClip's z-score threshold (> 0; the paper's default 2.5)."""
+
+    zclip_alpha: float = 0.97
+    """ZClip's EMA smoothing factor for the norm's mean and variance, in (0, 1) (the paper's 0.97)."""
+    # -- end of issue 17 item 4 --
 
     history_size: int = 1024
     """How many step reports ``opt.history`` retains (>= 1)."""
@@ -209,6 +239,19 @@ class GuardConfig:
         _choice("on_spike", self.on_spike, _ON_SPIKE)
         if self.clip_grad_norm is not None:
             _positive_float("clip_grad_norm", self.clip_grad_norm)
+        _choice("spike_detector", self.spike_detector, _SPIKE_DETECTORS)
+        _positive_float("spike_zscore", self.spike_zscore)
+        _int_at_least("spike_window", self.spike_window, 2)
+        if self.spike_detector == "zscore" and self.grad_spike_factor is not None:
+            raise ValueError(f"GuardConfig.grad_spike_factor={self.grad_spike_factor!r} with spike_detector='zscore': "
+                             "the factor is the 'factor' detector's threshold; allowed: grad_spike_factor=None "
+                             "(the z-score detector uses spike_zscore), or spike_detector='factor'")
+        _positive_float("zclip_z", self.zclip_z)
+        if not (_is_real(self.zclip_alpha) and 0 < self.zclip_alpha < 1):
+            raise ValueError(f"GuardConfig.zclip_alpha={self.zclip_alpha!r}; allowed: a number in (0, 1)")
+        if self.zclip and self.clip_grad_norm is not None:
+            raise ValueError(f"GuardConfig.zclip=True with clip_grad_norm={self.clip_grad_norm!r}: ZClip replaces a "
+                             "fixed clipping norm; allowed: one of them (clip_grad_norm=None, or zclip=False)")
         _int_at_least("history_size", self.history_size, 1)
         _int_at_least("max_anomalies", self.max_anomalies, 1)
         _optional_int_at_least("param_norms_every", self.param_norms_every, 1)

@@ -64,7 +64,7 @@ import torch
 from .config import GuardConfig
 from .errors import GuardStateError
 from .numerics import Numerics
-from .policies import SpikeState, decide, decide_host
+from .policies import SpikeState, decide, decide_host, uses_clipping
 from .scaling import GradScalerAdapter, ScalerView, ScaleState, f32
 from .stats import Dec, GradGroups, grads_by_device_and_dtype, local_vector, per_tensor_norms
 
@@ -312,7 +312,7 @@ class StepPipeline:
         return host[1] if host is not None and host[0] is decision else None
 
     def clip(self, measured: Measured, decision: torch.Tensor) -> None:
-        if self.config.clip_grad_norm is None or measured.scaled:
+        if not uses_clipping(self.config) or measured.scaled:
             return  # the fast path folds the coefficient into the fused optimizer's grad_scale
         host = self.host_values(decision)
         if host is not None and host[Dec.CLIP_COEF] == 1.0:
@@ -380,7 +380,7 @@ class StepPipeline:
         adapter.force_found_inf(measured.found_inf_per_device, skip)  # GradScaler's record: the decision
         scale = adapter.scale
         grad_scale = scale
-        if self.config.clip_grad_norm is not None:
+        if uses_clipping(self.config):
             host = self.host_values(decision)
             if host is None or host[Dec.CLIP_COEF] != 1.0:
                 grad_scale = scale / decision[Dec.CLIP_COEF].to(scale.device, non_blocking=True)

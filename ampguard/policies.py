@@ -23,21 +23,68 @@ from .config import GuardConfig
 from .scaling import ScalerView, ScaleState, clamp_f32, f32, next_scale, next_scale_host
 from .stats import DECISION_K, Loc
 
-__all__ = ["ScalerView", "SpikeState", "decide", "decide_host"]
+__all__ = ["ScalerView", "SpikeState", "decide", "decide_host", "uses_clipping"]
 
 
 @dataclasses.dataclass(slots=True)
 class SpikeState:
-    """Running averages of the healthy steps' gradient norm and loss (float32, on device)."""
+    """Running statistics of the gradient norm and loss (float32, on device): the factor
+    detector's averages of healthy steps, the z-score detector's mean and variance of the same
+    steps (counted by ``count`` too), and ZClip's mean and variance of the clipped norms."""
 
     grad_ema: torch.Tensor
     loss_ema: torch.Tensor
     count: torch.Tensor  # healthy steps folded into the averages (int32)
+    z_mean: torch.Tensor
+    z_var: torch.Tensor
+    clip_mean: torch.Tensor
+    clip_var: torch.Tensor
+    clip_count: torch.Tensor  # finite steps folded into ZClip's statistics (int32)
 
     @classmethod
     def fresh(cls, device: torch.device) -> SpikeState:
         z = torch.zeros((), dtype=torch.float32, device=device)
-        return cls(grad_ema=z.clone(), loss_ema=z.clone(), count=torch.zeros((), dtype=torch.int32, device=device))
+        n = torch.zeros((), dtype=torch.int32, device=device)
+        return cls(grad_ema=z.clone(), loss_ema=z.clone(), count=n.clone(), z_mean=z.clone(), z_var=z.clone(),
+                   clip_mean=z.clone(), clip_var=z.clone(), clip_count=n.clone())
+
+
+ZCLIP_EPS = 1e-6
+"""ZClip's ``eps`` in ``z = (norm - mean) / (std + eps)`` (the reference implementation's)."""
+
+
+def uses_clipping(config: GuardConfig) -> bool:
+    """Whether the decision's clip coefficient is applied: a fixed ``clip_grad_norm`` or ZClip."""
+    return config.clip_grad_norm is not None or config.zclip
+
+
+def _window_weight(count: torch.Tensor, floor: float) -> torch.Tensor:
+    """The weight of the newest sample: ``1/(n+1)`` (an exact running mean and variance) until
+    it falls to ``floor``, the EMA's ``1 - decay``."""
+    return torch.clamp(torch.reciprocal((count + 1).float()), min=floor)
+
+
+def _fold(mean: torch.Tensor, var: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sample into an exponentially weighted mean and variance (West 1979 / Finch 2009):
+    ``mean += w*d``, ``var = (1-w)*(var + w*d*d)``, ``d = x - mean``. With ``w = 1/n`` this is the
+    exact running mean and population variance of the n samples so far."""
+    d = x - mean
+    return mean + w * d, (1 - w) * (var + w * d * d)
+
+
+def _fold_host(mean: float, var: float, x: float, w: float) -> tuple[float, float]:
+    """:func:`_fold` on float32 host values, one rounding per operation."""
+    d = f32(x - mean)
+    wd = f32(w * d)
+    return f32(mean + wd), f32(f32(1.0 - w) * f32(var + f32(wd * d)))
+
+
+def _window_weight_host(count: int, floor: float) -> float:
+    return clamp_f32(_reciprocal(f32(float(count + 1))), floor, None)
+
+
+def _zscore_floor(config: GuardConfig) -> float:
+    return 2.0 / (config.spike_window + 1)
 
 
 # Long (~90 lines) on purpose: the whole decision is one device-side expression graph, captured as
@@ -70,12 +117,19 @@ def decide(
     no_grads = cmax[Loc.NO_GRADS] > 0  # on any rank: the step is skipped everywhere
 
     false = torch.zeros((), dtype=torch.bool, device=dev)
+    nan = torch.full((), math.nan, dtype=torch.float32, device=dev)
     grad_spike = loss_spike = false
-    spikes_on = config.grad_spike_factor is not None or config.loss_spike_factor is not None
+    spike_threshold = clip_threshold = nan
+    zscore = config.spike_detector == "zscore"
+    spikes_on = config.grad_spike_factor is not None or config.loss_spike_factor is not None or zscore
     if spikes_on:
         warm = (spikes.count >= config.spike_warmup) & ~nonfinite & ~no_grads
         if config.grad_spike_factor is not None:
-            grad_spike = warm & (grad_norm > config.grad_spike_factor * spikes.grad_ema)
+            spike_threshold = config.grad_spike_factor * spikes.grad_ema
+        elif zscore:  # mean + k * std over the window of healthy steps
+            spike_threshold = spikes.z_mean + config.spike_zscore * torch.sqrt(spikes.z_var)
+        if config.grad_spike_factor is not None or zscore:
+            grad_spike = warm & (grad_norm > spike_threshold)
         if config.loss_spike_factor is not None:
             loss_spike = warm & (loss > config.loss_spike_factor * spikes.loss_ema)
     spike = grad_spike | loss_spike
@@ -98,11 +152,18 @@ def decide(
         new = torch.where(healthy, new, ema)
         spikes.grad_ema.copy_(new[0])
         spikes.loss_ema.copy_(new[1])
+        if zscore:
+            w = _window_weight(spikes.count, _zscore_floor(config))
+            mean, var = _fold(spikes.z_mean, spikes.z_var, grad_norm, w)
+            spikes.z_mean.copy_(torch.where(healthy, mean, spikes.z_mean))
+            spikes.z_var.copy_(torch.where(healthy, var, spikes.z_var))
         spikes.count.add_(healthy.int())
 
     if config.clip_grad_norm is not None:
         # The expression of torch.nn.utils.clip_grad_norm_, so the coefficient is bitwise its.
         clip_coef = torch.clamp(config.clip_grad_norm / (grad_norm + 1e-6), max=1.0)
+    elif config.zclip:
+        clip_coef, clip_threshold = _zclip(grad_norm, nonfinite | no_grads, config, spikes)
     else:
         clip_coef = torch.ones((), dtype=torch.float32, device=dev)
 
@@ -132,10 +193,74 @@ def decide(
     values = torch.stack([loss, grad_norm, nonfinite_tensors, clip_coef, scale.reshape(()), new_scale.reshape(()),
                           reason])
     flags = torch.stack([skip, loss_bad, grad_bad, grad_spike, loss_spike, backoff, growth, floor_hit, no_grads])
-    out = torch.cat([values.float(), flags.float()])
+    thresholds = torch.stack([spike_threshold.reshape(()), clip_threshold.reshape(())])
+    out = torch.cat([values.float(), flags.float(), thresholds.float()])
     if out.shape[0] != DECISION_K:  # pragma: no cover - layout invariant (see stats.Dec)
         raise AssertionError("decision vector layout out of date")
     return out, new_tracker
+
+
+def _zclip(grad_norm: torch.Tensor, bad: torch.Tensor, config: GuardConfig,
+           spikes: SpikeState) -> tuple[torch.Tensor, torch.Tensor]:
+    """ZClip (Kumar et al. 2025, "ZClip: Adaptive Spike Mitigation for LLM Pre-Training",
+    arXiv:2504.02507; the reference code's default ``mode="zscore"``,
+    ``clip_option="adaptive_scaling"``): once ``spike_warmup`` finite steps are folded in, a norm
+    whose z-score ``z = (norm - mean) / (std + eps)`` exceeds ``zclip_z`` is clipped to
+    ``mean + zclip_z**2 * std / z`` (the paper's reciprocal: the larger the outlier, the harder it
+    is clipped); the norm the step let through (the threshold when clipped) is then folded into the
+    EMA mean and variance (``zclip_alpha``), as the paper updates them. Warm-up folds with weight
+    ``1/n`` instead of keeping a buffer: at its end mean and variance are the warm-up norms' mean
+    and population variance, as the paper's buffer gives them (up to float32 rounding).
+    ``bad``: non-finite or gradient-less steps, which neither clip nor touch the statistics.
+    Returns ``(clip_coef, ceiling)``: ``ceiling`` is the largest norm this step let through (the
+    threshold when clipped, ``mean + zclip_z * (std + eps)`` otherwise, inf during warm-up)."""
+    mean, var, count = spikes.clip_mean, spikes.clip_var, spikes.clip_count
+    zt = config.zclip_z
+    std = torch.sqrt(var)
+    spread = std + ZCLIP_EPS
+    z = (grad_norm - mean) / spread
+    warm = count >= config.spike_warmup
+    outlier = warm & ~bad & (z > zt)
+    threshold = mean + (zt * zt) * std / z
+    coef = torch.where(outlier, torch.clamp(threshold / (grad_norm + 1e-6), max=1.0), 1.0)
+    inf = torch.full((), math.inf, dtype=torch.float32, device=grad_norm.device)
+    ceiling = torch.where(warm, torch.where(outlier, threshold, mean + zt * spread), inf)
+    # The paper's update after warm-up: mean = a*mean + (1-a)*x, var = a*var + (1-a)*(x - mean)^2 with
+    # the new mean; during warm-up the exact running mean and population variance (weight 1/n).
+    x = torch.where(outlier, threshold, grad_norm)
+    w = torch.where(warm, 1 - config.zclip_alpha, torch.reciprocal((count + 1).float()))
+    new_mean, warmup_var = _fold(mean, var, x, w)
+    e = x - new_mean
+    new_var = torch.where(warm, (1 - w) * var + w * (e * e), warmup_var)
+    mean.copy_(torch.where(bad, mean, new_mean))
+    var.copy_(torch.where(bad, var, new_var))
+    count.add_((~bad).int())
+    return coef, ceiling
+
+
+def _zclip_host(grad_norm: float, bad: bool, config: GuardConfig, spikes: SpikeState) -> tuple[float, float]:
+    """:func:`_zclip` on float32 host values."""
+    mean, var, count = spikes.clip_mean.item(), spikes.clip_var.item(), int(spikes.clip_count.item())
+    zt = f32(config.zclip_z)
+    std = _sqrt(spikes.clip_var)
+    spread = f32(std + f32(ZCLIP_EPS))
+    z = _div(f32(grad_norm - mean), spread)
+    warm = count >= config.spike_warmup
+    outlier = warm and not bad and z > zt
+    threshold = f32(mean + _div(f32(f32(config.zclip_z * config.zclip_z) * std), z))
+    coef = clamp_f32(_div(threshold, f32(grad_norm + f32(1e-6))), None, 1.0) if outlier else 1.0
+    ceiling = (threshold if outlier else f32(mean + f32(zt * spread))) if warm else math.inf
+    if not bad:
+        x = threshold if outlier else grad_norm
+        w = f32(1 - config.zclip_alpha) if warm else _reciprocal(f32(float(count + 1)))
+        new_mean, new_var = _fold_host(mean, var, x, w)
+        if warm:
+            e = f32(x - new_mean)
+            new_var = f32(f32(f32(1.0 - w) * var) + f32(w * f32(e * e)))
+        spikes.clip_mean.fill_(new_mean)
+        spikes.clip_var.fill_(new_var)
+        spikes.clip_count.fill_(count + 1)
+    return coef, ceiling
 
 
 def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeState, scale_state: ScaleState,
@@ -167,13 +292,20 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
     no_grads = cmax[Loc.NO_GRADS] > 0
 
     grad_spike = loss_spike = False
-    spikes_on = config.grad_spike_factor is not None or config.loss_spike_factor is not None
+    spike_threshold = clip_threshold = math.nan
+    zscore = config.spike_detector == "zscore"
+    spikes_on = config.grad_spike_factor is not None or config.loss_spike_factor is not None or zscore
     if spikes_on:
         count = int(spikes.count.item())
         grad_ema, loss_ema = spikes.grad_ema.item(), spikes.loss_ema.item()
         warm = count >= config.spike_warmup and not nonfinite and not no_grads
         if config.grad_spike_factor is not None:
-            grad_spike = warm and grad_norm > f32(f32(config.grad_spike_factor) * grad_ema)
+            spike_threshold = f32(f32(config.grad_spike_factor) * grad_ema)
+        elif zscore:
+            z_mean, z_var = spikes.z_mean.item(), spikes.z_var.item()
+            spike_threshold = f32(z_mean + f32(f32(config.spike_zscore) * _sqrt(spikes.z_var)))
+        if config.grad_spike_factor is not None or zscore:
+            grad_spike = warm and grad_norm > spike_threshold
         if config.loss_spike_factor is not None:
             loss_spike = warm and loss > f32(f32(config.loss_spike_factor) * loss_ema)
     spike = grad_spike or loss_spike
@@ -191,11 +323,17 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
             loss_ema = f32(f32(d * loss_ema) + f32(e * loss))
         spikes.grad_ema.fill_(grad_ema)
         spikes.loss_ema.fill_(loss_ema)
+        if zscore:
+            z_mean, z_var = _fold_host(z_mean, z_var, grad_norm, _window_weight_host(count, _zscore_floor(config)))
+            spikes.z_mean.fill_(z_mean)
+            spikes.z_var.fill_(z_var)
         spikes.count.fill_(count + 1)
 
     if config.clip_grad_norm is not None:
         # clip_grad_norm_'s ``max_norm / (total_norm + 1e-6)``, clamped at 1 (NaN stays NaN)
         clip_coef = clamp_f32(f32(_reciprocal(f32(grad_norm + f32(1e-6))) * f32(config.clip_grad_norm)), None, 1.0)
+    elif config.zclip:
+        clip_coef, clip_threshold = _zclip_host(grad_norm, nonfinite or no_grads, config, spikes)
     else:
         clip_coef = 1.0
 
@@ -216,10 +354,23 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
 
     values = [loss, grad_norm, nonfinite_tensors, clip_coef, scale, new_scale, reason]
     flags = [skip, loss_bad, grad_bad, grad_spike, loss_spike, backoff, growth, floor_hit, no_grads]
-    out = values + [1.0 if f else 0.0 for f in flags]
+    out = values + [1.0 if f else 0.0 for f in flags] + [spike_threshold, clip_threshold]
     if len(out) != DECISION_K:  # pragma: no cover - layout invariant (see stats.Dec)
         raise AssertionError("decision vector layout out of date")
     return out, new_tracker
+
+
+def _sqrt(x: torch.Tensor) -> float:
+    """``torch.sqrt`` of a float32 0-d tensor, read to the host. torch's own kernel, not
+    ``math.sqrt``: on CPU it is not always correctly rounded (1 ulp off seen, torch 2.13)."""
+    return float(torch.sqrt(x).item())
+
+
+def _div(a: float, b: float) -> float:
+    """float32 ``a / b`` of float32 values, as torch divides (IEEE: x/0 is +-inf, 0/0 NaN)."""
+    if b == 0:
+        return math.nan if a == 0 or math.isnan(a) else math.copysign(math.inf, a) * math.copysign(1.0, b)
+    return f32(a / b)
 
 
 def _reciprocal(x: float) -> float:

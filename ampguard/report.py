@@ -50,7 +50,7 @@ class StepReport:
     nonfinite_ranks: tuple[int, ...] = ()
     """Ranks where the non-finite values originated; ``()`` on one process."""
     clip_coef: float = 1.0
-    """Factor the gradients were multiplied by for ``clip_grad_norm`` (1.0 when not clipped)."""
+    """Factor the gradients were multiplied by for ``clip_grad_norm`` or ZClip (1.0 when not clipped)."""
     grad_spike: bool = False
     """The gradient norm was flagged as a spike (acted on per ``on_spike``)."""
     loss_spike: bool = False
@@ -88,6 +88,16 @@ class StepReport:
     """(top-level module, L2 norm of its unscaled gradients) on sampled steps: a leading indicator."""
     module_update_ratios: tuple[tuple[str, float], ...] | None = None
     """(top-level module, ||delta w|| / ||w|| of this step's update) on sampled steps."""
+    # -- issue 17 item 4: the detectors' thresholds (docs/detectors.md) --
+    spike_threshold: float | None = None
+    """The gradient norm above which this step counted as a spike (``grad_spike_factor`` times the
+    running average, or the z-score detector's ``mean + spike_zscore * std``); None when no
+    gradient-norm detector is on. Compared only after ``spike_warmup`` healthy steps."""
+    clip_threshold: float | None = None
+    """ZClip (``GuardConfig.zclip``): the largest gradient norm this step let through: the
+    threshold it was clipped to (then ``grad_norm * clip_coef``), else ``mean + zclip_z * std``;
+    inf during warm-up. None when ZClip is off."""
+    # -- end of issue 17 item 4 --
 
     @property
     def nonfinite(self) -> bool:

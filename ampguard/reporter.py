@@ -28,6 +28,7 @@ from .errors import NonFiniteError
 from .escalation import Ladder
 from .exporters.base import MultiExporter
 from .forensics import Finding
+from .policies import uses_clipping
 from .report import Anomaly, History, StepReport
 from .sentinel import Sentinel
 from .stats import DECISION_K, LOCAL_K, Decision, Loc, origin_ranks
@@ -122,6 +123,7 @@ class Reporter:
         self.actions = Actions()
         self._pending: deque[_Pending] = deque()
         self._unexported: list[tuple[StepReport, list[Anomaly]]] = []
+        self._grad_detector = config.grad_spike_factor is not None or config.spike_detector == "zscore"
 
     # ------------------------------------------------------------------ device -> host
     def enqueue(self, step: int, payload: torch.Tensor, index: list[int], batch_ids: list[Any]) -> None:
@@ -227,10 +229,12 @@ class Reporter:
             step=step, skipped=d.skip, reason=d.reason, loss=d.loss, loss_scale=d.scale,
             next_loss_scale=d.next_scale, grad_norm=d.grad_norm, nonfinite_grads=d.nonfinite_tensors,
             nonfinite_loss=d.loss_nonfinite, nonfinite_ranks=ranks,
-            clip_coef=d.clip_coef if self.config.clip_grad_norm is not None else 1.0,
+            clip_coef=d.clip_coef if uses_clipping(self.config) else 1.0,
             grad_spike=d.grad_spike, loss_spike=d.loss_spike, world_size=world, rank=self.rank,
             param_norms=tuple(norms) if want_norms else None, wall_time=time.time(),
             scale_backoff=d.backoff, scale_growth=d.growth,
+            spike_threshold=d.spike_threshold if self._grad_detector else None,
+            clip_threshold=d.clip_threshold if self.config.zclip else None,
         )
         if numerics:
             report = dataclasses.replace(
@@ -289,8 +293,13 @@ class Reporter:
                                f"output detached?{on} Step skipped on every rank{held}", idle))
         act = "skipped" if report.skipped else "taken (on_spike='warn')"
         if report.grad_spike:
+            if self.config.spike_detector == "zscore":
+                what = (f"mean + {self.config.spike_zscore:g} std = {d.spike_threshold:.4g} of the last "
+                        f"~{self.config.spike_window} healthy steps")
+            else:
+                what = f"{self.config.grad_spike_factor}x its running average"
             out.append(Anomaly(step, AnomalyKind.GRAD_SPIKE, f"gradient norm {report.grad_norm:.4g} exceeded "
-                               f"{self.config.grad_spike_factor}x its running average; step {act}", ranks))
+                               f"{what}; step {act}", ranks))
         if report.loss_spike:
             out.append(Anomaly(step, AnomalyKind.LOSS_SPIKE, f"loss {report.loss:.4g} exceeded "
                                f"{self.config.loss_spike_factor}x its running average; step {act}", ranks))

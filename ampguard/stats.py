@@ -70,7 +70,7 @@ LOCAL_K = len(Loc)
 
 class Dec(enum.IntEnum):
     """Indices into the decision vector (identical on every rank). Values first, then 0/1 flags,
-    so the vector is assembled with two stacks."""
+    then the detectors' thresholds (issue 17), so the vector is assembled with three stacks."""
 
     LOSS = 0  # mean loss over ranks
     GRAD_NORM = 1  # global gradient norm
@@ -88,6 +88,8 @@ class Dec(enum.IntEnum):
     GROWTH = 13  # 1.0 when the scale grew this step
     FLOOR = 14  # 1.0 when a backoff hit min_scale
     NO_GRADS = 15  # 1.0 when some rank had no gradient at all
+    SPIKE_THRESHOLD = 16  # the norm above which a gradient spike is flagged (NaN: no gradient detector)
+    CLIP_THRESHOLD = 17  # ZClip: the largest norm this step let through (NaN: ZClip off; inf: warm-up)
 
 
 DECISION_K = len(Dec)
@@ -119,6 +121,8 @@ class Decision:
     growth: bool
     floor: bool
     no_grads: bool
+    spike_threshold: float = math.nan
+    clip_threshold: float = math.nan
 
     @classmethod
     def decode(cls, d: Sequence[float]) -> Decision:
@@ -128,7 +132,8 @@ class Decision:
             reason=REASONS[int(d[Dec.REASON])], skip=d[Dec.SKIP] > 0, loss_nonfinite=d[Dec.LOSS_NONFINITE] > 0,
             grad_nonfinite=d[Dec.GRAD_NONFINITE] > 0, grad_spike=d[Dec.GRAD_SPIKE] > 0,
             loss_spike=d[Dec.LOSS_SPIKE] > 0, backoff=d[Dec.BACKOFF] > 0, growth=d[Dec.GROWTH] > 0,
-            floor=d[Dec.FLOOR] > 0, no_grads=d[Dec.NO_GRADS] > 0,
+            floor=d[Dec.FLOOR] > 0, no_grads=d[Dec.NO_GRADS] > 0, spike_threshold=d[Dec.SPIKE_THRESHOLD],
+            clip_threshold=d[Dec.CLIP_THRESHOLD],
         )
 
 

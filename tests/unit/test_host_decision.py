@@ -11,6 +11,7 @@ boundaries, plus end-to-end runs of the guard with each path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import random
 import struct
@@ -50,11 +51,18 @@ class Carried:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    z_mean: float = 0.0
+    z_var: float = 0.0
+    clip_mean: float = 0.0
+    clip_var: float = 0.0
+    clip_count: int = 0
+    last: tuple[float, ...] = ()  # the decision that produced this state (not state)
 
     def tensors(self) -> tuple[SpikeState, ScaleState, ScalerView | None]:
-        spikes = SpikeState(torch.tensor(self.grad_ema, dtype=torch.float32),
-                            torch.tensor(self.loss_ema, dtype=torch.float32),
-                            torch.tensor(self.count, dtype=torch.int32))
+        f = functools.partial(torch.tensor, dtype=torch.float32)
+        spikes = SpikeState(f(self.grad_ema), f(self.loss_ema), torch.tensor(self.count, dtype=torch.int32),
+                            f(self.z_mean), f(self.z_var), f(self.clip_mean), f(self.clip_var),
+                            torch.tensor(self.clip_count, dtype=torch.int32))
         state = ScaleState(torch.tensor(self.overflow_run, dtype=torch.int32))
         view = None
         if self.scale is not None:
@@ -62,6 +70,10 @@ class Carried:
                               torch.tensor(self.tracker, dtype=torch.int32),
                               self.growth_factor, self.backoff_factor, self.growth_interval)
         return spikes, state, view
+
+
+DETECTOR_FLOATS = ("grad_ema", "loss_ema", "z_mean", "z_var", "clip_mean", "clip_var")
+"""The carried float32 statistics of the detectors (SpikeState), compared bit for bit."""
 
 
 def run_both(gathered: torch.Tensor, config: GuardConfig, carried: Carried, sharded: bool = False) -> Carried:
@@ -82,19 +94,21 @@ def run_both(gathered: torch.Tensor, config: GuardConfig, carried: Carried, shar
         assert h_tracker is None
     else:
         assert h_tracker == int(t_tracker.item())
-    for name in ("grad_ema", "loss_ema"):
+    for name in DETECTOR_FLOATS:
         a, b = getattr(t_spikes, name).item(), getattr(h_spikes, name).item()
-        assert bits(a) == bits(b), f"{name}: host {b!r} != tensor {a!r}"
+        assert bits(a) == bits(b), f"{name}: host {b!r} != tensor {a!r}\n{gathered}\n{config}\n{carried}"
     assert t_spikes.count.item() == h_spikes.count.item()
+    assert t_spikes.clip_count.item() == h_spikes.clip_count.item()
     assert t_state.overflow_run.item() == h_state.overflow_run.item()
     # the host path only reads the scaler: the pipeline writes the new scale and tracker
     if t_view is not None and h_view is not None:
         assert bits(t_view.scale.item()) == bits(h_view.scale.item())
     return dataclasses.replace(
-        carried, grad_ema=h_spikes.grad_ema.item(), loss_ema=h_spikes.loss_ema.item(), count=int(h_spikes.count.item()),
+        carried, **{n: getattr(h_spikes, n).item() for n in DETECTOR_FLOATS},
+        count=int(h_spikes.count.item()), clip_count=int(h_spikes.clip_count.item()),
         overflow_run=int(h_state.overflow_run.item()),
         scale=None if carried.scale is None else h_out[Dec.NEXT_SCALE],
-        tracker=carried.tracker if h_tracker is None else h_tracker,
+        tracker=carried.tracker if h_tracker is None else h_tracker, last=tuple(h_out),
     )
 
 
@@ -132,13 +146,21 @@ def rand_row(rng: random.Random, p_bad: float) -> list[float]:
 
 def rand_config(rng: random.Random) -> GuardConfig:
     min_scale = rng.choice([1.0, 0.1, 1 / 3, 2.0**-20, 7.0])
+    detector = rng.choice(["factor", "factor", "zscore"])
+    zclip = rng.random() < 0.3
     return GuardConfig(
-        grad_spike_factor=rng.choice([None, 2.0, 3.3, 1.0000001, 10.0]),
+        spike_detector=detector,
+        spike_zscore=rng.choice([4.0, 3.0, 0.7, 2.123456789]),
+        spike_window=rng.choice([2, 5, 50, 333]),
+        zclip=zclip,
+        zclip_z=rng.choice([2.5, 1.0, 3.3, 0.3]),
+        zclip_alpha=rng.choice([0.97, 0.5, 0.123456789, 0.999]),
+        grad_spike_factor=None if detector == "zscore" else rng.choice([None, 2.0, 3.3, 1.0000001, 10.0]),
         loss_spike_factor=rng.choice([None, 1.5, 2.7, 4.0]),
         spike_warmup=rng.choice([1, 2, 3, 20]),
         spike_ema_decay=rng.choice([0.98, 0.9, 0.5, 0.123456789, 0.999]),
         on_spike=rng.choice(["skip", "warn"]),
-        clip_grad_norm=rng.choice([None, 1.0, 0.05, 0.3, 1e-3, 7.77]),
+        clip_grad_norm=None if zclip else rng.choice([None, 1.0, 0.05, 0.3, 1e-3, 7.77]),
         hysteresis=rng.choice([1, 1, 2, 3]),
         min_scale=min_scale,
         max_scale=rng.choice([None, None, min_scale, min_scale * 1000.3, 2.0**24, 65536.0]),
@@ -156,6 +178,11 @@ def rand_carried(rng: random.Random) -> Carried:
         growth_factor=rng.choice([2.0, 1.5, 3.3, 1.0000001]),
         backoff_factor=rng.choice([0.5, 0.3, 0.77, 0.123456789]),
         growth_interval=rng.choice([1, 2, 3, 5, 2000]),
+        z_mean=f32(rng.choice([0.0, rng.uniform(0, 10), math.exp(rng.uniform(-10, 10)), math.nan, math.inf])),
+        z_var=f32(rng.choice([0.0, rng.uniform(0, 4), math.exp(rng.uniform(-20, 20)), math.nan, math.inf])),
+        clip_mean=f32(rng.choice([0.0, rng.uniform(0, 10), math.exp(rng.uniform(-10, 10)), math.nan])),
+        clip_var=f32(rng.choice([0.0, rng.uniform(0, 4), math.exp(rng.uniform(-20, 20)), math.inf])),
+        clip_count=rng.choice([0, 0, 1, 2, 3, 25]),
     )
 
 
@@ -414,3 +441,23 @@ def test_the_host_path_is_the_cpu_default_only():
     pipe = StepPipeline(optimizer=make_opt(model), adapter=None, backend=LocalBackend(), config=GuardConfig(),
                         device=torch.device("meta"))  # any other device: the tensor path
     assert pipe.host_decision is False
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_zscore_and_zclip_sequences_agree(seed):
+    """A noisy healthy norm with spikes and non-finite steps: the z-score detector warms up and
+    flags, ZClip warms up and clips, on both paths, with the same statistics after every step."""
+    rng = random.Random(200 + seed)
+    config = GuardConfig(spike_detector="zscore", spike_zscore=3.0, spike_window=rng.choice([5, 20]),
+                         spike_warmup=rng.choice([3, 10]), on_spike=rng.choice(["skip", "warn"]), zclip=True,
+                         zclip_z=2.5, zclip_alpha=rng.choice([0.97, 0.9]))
+    carried, flagged, clipped = Carried(), 0, 0
+    for i in range(80):
+        norm = rng.gauss(2.0, 0.2) * (rng.choice([10.0, 100.0]) if i > 12 and rng.random() < 0.1 else 1.0)
+        cols = {"grad_norm": norm, "loss": rng.uniform(1, 2)}
+        if rng.random() < 0.05:
+            cols.update(grad_norm=math.inf, found_inf=1.0)
+        carried = run_both(clean(**cols), config, carried)
+        flagged += carried.last[Dec.GRAD_SPIKE] > 0
+        clipped += carried.last[Dec.CLIP_COEF] < 1.0
+    assert flagged > 0 and clipped > 0

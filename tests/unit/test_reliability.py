@@ -31,7 +31,8 @@ def _fp16_guard(growth_interval: int) -> tuple[Any, torch.nn.Module]:
     model = make_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=2048.0, growth_interval=growth_interval)
     opt = ampguard.wrap(make_opt(model), model=model, precision="fp16", scaler=scaler,
-                        config={"grad_spike_factor": 10.0, "spike_warmup": 1, "escalation": {"snapshot_every": None}})
+                        config={"grad_spike_factor": 10.0, "spike_warmup": 1, "escalation": {"snapshot_every": None},
+                                "zclip": True})
     return opt, model
 
 
@@ -60,7 +61,9 @@ def _everything(opt: Any, model: torch.nn.Module) -> dict[str, Any]:
         "counters": [rep.skipped_total, rep.consecutive_skips, list(rep.quarantine)],
         "history": [len(rep.history), [r.step for r in rep.history], rep.history._count],
         "anomalies": [(a.step, a.kind) for a in rep.anomalies],
-        "device": [pipe.scale_state.overflow_run, pipe.spikes.grad_ema, pipe.spikes.loss_ema, pipe.spikes.count],
+        "device": [pipe.scale_state.overflow_run, pipe.spikes.grad_ema, pipe.spikes.loss_ema, pipe.spikes.count,
+                   pipe.spikes.z_mean, pipe.spikes.z_var, pipe.spikes.clip_mean, pipe.spikes.clip_var,
+                   pipe.spikes.clip_count],
         "ladder": ladder.state_dict(),
     })
 
@@ -77,6 +80,11 @@ _BAD_AMPGUARD = {
     "grad_ema": [None, "x", math.nan, math.inf, True, 10**400],
     "loss_ema": [None, "x", -math.inf, math.nan],
     "ema_count": [None, -1, 2**31, 2.0],
+    "z_mean": [None, "x", math.nan, math.inf, True, 10**400],
+    "z_var": [None, -1.0, math.inf, math.nan],
+    "zclip_mean": [None, "x", -math.inf, 4e38],
+    "zclip_var": [None, -1e-30, math.nan, "1"],
+    "zclip_count": [None, -1, 2**31, 2.0, True],
     "quarantine": [5, "ab", None, {"a": 1}],
     "escalation": [5, "x", [], {"recent": "x"}, {"recent": [1.5]}, {"recent": [1], "rollbacks": -1},
                    {"recent": [1], "rollbacks": 2**63}],
@@ -137,7 +145,7 @@ def later_checkpoint() -> dict[str, Any]:
     sd = opt.state_dict()
     g = sd["ampguard"]
     assert (g["step"], g["skipped_total"], g["quarantine"]) == (7, 1, ["b5"]) and g["escalation"]["recent"] == [5]
-    assert sd["scaler"]["scale"] != 2048.0 and g["ema_count"] > 0
+    assert sd["scaler"]["scale"] != 2048.0 and g["ema_count"] > 0 and g["zclip_count"] > 0 and g["zclip_var"] > 0
     return sd
 
 

@@ -1,0 +1,60 @@
+"""On real CUDA hardware: the z-score detector and ZClip add no host sync, their decision is
+captured in the CUDA graph (no capture-failure warning), and the graph's decisions are the eager
+ones, bit for bit, through a bad batch. Skipped without CUDA. Run: ``pytest -m gpu tests/gpu -v``."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ampguard
+
+from .test_gpu import _adamw, _batches, _model, _Plain, _syncs_of_one_step
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+CONFIG = {"spike_detector": "zscore", "spike_warmup": 5, "on_spike": "skip", "zclip": True}
+
+
+class _Guarded:
+    def __init__(self, graph: bool):
+        self.model = _model(0)
+        self.opt = ampguard.wrap(_adamw(self.model, fused=True), model=self.model, precision="fp16",
+                                 scaler=torch.amp.GradScaler("cuda", init_scale=2.0**10),
+                                 config={**CONFIG, "cuda_graph": graph})
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> None:
+        with self.opt.autocast():
+            loss = F.cross_entropy(self.model(x), y) * scale
+        self.opt.backward(loss)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def test_detectors_add_no_host_sync_and_are_captured() -> None:
+    batches = _batches(24)
+    runs = {}
+    for graph in (True, False):
+        g = _Guarded(graph)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns
+            for i, b in enumerate(batches):
+                g.step(*b, scale=50.0 if i == 15 else 1.0)  # a bad batch at step 15
+        g.opt.flush()
+        if graph:
+            assert g.opt._pipeline.graph._graph is not None  # captured and replayed
+        runs[graph] = [(r.grad_spike, r.skipped, r.clip_coef, r.spike_threshold, r.clip_threshold, r.grad_norm)
+                       for r in g.opt.history]
+    assert runs[True] == runs[False]
+    assert runs[True][15][0] and runs[True][15][1]  # the bad batch: flagged and skipped
+    assert any(r[2] < 1.0 for r in runs[True])  # ZClip clipped
+    guarded, plain = _Guarded(True), _Plain(fused=True, init_scale=2.0**10)
+    for b in batches[:8]:
+        guarded.step(*b)
+        plain.step(*b)
+    guard_n, guard_raised = _syncs_of_one_step(guarded, batches[8])
+    plain_n, plain_raised = _syncs_of_one_step(plain, batches[8])
+    assert guard_n <= plain_n and (guard_raised == plain_raised or not guard_raised)
