@@ -426,9 +426,14 @@ def host_tensor(values: list[float]) -> torch.Tensor:
     return torch.frombuffer(array.array("f", values), dtype=torch.float32)
 
 
-def payload(decision: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    """Everything the host report needs from one step, in one float32 vector (one copy)."""
-    return torch.cat([decision, gathered.reshape(-1).float(), norms])
+def payload(decision: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor,
+            indicators: torch.Tensor | None = None) -> torch.Tensor:
+    """Everything the host report needs from one step, in one float32 vector (one copy).
+    ``indicators``: a sampled step's leading indicators (:mod:`ampguard.indicators`), after the norms."""
+    parts = [decision, gathered.reshape(-1).float(), norms]
+    if indicators is not None:
+        parts.append(indicators)
+    return torch.cat(parts)
 
 
 def grad_marks(params: Sequence[torch.Tensor]) -> tuple[Any, ...]:

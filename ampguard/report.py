@@ -210,6 +210,9 @@ class RunInfo:
     """Parameter names, in the order of ``StepReport.param_norms``."""
     versions: tuple[tuple[str, str], ...] = ()
     """(package, version) pairs: ampguard, torch, python."""
+    modules: tuple[str, ...] = ()
+    """Top-level modules whose leading indicators are sampled (``GuardConfig.numerics_every`` with
+    ``wrap(model=...)``), in the order of ``StepReport.module_grad_norms``; ``()`` when off."""
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -134,6 +134,16 @@ def _reason(value: Any, name: str) -> SkipReason:
     return word(SkipReason, value, name)
 
 
+def _named_reals(value: Any, name: str) -> tuple[tuple[str, float], ...]:
+    """``[[name, value], ...]``: StepReport's (module, value) pairs as JSON writes them."""
+    def pair(v: Any, n: str) -> tuple[str, float]:
+        if not (isinstance(v, list) and len(v) == 2):
+            raise _refuse(n, v, "a [name, number] pair")
+        return text(v[0], n), real(v[1], n)
+
+    return _items(value, name, pair)
+
+
 #: How each StepReport field is read, by its annotation (a new field with a new annotation fails
 #: the import, and so the tests, until it is given a reader here).
 _BY_TYPE: dict[str, Callable[[Any, str], Any]] = {
@@ -144,6 +154,8 @@ _BY_TYPE: dict[str, Callable[[Any, str], Any]] = {
     "SkipReason | None": _optional(_reason),
     "tuple[int, ...]": _ranks,
     "tuple[float, ...] | None": _optional(_reals),
+    "float | None": _optional(real),
+    "tuple[tuple[str, float], ...] | None": _optional(_named_reals),
 }
 _STEP_READERS: dict[str, Callable[[Any, str], Any]] = {
     f.name: _BY_TYPE[str(f.type)] for f in dataclasses.fields(StepReport)
