@@ -10,7 +10,9 @@ wrote it (:func:`ampguard.compiled.user_module`: without DDP's / FSDP's ``module
 ``torch.compile``'s ``OptimizedModule``; names never hold ``_orig_mod``), that own at least one
 parameter, in registration order. A parameter shared by two children (tied weights) belongs to the
 first. Parameters of the optimizer that belong to no child (the root's own, or one the model does
-not hold) go to the bucket :data:`ROOT` ``"(root)"``, listed last and only when it has one. The
+not hold) go to the bucket :data:`ROOT` ``"(root)"``, listed last when the root holds parameters of
+its own or some parameter of the optimizer maps to it. Modules are listed whether or not the optimizer
+trains them (one it does not train reports 0 and 0), so the names stay fixed for the run. The
 parameter index (``param_groups`` order, the order of :class:`ampguard.stats.GradGroups`'s
 ``index``) -> module map is built once, at wrap time (again after ``add_param_group``).
 
@@ -60,7 +62,8 @@ ROOT = "(root)"
 
 def top_level_owners(model: torch.nn.Module, params: Sequence[torch.Tensor]) -> tuple[tuple[str, ...], list[int]]:
     """The top-level modules of ``model`` (see the module docstring) and, for each of ``params``,
-    the index of its module in that tuple (:data:`ROOT` last, only when some parameter maps to it)."""
+    the index of its module in that tuple (:data:`ROOT` last, when the root holds parameters of its own or
+    some of ``params`` belong to no child)."""
     root = user_module(model)
     names: list[str] = []
     owner: dict[int, int] = {}
@@ -72,7 +75,7 @@ def top_level_owners(model: torch.nn.Module, params: Sequence[torch.Tensor]) -> 
             owner[id(p)] = len(names)
         names.append(user_name(name))
     owners = [owner.get(id(p), -1) for p in params]
-    if -1 in owners:
+    if -1 in owners or next(root.parameters(recurse=False), None) is not None:
         owners = [len(names) if k == -1 else k for k in owners]
         names.append(ROOT)
     return tuple(names), owners
