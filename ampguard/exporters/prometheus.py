@@ -187,6 +187,8 @@ class PrometheusExporter:
             for metric in M.CATALOGUE
         }
         children[M.RUN_INFO.name][()].info(_run_info_values(info))
+        for metric in M.PER_MODULE:  # issue 17: one series per top-level module, NaN until sampled
+            children[metric.name] = {(m,): self._m[metric.name].labels(m, *rank) for m in info.modules}
         self._bound = _Bound(children)
         self._health_bound = [
             (h, self._m[M.EXPORTER_UP.name].labels(name, *rank), self._m[M.EXPORTER_ERRORS.name].labels(name, *rank),
@@ -238,6 +240,12 @@ class PrometheusExporter:
             b.memory_allocated_peak.set(report.memory_allocated_peak)
         if report.memory_reserved_peak is not None:
             b.memory_reserved_peak.set(report.memory_reserved_peak)
+        for values, gauges in ((report.module_grad_norms, b.module_grad_norm),
+                               (report.module_update_ratios, b.module_update_ratio)):
+            for module, value in values or ():
+                gauge = gauges.get(module)
+                if gauge is not None:
+                    gauge.set(value)
         self._report_health()
 
     def _report_health(self) -> None:
@@ -289,6 +297,8 @@ class _Bound:
         "loss_scale",
         "memory_allocated_peak",
         "memory_reserved_peak",
+        "module_grad_norm",
+        "module_update_ratio",
         "nonfinite_grad",
         "nonfinite_loss",
         "nonfinite_origin",
@@ -326,8 +336,12 @@ class _Bound:
         self.transient_faults = one(M.TRANSIENT_FAULTS)
         memory = by_value(M.DEVICE_MEMORY_PEAK)
         self.memory_allocated_peak, self.memory_reserved_peak = memory["allocated"], memory["reserved"]
-        # NaN until a step reports them (memory: until a CUDA step does; off CUDA it stays NaN).
-        for gauge in (self.loss, self.grad_norm, self.loss_scale, *memory.values()):
+        self.module_grad_norm = by_value(M.MODULE_GRAD_NORM)
+        self.module_update_ratio = by_value(M.MODULE_UPDATE_RATIO)
+        # NaN until a step reports them (memory: until a CUDA step does; off CUDA it stays NaN; the
+        # module gauges: until a sampled step).
+        for gauge in (self.loss, self.grad_norm, self.loss_scale, *memory.values(),
+                      *self.module_grad_norm.values(), *self.module_update_ratio.values()):
             gauge.set(math.nan)
 
 
