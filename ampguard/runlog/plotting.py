@@ -73,27 +73,32 @@ def _pyplot() -> Any:
 
 def plot(run: Run, out_png: str | os.PathLike[str], *, width_px: int = 1600, height_px: int = 1200) -> Path:
     """Write one PNG with aligned panels sharing the step axis: loss; loss scale per rank (log2);
-    gradient norm (log); non-finite counts per rank. Skipped steps are shaded and anomalies drawn as
-    vertical lines across every panel, labelled with their kind and module.
+    gradient norm (log); when the run sampled them (``GuardConfig.numerics_every``), the leading
+    indicators per top-level module; non-finite counts per rank. Skipped steps are shaded and
+    anomalies drawn as vertical lines across every panel, labelled with their kind and module.
 
     Needs matplotlib (the ``ampguard[cli]`` extra); uses the Agg backend, so no display is needed.
     """
     plt = _pyplot()
-    fig, axes = plt.subplots(
-        4, 1, sharex=True, figsize=(width_px / _DPI, height_px / _DPI), dpi=_DPI,
-        gridspec_kw={"height_ratios": [3, 2.2, 2.2, 0.9 + 0.35 * max(len(run.ranks), 1)], "hspace": 0.26},
-    )
-    ax_loss, ax_scale, ax_norm, ax_nf = axes
     story = _Story(run, plt.get_cmap("tab10"))
+    indicators = _indicator_log(story) is not None
+    ratios = [3, 2.2, 2.2, *([2.6] if indicators else []), 0.9 + 0.35 * max(len(run.ranks), 1)]
+    fig, axes = plt.subplots(
+        len(ratios), 1, sharex=True, figsize=(width_px / _DPI, (height_px + 250 * indicators) / _DPI), dpi=_DPI,
+        gridspec_kw={"height_ratios": ratios, "hspace": 0.26},
+    )
+    ax_loss, ax_scale, ax_norm, ax_nf = axes[0], axes[1], axes[2], axes[-1]
     _mark_skips_and_anomalies(axes, story)
     _loss_panel(ax_loss, story)
     _scale_panel(ax_scale, story)
     _grad_norm_panel(ax_norm, story)
+    if indicators:
+        _indicators_panel(axes[3], story)
     _nonfinite_panel(ax_nf, story)
     _anomaly_labels(ax_loss, run.anomalies)
     _finish_axes(axes, multi=len(story.ranks) > 1)
     _legend_and_title(fig, story)
-    fig.subplots_adjust(left=0.07, right=0.985, top=0.915, bottom=0.055)
+    fig.subplots_adjust(left=0.07, right=0.94 if indicators else 0.985, top=0.915, bottom=0.055)
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=_DPI)
@@ -160,6 +165,38 @@ def _grad_norm_panel(ax: Any, story: _Story) -> None:
     ax.set_title("gradient norm", **_TITLE)
 
 
+def _indicator_log(story: _Story) -> RankLog | None:
+    """The lowest rank whose log holds sampled leading indicators (they are rank-local), or None."""
+    return next((log for log in story.ranks if any(r.module_grad_norms for r in log.reports)), None)
+
+
+def _indicators_panel(ax: Any, story: _Story) -> None:
+    """The leading indicators of one rank, per top-level module: gradient norm (solid, left log
+    axis) and update ratio ||dw||/||w|| (dashed, right log axis), one colour per module. Only
+    positive finite values are drawn (0: no gradient, or a skipped step)."""
+    log = _indicator_log(story)
+    assert log is not None  # internal: plot() asks first
+    sampled = [r for r in log.reports if r.module_grad_norms]
+    modules = list(dict.fromkeys(m for r in sampled for m, _ in r.module_grad_norms or ()))
+    twin = ax.twinx()
+    for i, module in enumerate(modules):
+        for target, field, style in ((ax, "module_grad_norms", "-"), (twin, "module_update_ratios", "--")):
+            pts = [(r.step, dict(getattr(r, field) or ()).get(module, math.nan)) for r in sampled]
+            pts = [(x, y) for x, y in pts if math.isfinite(y) and y > 0]
+            if pts:
+                target.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", ms=2.5, lw=1.2,
+                            color=story.color(i), label=module if target is ax else None)
+    for target, label in ((ax, "grad norm per module (solid)"), (twin, "update ratio ||dw||/||w|| (dashed)")):
+        if target.get_lines():
+            target.set_yscale("log")
+        target.set_ylabel(label, fontsize=9)
+        target.tick_params(labelsize=9)
+    where = f" (rank {log.rank})" if len(story.ranks) > 1 else ""
+    ax.set_title(f"leading indicators per top-level module{where}", **_TITLE)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(title="module", ncol=min(len(modules), 6), **_LEGEND)
+
+
 def _nonfinite_panel(ax: Any, story: _Story) -> None:
     """Where non-finite values came from: one row per rank, a marker per step (x: the loss, triangle:
     gradients, sized by the non-finite tensor count), the totals in the row label."""
@@ -211,7 +248,7 @@ def _finish_axes(axes: Sequence[Any], multi: bool) -> None:
     """Plain numbers on log axes, grids, and the legends of the first three panels."""
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
-    ax_loss, ax_scale, ax_norm, _ = axes
+    ax_loss, ax_scale, ax_norm = axes[:3]
     for ax in (ax_loss, ax_norm):
         if ax.get_yscale() == "log":  # plain numbers (2, 3, 0.5), not 2x10^0
             lo, hi = ax.get_ylim()

@@ -268,3 +268,33 @@ def test_a_param_group_added_later_is_attributed():
     opt.add_param_group({"params": [*model.head.parameters(), model.gain]})
     ratios = one_step()
     assert ratios["head"] > 0 and ratios[ROOT] > 0
+
+
+# ---------------------------------------------------------------------------------- the event log
+def test_jsonl_reads_back_and_ampguard_report_summarises_and_plots_it(tmp_path, capsys):
+    from ampguard import runlog
+    from ampguard.exporters import JsonlExporter
+    from ampguard.runlog.command import report_main
+
+    model = _net()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), model=model, precision="fp16",
+                        scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3),
+                        config={"numerics_every": 3}, exporters=[JsonlExporter(tmp_path / "run" / "", every_step=True)])
+    for x, y in _data(30):
+        with opt.autocast():
+            loss = F.mse_loss(model(x).float(), y) * 30  # natural fp16 overflows: skipped steps in the log
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    ours = list(opt.history)
+    assert any(r.skipped and r.module_update_ratios is not None for r in ours)
+    logged = runlog.load_run(tmp_path / "run").ranks[0].reports
+    for field in ("module_grad_norms", "module_update_ratios"):  # as written, NaN included
+        assert [r.to_dict()[field] for r in logged] == [r.to_dict()[field] for r in ours]
+    assert isinstance(logged[0].module_grad_norms, tuple) and logged[1].module_grad_norms is None
+    png = tmp_path / "run.png"
+    assert report_main([str(tmp_path / "run"), "--plot", str(png)]) == 0
+    assert "picture:" in capsys.readouterr().out
+    mpimg = pytest.importorskip("matplotlib.image")
+    assert mpimg.imread(png).shape[:2] == (1450, 1600)  # the indicators' panel added its height
