@@ -22,7 +22,8 @@ STEPS = 9
 def _run(rank: int, world_size: int, numerics_every: int | None) -> dict[str, Any]:
     model = DDP(tiny_model())
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), model=model, precision="fp16",
-                        scaler=torch.amp.GradScaler("cpu", growth_interval=2), config={"numerics_every": numerics_every})
+                        scaler=torch.amp.GradScaler("cpu", growth_interval=2),
+                        config={"numerics_every": numerics_every})
     out = train(opt, model, rank, STEPS)
     out["modules"] = opt.run_info.modules
     out["indicators"] = [(r.step, r.rank, r.module_grad_norms, r.module_update_ratios) for r in opt.history]
