@@ -658,27 +658,25 @@ def _indicator_panels(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
     over the selected ranks; pick one rank with the rank variable."""
     pid, y = _below(panels)
     log10 = {"custom": {"scaleDistribution": {"type": "log", "log": 10}}}
-    return [
-        _panel(pid, "row", "Leading indicators", "Per top-level module, sampled every GuardConfig.numerics_every "
-               "steps: a module whose gradient norm or update ratio climbs away from its own past leads a loss "
-               "spike (docs/indicators.md).", "none", [], (0, y, 24, 1), collapsed=False),
-        _panel(
-            pid + 1, "timeseries", "Gradient norm per module", "L2 norm of each top-level module's unscaled "
-            "gradients (before clipping) at the last sampled step, max over the selected ranks (0: the module "
-            "had no gradient; gaps: NaN/inf or not sampled yet). Read each line against its own past: one "
-            "module climbing while the others stay level points at that module.", "short",
-            [_target(f"max by (module) ({_q(M.MODULE_GRAD_NORM)})", "{{module}}")],
-            (0, y + 1, 12, 8), defaults=log10,
-        ),
-        _panel(
-            pid + 2, "timeseries", "Update ratio per module", "||delta w|| / ||w|| of each top-level module's "
-            "update at the last sampled step, max over the selected ranks (0: a skipped step or a frozen "
-            "module). Typical healthy values are around 1e-4 to 1e-2 and steady; a module's ratio rising by "
-            "orders of magnitude means its updates outgrow its weights (LR too high for it).", "short",
-            [_target(f"max by (module) ({_q(M.MODULE_UPDATE_RATIO)})", "{{module}}")],
-            (12, y + 1, 12, 8), defaults=log10,
-        ),
-    ]
+    what = {
+        M.MODULE_GRAD_NORM: ("Gradient norm per module", "L2 norm of each top-level module's unscaled gradients "
+                             "(before clipping) at the last sampled step, max over the selected ranks (0: the module "
+                             "had no gradient; gaps: NaN/inf or not sampled yet). Read each line against its own "
+                             "past: one module climbing while the others stay level points at that module."),
+        M.MODULE_UPDATE_RATIO: ("Update ratio per module", "||delta w|| / ||w|| of each top-level module's update at "
+                                "the last sampled step, max over the selected ranks (0: a skipped step or a frozen "
+                                "module). Typical healthy values are around 1e-4 to 1e-2 and steady; a module's ratio "
+                                "rising by orders of magnitude means its updates outgrow its weights (LR too high "
+                                "for it)."),
+    }
+    row = _panel(pid, "row", "Leading indicators", "Per top-level module, sampled every GuardConfig.numerics_every "
+                 "steps: a module whose gradient norm or update ratio climbs away from its own past leads a loss "
+                 "spike (docs/indicators.md).", "none", [], (0, y, 24, 1), collapsed=False)
+    return [row, *(
+        _panel(pid + 1 + i, "timeseries", title, description, "short",
+               [_target(f"max by (module) ({_q(metric)})", "{{module}}")], (12 * i, y + 1, 12, 8), defaults=log10)
+        for i, (metric, (title, description)) in enumerate(what.items())
+    )]
 
 
 def dashboard_queries(dashboard: dict[str, Any] | None = None) -> list[tuple[str, str]]:

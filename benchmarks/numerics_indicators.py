@@ -11,7 +11,7 @@ enabled GradScaler, ``ampguard.wrap(model=...)``, so the fused fast path is take
                a copy of the parameters, two foreach norms, two segment sums) and whatever else that
                knob samples; other steps pay an integer compare
 
-Timing (the method and helpers of ``overhead.py``: model, batch, loss, ``time_variants``): blocks of
+Timing (the method and helpers of ``overhead.py``: model, batch, guarded step, ``time_variants``): blocks of
 ``--block`` steps, each block visits every variant once in an order rotated per block, the device
 synchronised at block edges; a block's time / ``--block`` is one sample. A block should hold a
 multiple of N steps (the default: ``--block`` = N) so every block of ``indicators`` contains the same
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/: overhead.py's helpers
-from overhead import SIZES, Variant, build_model, compute_loss, make_batch, time_variants
+from overhead import SIZES, Variant, build_model, guarded_step, make_batch, time_variants
 
 import ampguard  # overhead.py put the repository on sys.path
 
@@ -55,16 +55,7 @@ def build(name: str, ctx: dict[str, Any]) -> Variant:
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**12)
     fields = {k: (ctx["every"] if v == "{every}" else v) for k, v in VARIANTS[name].items()}
     g = ampguard.wrap(opt, model=model, scaler=scaler, precision="fp16", config=ampguard.GuardConfig(**fields))
-    batch, autocast = ctx["batch"], ctx["autocast"]
-
-    def step() -> None:
-        with autocast():
-            loss = compute_loss(model, batch)
-        g.backward(loss)
-        g.step()
-        g.zero_grad(set_to_none=True)
-
-    v = Variant(name, step=step, close=g.close)
+    v = Variant(name, step=guarded_step(g, model, ctx["batch"], ctx["autocast"]), close=g.close)
     v.info["guard"] = g
     return v
 
