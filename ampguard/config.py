@@ -142,7 +142,8 @@ class GuardConfig:
     """Every N steps, sample the numerics of the still-scaled gradients and the update on the device:
     the fraction of gradient elements that are exactly zero (fp16 underflow), the loss-scale
     headroom log2(65504 / max|scaled grad|), and the leading indicators per top-level module of
-    ``wrap(model=...)`` (gradient norm and update-to-weight ratio). The values ride the step's report
+    ``wrap(model=...)`` (gradient norm and update-to-weight ratio: one transient copy of the trained
+    parameters on sampled steps, :mod:`ampguard.indicators`). The values ride the step's report
     (``StepReport.grad_zero_fraction`` etc.): no host sync (None: off)."""
 
     scale_policy: str = "default"

@@ -750,6 +750,7 @@ def build_dashboard() -> dict[str, Any]:
     ]
     panels += _precision_panels()
     panels += _numerics_panels(y=70)
+    panels += _indicator_panels(panels)
     annotations = [
         {
             "builtIn": 1,
@@ -886,6 +887,39 @@ def _numerics_panels(y: int) -> list[dict[str, Any]]:
 def _red_below(value: float) -> dict[str, Any]:
     return {"thresholds": {"mode": "absolute", "steps": [{"color": "red", "value": None},
                                                           {"color": "green", "value": value}]}}
+def _below(panels: list[dict[str, Any]]) -> tuple[int, int]:
+    """The next free panel id and the first grid row below every panel of ``panels``."""
+    pid = max(p["id"] for p in panels) + 1
+    y = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels)
+    return pid, y
+
+
+def _indicator_panels(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The leading indicators (issue 17, :mod:`ampguard.indicators`): a row of their own below
+    ``panels``, gradient norm and update ratio per top-level module (log axes). Every rank reports
+    its own values (with DDP the gradients, hence the values, are the same on every rank): the max
+    over the selected ranks; pick one rank with the rank variable."""
+    pid, y = _below(panels)
+    log10 = {"custom": {"scaleDistribution": {"type": "log", "log": 10}}}
+    what = {
+        M.MODULE_GRAD_NORM: ("Gradient norm per module", "L2 norm of each top-level module's unscaled gradients "
+                             "(before clipping) at the last sampled step, max over the selected ranks (0: the module "
+                             "had no gradient; gaps: NaN/inf or not sampled yet). Read each line against its own "
+                             "past: one module climbing while the others stay level points at that module."),
+        M.MODULE_UPDATE_RATIO: ("Update ratio per module", "||delta w|| / ||w|| of each top-level module's update at "
+                                "the last sampled step, max over the selected ranks (0: a skipped step or a frozen "
+                                "module). Typical healthy values are around 1e-4 to 1e-2 and steady; a module's ratio "
+                                "rising by orders of magnitude means its updates outgrow its weights (LR too high "
+                                "for it)."),
+    }
+    row = _panel(pid, "row", "Leading indicators", "Per top-level module, sampled every GuardConfig.numerics_every "
+                 "steps: a module whose gradient norm or update ratio climbs away from its own past leads a loss "
+                 "spike (docs/indicators.md).", "none", [], (0, y, 24, 1), collapsed=False)
+    return [row, *(
+        _panel(pid + 1 + i, "timeseries", title, description, "short",
+               [_target(f"max by (module) ({_q(metric)})", "{{module}}")], (12 * i, y + 1, 12, 8), defaults=log10)
+        for i, (metric, (title, description)) in enumerate(what.items())
+    )]
 
 
 def dashboard_queries(dashboard: dict[str, Any] | None = None) -> list[tuple[str, str]]:

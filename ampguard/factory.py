@@ -71,6 +71,7 @@ def _run_info(precision: str, device: torch.device) -> Callable[[GuardedOptimize
         return RunInfo(run_id=str(run_id), rank=backend.rank, local_rank=backend.local_rank,
                        world_size=backend.world_size, precision=precision, backend=backend.name, device=str(device),
                        param_names=guard.param_names, param_groups=len(guard.optimizer.param_groups),
+                       modules=guard._indicators.modules if guard._indicators is not None else (),
                        versions=(("ampguard", __version__), ("torch", torch.__version__),
                                  ("python", platform.python_version())),
                        loss_scale_floor=None if guard.scaler is None else f32(guard.config.min_scale))

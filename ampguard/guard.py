@@ -22,6 +22,7 @@ from .diagnosis import Forensics
 from .errors import GuardStateError
 from .escalation import Ladder
 from .exporters.base import Exporter, MultiExporter
+from .indicators import Indicators
 from .optimizer_view import InnerOptimizerView
 from .pipeline import LossMeter, StepPipeline, grad_marks, payload
 from .report import Anomaly, History, RunInfo, StepReport
@@ -71,6 +72,9 @@ class GuardedOptimizer(InnerOptimizerView):
         self._scaler = GradScalerAdapter(scaler) if scaler is not None else None
         self._pipeline = StepPipeline(optimizer=optimizer, adapter=self._scaler, backend=backend, config=config,
                                       device=device)
+        # issue 17: leading indicators per top-level module (ampguard.indicators), sampled every N steps
+        self._indicators = (Indicators(model, self._pipeline.params(), config.numerics_every, device)
+                            if config.numerics_every is not None and model is not None else None)
         ladder = Ladder(config.escalation, on_rollback=on_rollback, on_abort=on_abort) if config.escalation else None
         self._exporter = MultiExporter(exporters)
         self._names: tuple[str, ...] = ()
@@ -78,6 +82,7 @@ class GuardedOptimizer(InnerOptimizerView):
         self._forensics = Forensics(model=model, config=config, backend=backend, fp16=scaler is not None,
                                     findings=rep.findings, device=device)
         rep.sentinel = self._forensics.sentinel
+        rep.indicators = self._indicators
         self._stage = Stage.READY
         self._step = 0  # step() calls completed = index of the step being prepared
         self._loss = LossMeter()
@@ -99,6 +104,8 @@ class GuardedOptimizer(InnerOptimizerView):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
         self._names = ()
+        if self._indicators is not None:
+            self._indicators.remap(self._pipeline.params())
 
     def __repr__(self) -> str:
         return f"GuardedOptimizer(precision={self.precision!r}, backend={self.backend.name!r}, {self.optimizer!r})"
@@ -199,7 +206,10 @@ class GuardedOptimizer(InnerOptimizerView):
         if self._forensics.armed:  # armed only after an anomaly
             self._forensics.collect(self._step, decision, gathered)
         pipe.clip(measured, decision)
+        ind = self._indicators  # issue 17: a sampled step copies the weights before the inner step
+        sample = ind.before_step(measured, pipe.params()) if ind is not None and ind.sampled(self._step) else None
         synced = pipe.inner_step(decision, measured)
+        tail = ind.after_step(sample) if sample is not None else None  # type: ignore[union-attr]
         if self._schedules.emas:  # on device: torch.where on the skip flag (a host bool on CPU)
             host = pipe.host_values(decision)
             self._schedules.update_emas(decision[Dec.SKIP], None if host is None else host[Dec.SKIP] > 0)
@@ -207,8 +217,8 @@ class GuardedOptimizer(InnerOptimizerView):
         if replay and closure is not None and self._forensics.enabled and _nonfinite(decision):  # SYNC
             self._forensics.replay(self._step, closure, scale=self._replay_scale(decision), gathered=gathered,
                                    optimizer=self.optimizer)
-        self._reporter.enqueue(self._step, payload(decision, gathered, measured.norms, measured.numerics),
-                               measured.groups.index, self._batch_ids)
+        self._reporter.enqueue(self._step, payload(decision, gathered, measured.norms, measured.numerics, tail),
+                               measured.groups.index, self._batch_ids, indicators=tail is not None)
         self._end_step()
         every = self.config.consistency_every
         if every is not None and self.backend.world_size > 1 and self._step % every == 0:

@@ -40,6 +40,7 @@ __all__ = [
     "NONFINITE_ORIGIN",
     "NONFINITE_STEPS",
     "PER_EXPORTER",
+    "PER_MODULE",
     "RANK_DIVERGENCE",
     "RANK_LABELS",
     "RUN_INFO",
@@ -220,6 +221,9 @@ MODULE_UPDATE_RATIO = Metric(
     labels=("module",),
     label_values=((),),
 )
+#: Metrics whose ``module`` label takes the run's top-level module names (``RunInfo.modules``, known
+#: when the exporter opens); sampled every ``GuardConfig.numerics_every`` steps (issue 17).
+PER_MODULE = (MODULE_GRAD_NORM, MODULE_UPDATE_RATIO)
 RUN_INFO = Metric(
     "ampguard_run_info",
     "info",
@@ -261,6 +265,8 @@ CATALOGUE: tuple[Metric, ...] = (
     LOSS_SCALE_HEADROOM,
     EXPORTER_ERRORS,
     EXPORTER_UP,
+    MODULE_GRAD_NORM,
+    MODULE_UPDATE_RATIO,
     RUN_INFO,
 )
 

@@ -445,12 +445,15 @@ def host_tensor(values: list[float]) -> torch.Tensor:
 
 
 def payload(decision: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor,
-            numerics: torch.Tensor | None = None) -> torch.Tensor:
+            numerics: torch.Tensor | None = None, indicators: torch.Tensor | None = None) -> torch.Tensor:
     """Everything the host report needs from one step, in one float32 vector (one copy):
-    decision, gathered matrix, per-tensor norms, then the sampled numerics (if any)."""
+    decision, gathered matrix, per-tensor norms, then the sampled numerics (if any), then a sampled
+    step's leading indicators (:mod:`ampguard.indicators`; the reporter takes them from the end)."""
     parts = [decision, gathered.reshape(-1).float(), norms]
     if numerics is not None:
         parts.append(numerics.to(norms.device))
+    if indicators is not None:
+        parts.append(indicators)
     return torch.cat(parts)
 
 

@@ -228,6 +228,9 @@ class RunInfo:
     param_groups: int = 1
     """Number of the optimizer's param groups at ``wrap()`` (the ``group`` label values of the
     sampled zero fraction: "all", "0", "1", ...)."""
+    modules: tuple[str, ...] = ()
+    """Top-level modules whose leading indicators are sampled (``GuardConfig.numerics_every`` with
+    ``wrap(model=...)``), in the order of ``StepReport.module_grad_norms``; ``()`` when off."""
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}

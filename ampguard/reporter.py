@@ -28,6 +28,7 @@ from .errors import NonFiniteError
 from .escalation import Ladder
 from .exporters.base import MultiExporter
 from .forensics import Finding
+from .indicators import Indicators
 from .policies import uses_clipping
 from .report import Anomaly, History, StepReport
 from .sentinel import Sentinel
@@ -60,12 +61,12 @@ class MemoryPeaks:
 
 
 class _Pending:
-    __slots__ = ("batch_ids", "buf", "event", "index", "memory", "step")
+    __slots__ = ("batch_ids", "buf", "event", "index", "indicators", "memory", "step")
 
     def __init__(self, step: int, buf: torch.Tensor, event: Any, memory: tuple[int, int] | None,
-                 index: list[int], batch_ids: list[Any]) -> None:
+                 index: list[int], batch_ids: list[Any], indicators: bool = False) -> None:
         self.step, self.buf, self.event, self.memory = step, buf, event, memory
-        self.index, self.batch_ids = index, batch_ids
+        self.index, self.batch_ids, self.indicators = index, batch_ids, indicators
 
 
 @dataclasses.dataclass(slots=True)
@@ -119,6 +120,8 @@ class Reporter:
         """A consistency check's finding, until its step is reported."""
         self.sentinel: Sentinel | None = None
         """The opt-in sentinel, whose slot of the gathered vector names a block on its own step."""
+        self.indicators: Indicators | None = None
+        """The leading indicators (issue 17), whose values follow the norms on sampled steps."""
         self._blocks: dict[int, str] = {}
         self.actions = Actions()
         self._pending: deque[_Pending] = deque()
@@ -126,8 +129,10 @@ class Reporter:
         self._grad_detector = config.grad_spike_factor is not None or config.spike_detector == "zscore"
 
     # ------------------------------------------------------------------ device -> host
-    def enqueue(self, step: int, payload: torch.Tensor, index: list[int], batch_ids: list[Any]) -> None:
-        """Start copying ``payload`` to the host (non_blocking into pinned memory on CUDA)."""
+    def enqueue(self, step: int, payload: torch.Tensor, index: list[int], batch_ids: list[Any], *,
+                indicators: bool = False) -> None:
+        """Start copying ``payload`` to the host (non_blocking into pinned memory on CUDA).
+        ``indicators``: the payload ends with the step's leading indicators (a sampled step)."""
         if payload.device.type == "cuda":
             buf = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
             buf.copy_(payload, non_blocking=True)
@@ -136,7 +141,7 @@ class Reporter:
         else:
             buf, event = payload.to("cpu", copy=True), None
         memory = self.track_memory.read() if self.track_memory is not None else None
-        self._pending.append(_Pending(step, buf, event, memory, index, batch_ids))
+        self._pending.append(_Pending(step, buf, event, memory, index, batch_ids, indicators))
 
     @property
     def pending(self) -> bool:
@@ -151,7 +156,14 @@ class Reporter:
             pending = self._pending.popleft()
             if pending.event is not None:
                 pending.event.synchronize()  # that step's copy only; usually done already
-            report, anomalies = self.build(pending.step, pending.buf.tolist(), pending.index)
+            values = pending.buf.tolist()
+            extra: list[float] | None = None
+            if pending.indicators and self.indicators is not None:  # issue 17: the payload's last 2 x modules
+                cut = len(values) - 2 * len(self.indicators.modules)
+                values, extra = values[:cut], values[cut:]
+            report, anomalies = self.build(pending.step, values, pending.index)
+            if extra is not None and self.indicators is not None:
+                report = self.indicators.attach(report, extra)
             if pending.memory is not None:
                 report = dataclasses.replace(
                     report, memory_allocated_peak=pending.memory[0], memory_reserved_peak=pending.memory[1]

@@ -319,6 +319,17 @@ def build_variant(kind: str, fused: bool, ctx: dict[str, Any]) -> Variant:
 
         g._forensics.localizer = Localizer(model)
 
+    v.step = guarded_step(g, model, batch, autocast)
+    v.close = g.close
+    v.info["model"] = model
+    v.info["guard"] = g
+    return v
+
+
+def guarded_step(g: Any, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                 autocast: Callable[[], Any]) -> Callable[[], None]:
+    """One guarded training step of ``model`` on ``batch`` through the guard ``g`` (what every guard variant times)."""
+
     def gstep() -> None:
         with autocast():
             loss = compute_loss(model, batch)
@@ -326,11 +337,7 @@ def build_variant(kind: str, fused: bool, ctx: dict[str, Any]) -> Variant:
         g.step()
         g.zero_grad(set_to_none=True)
 
-    v.step = gstep
-    v.close = g.close
-    v.info["model"] = model
-    v.info["guard"] = g
-    return v
+    return gstep
 
 
 def _make_lazy(g: Any) -> None:

@@ -192,6 +192,8 @@ class PrometheusExporter:
             (group,): self._m[M.GRAD_ZERO_FRACTION.name].labels(group, *rank)
             for group in ("all", *map(str, range(info.param_groups)))
         }
+        for metric in M.PER_MODULE:  # issue 17: one series per top-level module, NaN until sampled
+            children[metric.name] = {(m,): self._m[metric.name].labels(m, *rank) for m in info.modules}
         self._bound = _Bound(children)
         floor = info.loss_scale_floor
         children[M.LOSS_SCALE_FLOOR.name][()].set(math.nan if floor is None else floor)  # fixed for the run
@@ -251,6 +253,12 @@ class PrometheusExporter:
             b.memory_allocated_peak.set(report.memory_allocated_peak)
         if report.memory_reserved_peak is not None:
             b.memory_reserved_peak.set(report.memory_reserved_peak)
+        for values, gauges in ((report.module_grad_norms, b.module_grad_norm),
+                               (report.module_update_ratios, b.module_update_ratio)):
+            for module, value in values or ():
+                gauge = gauges.get(module)
+                if gauge is not None:
+                    gauge.set(value)
         self._report_health()
 
     def _report_health(self) -> None:
@@ -303,6 +311,8 @@ class _Bound:
         "loss_scale",
         "memory_allocated_peak",
         "memory_reserved_peak",
+        "module_grad_norm",
+        "module_update_ratio",
         "nonfinite_grad",
         "nonfinite_loss",
         "nonfinite_origin",
@@ -343,10 +353,12 @@ class _Bound:
         self.memory_allocated_peak, self.memory_reserved_peak = memory["allocated"], memory["reserved"]
         self.zero_fraction = list(by_value(M.GRAD_ZERO_FRACTION).values())  # "all", "0", "1", ...
         self.headroom = one(M.LOSS_SCALE_HEADROOM)
+        self.module_grad_norm = by_value(M.MODULE_GRAD_NORM)
+        self.module_update_ratio = by_value(M.MODULE_UPDATE_RATIO)
         # NaN until a step reports them (memory: until a CUDA step does; off CUDA it stays NaN; the
-        # numerics: until a sampled step does; the headroom: fp16 only).
+        # numerics and module gauges: until a sampled step does; the headroom: fp16 only).
         for gauge in (self.loss, self.grad_norm, self.loss_scale, *memory.values(), *self.zero_fraction,
-                      self.headroom):
+                      self.headroom, *self.module_grad_norm.values(), *self.module_update_ratio.values()):
             gauge.set(math.nan)
 
 

@@ -6,7 +6,9 @@ exporter opens, never by ``import ampguard``.
 Tags (under ``ampguard/``): ``loss``, ``loss_scale`` (the scale that multiplied the step's
 loss, as ``StepReport.loss_scale``), ``grad_norm``, ``skipped`` (0/1 per step),
 ``skipped_steps`` (running total), ``nonfinite_grads`` (tensors this step),
-``nonfinite_steps`` (running total); histograms ``param_grad_norms`` (every parameter's
+``nonfinite_steps`` (running total), ``module_grad_norm/<module>`` and
+``module_update_ratio/<module>`` (the leading indicators, on the steps ``GuardConfig.numerics_every``
+samples); histograms ``param_grad_norms`` (every parameter's
 norm, one histogram) and ``grad_norm/<param name>`` (one per parameter), written every
 ``histogram_every`` steps from ``StepReport.param_norms`` (finite values only; those steps
 need ``GuardConfig.param_norms_every`` to deliver norms). A non-finite loss or norm is not
@@ -103,6 +105,11 @@ class TensorBoardExporter:
         w.add_scalar("ampguard/nonfinite_steps", self._nonfinite, s, walltime=t)
         if report.grad_zero_fraction is not None:
             self._numerics(report, t)
+        for prefix, values in (("ampguard/module_grad_norm/", report.module_grad_norms),
+                               ("ampguard/module_update_ratio/", report.module_update_ratios)):
+            for module, value in values or ():
+                if math.isfinite(value):
+                    w.add_scalar(prefix + module, value, s, walltime=t)
         every = self.histogram_every
         if every is not None and report.param_norms is not None and s % every == 0:
             self._histograms(report)

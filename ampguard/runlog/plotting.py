@@ -73,34 +73,41 @@ def _pyplot() -> Any:
 
 def plot(run: Run, out_png: str | os.PathLike[str], *, width_px: int = 1600, height_px: int = 1200) -> Path:
     """Write one PNG with aligned panels sharing the step axis: loss; loss scale per rank (log2);
-    gradient norm (log); non-finite counts per rank. Skipped steps are shaded and anomalies drawn as
-    vertical lines across every panel, labelled with their kind and module.
+    gradient norm (log); when the run sampled them (``GuardConfig.numerics_every``), the leading
+    indicators per top-level module; non-finite counts per rank. Skipped steps are shaded and
+    anomalies drawn as vertical lines across every panel, labelled with their kind and module.
 
     Needs matplotlib (the ``ampguard[cli]`` extra); uses the Agg backend, so no display is needed.
     """
     plt = _pyplot()
+    story = _Story(run, plt.get_cmap("tab10"))
     numerics = _has_numerics(run)
-    ratios = [3, 2.2, 2.2, 0.9 + 0.35 * max(len(run.ranks), 1)] + ([2.2] if numerics else [])
+    indicators = _indicator_log(story) is not None
+    ratios = [3, 2.2, 2.2, *([2.6] if indicators else []), 0.9 + 0.35 * max(len(run.ranks), 1),
+              *([2.2] if numerics else [])]
     fig, axes = plt.subplots(
-        len(ratios), 1, sharex=True, figsize=(width_px / _DPI, (height_px + 300 * numerics) / _DPI), dpi=_DPI,
+        len(ratios), 1, sharex=True,
+        figsize=(width_px / _DPI, (height_px + 250 * indicators + 300 * numerics) / _DPI), dpi=_DPI,
         gridspec_kw={"height_ratios": ratios, "hspace": 0.26},
     )
-    ax_loss, ax_scale, ax_norm, ax_nf = axes[:4]
-    story = _Story(run, plt.get_cmap("tab10"))
+    ax_loss, ax_scale, ax_norm, ax_nf = axes[0], axes[1], axes[2], axes[3 + indicators]
     if numerics:
-        _numerics_panel(axes[4], story)
+        _numerics_panel(axes[-1], story)
     _mark_skips_and_anomalies(axes, story)
     _loss_panel(ax_loss, story)
     _scale_panel(ax_scale, story)
     _grad_norm_panel(ax_norm, story)
+    if indicators:
+        _indicators_panel(axes[3], story)
     _nonfinite_panel(ax_nf, story)
     _anomaly_labels(ax_loss, run.anomalies)
     _finish_axes(axes, multi=len(story.ranks) > 1)
     _legend_and_title(fig, story)
     if numerics:  # the step axis label under the last panel; room for the headroom axis on the right
         ax_nf.set_xlabel("")
-        axes[4].set_xlabel("step")
-    fig.subplots_adjust(left=0.07, right=0.955 if numerics else 0.985, top=0.915, bottom=0.055)
+        axes[-1].set_xlabel("step")
+    right = 0.94 if indicators else 0.955 if numerics else 0.985
+    fig.subplots_adjust(left=0.07, right=right, top=0.915, bottom=0.055)
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=_DPI)
@@ -165,6 +172,38 @@ def _grad_norm_panel(ax: Any, story: _Story) -> None:
         ax.set_yscale("log")
     ax.set_ylabel("grad norm (L2, unscaled)")
     ax.set_title("gradient norm", **_TITLE)
+
+
+def _indicator_log(story: _Story) -> RankLog | None:
+    """The lowest rank whose log holds sampled leading indicators (they are rank-local), or None."""
+    return next((log for log in story.ranks if any(r.module_grad_norms for r in log.reports)), None)
+
+
+def _indicators_panel(ax: Any, story: _Story) -> None:
+    """The leading indicators of one rank, per top-level module: gradient norm (solid, left log
+    axis) and update ratio ||dw||/||w|| (dashed, right log axis), one colour per module. Only
+    positive finite values are drawn (0: no gradient, or a skipped step)."""
+    log = _indicator_log(story)
+    assert log is not None  # internal: plot() asks first
+    sampled = [r for r in log.reports if r.module_grad_norms]
+    modules = list(dict.fromkeys(m for r in sampled for m, _ in r.module_grad_norms or ()))
+    twin = ax.twinx()
+    for i, module in enumerate(modules):
+        for target, field, style in ((ax, "module_grad_norms", "-"), (twin, "module_update_ratios", "--")):
+            pts = [(r.step, dict(getattr(r, field) or ()).get(module, math.nan)) for r in sampled]
+            pts = [(x, y) for x, y in pts if math.isfinite(y) and y > 0]
+            if pts:
+                target.plot([x for x, _ in pts], [y for _, y in pts], style, marker="o", ms=2.5, lw=1.2,
+                            color=story.color(i), label=module if target is ax else None)
+    for target, label in ((ax, "grad norm per module (solid)"), (twin, "update ratio ||dw||/||w|| (dashed)")):
+        if target.get_lines():
+            target.set_yscale("log")
+        target.set_ylabel(label, fontsize=9)
+        target.tick_params(labelsize=9)
+    where = f" (rank {log.rank})" if len(story.ranks) > 1 else ""
+    ax.set_title(f"leading indicators per top-level module{where}", **_TITLE)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(title="module", ncol=min(len(modules), 6), **_LEGEND)
 
 
 def _nonfinite_panel(ax: Any, story: _Story) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import re
 import shutil
@@ -259,6 +260,15 @@ def test_two_rank_training_scraped_by_real_prometheus(prometheus_server, tmp_pat
         q = _api(prom, "query", query=f'ampguard_nonfinite_origin_steps_total{{job="{JOB}"}}')
         assert sorted((s["metric"]["rank"], float(s["value"][1])) for s in q["result"]) == [
             ("0", 0.0), ("1", len(BURST))]  # the bad rank stands out
+        # the leading indicators: a series per top-level module (the ReLU holds no parameter), per rank;
+        # DDP's gradients and updates are the same on both ranks
+        q = _api(prom, "query", query=f'ampguard_module_grad_norm{{job="{JOB}"}}')
+        assert sorted((s["metric"]["rank"], s["metric"]["module"]) for s in q["result"]) == [
+            ("0", "0"), ("0", "2"), ("1", "0"), ("1", "2")]
+        assert all(0 < float(s["value"][1]) < math.inf for s in q["result"])
+        q = _api(prom, "query", query=f'ampguard_module_update_ratio{{job="{JOB}"}}')
+        values = {(s["metric"]["rank"], s["metric"]["module"]): float(s["value"][1]) for s in q["result"]}
+        assert len(values) == 4 and values[("0", "0")] == values[("1", "0")] > 0
         q = _api(prom, "query", query=f'ampguard_run_info{{job="{JOB}"}}')
         assert {s["metric"]["world_size"] for s in q["result"]} == {"2"}
         assert len({s["metric"]["run_id"] for s in q["result"]}) == 1  # one run id on both ranks

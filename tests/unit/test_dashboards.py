@@ -231,3 +231,16 @@ def test_rule_tests_cover_every_alert_firing_and_silent():
     precisions = {re.search(r'precision="(\w+)"', s["labels"]).group(1) for e in exprs for s in e["exp_samples"]}
     assert precisions == set(dashboards.DEFAULT_SKIP_RATE_THRESHOLDS)
     assert doc["rule_files"] == [dashboards.RULES_FILE]
+
+
+def test_leading_indicator_panels_sit_in_a_row_of_their_own_below_the_rest():
+    panels = DASH["panels"]
+    row = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == "Leading indicators")
+    mine = panels[row + 1 : row + 3]
+    assert [p["title"] for p in mine] == ["Gradient norm per module", "Update ratio per module"]
+    for p, metric in zip(mine, M.PER_MODULE):
+        assert [t["expr"] for t in p["targets"]] == [f'max by (module) ({metric.name}{{job=~"$job", rank=~"$rank"}})']
+        assert p["targets"][0]["legendFormat"] == "{{module}}"
+        assert p["fieldConfig"]["defaults"]["custom"]["scaleDistribution"]["type"] == "log"
+    above = panels[:row]
+    assert panels[row]["gridPos"]["y"] >= max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in above)

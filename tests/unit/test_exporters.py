@@ -40,6 +40,7 @@ def _info(rank: int = 0, local_rank: int = 0, world: int = 1) -> RunInfo:
         device="cpu",
         param_names=("fc.weight", "fc.bias"),
         versions=(("ampguard", "0.1.0"), ("torch", torch.__version__), ("python", "3")),
+        modules=("fc", "(root)"),
     )
 
 
@@ -241,6 +242,25 @@ def test_backoff_and_growth_counters_follow_the_report_flags_not_the_scale_order
     assert counts() == (1, 1)
     exp.export(_report(4, scale_backoff=True), [])  # equal scales, flag set
     assert counts() == (2, 1)
+
+
+def test_module_indicators_are_a_series_per_top_level_module_nan_until_sampled(prom):
+    prom.open(_info())
+    lab = {"rank": "0", "local_rank": "0"}
+    s = _samples(_get(prom.url)[2])
+    for metric in M.PER_MODULE:
+        assert {dict(k[1])["module"] for k in s if k[0] == metric.name} == {"fc", "(root)"}
+        assert math.isnan(_value(s, metric.name, module="fc", **lab))
+    prom.export(_report(0, module_grad_norms=(("fc", 0.25), ("(root)", math.inf)),
+                        module_update_ratios=(("fc", 1e-3), ("(root)", 0.0))), [])
+    prom.export(_report(1), [])  # not sampled: the gauges keep the last sampled values
+    s = _samples(_get(prom.url)[2])
+    assert _value(s, M.MODULE_GRAD_NORM.name, module="fc", **lab) == 0.25
+    assert _value(s, M.MODULE_GRAD_NORM.name, module="(root)", **lab) == math.inf
+    assert _value(s, M.MODULE_UPDATE_RATIO.name, module="fc", **lab) == 1e-3
+    assert _value(s, M.MODULE_UPDATE_RATIO.name, module="(root)", **lab) == 0.0
+    prom.export(_report(2, module_grad_norms=(("gone", 1.0),), module_update_ratios=()), [])  # unknown: ignored
+    assert not [k for k in _samples(_get(prom.url)[2]) if dict(k[1]).get("module") == "gone"]
 
 
 def test_skipped_counter_carries_the_step_as_exemplar_in_openmetrics(prom):
@@ -555,6 +575,25 @@ def test_tensorboard_scalars_and_finite_histograms(tmp_path):
     assert hist[1].histogram_value.max == 4.0
     assert [h.step for h in acc.Histograms("ampguard/grad_norm/fc.bias")] == [0, 2]
     assert [h.step for h in acc.Histograms("ampguard/grad_norm/fc.weight")] == [0]
+
+
+def test_tensorboard_module_indicators_per_module_tag(tmp_path):
+    from ampguard.exporters import TensorBoardExporter
+
+    tb = TensorBoardExporter(tmp_path / "tb")
+    tb.open(_info())
+    tb.export(_report(0, module_grad_norms=(("fc", 0.5), ("(root)", math.nan)),
+                      module_update_ratios=(("fc", 0.01), ("(root)", 0.0))), [])
+    tb.export(_report(1), [])
+    tb.export(_report(2, module_grad_norms=(("fc", 0.75), ("(root)", 2.0)),
+                      module_update_ratios=(("fc", 0.02), ("(root)", 0.5))), [])
+    tb.close()
+    acc = _accumulator(tmp_path / "tb")
+    scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+    assert scalars["ampguard/module_grad_norm/fc"] == [(0, 0.5), (2, 0.75)]
+    assert scalars["ampguard/module_grad_norm/(root)"] == [(2, 2.0)]  # NaN not written
+    assert scalars["ampguard/module_update_ratio/fc"] == [(0, pytest.approx(0.01)), (2, pytest.approx(0.02))]
+    assert scalars["ampguard/module_update_ratio/(root)"] == [(0, 0.0), (2, 0.5)]
 
 
 def test_tensorboard_loss_scale_is_the_scale_that_multiplied_the_step(tmp_path):
