@@ -41,7 +41,8 @@ copied; its docstring defines the variants and the method). What this adds:
   is built and stepped, ``torch.cuda.reset_peak_memory_stats`` is wrapped by a counter
   (``resets_by_variant`` must be 0). Then a user peak above the steps' own (a tensor of the
   difference + 1 GiB, allocated and freed) and a 6th step: the peak read after it must still be
-  the user's (``user_peak_survives``).
+  the user's (``user_peak_survives``). Each variant is measured inside one function, so nothing
+  of the previous one is alive; ``plain_fused#2`` is plain measured again, last (a check on order).
 
 * **Syncs (CUDA).** ``overhead.sync_phase`` for the b8 fused variants: debug-mode syncs per step,
   whether a step raises under ``set_sync_debug_mode("error")``, ``Event.synchronize`` calls.
@@ -99,6 +100,8 @@ PAIRS_FULL = [
     ("clip_fused", "plain_fused", None),
 ]
 
+MEMORY_ORDER = ["plain_fused", "guard_fused", "clip_fused", "guard_clip_fused", "guard_exporters_fused",
+                "plain_fused#2"]
 CUDA_GROUPS: list[dict[str, Any]] = [
     dict(name="b8", size="gpt2", variants=B8, pairs=PAIRS_FULL),
     dict(name="b16", size="gpt2-b16", variants=B8, pairs=PAIRS_FULL),
@@ -210,15 +213,24 @@ def profile_variant(v: ov.Variant, device: torch.device, steps: int) -> dict[str
         ov.sync(device)
     kernel_us, kernels, cpu_self_us = 0.0, 0, 0.0
     start, end = float("inf"), 0.0
+    by_name: dict[str, list[float]] = {}
     for ev in prof.events():
         dt = str(getattr(ev, "device_type", ""))
         if on_cuda and "CUDA" in dt:
             kernels += 1
-            kernel_us += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            kernel_us += us
             start, end = min(start, ev.time_range.start), max(end, ev.time_range.end)
         elif "CPU" in dt:
-            cpu_self_us += ev.self_cpu_time_total
-    out: dict[str, Any] = {"profiled_steps": steps}
+            us = ev.self_cpu_time_total
+            cpu_self_us += us
+        else:
+            continue
+        e = by_name.setdefault(ev.name[:120], [0, 0.0])
+        e[0] += 1
+        e[1] += us
+    out: dict[str, Any] = {"profiled_steps": steps, "ops_per_step": {
+        n: [c / steps, t / steps] for n, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:60]}}
     if on_cuda:
         out.update(kernel_ms_per_step=kernel_us / steps / 1e3, kernels_per_step=kernels / steps,
                    gpu_span_ms_per_step=(end - start) / steps / 1e3 if kernels else None)
@@ -269,38 +281,39 @@ class ResetCounter:
         torch.cuda.memory.reset_peak_memory_stats = self._orig  # type: ignore[assignment]
 
 
-def memory_phase(labels: list[str], ctx: dict[str, Any], steps: int = 6) -> dict[str, Any]:
+def _memory_one(label: str, ctx: dict[str, Any], steps: int) -> dict[str, Any]:
+    """One variant's step peak, alone on the device (every object of it dies on return)."""
     device = ctx["device"]
-    warm = build("plain_fused", ctx)
-    for _ in range(2):
-        warm.step()
-    free([warm], device)
-    res: dict[str, Any] = {}
-    for label in labels:
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)  # the user's reset, before the model exists
-        before = torch.cuda.memory_allocated(device)
-        with ResetCounter() as rc:
-            v = build(label, ctx)
-            for _ in range(steps - 1):
-                v.step()
-            ov.sync(device)
-            step_peak = torch.cuda.max_memory_allocated(device)
-            # a user peak made between steps, above the steps' own: the last guarded step must leave it
-            spike = torch.empty(step_peak - torch.cuda.memory_allocated(device) + (1 << 30), dtype=torch.uint8,
-                                device=device)
-            user_peak = torch.cuda.max_memory_allocated(device)
-            del spike
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)  # the user's reset, before the model exists
+    before = torch.cuda.memory_allocated(device)
+    with ResetCounter() as rc:
+        v = build(label.split("#")[0], ctx)
+        for _ in range(steps - 1):
             v.step()
-            ov.sync(device)
-        res[label] = {"peak_bytes": step_peak - before, "resets_by_variant": rc.count,
-                      "user_peak_survives": torch.cuda.max_memory_allocated(device) == user_peak}
-        free([v], device)
-    base = res.get("plain_fused", {}).get("peak_bytes")
+        ov.sync(device)
+        step_peak = torch.cuda.max_memory_allocated(device)
+        # a user peak made between steps, above the steps' own: the last guarded step must leave it
+        spike = torch.empty(step_peak - torch.cuda.memory_allocated(device) + (1 << 30), dtype=torch.uint8,
+                            device=device)
+        user_peak = torch.cuda.max_memory_allocated(device)
+        del spike
+        v.step()
+        ov.sync(device)
+    out = {"peak_bytes": step_peak - before, "resets_by_variant": rc.count,
+           "user_peak_survives": torch.cuda.max_memory_allocated(device) == user_peak}
+    free([v], device)
+    return out
+
+
+def memory_phase(labels: list[str], ctx: dict[str, Any], steps: int = 6) -> dict[str, Any]:
+    """``labels`` measured in order; ``plain_fused#2`` is plain again, last (a control on the order)."""
+    _memory_one("plain_fused", ctx, 3)  # a throwaway first: one-time allocations
+    res = {label: _memory_one(label, ctx, steps) for label in labels}
+    base = res["plain_fused"]["peak_bytes"]
     for e in res.values():
-        if base is not None:
-            e["delta_vs_plain_bytes"] = e["peak_bytes"] - base
+        e["delta_vs_plain_bytes"] = e["peak_bytes"] - base
     return res
 
 
@@ -426,8 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     if on_cuda and not (args.no_memory and args.no_syncs):
         ctx = make_ctx("gpt2", device, tmpdir, args.compile_backend)
         for phase, skip, fn in (
-            ("memory", args.no_memory, lambda: memory_phase(["plain_fused", "guard_fused", "clip_fused",
-                                                              "guard_clip_fused", "guard_exporters_fused"], ctx)),
+            ("memory", args.no_memory, lambda: memory_phase(MEMORY_ORDER, ctx)),
             ("syncs", args.no_syncs, lambda: ov.sync_phase([("plain", True), ("guard", True), ("guard_clip", True),
                                                              ("guard_exporters", True)], ctx)),
         ):
