@@ -11,6 +11,11 @@ model (GPT-2's parameter count, ``param_norms`` off as on most steps), best of `
   jsonl        ``JsonlExporter(tmp file, every_step=True)`` (the default ``fsync_every=100``)
   both         Prometheus + JSONL, as ``overhead.py``'s ``guard_exporters`` variant
 
+``--gap-us G`` sleeps G us between exports (what the rest of a step does: the GIL is free while
+the host waits for the device or runs most ops) and times each export() alone: the cost on the step
+when a writer thread has time to run between steps. Without it the exports run back to back and
+a writer thread competes with them for the GIL.
+
 For the JSONL arms, ``drain_us`` is the time the exporter then needs to have every record on the
 OS (``flush()`` where the exporter has one, else 0): the work moved off the step, not removed.
 
@@ -48,16 +53,21 @@ def _info() -> RunInfo:
                    device="cuda:0", param_names=tuple(f"p{i}" for i in range(148)))
 
 
-def time_arm(make: Any, n: int, repeat: int) -> dict[str, float]:
+def time_arm(make: Any, n: int, repeat: int, gap_s: float = 0.0) -> dict[str, float]:
     best, drain = float("inf"), float("inf")
     reports = [_report(s) for s in range(n)]
     for _ in range(repeat):
         multi = MultiExporter(make())
         multi.open(_info())
-        t0 = time.perf_counter()
+        on_step = 0.0
         for r in reports:
+            t = time.perf_counter()
             multi.export(r, ())
+            on_step += time.perf_counter() - t
+            if gap_s:
+                time.sleep(gap_s)  # the rest of a step, which leaves the GIL free (device waits, ops)
         t1 = time.perf_counter()
+        t0 = t1 - on_step
         for e in multi.exporters:
             flush = getattr(e, "flush", None)
             if callable(flush):
@@ -72,6 +82,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--gap-us", type=float, default=0.0,
+                    help="sleep this long between exports (a step's other work, GIL free); each export() is "
+                         "timed alone. 0: exports back to back, where a writer thread competes for the GIL")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="ampguard-exp-")
@@ -87,10 +100,10 @@ def main() -> int:
         "jsonl": lambda: [jsonl()],
         "both": lambda: [PrometheusExporter(port=0, addr="127.0.0.1"), jsonl()],
     }
-    res = {"ampguard": os.path.dirname(ampguard.__file__), "n": args.n, "repeat": args.repeat,
+    res = {"ampguard": os.path.dirname(ampguard.__file__), "n": args.n, "repeat": args.repeat, "gap_us": args.gap_us,
            "loadavg": os.getloadavg(), "arms": {}}
     for name, make in arms.items():
-        res["arms"][name] = time_arm(make, args.n, args.repeat)
+        res["arms"][name] = time_arm(make, args.n, args.repeat, args.gap_us * 1e-6)
         print(f"{name:11s} {res['arms'][name]['us_per_export']:8.2f} us/export on the step   "
               f"+{res['arms'][name]['drain_us_per_export']:8.2f} us/export drained after", flush=True)
     if args.out:
