@@ -48,7 +48,8 @@ copied; its docstring defines the variants and the method). What this adds:
   whether a step raises under ``set_sync_debug_mode("error")``, ``Event.synchronize`` calls.
 
 * **Profile per variant** (after the group's timing, on the same warmed objects): ``--profile-steps``
-  steps under ``torch.profiler``: device kernel time per step (sum of kernel durations), the GPU
+  steps under ``torch.profiler``: device kernel time per step (sum of kernel durations; the GPU
+  spans of ``record_function`` ranges, e.g. ``Optimizer.step#...``, are kept apart), the GPU
   span per step (first kernel start to last kernel end, over the steps / steps), kernels per step.
   Then, without the profiler, host time per step: the time for ``step()`` calls to return, no sync
   (the host's issue time; capped by the device when the launch queue fills), and wall per step with
@@ -217,8 +218,13 @@ def profile_variant(v: ov.Variant, device: torch.device, steps: int) -> dict[str
     for ev in prof.events():
         dt = str(getattr(ev, "device_type", ""))
         if on_cuda and "CUDA" in dt:
-            kernels += 1
             us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            if getattr(ev, "is_user_annotation", False):  # a record_function range's GPU span, not a kernel
+                e = by_name.setdefault("[annotation] " + ev.name[:100], [0, 0.0])
+                e[0] += 1
+                e[1] += us
+                continue
+            kernels += 1
             kernel_us += us
             start, end = min(start, ev.time_range.start), max(end, ev.time_range.end)
         elif "CPU" in dt:
