@@ -449,14 +449,8 @@ def main(argv: list[str] | None = None) -> int:
             ("syncs", args.no_syncs, lambda: ov.sync_phase([("plain", True), ("guard", True), ("guard_clip", True),
                                                              ("guard_exporters", True)], ctx)),
         ):
-            if skip:
-                continue
-            try:
-                results[phase] = fn()
-            except Exception:
-                results[phase] = {"error": traceback.format_exc()[-2000:]}
-            print(f"[{time.perf_counter() - t_start:.0f}s] {phase} done", flush=True)
-            save()
+            if not skip:
+                ov.run_phase(results, phase, fn, t_start, save)
     for spec in groups:
         if time.perf_counter() - t_start + spec.get("needs_s", 30) > args.budget_s:
             results["groups"][spec["name"]] = {"skipped": f"budget {args.budget_s:g}s spent"}
