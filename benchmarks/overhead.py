@@ -745,12 +745,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if on_cuda and not args.no_extras:
         for phase, fn in (("memory", lambda: memory_phase(kinds, ctx)), ("syncs", lambda: sync_phase(kinds, ctx))):
-            try:
-                results[phase] = fn()
-            except Exception:
-                results[phase] = {"error": traceback.format_exc()[-2000:]}
-            print(f"[{time.perf_counter() - t_start:.0f}s] {phase} done", flush=True)
-            save()
+            run_phase(results, phase, fn, t_start, save)
 
     variants = [build_variant(k, f, ctx) for k, f in kinds]
     time_variants(variants, args, device)
@@ -784,17 +779,24 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             ),
         ):
-            try:
-                results[phase] = fn()
-            except Exception:
-                results[phase] = {"error": traceback.format_exc()[-2000:]}
-            print(f"[{time.perf_counter() - t_start:.0f}s] {phase} done", flush=True)
-            save()
+            run_phase(results, phase, fn, t_start, save)
 
     results["meta"]["wall_s"] = time.perf_counter() - t_start
     save()
     print_table(results)
     return 0
+
+
+def run_phase(results: dict[str, Any], name: str, fn: Callable[[], Any], t_start: float,
+              save: Callable[[], None]) -> None:
+    """Run one optional phase: its result, or its traceback, goes to ``results[name]``; then save
+    (a failed phase never loses the others). Also used by ``table.py``."""
+    try:
+        results[name] = fn()
+    except Exception:
+        results[name] = {"error": traceback.format_exc()[-2000:]}
+    print(f"[{time.perf_counter() - t_start:.0f}s] {name} done", flush=True)
+    save()
 
 
 def print_table(results: dict[str, Any]) -> None:

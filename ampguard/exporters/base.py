@@ -148,6 +148,14 @@ class MultiExporter:
             if self.clock() >= outage.retry_at:
                 self._retry(i)
 
+    def flush(self) -> None:
+        """Have every exporter with a ``flush()`` method (optional; :class:`~ampguard.exporters.JsonlExporter`
+        has one: its healthy-step lines are written by a background thread) finish its writes.
+        Failures are contained as in :meth:`export`."""
+        for i, e in enumerate(self.exporters):
+            if i not in self._outages and callable(getattr(e, "flush", None)):
+                self._run(i, "flush")
+
     def close(self) -> None:
         for i, e in enumerate(self.exporters):
             if i in self._outages:

@@ -4,12 +4,18 @@ Records, in the order they happen:
 
 - ``{"event": "run", ...RunInfo, "time": ...}``: first, when the guard opens the log.
 - ``{"event": "anomaly", "step", "rank", "kind", "reason", ...Anomaly, "report": {...}}``: one per
-  anomaly, flushed **and fsynced** before ``export()`` returns, so a run killed with SIGKILL
-  (or a node that loses power after the call) loses none of them.
+  anomaly, written on the calling thread and **fsynced** before ``export()`` returns (after every
+  queued healthy step), so a run killed with SIGKILL (or a node that loses power after the call)
+  loses none of them.
 - ``{"event": "skipped", "step", "rank", "skipped": true, "reason", ...StepReport}``: one per
   skipped step (fsynced with it: a skipped step is an event too).
 - ``{"event": "step", ...StepReport}``: one per healthy step, only with ``every_step=True``;
-  flushed to the OS at once, fsynced every ``fsync_every`` steps (the log stays cheap).
+  serialised and written by a background writer thread, off the training step (``export()`` only
+  queues the report), fsynced every ``fsync_every`` steps; ``flush()``, ``close()`` and the next
+  anomaly or skipped step wait until the writer has written every queued one, so the file keeps
+  step order. The queue is bounded (:attr:`JsonlExporter.QUEUE`): a disk slower than the steps
+  makes ``export()`` wait rather than memory grow. A run killed with SIGKILL can lose the healthy
+  steps still queued (at most a few ms' worth), never an anomaly or skipped step.
 - ``{"event": "close", "steps": n, "time": ...}``: last, from ``close()``.
 - ``{"event": "torn_line", "rank", "bytes", "detail", "time"}``: when the file ended in a partial
   line (a run killed, or the disk full, mid-write): the line is ended first, so the records after
@@ -23,14 +29,23 @@ Per-rank files: ``path`` may hold ``{rank}`` (``"logs/events-{rank}.jsonl"``); a
 an existing directory, or ends with ``/``, gets ``events-rank{R}.jsonl`` inside. Otherwise the
 path is used as is on rank 0, and ranks > 0 append ``.rank{R}`` before the suffix
 (``events.jsonl`` -> ``events.rank1.jsonl``): two ranks never write one file.
+
+A write that fails on the writer thread (a full disk) is raised by the next ``export()``,
+``flush()`` or ``close()`` on the training thread, once, as a failed write there would be
+(``MultiExporter`` reports it and retries); the steps it could not write are kept and written
+first, in order, once writing works again.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import queue
+import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +101,13 @@ class JsonlExporter:
     - ``every_step``: also log healthy steps (one line each).
     - ``fsync_every``: with ``every_step``, fsync healthy-step lines every N steps (anomalies and
       skipped steps are always fsynced when written).
+
+    Healthy-step lines are written by a background thread (see the module docstring); ``flush()``
+    waits until every one queued is written.
     """
+
+    QUEUE = 1024
+    """Healthy steps queued for the writer at most; ``export()`` waits for room beyond that."""
 
     def __init__(self, path: str | os.PathLike[str], every_step: bool = False, *, fsync_every: int = 100) -> None:
         if not (isinstance(fsync_every, int) and fsync_every >= 1):
@@ -101,6 +122,13 @@ class JsonlExporter:
         self._last_step: int | None = None
         self._unsynced = 0
         self._check_torn = False
+        self._queue: queue.Queue[StepReport | None] = queue.Queue(self.QUEUE)
+        self._writer: threading.Thread | None = None
+        self._backlog: list[StepReport] = []
+        """Healthy steps the writer could not write (after a failed write), oldest first."""
+        self._error: BaseException | None = None
+        """The writer's failed write, until the training thread has raised it."""
+        self._at_exit: Callable[[], None] | None = None
 
     def open(self, info: RunInfo) -> None:
         """Open (again, after a failure: ``MultiExporter`` retries) and write the ``run`` record."""
@@ -122,9 +150,17 @@ class JsonlExporter:
     def export(self, report: StepReport, anomalies: Sequence[Anomaly]) -> None:
         if self._fd is None:
             return
+        if self._error is not None or self._backlog:
+            self._catch_up()  # raises the writer's failure once, then retries what it could not write
         if report.step != self._last_step:  # a step handed over again after a failure counts once
             self._steps += 1
             self._last_step = report.step
+        if not (anomalies or report.skipped):
+            if self.every_step:
+                self._start_writer()
+                self._queue.put(report)  # serialised and written on the writer thread
+            return
+        self._drain()  # the queued healthy steps first: the file keeps step order
         values = report.to_dict()
         for anomaly in anomalies:
             record: dict[str, Any] = {
@@ -140,17 +176,87 @@ class JsonlExporter:
             self._write({"event": "skipped", **values}, sync=False)
         elif self.every_step:
             self._write({"event": "step", **values}, sync=False)
-            self._unsynced += 1
-        if anomalies or report.skipped or self._unsynced >= self.fsync_every:
-            self._sync()
+        self._sync()  # before export() returns: on disk, not only in the OS
+
+    def flush(self) -> None:
+        """Return once every queued healthy step is written to the OS (raises a failed write)."""
+        if self._fd is None:
+            return
+        self._drain()
+        if self._error is not None or self._backlog:
+            self._catch_up()
 
     def close(self) -> None:
         if self._fd is None:
             return
         try:
+            self.flush()
             self._write({"event": "close", "rank": self._rank, "steps": self._steps, "time": time.time()}, sync=True)
         finally:
             self._release()
+
+    # ------------------------------------------------------------------ the writer thread
+    def _start_writer(self) -> None:
+        if self._writer is not None:
+            return
+        self._writer = threading.Thread(target=self._run_writer, name="ampguard-jsonl-writer", daemon=True)
+        self._writer.start()
+        ref = weakref.ref(self)
+
+        def at_exit() -> None:  # a run that never called close(): write what is queued before exiting
+            exporter = ref()
+            if exporter is not None and exporter._writer is not None:
+                exporter._queue.join()
+
+        self._at_exit = at_exit
+        atexit.register(at_exit)
+
+    def _run_writer(self) -> None:
+        while True:
+            report = self._queue.get()
+            try:
+                if report is None:
+                    return
+                if self._error is not None:  # writing failed: keep the rest, in order, for the retry
+                    self._backlog.append(report)
+                    continue
+                try:
+                    self._write_step(report)
+                except BaseException as exc:  # reported on the training thread (export/flush/close)
+                    self._backlog.append(report)
+                    self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _write_step(self, report: StepReport) -> None:
+        self._write({"event": "step", **report.to_dict()}, sync=False)
+        self._unsynced += 1
+        if self._unsynced >= self.fsync_every:
+            self._sync()
+
+    def _drain(self) -> None:
+        """Wait until the writer has handled every queued step (it is idle after this)."""
+        if self._writer is not None:
+            self._queue.join()
+
+    def _catch_up(self) -> None:
+        """After a failed write on the writer: raise it (once), then write the steps it kept."""
+        self._drain()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        while self._backlog:
+            self._write_step(self._backlog[0])
+            del self._backlog[0]
+
+    def _stop_writer(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            self._queue.put(None)
+            writer.join()
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
 
     # ------------------------------------------------------------------ internals
     def _write(self, record: dict[str, Any], *, sync: bool) -> None:
@@ -181,6 +287,7 @@ class JsonlExporter:
         self._unsynced = 0
 
     def _release(self) -> None:
+        self._stop_writer()  # nothing queued is written after this (its fd is closed)
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)

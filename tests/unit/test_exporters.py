@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -501,6 +502,103 @@ def test_jsonl_every_step_and_append_only(tmp_path):
     recs = _records(path)
     assert [r["event"] for r in recs] == ["run", "step", "step", "step", "close"] * 2
     assert [r["loss"] for r in recs if r["event"] == "step"] == [0.0] * 3 + [1.0] * 3
+
+
+def test_jsonl_healthy_steps_are_written_off_the_step_in_order_with_anomalies_in_place(tmp_path):
+    path = tmp_path / "log.jsonl"
+    log = JsonlExporter(path, every_step=True, fsync_every=7)
+    log.open(_info())
+    bad = {40, 41, 97}
+    for s in range(150):
+        if s in bad:
+            log.export(_report(s, skipped=True, reason="nonfinite_loss", nonfinite_loss=True, loss=math.nan),
+                       [Anomaly(s, "nonfinite_loss", "loss was nan; step skipped")])
+        else:
+            log.export(_report(s, loss=float(s)), [])
+    assert log._writer is not None  # healthy lines go through the writer thread
+    log.close()
+    recs = _records(path)
+    assert recs[0]["event"] == "run" and recs[-1] == {**recs[-1], "event": "close", "steps": 150}
+    expected: list[tuple[str, int]] = []
+    for s in range(150):
+        expected += [("anomaly", s), ("skipped", s)] if s in bad else [("step", s)]
+    assert [(r["event"], r["step"]) for r in recs[1:-1]] == expected
+    assert log._writer is None and not log._backlog  # the thread is gone, nothing left behind
+
+
+def test_jsonl_flush_writes_every_queued_step(tmp_path):
+    path = tmp_path / "log.jsonl"
+    log = JsonlExporter(path, every_step=True)
+    log.open(_info())
+    for s in range(50):
+        log.export(_report(s), [])
+    log.flush()
+    assert [r["step"] for r in _records(path) if r["event"] == "step"] == list(range(50))
+    log.close()
+
+
+def test_jsonl_anomaly_records_are_on_disk_when_step_returns(tmp_path, monkeypatch):
+    """The anomaly and skipped records of a step are written and fsynced before ``step()`` returns,
+    after every healthy line queued before them (the writer is drained first)."""
+    path = tmp_path / "events.jsonl"
+    synced: list[str] = []  # the file as it was at each fsync
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        real_fsync(fd)
+        synced.append(path.read_text())
+
+    monkeypatch.setattr(os, "fsync", spy)
+    model = torch.nn.Linear(4, 2)
+    opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model=model, precision="fp32",
+                        exporters=[JsonlExporter(path, every_step=True)])
+    nan_at = [7, 19]
+    with faults.inject(opt, model, faults.loss("nan", steps=nan_at)):
+        for s in range(25):
+            opt.backward(model(torch.randn(3, 4)).sum())
+            opt.step()
+            opt.zero_grad()
+            if s in nan_at:
+                on_disk = [json.loads(x) for x in synced[-1].splitlines()]  # the last fsync's view
+                assert [(r["event"], r.get("step")) for r in on_disk[-2:]] == [("anomaly", s), ("skipped", s)]
+                assert [r["step"] for r in on_disk if r["event"] in ("step", "skipped")] == list(range(s + 1))
+    opt.close()
+    assert [r["step"] for r in _records(path) if r["event"] in ("step", "skipped")] == list(range(25))
+
+
+def test_jsonl_a_failed_background_write_is_raised_once_and_the_steps_are_written_later(tmp_path, monkeypatch):
+    path = tmp_path / "log.jsonl"
+    log = JsonlExporter(path, every_step=True)
+    multi = MultiExporter([log])
+    multi.RETRY_FIRST_S = multi.RETRY_MAX_S = 0.0  # retry on every call
+    multi.open(_info())
+    real_raw = log._raw
+    failing = {"on": False}
+
+    def raw(data: bytes) -> None:
+        if failing["on"]:
+            log._check_torn = True
+            raise OSError(28, "No space left on device")
+        real_raw(data)
+
+    monkeypatch.setattr(log, "_raw", raw)
+    for s in range(5):
+        multi.export(_report(s), [])
+    log.flush()
+    failing["on"] = True
+    with pytest.warns(RuntimeWarning, match="JsonlExporter.export"):
+        for s in range(5, 12):
+            multi.export(_report(s), [])
+            log._drain()  # let the writer fail now, so the next call sees it
+    assert not multi.health["JsonlExporter"].up
+    failing["on"] = False
+    for s in range(12, 15):
+        multi.export(_report(s), [])
+    multi.close()
+    assert multi.health["JsonlExporter"].up
+    recs = _records(path)
+    assert [r["step"] for r in recs if r["event"] == "step"] == list(range(15))  # each once, in order
+    assert recs[-1] == {**recs[-1], "event": "close", "steps": 15}
 
 
 def test_jsonl_per_rank_paths(tmp_path):
