@@ -329,10 +329,12 @@ class GuardedOptimizer(InnerOptimizerView):
         return float(self.scaler.get_scale()) if self.scaler is not None else 1.0
 
     def flush(self) -> None:
-        """Block until every step's report has reached the host and the exporters."""
+        """Block until every step's report has reached the host and the exporters, and the
+        exporters have written it (the JSONL log's background writer drained)."""
         self._reporter.decode()
         self._schedules.advance(self)  # the last step's scheduler advance (opt.schedule)
         self._reporter.export_pending()
+        self._exporter.flush()
 
     def close(self) -> None:
         """Flush, then close the exporters, remove backend hooks and hand the scaler's methods

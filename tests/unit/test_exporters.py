@@ -566,6 +566,22 @@ def test_jsonl_anomaly_records_are_on_disk_when_step_returns(tmp_path, monkeypat
     assert [r["step"] for r in _records(path) if r["event"] in ("step", "skipped")] == list(range(25))
 
 
+def test_guard_flush_leaves_every_step_line_in_the_log(tmp_path):
+    """``opt.flush()`` drains the JSONL exporter's background writer: the log on disk holds every
+    step so far, before ``close()``."""
+    path = tmp_path / "log.jsonl"
+    model = torch.nn.Linear(4, 2)
+    opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model=model, precision="fp32",
+                        exporters=[JsonlExporter(path, every_step=True, fsync_every=1000)])
+    for _ in range(40):
+        opt.backward(model(torch.randn(3, 4)).sum())
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    assert [r["step"] for r in _records(path) if r["event"] == "step"] == list(range(40))
+    opt.close()
+
+
 def test_jsonl_a_failed_background_write_is_raised_once_and_the_steps_are_written_later(tmp_path, monkeypatch):
     path = tmp_path / "log.jsonl"
     log = JsonlExporter(path, every_step=True)
