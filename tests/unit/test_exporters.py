@@ -571,8 +571,16 @@ def test_guard_flush_leaves_every_step_line_in_the_log(tmp_path):
     step so far, before ``close()``."""
     path = tmp_path / "log.jsonl"
     model = torch.nn.Linear(4, 2)
+    log = JsonlExporter(path, every_step=True, fsync_every=1000)
+    real_raw = log._raw
+
+    def slow_raw(data: bytes) -> None:  # a slow disk: the writer thread lags the steps
+        time.sleep(0.01)
+        real_raw(data)
+
+    log._raw = slow_raw  # type: ignore[method-assign]
     opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model=model, precision="fp32",
-                        exporters=[JsonlExporter(path, every_step=True, fsync_every=1000)])
+                        exporters=[log])
     for _ in range(40):
         opt.backward(model(torch.randn(3, 4)).sum())
         opt.step()
