@@ -24,7 +24,7 @@ On a sampled step, with no host sync:
   parameter index, then a square root. No extra read of the gradients. A module with no gradient
   this step (frozen, unused) reports **0.0**; a non-finite gradient makes its module's norm
   non-finite.
-- **update ratio**: before the inner optimizer's step, one ``torch._foreach_clone`` of the
+- **update ratio**: before the inner optimizer's step, one ``torch._foreach_mul(params, 1.0)`` copy of the
   parameters that have a gradient (the ones a torch optimizer may update) and their norms
   (``_foreach_norm``); after it, ``_foreach_sub_`` and ``_foreach_norm`` give ``||delta w||``, the
   exact difference (in the parameters' dtype) of what the step wrote. Per module
@@ -130,7 +130,7 @@ class Indicators:
         grad_norms = self._sum_sq(measured.norms, segments).sqrt()
         grouped = _params_like(groups, params)
         with torch.no_grad():
-            before = [list(torch._foreach_clone(ps)) for ps in grouped]
+            before = [list(torch._foreach_mul(ps, 1.0)) for ps in grouped]
         weight_sq = self._sum_sq(self._norms(groups, before), segments)
         return _Sample(groups, grad_norms, segments, grouped, before, weight_sq)
 
