@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from .stats import local_tensor
+
 __all__ = ["FIELDS", "Divergence", "check", "check_guard", "fingerprint"]
 
 #: What is compared, in the order of the gathered vector.
@@ -44,11 +46,6 @@ class Divergence:
         return f"rank(s) {list(self.ranks)} differ from the others in " + "; ".join(parts)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
 def fingerprint(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Two float64 device scalars: sum of every parameter's elements, and sum over parameters
     of ``(index + 1) * sum(p**2)`` (catches swaps and sign flips the plain sum misses).
@@ -56,7 +53,7 @@ def fingerprint(params: Iterable[torch.Tensor], device: torch.device) -> torch.T
     total = torch.zeros((), dtype=torch.float64, device=device)
     weighted = torch.zeros((), dtype=torch.float64, device=device)
     for i, p in enumerate(params):
-        x = _local(p.detach()).to(dtype=torch.float64)
+        x = local_tensor(p.detach()).to(dtype=torch.float64)
         total = total + x.sum().to(device)
         weighted = weighted + (i + 1) * x.square().sum().to(device)
     return torch.stack([total, weighted])

@@ -73,7 +73,7 @@ class GuardedOptimizer(InnerOptimizerView):
         self._pipeline = StepPipeline(optimizer=optimizer, adapter=self._scaler, backend=backend, config=config,
                                       device=device)
         # issue 17: leading indicators per top-level module (ampguard.indicators), sampled every N steps
-        self._indicators = (Indicators(model, self._pipeline.params(), config.numerics_every, device)
+        self._indicators = (Indicators(model, self._pipeline.params(), device)
                             if config.numerics_every is not None and model is not None else None)
         ladder = Ladder(config.escalation, on_rollback=on_rollback, on_abort=on_abort) if config.escalation else None
         self._exporter = MultiExporter(exporters)
@@ -207,7 +207,8 @@ class GuardedOptimizer(InnerOptimizerView):
             self._forensics.collect(self._step, decision, gathered)
         pipe.clip(measured, decision)
         ind = self._indicators  # issue 17: a sampled step copies the weights before the inner step
-        sample = ind.before_step(measured, pipe.params()) if ind is not None and ind.sampled(self._step) else None
+        sample = (ind.before_step(measured, pipe.params())  # numerics_every: one cadence for numerics and these
+                  if ind is not None and pipe.numerics.sampled(self._step) else None)
         synced = pipe.inner_step(decision, measured)
         tail = ind.after_step(sample) if sample is not None else None  # type: ignore[union-attr]
         if self._schedules.emas:  # on device: torch.where on the skip flag (a host bool on CPU)

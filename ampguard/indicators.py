@@ -52,7 +52,7 @@ import torch
 from .compiled import user_module, user_name
 from .pipeline import Measured
 from .report import StepReport
-from .stats import GradGroups, _local, per_tensor_norms
+from .stats import GradGroups, local_tensor, per_tensor_norms
 
 __all__ = ["ROOT", "Indicators", "top_level_owners"]
 
@@ -96,9 +96,7 @@ class Indicators:
     """The leading indicators of one guarded optimizer (built by the guard when
     ``GuardConfig.numerics_every`` is set and a model is given)."""
 
-    def __init__(self, model: torch.nn.Module, params: Sequence[torch.Tensor], every: int,
-                 device: torch.device) -> None:
-        self.every = every
+    def __init__(self, model: torch.nn.Module, params: Sequence[torch.Tensor], device: torch.device) -> None:
         self.device = device
         self._model = model
         self.modules: tuple[str, ...] = ()
@@ -117,9 +115,6 @@ class Indicators:
         """Build the parameter index -> module map (at wrap time, and after ``add_param_group``)."""
         self.modules, self._owners = top_level_owners(self._model, params)
         self._segments.clear()
-
-    def sampled(self, step: int) -> bool:
-        return step % self.every == 0
 
     # ------------------------------------------------------------------ on device, no sync
     def before_step(self, measured: Measured, params: Sequence[torch.Tensor]) -> _Sample:
@@ -183,8 +178,4 @@ class Indicators:
 def _params_like(groups: GradGroups, params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
     """The parameters whose gradients ``groups`` holds, in the same groups and order (their local
     shards for DTensor parameters)."""
-    out, k = [], 0
-    for grads in groups.tensors.values():
-        out.append([_local(params[i]) for i in groups.index[k : k + len(grads)]])
-        k += len(grads)
-    return out
+    return [[local_tensor(params[i]) for i in index] for _, index in groups.with_index()]

@@ -64,13 +64,12 @@ class Numerics:
         nonzero: list[list[torch.Tensor]] = [[] for _ in param_groups]  # per param group: int64 counts
         numel = [0] * len(param_groups)
         peaks: list[torch.Tensor] = []
-        k = 0
         # Device ops only (Python ints enter as kernel arguments): no host-to-device copy, no sync.
         # Small tensors (biases, norms) of one param group are counted together, one flat copy of
         # them: a few kernels per group instead of two per tensor.
-        for (_, _), grads in groups.tensors.items():
+        for grads, index in groups.with_index():
             small: list[list[torch.Tensor]] = [[] for _ in param_groups]
-            for g, i in zip(grads, groups.index[k : k + len(grads)]):
+            for g, i in zip(grads, index):
                 numel[where[i]] += g.numel()
                 if g.numel() < _SMALL:
                     small[where[i]].append(g.reshape(-1))
@@ -80,7 +79,6 @@ class Numerics:
                 if flat:
                     both = flat[0] if len(flat) == 1 else torch.cat(flat)
                     nonzero[group].append(torch.count_nonzero(both).to(dev, non_blocking=True))
-            k += len(grads)
             peaks.append(torch.stack(torch._foreach_norm(grads, math.inf)).float().amax().to(dev, non_blocking=True))
         zeros = [n - (torch.stack(c).sum() if len(c) > 1 else c[0]) if c else None for c, n in zip(nonzero, numel)]
         nan = torch.full((), math.nan, dtype=torch.float64, device=dev)

@@ -14,7 +14,7 @@ import dataclasses
 import enum
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -34,6 +34,7 @@ __all__ = [
     "GradGroups",
     "Loc",
     "grads_by_device_and_dtype",
+    "local_tensor",
     "local_vector",
     "origin_ranks",
     "per_tensor_norms",
@@ -148,6 +149,13 @@ class GradGroups:
     index: list[int]
     """``index[k]`` is the parameter of the k-th norm of :func:`per_tensor_norms` (group order)."""
 
+    def with_index(self) -> Iterator[tuple[list[torch.Tensor], list[int]]]:
+        """Each (device, dtype) group's gradients with their parameters' indices, in group order."""
+        k = 0
+        for grads in self.tensors.values():
+            yield grads, self.index[k : k + len(grads)]
+            k += len(grads)
+
 
 def grads_by_device_and_dtype(params: Sequence[torch.Tensor]) -> GradGroups:
     """The params' gradients grouped exactly as ``clip_grad_norm_`` groups them (same helper,
@@ -156,7 +164,7 @@ def grads_by_device_and_dtype(params: Sequence[torch.Tensor]) -> GradGroups:
     # Sharded (DTensor, FSDP2) gradients: this rank's shard, as a plain tensor sharing its storage.
     # Norms are then local (decide() adds the squares across ranks) and no op dispatches a collective.
     present = [i for i, p in enumerate(params) if p.grad is not None]
-    grads = [_local(params[i].grad) for i in present]  # type: ignore[arg-type]
+    grads = [local_tensor(params[i].grad) for i in present]  # type: ignore[arg-type]
     if not grads:  # a backward that reached no parameter: nothing to group (torch's helper refuses [])
         return GradGroups({}, [])
     if _group_tensors_by_device_and_dtype is not None:
@@ -176,7 +184,9 @@ def grads_by_device_and_dtype(params: Sequence[torch.Tensor]) -> GradGroups:
     return GradGroups(dict(groups), [i for key in groups for i in where[key]])  # pragma: no cover
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded (DTensor) tensor, as a plain tensor sharing its storage; any
+    other tensor as it is."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 
