@@ -285,6 +285,14 @@ class ScaleState:
         return cls(overflow_run=torch.zeros((), dtype=torch.int32, device=device))
 
 
+HEADROOM_MAX_SCALE = 2.0**24
+"""The headroom policy's ceiling when ``GuardConfig.max_scale`` is None."""
+
+
+_SHIFT_MAX = 126.0
+"""The policy's largest step, in doublings (headroom of a tiny gradient can exceed float32's range)."""
+
+
 def next_scale(
     *,
     scale: torch.Tensor,
@@ -315,13 +323,19 @@ def next_scale(
     - margin)`` (:func:`headroom_target_host`). Overflows back off as without it. ``backoff`` and
     ``growth`` then also say which way the policy moved the scale.
     """
-    if headroom is not None:
-        return _next_scale_headroom(scale=scale, growth_tracker=growth_tracker, overflow=overflow, held=held,
-                                    state=state, backoff_factor=backoff_factor, hysteresis=hysteresis,
-                                    min_scale=min_scale, max_scale=max_scale, headroom=headroom, margin=margin)
     run = torch.where(overflow, state.overflow_run + 1, torch.zeros_like(state.overflow_run))
     backoff = overflow & (run >= hysteresis)
     state.overflow_run.copy_(torch.where(backoff, torch.zeros_like(run), run))
+    backed = scale * backoff_factor
+    floor_hit = backoff & (backed <= min_scale)
+    if headroom is not None:  # the headroom policy: no growth timer; a taken sampled step sets the scale
+        apply = torch.isfinite(headroom) & ~overflow & ~held
+        shift = torch.clamp(torch.floor(headroom) - margin, min=-_SHIFT_MAX, max=_SHIFT_MAX)
+        target = torch.clamp(scale * torch.exp2(shift), min=min_scale,
+                             max=HEADROOM_MAX_SCALE if max_scale is None else max_scale)
+        new = torch.clamp(torch.where(backoff, backed, torch.where(apply, target, scale)), min=min_scale, max=max_scale)
+        moved_down, moved_up = apply & (new < scale), apply & (new > scale)
+        return new, torch.zeros_like(growth_tracker), backoff | moved_down, moved_up, floor_hit
 
     tracker = torch.where(
         overflow,
@@ -333,41 +347,11 @@ def next_scale(
     growth = reached & torch.isfinite(grown)
     tracker = torch.where(reached, torch.zeros_like(tracker), tracker)
 
-    backed = scale * backoff_factor
     new = torch.where(backoff, backed, torch.where(growth, grown, scale))
-    floor_hit = backoff & (backed <= min_scale)
     new = torch.clamp(new, min=min_scale, max=max_scale)
     if max_scale is not None:
         growth = growth & (grown <= max_scale)
     return new, tracker, backoff, growth, floor_hit
-
-
-HEADROOM_MAX_SCALE = 2.0**24
-"""The headroom policy's ceiling when ``GuardConfig.max_scale`` is None."""
-
-
-def _next_scale_headroom(*, scale: torch.Tensor, growth_tracker: torch.Tensor, overflow: torch.Tensor,
-                         held: torch.Tensor, state: ScaleState, backoff_factor: float, hysteresis: int,
-                         min_scale: float, max_scale: float | None, headroom: torch.Tensor,
-                         margin: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`next_scale` under the headroom policy (see there and :func:`headroom_target_host`)."""
-    run = torch.where(overflow, state.overflow_run + 1, torch.zeros_like(state.overflow_run))
-    backoff = overflow & (run >= hysteresis)
-    state.overflow_run.copy_(torch.where(backoff, torch.zeros_like(run), run))
-    backed = scale * backoff_factor
-    floor_hit = backoff & (backed <= min_scale)
-    apply = torch.isfinite(headroom) & ~overflow & ~held
-    shift = torch.clamp(torch.floor(headroom) - margin, min=-_SHIFT_MAX, max=_SHIFT_MAX)
-    target = torch.clamp(scale * torch.exp2(shift), min=min_scale,
-                         max=HEADROOM_MAX_SCALE if max_scale is None else max_scale)
-    new = torch.where(backoff, backed, torch.where(apply, target, scale))
-    new = torch.clamp(new, min=min_scale, max=max_scale)
-    moved_down = apply & (new < scale)
-    return new, torch.zeros_like(growth_tracker), backoff | moved_down, apply & (new > scale), floor_hit
-
-
-_SHIFT_MAX = 126.0
-"""The policy's largest step, in doublings (headroom of a tiny gradient can exceed float32's range)."""
 
 
 def headroom_target_host(scale: float, headroom: float, margin: int, min_scale: float,
@@ -410,15 +394,15 @@ def next_scale_host(scale: float, growth_tracker: int, overflow: bool, held: boo
     run = overflow_run + 1 if overflow else 0
     backoff = overflow and run >= config.hysteresis
     new_run = 0 if backoff else run
+    backed = f32(scale * f32(scaler.backoff_factor))
+    floor_hit = backoff and backed <= f32(min_scale)
     if headroom is not None:
-        backed = f32(scale * f32(scaler.backoff_factor))
         apply = math.isfinite(headroom) and not overflow and not held
         new = backed if backoff else (
             headroom_target_host(scale, headroom, config.headroom_margin_log2, min_scale, max_scale) if apply
             else scale)
         new = clamp_f32(new, min_scale, max_scale)
-        return (new, 0, backoff or (apply and new < scale), apply and new > scale,
-                backoff and backed <= f32(min_scale), new_run)
+        return new, 0, backoff or (apply and new < scale), apply and new > scale, floor_hit, new_run
 
     tracker = 0 if overflow else growth_tracker if held else growth_tracker + 1
     grown = f32(scale * f32(scaler.growth_factor))
@@ -427,9 +411,7 @@ def next_scale_host(scale: float, growth_tracker: int, overflow: bool, held: boo
     if reached:
         tracker = 0
 
-    backed = f32(scale * f32(scaler.backoff_factor))
     new = backed if backoff else grown if growth else scale
-    floor_hit = backoff and backed <= f32(min_scale)
     new = clamp_f32(new, min_scale, max_scale)
     if max_scale is not None:
         growth = growth and grown <= f32(max_scale)
