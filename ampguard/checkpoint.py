@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .config import HEADROOM_MARGIN_MAX, SCALE_POLICIES
+
 __all__ = ["STATE_VERSION", "load", "save"]
 
 STATE_VERSION = 1
@@ -176,11 +178,11 @@ def _check_scale_policy(g: dict[str, Any]) -> None:
     default). Either policy's state loads into either: the scale, growth tracker and hysteresis run
     are the scaler's and the guard's own (the headroom policy keeps the tracker at 0)."""
     policy = g.get("scale_policy", "default")
-    if policy not in ("default", "headroom"):
-        raise _bad("scale_policy", policy, "'default' | 'headroom'")
+    if policy not in SCALE_POLICIES:
+        raise _bad("scale_policy", policy, " | ".join(map(repr, SCALE_POLICIES)))
     margin = g.get("headroom_margin_log2", 2)
-    if not (_is_int(margin) and 0 <= margin <= 15):
-        raise _bad("headroom_margin_log2", margin, "an int in [0, 15]")
+    if not (_is_int(margin) and 0 <= margin <= HEADROOM_MARGIN_MAX):
+        raise _bad("headroom_margin_log2", margin, f"an int in [0, {HEADROOM_MARGIN_MAX}]")
 
 
 def load(guard: Any, state_dict: Any) -> None:

@@ -12,7 +12,10 @@ __all__ = ["Escalation", "GuardConfig"]
 
 _ON_SPIKE = ("warn", "skip")
 _ON_DIVERGENCE = ("warn", "raise")
-_SCALE_POLICIES = ("default", "headroom")
+SCALE_POLICIES = ("default", "headroom")
+"""``GuardConfig.scale_policy`` values (also checked when a state dict is loaded)."""
+HEADROOM_MARGIN_MAX = 15
+"""The largest ``GuardConfig.headroom_margin_log2`` (also checked when a state dict is loaded)."""
 _SPIKE_DETECTORS = ("factor", "zscore")
 
 
@@ -258,11 +261,12 @@ class GuardConfig:
         _optional_int_at_least("param_norms_every", self.param_norms_every, 1)
         _optional_int_at_least("numerics_every", self.numerics_every, 1)
         _optional_int_at_least("consistency_every", self.consistency_every, 1)
-        _choice("scale_policy", self.scale_policy, _SCALE_POLICIES)
+        _choice("scale_policy", self.scale_policy, SCALE_POLICIES)
         if not (isinstance(self.headroom_margin_log2, int) and not isinstance(self.headroom_margin_log2, bool)
-                and 0 <= self.headroom_margin_log2 <= 15):
+                and 0 <= self.headroom_margin_log2 <= HEADROOM_MARGIN_MAX):
             raise ValueError(f"GuardConfig.headroom_margin_log2={self.headroom_margin_log2!r}; allowed: an int in "
-                             "[0, 15] (doublings of the loss scale kept free below fp16's max 65504)")
+                             f"[0, {HEADROOM_MARGIN_MAX}] (doublings of the loss scale kept free below fp16's max "
+                             "65504)")
         if self.scale_policy == "headroom" and self.numerics_every is None:
             raise ValueError("GuardConfig.scale_policy='headroom' with numerics_every=None: the headroom policy sets "
                              "the scale from the sampled headroom; allowed: numerics_every=N (e.g. 10), or "

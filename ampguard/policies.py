@@ -23,7 +23,7 @@ from .config import GuardConfig
 from .scaling import ScalerView, ScaleState, clamp_f32, f32, next_scale, next_scale_host
 from .stats import DECISION_K, Loc
 
-__all__ = ["ScalerView", "SpikeState", "decide", "decide_host", "uses_clipping"]
+__all__ = ["ScalerView", "SpikeState", "decide", "decide_host", "uses_clipping", "uses_grad_detector"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -51,6 +51,11 @@ class SpikeState:
 
 ZCLIP_EPS = 1e-6
 """ZClip's ``eps`` in ``z = (norm - mean) / (std + eps)`` (the reference implementation's)."""
+
+
+def uses_grad_detector(config: GuardConfig) -> bool:
+    """Whether a gradient-norm spike detector runs: the factor (``grad_spike_factor``) or the z-score."""
+    return config.grad_spike_factor is not None or config.spike_detector == "zscore"
 
 
 def uses_clipping(config: GuardConfig) -> bool:
@@ -121,14 +126,14 @@ def decide(
     grad_spike = loss_spike = false
     spike_threshold = clip_threshold = nan
     zscore = config.spike_detector == "zscore"
-    spikes_on = config.grad_spike_factor is not None or config.loss_spike_factor is not None or zscore
+    spikes_on = uses_grad_detector(config) or config.loss_spike_factor is not None
     if spikes_on:
         warm = (spikes.count >= config.spike_warmup) & ~nonfinite & ~no_grads
         if config.grad_spike_factor is not None:
             spike_threshold = config.grad_spike_factor * spikes.grad_ema
         elif zscore:  # mean + k * std over the window of healthy steps
             spike_threshold = spikes.z_mean + config.spike_zscore * torch.sqrt(spikes.z_var)
-        if config.grad_spike_factor is not None or zscore:
+        if uses_grad_detector(config):
             grad_spike = warm & (grad_norm > spike_threshold)
         if config.loss_spike_factor is not None:
             loss_spike = warm & (loss > config.loss_spike_factor * spikes.loss_ema)
@@ -294,7 +299,7 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
     grad_spike = loss_spike = False
     spike_threshold = clip_threshold = math.nan
     zscore = config.spike_detector == "zscore"
-    spikes_on = config.grad_spike_factor is not None or config.loss_spike_factor is not None or zscore
+    spikes_on = uses_grad_detector(config) or config.loss_spike_factor is not None
     if spikes_on:
         count = int(spikes.count.item())
         grad_ema, loss_ema = spikes.grad_ema.item(), spikes.loss_ema.item()
@@ -304,7 +309,7 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
         elif zscore:
             z_mean, z_var = spikes.z_mean.item(), spikes.z_var.item()
             spike_threshold = f32(z_mean + f32(f32(config.spike_zscore) * _sqrt(spikes.z_var)))
-        if config.grad_spike_factor is not None or zscore:
+        if uses_grad_detector(config):
             grad_spike = warm and grad_norm > spike_threshold
         if config.loss_spike_factor is not None:
             loss_spike = warm and loss > f32(f32(config.loss_spike_factor) * loss_ema)

@@ -29,7 +29,7 @@ from .escalation import Ladder
 from .exporters.base import MultiExporter
 from .forensics import Finding
 from .indicators import Indicators
-from .policies import uses_clipping
+from .policies import uses_clipping, uses_grad_detector
 from .report import Anomaly, History, StepReport
 from .sentinel import Sentinel
 from .stats import DECISION_K, LOCAL_K, Decision, Loc, origin_ranks
@@ -126,7 +126,6 @@ class Reporter:
         self.actions = Actions()
         self._pending: deque[_Pending] = deque()
         self._unexported: list[tuple[StepReport, list[Anomaly]]] = []
-        self._grad_detector = config.grad_spike_factor is not None or config.spike_detector == "zscore"
 
     # ------------------------------------------------------------------ device -> host
     def enqueue(self, step: int, payload: torch.Tensor, index: list[int], batch_ids: list[Any], *,
@@ -245,7 +244,7 @@ class Reporter:
             grad_spike=d.grad_spike, loss_spike=d.loss_spike, world_size=world, rank=self.rank,
             param_norms=tuple(norms) if want_norms else None, wall_time=time.time(),
             scale_backoff=d.backoff, scale_growth=d.growth,
-            spike_threshold=d.spike_threshold if self._grad_detector else None,
+            spike_threshold=d.spike_threshold if uses_grad_detector(self.config) else None,
             clip_threshold=d.clip_threshold if self.config.zclip else None,
         )
         if numerics:
