@@ -576,21 +576,21 @@ def _panel(
     return panel
 
 
-def _precision_panels() -> list[dict[str, Any]]:
-    """The row of AmpguardSkipRate and AmpguardLossScaleAtFloor: skip rate by precision, scale vs floor."""
-    y = 61
+def _precision_panels(pid: int, y: int) -> list[dict[str, Any]]:
+    """The row of AmpguardSkipRate and AmpguardLossScaleAtFloor: skip rate by precision, scale vs floor
+    (panel ids from ``pid``, the row at grid row ``y``)."""
     return [
-        _panel(30, "row", "Skips by precision, loss-scale floor", "What AmpguardSkipRate and "
+        _panel(pid, "row", "Skips by precision, loss-scale floor", "What AmpguardSkipRate and "
                "AmpguardLossScaleAtFloor look at.", "none", [], (0, y, 24, 1), collapsed=False),
         _panel(
-            31, "timeseries", "Skip rate by precision", "Fraction of steps skipped over 5 minutes per run and "
+            pid + 1, "timeseries", "Skip rate by precision", "Fraction of steps skipped over 5 minutes per run and "
             "precision (the recording rule AmpguardSkipRate uses). bf16 and fp32 skips are NaN/inf or spikes, "
             "never a loss-scale probe: any lasting rate there is abnormal.", "percentunit",
             [_target(f"{_REC_SKIP_RATE_PRECISION}{{{_JOB}}}", "{{job}} {{precision}}")],
             (0, y + 1, 12, 8),
         ),
         _panel(
-            32, "timeseries", "Loss scale vs floor", "fp16 loss scale of each rank and its floor (GuardConfig."
+            pid + 2, "timeseries", "Loss scale vs floor", "fp16 loss scale of each rank and its floor (GuardConfig."
             "min_scale), log2 axis: a scale lying on its floor gets the least protection from underflow. bf16/fp32 "
             "runs have no floor.", "short",
             [
@@ -748,9 +748,8 @@ def build_dashboard() -> dict[str, Any]:
             ],
         ),
     ]
-    panels += _precision_panels()
-    panels += _numerics_panels(y=70)
-    panels += _indicator_panels(panels)
+    for row in (_precision_panels, _numerics_panels, _indicator_panels):  # issue 17's rows, each below the last
+        panels += row(*_below(panels))
     annotations = [
         {
             "builtIn": 1,
@@ -856,16 +855,16 @@ def build_dashboard() -> dict[str, Any]:
     }
 
 
-def _numerics_panels(y: int) -> list[dict[str, Any]]:
+def _numerics_panels(pid: int, y: int) -> list[dict[str, Any]]:
     """The fp16 numerics row (issue 17): the sampled zero fraction and headroom, rank-local values
     (``GuardConfig.numerics_every``; the gauges hold the last sampled step's value, NaN before one)."""
     zero, headroom = M.GRAD_ZERO_FRACTION, M.LOSS_SCALE_HEADROOM
     by_group = _SEL + ', group=~"$group"'
     return [
-        _panel(40, "row", "fp16 numerics (sampled)", "GuardConfig.numerics_every: underflow and overflow headroom of "
+        _panel(pid, "row", "fp16 numerics (sampled)", "GuardConfig.numerics_every: underflow and overflow headroom of "
                "each rank's own still-scaled gradients.", "none", [], (0, y, 24, 1), collapsed=False),
         _panel(
-            41, "timeseries", "Gradient zero fraction",
+            pid + 1, "timeseries", "Gradient zero fraction",
             "Fraction of this rank's gradient elements that are exactly zero, per param group (group=all: every "
             "gradient). A rise at a falling loss scale is fp16 underflow: gradients lost below 2^-24.",
             "percentunit",
@@ -874,7 +873,7 @@ def _numerics_panels(y: int) -> list[dict[str, Any]]:
             (0, y + 1, 12, 8), defaults={"min": 0, "max": 1},
         ),
         _panel(
-            42, "timeseries", "Loss-scale headroom (log2)",
+            pid + 2, "timeseries", "Loss-scale headroom (log2)",
             "log2(65504 / max|scaled gradient|) per rank: doublings of the loss scale left before fp16 overflows. "
             "Near 0: the next growth overflows; large: the scale could be higher (less underflow).",
             "none",
@@ -887,6 +886,8 @@ def _numerics_panels(y: int) -> list[dict[str, Any]]:
 def _red_below(value: float) -> dict[str, Any]:
     return {"thresholds": {"mode": "absolute", "steps": [{"color": "red", "value": None},
                                                           {"color": "green", "value": value}]}}
+
+
 def _below(panels: list[dict[str, Any]]) -> tuple[int, int]:
     """The next free panel id and the first grid row below every panel of ``panels``."""
     pid = max(p["id"] for p in panels) + 1
@@ -894,12 +895,11 @@ def _below(panels: list[dict[str, Any]]) -> tuple[int, int]:
     return pid, y
 
 
-def _indicator_panels(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The leading indicators (issue 17, :mod:`ampguard.indicators`): a row of their own below
-    ``panels``, gradient norm and update ratio per top-level module (log axes). Every rank reports
-    its own values (with DDP the gradients, hence the values, are the same on every rank): the max
-    over the selected ranks; pick one rank with the rank variable."""
-    pid, y = _below(panels)
+def _indicator_panels(pid: int, y: int) -> list[dict[str, Any]]:
+    """The leading indicators (issue 17, :mod:`ampguard.indicators`): a row of their own (panel ids
+    from ``pid``, at grid row ``y``), gradient norm and update ratio per top-level module (log axes).
+    Every rank reports its own values (with DDP the gradients, hence the values, are the same on
+    every rank): the max over the selected ranks; pick one rank with the rank variable."""
     log10 = {"custom": {"scaleDistribution": {"type": "log", "log": 10}}}
     what = {
         M.MODULE_GRAD_NORM: ("Gradient norm per module", "L2 norm of each top-level module's unscaled gradients "

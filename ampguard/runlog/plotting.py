@@ -74,7 +74,8 @@ def _pyplot() -> Any:
 def plot(run: Run, out_png: str | os.PathLike[str], *, width_px: int = 1600, height_px: int = 1200) -> Path:
     """Write one PNG with aligned panels sharing the step axis: loss; loss scale per rank (log2);
     gradient norm (log); when the run sampled them (``GuardConfig.numerics_every``), the leading
-    indicators per top-level module; non-finite counts per rank. Skipped steps are shaded and
+    indicators per top-level module; non-finite counts per rank; when sampled, the fp16 numerics
+    (zero fraction, headroom) last. Skipped steps are shaded and
     anomalies drawn as vertical lines across every panel, labelled with their kind and module.
 
     Needs matplotlib (the ``ampguard[cli]`` extra); uses the Agg backend, so no display is needed.
@@ -237,7 +238,7 @@ def _nonfinite_panel(ax: Any, story: _Story) -> None:
 
 
 def _has_numerics(run: Run) -> bool:
-    """Whether any logged step was sampled by ``GuardConfig.numerics_every`` (then the fifth panel)."""
+    """Whether any logged step was sampled by ``GuardConfig.numerics_every`` (then the last panel)."""
     return any(r.grad_zero_fraction is not None for log in run.ranks.values() for r in log.reports)
 
 
