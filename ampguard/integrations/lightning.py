@@ -112,13 +112,16 @@ class HeldScheduler:
         return f"HeldScheduler({self.scheduler!r})"
 
 
-def _sync_free(config: Any, automatic: bool) -> bool:
+def _sync_free(config: Any, automatic: bool, optimizer: torch.optim.Optimizer) -> bool:
     """Whether Lightning's calls of this scheduler's ``step()`` can be left to the guard's
     :meth:`~GuardedOptimizer.schedule`: one call per optimizer step (automatic optimization,
-    ``frequency=1``) of a scheduler without a metric."""
+    ``frequency=1``) of a scheduler without a metric, built on ``optimizer`` and not registered
+    with a guard yet (so that ``schedule()`` cannot refuse it once the guard is built)."""
     scheduler = config.scheduler
     return (automatic and config.frequency == 1 and isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
-            and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau))
+            and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+            and getattr(scheduler.optimizer, "param_groups", None) is optimizer.param_groups
+            and not getattr(type(scheduler), "_ampguard_scheduled", False))
 
 
 class AmpGuardPrecision(MixedPrecision):
@@ -197,6 +200,8 @@ class AmpGuardPrecision(MixedPrecision):
         device = next(p.device for group in optimizer.param_groups for p in group["params"])
         if not self._device_given:
             self.device = device.type
+        automatic = getattr(getattr(model, "module", model), "automatic_optimization", True)
+        free = [c.interval == "step" and _sync_free(c, automatic, optimizer) for c in lr_schedulers]
         if self.precision == "16-mixed" and self.scaler is None:
             self.scaler = torch.amp.GradScaler(self.device)
         guard = wrap(optimizer, model=model, scaler=self.scaler, precision=_PRECISIONS[self.precision],  # type: ignore[arg-type]
@@ -206,9 +211,8 @@ class AmpGuardPrecision(MixedPrecision):
             guard._scaler.route_steps = True  # Lightning's scaler.step(opt) is the guarded step
         guard.register_load_state_dict_pre_hook(self._adopt_plain_state)
         self.guard = guard
-        automatic = getattr(getattr(model, "module", model), "automatic_optimization", True)
-        held = [dataclasses.replace(c, scheduler=HeldScheduler(c.scheduler, guard, sync_free=_sync_free(c, automatic)))
-                if c.interval == "step" else c for c in lr_schedulers]
+        held = [dataclasses.replace(c, scheduler=HeldScheduler(c.scheduler, guard, sync_free=f))
+                if c.interval == "step" else c for c, f in zip(lr_schedulers, free)]
         return model, [guard], held
 
     def _check(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
