@@ -24,7 +24,7 @@ from .escalation import Ladder
 from .exporters.base import Exporter, MultiExporter
 from .indicators import Indicators
 from .optimizer_view import InnerOptimizerView
-from .pipeline import LossMeter, StepPipeline, grad_marks, payload
+from .pipeline import LossMeter, StepPipeline, grad_marks
 from .report import Anomaly, History, RunInfo, StepReport
 from .scaling import GradScalerAdapter
 from .schedule import EMA, Schedules
@@ -202,7 +202,7 @@ class GuardedOptimizer(InnerOptimizerView):
         sentinel = self._forensics.sentinel
         gathered = pipe.gather(measured, self._loss.value(), no_grads=not fresh,
                                sentinel=sentinel.value() if sentinel is not None else None)
-        decision, tracker = pipe.decide(gathered)
+        decision, tracker = pipe.decide(gathered, measured)
         if self._forensics.armed:  # armed only after an anomaly
             self._forensics.collect(self._step, decision, gathered)
         pipe.clip(measured, decision)
@@ -218,7 +218,7 @@ class GuardedOptimizer(InnerOptimizerView):
         if replay and closure is not None and self._forensics.enabled and _nonfinite(decision):  # SYNC
             self._forensics.replay(self._step, closure, scale=self._replay_scale(decision), gathered=gathered,
                                    optimizer=self.optimizer)
-        self._reporter.enqueue(self._step, payload(decision, gathered, measured.norms, measured.numerics, tail),
+        self._reporter.enqueue(self._step, pipe.payload(decision, gathered, measured, tail),
                                measured.groups.index, self._batch_ids, indicators=tail is not None)
         self._end_step()
         every = self.config.consistency_every

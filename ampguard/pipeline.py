@@ -68,7 +68,7 @@ from .policies import SpikeState, decide, decide_host, uses_clipping
 from .scaling import GradScalerAdapter, ScalerView, ScaleState, f32
 from .stats import Dec, GradGroups, grads_by_device_and_dtype, local_vector, per_tensor_norms
 
-__all__ = ["DecisionGraph", "LossMeter", "Measured", "StepPipeline", "local_vector_host"]
+__all__ = ["DecisionGraph", "HostCopy", "LossMeter", "Measured", "StepPipeline", "local_vector_host"]
 
 
 class LossMeter:
@@ -124,6 +124,37 @@ class Measured:
     scaled: bool = False
     """The fused fast path: the gradients are still scaled, ``found_inf`` comes from the norms,
     and the fused optimizer unscales (and clips) them in its kernel (:meth:`StepPipeline.measure`)."""
+
+
+@dataclasses.dataclass(slots=True)
+class HostCopy:
+    """What a host decision reads, brought to the host in one copy (off the CPU: the step's one
+    sync): the gathered matrix, this rank's per-tensor norms and sampled numerics (the report's
+    part after the decision, in :func:`payload`'s order), and the scaler's scale and growth
+    tracker (so the decision reads no device tensor one value at a time)."""
+
+    gathered: torch.Tensor
+    """``[world_size, LOCAL_K]`` float32, on the CPU."""
+    report_part: torch.Tensor
+    """gathered (flattened), norms, numerics: the payload after the decision."""
+    view: ScalerView | None
+    """The scaler's view, its scale and growth tracker as CPU tensors (None without a scaler)."""
+
+    @classmethod
+    def read(cls, gathered: torch.Tensor, measured: Measured | None, view: ScalerView | None,
+             device: torch.device) -> HostCopy:
+        parts = [gathered.reshape(-1).float()]
+        if measured is not None:
+            parts.append(measured.norms)
+            if measured.numerics is not None:
+                parts.append(measured.numerics)
+        n = sum(p.numel() for p in parts)
+        if view is not None:
+            parts += [view.scale.reshape(1).float(), view.growth_tracker.reshape(1).float()]
+        flat = torch.cat([p.to(device, non_blocking=True) for p in parts]).cpu()  # SYNC off the CPU: the one
+        if view is not None:
+            view = dataclasses.replace(view, scale=flat[n : n + 1], growth_tracker=flat[n + 1 :].int())
+        return cls(flat[: gathered.numel()].view(gathered.shape), flat[:n], view)
 
 
 class DecisionGraph:
@@ -198,14 +229,20 @@ class StepPipeline:
                              and not self._takes_grad_scaler and getattr(backend, "name", None) in _FAST_BACKENDS
                              and adapter.fast_path_capable())
         """The fused fast path may be taken (each step also asks :meth:`fast_path`)."""
-        self.spikes = SpikeState.fresh(device)
-        self.scale_state = ScaleState.fresh(device)
-        self.graph = DecisionGraph(config.cuda_graph)
-        self.host_decision = device.type == "cpu"
+        self.host_decision = device.type == "cpu" or not self.fused
         """Decide on host floats (:func:`decide_host`): on CPU, where reading a tensor costs nothing
-        and each tiny tensor op costs microseconds. Elsewhere the tensor path (no host sync)."""
-        self._host: tuple[torch.Tensor, list[float]] | None = None
-        """The last host decision: the tensor handed out, and its values."""
+        and each tiny tensor op costs microseconds; and for a non-fused optimizer on any device,
+        whose step synchronises anyway (to skip, the host must know the decision): there the
+        gathered statistics come to the host in one copy, which is that step's one sync, instead
+        of GradScaler's ``found_inf.item()`` after a decision taken on device. Fused optimizers
+        off the CPU: the tensor path (no host sync)."""
+        state_device = torch.device("cpu") if self.host_decision else device
+        self.spikes = SpikeState.fresh(state_device)
+        self.scale_state = ScaleState.fresh(state_device)
+        """The decision's carried state lives where the decision is taken (host: no sync to read it)."""
+        self.graph = DecisionGraph(config.cuda_graph)
+        self._host: tuple[torch.Tensor, list[float], HostCopy] | None = None
+        """The last host decision: the tensor handed out, its values, and the step's host copy."""
         self.numerics = Numerics(config.numerics_every, device=device,
                                  headroom=adapter is not None and adapter.scaler.is_enabled())
         """The sampled fp16 numerics (``GuardConfig.numerics_every``)."""
@@ -281,22 +318,25 @@ class StepPipeline:
         every rank gathers, also one whose backward reached no parameter (``no_grads``): the
         decision then skips the step on every rank. ``sentinel``:
         :meth:`ampguard.sentinel.Sentinel.value` (None: off)."""
-        pack = local_vector_host if self.host_decision else local_vector
+        pack = local_vector_host if self.device.type == "cpu" else local_vector
         vec = pack(loss=loss, tensor_norms=measured.norms, found_inf=measured.found_inf,
                    pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads,
                    sentinel=sentinel, headroom=None if measured.numerics is None else measured.numerics[1])
         return self.backend.all_gather(vec).wait()  # type: ignore[no-any-return]
 
-    def decide(self, gathered: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | int | None]:
+    def decide(self, gathered: torch.Tensor,
+               measured: Measured | None = None) -> tuple[torch.Tensor, torch.Tensor | int | None]:
         """The decision vector and the scaler's next growth tracker (None without a scaler; an
-        int from the host decision)."""
+        int from the host decision). ``measured``: the step's measurement, whose norms (and
+        sampled numerics) the host decision copies to the host with the gathered matrix."""
         view: ScalerView | None = self.adapter.view() if self.adapter is not None else None
         if self.host_decision:
-            values, tracker = decide_host(gathered, config=self.config, spikes=self.spikes,
-                                          scale_state=self.scale_state, scaler=view,
+            host = HostCopy.read(gathered, measured, view, self.device)  # off the CPU: the step's one sync
+            values, tracker = decide_host(host.gathered, config=self.config, spikes=self.spikes,
+                                          scale_state=self.scale_state, scaler=host.view,
                                           grads_sharded=self.backend.grads_sharded)
             decision = host_tensor(values)
-            self._host = (decision, values)
+            self._host = (decision, values, host)
             return decision, tracker
 
         def run(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -307,9 +347,23 @@ class StepPipeline:
         return self.graph.run(run, gathered, key)  # type: ignore[no-any-return]
 
     def host_values(self, decision: torch.Tensor) -> list[float] | None:
-        """The host decision's values when ``decision`` is the tensor it handed out (CPU), else None."""
+        """The host decision's values when ``decision`` is the tensor it handed out, else None."""
         host = self._host
         return host[1] if host is not None and host[0] is decision else None
+
+    def payload(self, decision: torch.Tensor, gathered: torch.Tensor, measured: Measured,
+                indicators: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's report payload (:func:`payload`). After a host decision it is built on the
+        host from the copy the decision read (no second copy, nothing to wait for); a sampled
+        step's leading indicators, computed after the inner step, are then copied to the host
+        (off the CPU: a wait for the inner step, on sampled steps only)."""
+        host = self._host
+        if host is None or host[0] is not decision:
+            return payload(decision, gathered, measured.norms, measured.numerics, indicators)
+        parts = [decision, host[2].report_part]
+        if indicators is not None:
+            parts.append(indicators.float().cpu())
+        return torch.cat(parts)
 
     def clip(self, measured: Measured, decision: torch.Tensor) -> None:
         if not uses_clipping(self.config) or measured.scaled:
@@ -319,7 +373,11 @@ class StepPipeline:
             return  # a multiply by 1 changes no value: skip the pass over the gradients
         coef = decision[Dec.CLIP_COEF]
         for grads in measured.groups.tensors.values():
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+            dev = grads[0].device
+            # A host coefficient reaches another device by a fill (the same float32 value), not a copy (a sync).
+            c = coef if coef.device == dev else (torch.full((), host[Dec.CLIP_COEF], dtype=coef.dtype, device=dev)
+                                                 if host is not None else coef.to(dev))
+            torch._foreach_mul_(grads, c)
 
     def inner_step(self, decision: torch.Tensor, measured: Measured) -> bool:
         """Step the inner optimizer unless the decision says skip. Returns whether it synced."""
@@ -356,7 +414,7 @@ class StepPipeline:
         still holds the skip; its ``update()``, next, resets its per-step records."""
         inner = self.optimizer
         if self.adapter is not None:
-            self.adapter.force_found_inf(measured.found_inf_per_device, skip)
+            self.adapter.force_found_inf(measured.found_inf_per_device, skipped)
             if self.fused and self._takes_grad_scaler:  # GradScaler's older protocol: let it step
                 with self.backend.step_context(inner):
                     self.adapter.step(inner)

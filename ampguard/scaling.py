@@ -166,11 +166,15 @@ class GradScalerAdapter:
         return found
 
     @staticmethod
-    def force_found_inf(found_inf_per_device: dict[torch.device, torch.Tensor], skip: torch.Tensor) -> None:
-        """Make GradScaler skip exactly when the guard decided to: ``found_inf := skip`` in place.
+    def force_found_inf(found_inf_per_device: dict[torch.device, torch.Tensor], skip: torch.Tensor | bool) -> None:
+        """Make GradScaler skip exactly when the guard decided to: ``found_inf := skip`` in place;
+        a host decision's bool is filled in (no host-to-device copy, so no sync).
         (ShardedGradScaler's found_inf has shape [1]; fused optimizers' kernels need 0-d.)"""
         for dev, t in found_inf_per_device.items():
-            t.copy_(skip)
+            if isinstance(skip, bool):
+                t.fill_(1.0 if skip else 0.0)
+            else:
+                t.copy_(skip)
             found_inf_per_device[dev] = t.reshape(())
 
     def step(self, inner: torch.optim.Optimizer) -> None:

@@ -432,15 +432,23 @@ def test_a_fused_optimizer_of_the_older_grad_scaler_protocol_is_stepped_by_grad_
     assert OldFused.seen == [scaler, scaler]
 
 
-def test_the_host_path_is_the_cpu_default_only():
+def test_the_host_path_is_the_cpu_and_the_synchronising_optimizers_path():
+    """Host decision: on the CPU, and for a non-fused optimizer anywhere (its step syncs anyway);
+    a fused optimizer off the CPU keeps the tensor path (no sync)."""
     model = make_model()
     opt = ampguard.wrap(make_opt(model), model=model, precision="fp16")
     assert opt._pipeline.host_decision is True
     guarded_steps(opt, model, make_data(2))
     assert opt._pipeline._host is not None  # the host path ran
-    pipe = StepPipeline(optimizer=make_opt(model), adapter=None, backend=LocalBackend(), config=GuardConfig(),
-                        device=torch.device("meta"))  # any other device: the tensor path
-    assert pipe.host_decision is False
+    other = torch.device("meta")  # any other device
+    fused = StepPipeline(optimizer=make_opt(make_model(), "adamw_fused"), adapter=None, backend=LocalBackend(),
+                         config=GuardConfig(), device=other)
+    assert fused.host_decision is False
+    assert fused.spikes.count.device == other  # its carried state on the device
+    unfused = StepPipeline(optimizer=make_opt(make_model()), adapter=None, backend=LocalBackend(),
+                           config=GuardConfig(), device=other)
+    assert unfused.host_decision is True
+    assert unfused.spikes.count.device.type == unfused.scale_state.overflow_run.device.type == "cpu"
 
 
 @pytest.mark.parametrize("seed", range(3))
