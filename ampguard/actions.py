@@ -22,6 +22,8 @@ def carry_out(guard: Any, next_forward: int) -> None:
     """Decode what has arrived, export it, and do what it asks (see the module docstring).
     ``next_forward``: the step whose forward has not run yet (hooks armed now see it whole)."""
     rep = guard._reporter
+    if rep.idle():  # nothing arrived, decoded or asked since the last fixed point (CPU, synced steps)
+        return
     rep.decode()
     guard._schedules.advance(guard)  # opt.schedule(): once per decoded taken step, before the next inner step
     rep.export_pending()

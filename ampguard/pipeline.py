@@ -135,14 +135,17 @@ class HostCopy:
 
     gathered: torch.Tensor
     """``[world_size, LOCAL_K]`` float32, on the CPU."""
-    report_part: torch.Tensor
-    """gathered (flattened), norms, numerics: the payload after the decision."""
+    report_part: torch.Tensor | None
+    """gathered (flattened), norms, numerics: the payload after the decision (None on the CPU,
+    where :func:`payload` builds it from the tensors themselves)."""
     view: ScalerView | None
     """The scaler's view, its scale and growth tracker as CPU tensors (None without a scaler)."""
 
     @classmethod
     def read(cls, gathered: torch.Tensor, measured: Measured | None, view: ScalerView | None,
              device: torch.device) -> HostCopy:
+        if gathered.device.type == "cpu":  # nothing to copy
+            return cls(gathered, None, view)
         parts = [gathered.reshape(-1).float()]
         if measured is not None:
             parts.append(measured.norms)
@@ -153,7 +156,8 @@ class HostCopy:
             parts += [view.scale.reshape(1).float(), view.growth_tracker.reshape(1).float()]
         flat = torch.cat([p.to(device, non_blocking=True) for p in parts]).cpu()  # SYNC off the CPU: the one
         if view is not None:
-            view = dataclasses.replace(view, scale=flat[n : n + 1], growth_tracker=flat[n + 1 :].int())
+            view = ScalerView(flat[n : n + 1], flat[n + 1 :].int(), view.growth_factor, view.backoff_factor,
+                              view.growth_interval)
         return cls(flat[: gathered.numel()].view(gathered.shape), flat[:n], view)
 
 
@@ -304,9 +308,14 @@ class StepPipeline:
         groups = grads_by_device_and_dtype(self.params())
         if not groups.index or any(dtype == torch.float16 for _, dtype in groups.tensors):
             return None
-        inv = adapter.inv_scale()
-        norms = per_tensor_norms(groups, self.device) * inv.to(self.device, non_blocking=True)
-        found = adapter.record_found_inf(self.optimizer, torch.isfinite(norms).all().logical_not())
+        if self.device.type == "cpu":  # host floats: the same float32 values, no tensor op to make them
+            norms = per_tensor_norms(groups, self.device) * adapter.inv_scale_host()
+            bad = not all(math.isfinite(n) for n in norms.tolist())
+            found = adapter.record_found_inf(self.optimizer, torch.full((), 1.0 if bad else 0.0))
+        else:
+            inv = adapter.inv_scale()
+            norms = per_tensor_norms(groups, self.device) * inv.to(self.device, non_blocking=True)
+            found = adapter.record_found_inf(self.optimizer, torch.isfinite(norms).all().logical_not())
         (found_inf,) = found.values()
         if found_inf.device != self.device:
             found_inf = found_inf.to(self.device, non_blocking=True)
@@ -358,7 +367,7 @@ class StepPipeline:
         step's leading indicators, computed after the inner step, are then copied to the host
         (off the CPU: a wait for the inner step, on sampled steps only)."""
         host = self._host
-        if host is None or host[0] is not decision:
+        if host is None or host[0] is not decision or host[2].report_part is None:
             return payload(decision, gathered, measured.norms, measured.numerics, indicators)
         parts = [decision, host[2].report_part]
         if indicators is not None:
@@ -518,4 +527,4 @@ def payload(decision: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor,
 def grad_marks(params: Sequence[torch.Tensor]) -> tuple[Any, ...]:
     """Which gradient tensors exist, and their autograd version counters: a backward that adds
     to a gradient, or replaces it, changes this. One attribute read per parameter, no sync."""
-    return tuple(None if p.grad is None else (id(p.grad), p.grad._version) for p in params)
+    return tuple(None if (g := p.grad) is None else (id(g), g._version) for p in params)

@@ -137,14 +137,21 @@ class Reporter:
             buf.copy_(payload, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        else:
-            buf, event = payload.to("cpu", copy=True), None
+        else:  # a host payload is the step's own fresh tensor (cat): no copy needed
+            buf, event = payload.cpu(), None
         memory = self.track_memory.read() if self.track_memory is not None else None
         self._pending.append(_Pending(step, buf, event, memory, index, batch_ids, indicators))
 
     @property
     def pending(self) -> bool:
         return bool(self._pending)
+
+    def idle(self) -> bool:
+        """Nothing pending, nothing decoded and not yet exported or acted on: a fixed point has
+        nothing to do (after a step whose report was decoded at once)."""
+        a = self.actions
+        return not (self._pending or self._unexported or a.reports or a.snapshots or a.abort is not None
+                    or a.escalation is not None or a.blocks)
 
     def clear_pending(self) -> None:
         self._pending.clear()

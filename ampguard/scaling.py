@@ -154,13 +154,20 @@ class GradScalerAdapter:
         scale = self.scale
         return scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
 
+    def inv_scale_host(self) -> float:
+        """:meth:`inv_scale` as a host float (the same float32 value: the reciprocal in float64,
+        rounded to float32). Reads the scale: for CPU scalers (free there)."""
+        return f32(1.0 / float(self.scale.item()))
+
     def record_found_inf(self, inner: torch.optim.Optimizer,
                          found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
         """The fast path's inf check, recorded as GradScaler's own for ``inner`` (what its
         ``_check_inf_per_device`` records before a fused step), so its bookkeeping stays whole:
         ``found_inf`` (0-d float32) is moved to the scale's device. Returns the per-device dict
         (one entry), which :meth:`force_found_inf` then sets to the decision. No sync."""
-        t = found_inf.to(self.scale.device, dtype=torch.float32, non_blocking=True).reshape(())
+        t = found_inf
+        if t.device != self.scale.device or t.dtype != torch.float32 or t.dim() != 0:
+            t = t.to(self.scale.device, dtype=torch.float32, non_blocking=True).reshape(())
         found = {t.device: t}
         self.scaler._per_optimizer_states[id(inner)]["found_inf_per_device"] = found
         return found

@@ -37,6 +37,7 @@ __all__ = [
     "local_tensor",
     "local_vector",
     "origin_ranks",
+    "cpu_norms",
     "per_tensor_norms",
 ]
 
@@ -163,10 +164,16 @@ def grads_by_device_and_dtype(params: Sequence[torch.Tensor]) -> GradGroups:
     of its parameter in ``params``."""
     # Sharded (DTensor, FSDP2) gradients: this rank's shard, as a plain tensor sharing its storage.
     # Norms are then local (decide() adds the squares across ranks) and no op dispatches a collective.
-    present = [i for i, p in enumerate(params) if p.grad is not None]
-    grads = [local_tensor(params[i].grad) for i in present]  # type: ignore[arg-type]
+    every = [p.grad for p in params]
+    present = [i for i, g in enumerate(every) if g is not None]
+    grads = [g for g in every if g is not None]
     if not grads:  # a backward that reached no parameter: nothing to group (torch's helper refuses [])
         return GradGroups({}, [])
+    if any(type(g) is not torch.Tensor for g in grads):
+        grads = [local_tensor(g) for g in grads]  # type: ignore[arg-type]
+    dtype, device = grads[0].dtype, grads[0].device
+    if all(g.dtype is dtype for g in grads) and all(g.device == device for g in grads):
+        return GradGroups({(device, dtype): grads}, present)  # one group: the helper's answer, in order
     if _group_tensors_by_device_and_dtype is not None:
         # with_indices: the helper reports where each tensor came from, so the index survives
         # whatever order it groups in.
@@ -192,15 +199,20 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def per_tensor_norms(groups: GradGroups, device: torch.device) -> torch.Tensor:
-    """L2 norm of every gradient tensor, in group order, stacked on ``device``.
+    """L2 norm of every gradient tensor, in group order, stacked on ``device``: a single read of
+    the gradients.
 
-    One ``torch._foreach_norm`` per (device, dtype) group: a single read of the gradients.
-    The order and the kernels are those of ``torch.nn.utils.clip_grad_norm_``, so the total
-    norm derived from this vector is bitwise the one clip_grad_norm_ would compute.
+    Off the CPU: one ``torch._foreach_norm`` per (device, dtype) group, the order and the kernels
+    of ``torch.nn.utils.clip_grad_norm_``, so the total norm derived from this vector is bitwise
+    the one clip_grad_norm_ would compute. On the CPU, float32 gradients: ``sqrt(dot(g, g))``
+    (:func:`cpu_norms`), which is within float32 rounding of clip_grad_norm_'s, not bitwise.
     """
     parts: list[torch.Tensor] = []
-    for (dev, _), grads in groups.tensors.items():
-        n = torch.stack(torch._foreach_norm(grads, 2.0))  # one stack per group, no per-tensor copies
+    for (dev, dtype), grads in groups.tensors.items():
+        if dev.type == "cpu" and dtype == torch.float32:
+            n = cpu_norms(grads)
+        else:
+            n = torch.stack(torch._foreach_norm(grads, 2.0))  # one stack per group, no per-tensor copies
         if n.dtype != torch.float32:
             n = n.float()
         if dev != device:
@@ -209,6 +221,20 @@ def per_tensor_norms(groups: GradGroups, device: torch.device) -> torch.Tensor:
     if not parts:
         return torch.zeros(0, dtype=torch.float32, device=device)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def cpu_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norms of float32 CPU tensors as ``sqrt(dot(g, g))`` (BLAS, float32 accumulation).
+
+    Why not ``_foreach_norm`` (as ``clip_grad_norm_``): on a 2-core x86 CPU, right after a
+    backward, its reduction kernel took 3-5x as long as the dot product over the same gradients
+    and left the fused optimizer's next pass over them slower (``benchmarks/RESULTS.md``, CPU).
+    The dot product is also the more accurate of the two there (relative error against a float64
+    norm: 2e-6..1e-5 for the dot, 1e-5..4e-5 for ``vector_norm``, on benchmarks/overhead.py's
+    models). As with torch's kernels, the squares are summed in float32: a norm above ~1.8e19
+    comes out infinite. Scaling by a power of two commutes with it exactly (barring over- or
+    underflow), so the fused fast path's scaled norms times ``1/scale`` are these norms."""
+    return torch.stack([torch.dot(g.reshape(-1), g.reshape(-1)) for g in grads]).sqrt_()
 
 
 def local_vector(

@@ -53,7 +53,12 @@ def test_clip_reuses_the_guards_norm_and_matches_unscale_plus_clip_grad_norm():
     model = make_model()
     opt = ampguard.wrap(make_opt(model), model=model, precision="fp16", config={"clip_grad_norm": 0.05})
     guarded_steps(opt, model, data)
-    assert_same(snapshot(ref_model, ref_opt), snapshot(model, opt))
+    # Within float32 rounding, not bitwise: on the CPU the guard's norm is sqrt(dot(g, g)) and
+    # clip_grad_norm_'s is vector_norm (ampguard.stats.cpu_norms; test_fast_path.py's tolerances).
+    a, b = snapshot(ref_model, ref_opt), snapshot(model, opt)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
     clipped = [r for r in opt.history if r.clip_coef < 1.0]
     assert clipped, "max_norm 0.05 should clip some steps"
     for r in clipped:
