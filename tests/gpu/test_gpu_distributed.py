@@ -51,6 +51,7 @@ def _run(rank: int, world: int, fused: bool, device: str = "cuda") -> dict[str, 
         "scales": [r.loss_scale for r in opt.history],
         "params": [p.detach().cpu() for p in model.parameters()],
         "graph": opt._pipeline.graph._graph is not None,
+        "host": opt._pipeline.host_decision and opt._pipeline._host is not None,
     }
 
 
@@ -63,4 +64,7 @@ def test_two_ranks_on_one_gpu_agree(fused):
     assert r0["scales"][8] == r0["scales"][0] / 2  # hysteresis 2: the second overflow backed off
     for a, b in zip(r0["params"], r1["params"]):
         assert torch.equal(a, b)
-    assert r0["graph"] and r1["graph"]  # the decision ran from a CUDA graph
+    if fused:  # the decision ran from a CUDA graph (sync-free)
+        assert r0["graph"] and r1["graph"]
+    else:  # the non-fused step syncs anyway: decided on the host, from the one copy
+        assert r0["host"] and r1["host"] and not (r0["graph"] or r1["graph"])

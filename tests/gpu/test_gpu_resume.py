@@ -1,5 +1,6 @@
 """On CUDA: a resumed run (state_dict round trip) continues bit for bit, with the decision
-replayed from a CUDA graph captured after the resume, through hysteresis and spike state."""
+replayed from a CUDA graph captured after the resume (fused; a non-fused optimizer's step is
+decided on the host), through hysteresis and spike state."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def test_resume_bit_for_bit_with_cuda_graph(fused):
                for _ in range(16)]
     model_a, opt_a = _build(fused)
     _train(model_a, opt_a, batches)
-    assert opt_a._pipeline.graph._graph is not None
+    assert (opt_a._pipeline.graph._graph is not None) == fused
+    assert opt_a._pipeline.host_decision == (not fused)
 
     model_b, opt_b = _build(fused)
     _train(model_b, opt_b, batches[:10])  # stops mid-hysteresis (step 9 overflowed, no backoff yet)
@@ -53,7 +55,7 @@ def test_resume_bit_for_bit_with_cuda_graph(fused):
     model_c.load_state_dict(saved_model)
     opt_c.load_state_dict(saved)
     _train(model_c, opt_c, batches[10:])
-    assert opt_c._pipeline.graph._graph is not None
+    assert (opt_c._pipeline.graph._graph is not None) == fused
     for a, c in zip(model_a.parameters(), model_c.parameters()):
         assert torch.equal(a, c)
     tail_a = [(r.skipped, r.loss_scale, r.next_loss_scale) for r in list(opt_a.history)[10:]]
