@@ -86,7 +86,7 @@ class GuardedOptimizer(InnerOptimizerView):
         self._stage = Stage.READY
         self._step = 0  # step() calls completed = index of the step being prepared
         self._loss = LossMeter()
-        self._marks: tuple[Any, ...] | None = None  # the gradients as the last step left them
+        self._marks: list[Any] | None = None  # the gradients as the last step left them
         self._measured: Any = None  # this step's early measurement (unscale_() before step())
         self._batch_ids: list[Any] = []
         self._loss_hooks: OrderedDict[int, Callable[[torch.Tensor, int], torch.Tensor]] = OrderedDict()

@@ -524,7 +524,7 @@ def payload(decision: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor,
     return torch.cat(parts)
 
 
-def grad_marks(params: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+def grad_marks(params: Sequence[torch.Tensor]) -> list[Any]:
     """Which gradient tensors exist, and their autograd version counters: a backward that adds
     to a gradient, or replaces it, changes this. One attribute read per parameter, no sync."""
-    return tuple(None if (g := p.grad) is None else (id(g), g._version) for p in params)
+    return [None if (g := p.grad) is None else (id(g), g._version) for p in params]

@@ -166,14 +166,15 @@ def grads_by_device_and_dtype(params: Sequence[torch.Tensor]) -> GradGroups:
     # Norms are then local (decide() adds the squares across ranks) and no op dispatches a collective.
     every = [p.grad for p in params]
     present = [i for i, g in enumerate(every) if g is not None]
-    grads = [g for g in every if g is not None]
+    grads: list[torch.Tensor] = [every[i] for i in present]  # type: ignore[misc]
     if not grads:  # a backward that reached no parameter: nothing to group (torch's helper refuses [])
         return GradGroups({}, [])
-    if any(type(g) is not torch.Tensor for g in grads):
+    if {type(g) for g in grads} != {torch.Tensor}:
         grads = [local_tensor(g) for g in grads]  # type: ignore[arg-type]
-    dtype, device = grads[0].dtype, grads[0].device
-    if all(g.dtype is dtype for g in grads) and all(g.device == device for g in grads):
-        return GradGroups({(device, dtype): grads}, present)  # one group: the helper's answer, in order
+    # One (device, dtype) for all (the usual case): the helper's answer, in order, without it.
+    # Comprehensions, not generators: no per-gradient call (this runs every step, on the host).
+    if len({(g.dtype, g.is_cuda, g.get_device()) for g in grads}) == 1:
+        return GradGroups({(grads[0].device, grads[0].dtype): grads}, present)
     if _group_tensors_by_device_and_dtype is not None:
         # with_indices: the helper reports where each tensor came from, so the index survives
         # whatever order it groups in.
@@ -212,7 +213,7 @@ def per_tensor_norms(groups: GradGroups, device: torch.device) -> torch.Tensor:
         if dev.type == "cpu" and dtype == torch.float32:
             n = cpu_norms(grads)
         else:
-            n = torch.stack(torch._foreach_norm(grads, 2.0))  # one stack per group, no per-tensor copies
+            n = _stacked(torch._foreach_norm(grads, 2.0))
         if n.dtype != torch.float32:
             n = n.float()
         if dev != device:
@@ -221,6 +222,20 @@ def per_tensor_norms(groups: GradGroups, device: torch.device) -> torch.Tensor:
     if not parts:
         return torch.zeros(0, dtype=torch.float32, device=device)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _stacked(norms: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(norms)`` for ``_foreach_norm``'s output. On CUDA that output is one vector's
+    elements (its per-tensor results, each a view ``ret[i]``): the vector itself is returned then,
+    no stack kernel and its host cost (the same values, bitwise). Checked, not assumed: any other
+    layout is stacked."""
+    base = norms[0]._base if norms else None
+    if base is not None and base.dim() == 1 and base.numel() == len(norms) and base.stride(0) == 1:
+        start = base.storage_offset()
+        if ({id(n._base) for n in norms} == {id(base)}
+                and [n.storage_offset() for n in norms] == list(range(start, start + len(norms)))):
+            return base
+    return torch.stack(list(norms))  # one stack per group, no per-tensor copies
 
 
 def cpu_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -311,3 +311,24 @@ def test_fused_fast_path_with_clipping_is_close_to_unscale_plus_clip_grad_norm()
     for i, (a, b) in enumerate(zip(ref, got)):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=f"parameter {i}")
     assert guarded.opt.skipped_steps >= 1
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_per_tensor_norms_are_foreach_norms_stacked_bitwise(dtype: torch.dtype) -> None:
+    """On CUDA the step's norms are ``_foreach_norm``'s, bitwise (clip_grad_norm_'s kernels), taken
+    as the vector its per-tensor results are elements of (no stack kernel) when that is so."""
+    from ampguard.stats import _stacked, grads_by_device_and_dtype, per_tensor_norms
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    params = []
+    for i in range(150):
+        p = torch.nn.Parameter(torch.zeros(1 + 37 * i, device="cuda", dtype=dtype))
+        p.grad = torch.randn(p.shape, device="cuda", generator=g).to(dtype)
+        params.append(p)
+    groups = grads_by_device_and_dtype(params)
+    got = per_tensor_norms(groups, torch.device("cuda"))
+    outs = torch._foreach_norm([p.grad for p in params], 2.0)
+    ref = torch.stack(outs).float()
+    assert torch.equal(got, ref)
+    assert _stacked(outs) is outs[0]._base  # the no-copy branch is the one CUDA takes (torch 2.11)
