@@ -213,7 +213,7 @@ def per_tensor_norms(groups: GradGroups, device: torch.device) -> torch.Tensor:
         if dev.type == "cpu" and dtype == torch.float32:
             n = cpu_norms(grads)
         else:
-            n = _stacked(torch._foreach_norm(grads, 2.0))
+            n = torch.stack(torch._foreach_norm(grads, 2.0))  # one stack per group, no per-tensor copies
         if n.dtype != torch.float32:
             n = n.float()
         if dev != device:
@@ -222,20 +222,6 @@ def per_tensor_norms(groups: GradGroups, device: torch.device) -> torch.Tensor:
     if not parts:
         return torch.zeros(0, dtype=torch.float32, device=device)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _stacked(norms: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(norms)`` for ``_foreach_norm``'s output. On CUDA that output is one vector's
-    elements (its per-tensor results, each a view ``ret[i]``): the vector itself is returned then,
-    no stack kernel and its host cost (the same values, bitwise). Checked, not assumed: any other
-    layout is stacked."""
-    base = norms[0]._base if norms else None
-    if base is not None and base.dim() == 1 and base.numel() == len(norms) and base.stride(0) == 1:
-        start = base.storage_offset()
-        if ({id(n._base) for n in norms} == {id(base)}
-                and [n.storage_offset() for n in norms] == list(range(start, start + len(norms)))):
-            return base
-    return torch.stack(list(norms))  # one stack per group, no per-tensor copies
 
 
 def cpu_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ampguard.stats import _stacked, cpu_norms, grads_by_device_and_dtype, per_tensor_norms
+from ampguard.stats import cpu_norms, grads_by_device_and_dtype, per_tensor_norms
 
 
 def _params(shapes, dtype=torch.float32):
@@ -53,13 +53,3 @@ def test_one_group_and_several_groups_follow_the_helpers_order():
     norms = per_tensor_norms(groups, torch.device("cpu")).tolist()
     expect = [mixed[i].grad.double().norm().item() for i in groups.index]
     assert all(abs(a - b) <= 1e-5 * b for a, b in zip(norms, expect))
-
-
-def test_stacked_returns_the_vector_only_when_the_norms_are_its_elements_in_order():
-    base = torch.arange(5.0)
-    assert _stacked([base[i] for i in range(5)]) is base
-    reordered = _stacked([base[i] for i in (4, 3, 2, 1, 0)])
-    assert reordered is not base and reordered.tolist() == [4.0, 3.0, 2.0, 1.0, 0.0]
-    loose = [torch.tensor(1.0), torch.tensor(2.0)]
-    assert _stacked(loose).tolist() == [1.0, 2.0]
-    assert _stacked([base[i] for i in range(3)]).tolist() == [0.0, 1.0, 2.0]  # a part of it: stacked
