@@ -7,22 +7,27 @@ the host waits for the device (the only places it does):
 
 1. ``backend.before_unscale``  Horovod: ``synchronize()`` (its own wait on the all-reduce).
 2. unscale                    GradScaler's fused unscale + non-finite check. No sync.
-3. per-tensor norms           one ``torch._foreach_norm`` per (device, dtype) group. No sync.
+3. per-tensor norms           one ``torch._foreach_norm`` per (device, dtype) group (CPU float32:
+                              ``sqrt(dot(g, g))``, :func:`ampguard.stats.cpu_norms`). No sync.
 4. gather                     one collective of ``LOCAL_K`` floats per rank. NCCL: no host sync
                               (the stream waits); gloo/CPU: blocking, as every CPU op is.
-5. decide                     tensor ops on device (:func:`ampguard.policies.decide`), replayed
-                              from a CUDA graph on CUDA. No sync. On CPU (no device to wait for)
-                              the same rule on host floats (:func:`ampguard.policies.decide_host`),
-                              bit for bit the same decision, instead of ~60 tiny tensor ops.
+5. decide                     fused optimizers off the CPU: tensor ops on device
+                              (:func:`ampguard.policies.decide`), replayed from a CUDA graph on
+                              CUDA. No sync. On CPU (no device to wait for), and for non-fused
+                              optimizers (whose step must know the skip on the host anyway): the
+                              same rule on host floats (:func:`ampguard.policies.decide_host`),
+                              bit for bit the same decision, from one copy of the gathered
+                              statistics (:class:`HostCopy`): off the CPU, that copy is the
+                              step's one sync, where GradScaler's ``found_inf.item()`` was.
 6. clip                       ``_foreach_mul_`` by the decided coefficient. No sync.
 7. inner step or skip         the skip is folded into GradScaler's ``found_inf``:
                               - fused optimizers (``_step_supports_amp_scaling``) read it on
                                 device: no sync;
-                              - other optimizers: GradScaler's own ``found_inf.item()`` (fp16), or
-                                one ``.item()`` on the skip flag (bf16/fp32): the one sync a
-                                skipping step needs, and the one GradScaler already makes.
-                                On CPU the skip is already a host bool: no ``.item()``.
-8. scale update               ``GradScaler.update(new_scale=tensor)``. No sync.
+                              - other optimizers: ``inner.step()`` unless the host decision
+                                skips (``found_inf`` filled in for GradScaler's records). No sync
+                                beyond stage 5's copy.
+8. scale update               ``GradScaler.update(new_scale=tensor)`` (a host float after a host
+                              decision). No sync.
 
 The fused fast path (``GuardConfig.fused_fast_path``, on by default; see :meth:`StepPipeline.fast_path`
 for when it is taken: a GradScaler, a fused optimizer, nobody unscaled this iteration) replaces
@@ -401,16 +406,18 @@ class StepPipeline:
         host = self.host_values(decision)
         if host is not None:
             return self._inner_step_host(host[Dec.SKIP] > 0, skip, measured)
+        # The tensor decision: a fused optimizer off the CPU (non-fused ones decide on the host,
+        # unless host_decision is turned off, as tests do to run both paths on the same inputs).
         inner = self.optimizer
         if self.adapter is not None:
             self.adapter.force_found_inf(measured.found_inf_per_device, skip)
             with self.backend.step_context(inner):
-                self.adapter.step(inner)  # non-fused: GradScaler's own found_inf.item() (a sync)
+                self.adapter.step(inner)  # fused: found_inf read on device; non-fused: GradScaler's .item()
             return not self.fused
         if self.fused:
             self._step_fused(skip, None)
             return False
-        if not skip.item():  # SYNC: the one a non-fused optimizer needs to skip (GradScaler's too)
+        if not skip.item():  # SYNC: what a non-fused optimizer needs to skip
             with self.backend.step_context(inner):
                 inner.step()
         return True
