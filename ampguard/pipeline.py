@@ -148,8 +148,10 @@ class HostCopy:
 
     @classmethod
     def read(cls, gathered: torch.Tensor, measured: Measured | None, view: ScalerView | None,
-             device: torch.device) -> HostCopy:
-        if gathered.device.type == "cpu":  # nothing to copy
+             device: torch.device, *, copy: bool | None = None) -> HostCopy:
+        """``copy``: bring the values over in one copy (default: unless they are on the CPU already;
+        a test forces it on CPU tensors to run the path CUDA takes)."""
+        if not (gathered.device.type != "cpu" if copy is None else copy):
             return cls(gathered, None, view)
         parts = [gathered.reshape(-1).float()]
         if measured is not None:
@@ -157,12 +159,17 @@ class HostCopy:
             if measured.numerics is not None:
                 parts.append(measured.numerics)
         n = sum(p.numel() for p in parts)
+        # The growth tracker (< growth_interval) rides as a float32, exact up to 2**24; a larger
+        # interval (not a realistic one) reads it on its own.
+        exact = view is not None and view.growth_interval <= 2**24
         if view is not None:
-            parts += [view.scale.reshape(1).float(), view.growth_tracker.reshape(1).float()]
+            parts.append(view.scale.reshape(1).float())
+            if exact:
+                parts.append(view.growth_tracker.reshape(1).float())
         flat = torch.cat([p.to(device, non_blocking=True) for p in parts]).cpu()  # SYNC off the CPU: the one
         if view is not None:
-            view = ScalerView(flat[n : n + 1], flat[n + 1 :].int(), view.growth_factor, view.backoff_factor,
-                              view.growth_interval)
+            tracker = flat[n + 1 :].int() if exact else view.growth_tracker.reshape(1).cpu()
+            view = ScalerView(flat[n : n + 1], tracker, view.growth_factor, view.backoff_factor, view.growth_interval)
         return cls(flat[: gathered.numel()].view(gathered.shape), flat[:n], view)
 
 

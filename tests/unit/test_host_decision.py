@@ -469,3 +469,57 @@ def test_zscore_and_zclip_sequences_agree(seed):
         flagged += carried.last[Dec.GRAD_SPIKE] > 0
         clipped += carried.last[Dec.CLIP_COEF] < 1.0
     assert flagged > 0 and clipped > 0
+
+
+_CONFIGS = {
+    "default": {},
+    "clip+zscore": {"clip_grad_norm": 0.05, "spike_detector": "zscore", "spike_warmup": 3},
+    "numerics+indicators+headroom": {"numerics_every": 3, "scale_policy": "headroom"},
+    "huge-growth-interval": {},
+}
+
+
+@pytest.mark.parametrize("name", list(_CONFIGS))
+def test_the_one_host_copy_path_decides_and_reports_as_the_cpu_path(name, monkeypatch):
+    """A non-fused optimizer off the CPU decides on the host from ONE copy of the gathered
+    statistics, norms, sampled numerics, scale and growth tracker (``pipeline.HostCopy``), and its
+    report is built from that copy. CI has no GPU: this forces that copy on the CPU and asserts
+    the run is bit for bit the CPU path's (parameters, optimizer state, scale, every report field),
+    through natural fp16 overflows, injected infs, clipping, sampled numerics and indicators."""
+    from ampguard import faults
+    from ampguard.pipeline import HostCopy
+
+    def run(force: bool):
+        read = HostCopy.read
+        copies = []
+        if force:
+            def forced(*a, **k):
+                copies.append(1)
+                return read(*a, **k, copy=True)
+            monkeypatch.setattr(HostCopy, "read", forced)
+        model = make_model()
+        interval = 2**25 if name == "huge-growth-interval" else 3
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=interval)
+        opt = ampguard.wrap(make_opt(model), model=model, precision="fp16", scaler=scaler,
+                            config={"param_norms_every": 1, **_CONFIGS[name]})
+        faults.inject(opt, faults.grad("0.weight", "inf", steps=[4]))
+        guarded_steps(opt, model, make_data(14))
+        opt.flush()
+        monkeypatch.setattr(HostCopy, "read", read)
+        return model, opt, copies
+
+    ref_model, ref_opt, _ = run(False)
+    model, opt, copies = run(True)
+    assert len(copies) == 14  # every step decided from the one copy
+    assert_same(snapshot(ref_model, ref_opt), snapshot(model, opt))
+    assert opt.get_scale() == ref_opt.get_scale()
+
+    def fields(r):
+        d = dataclasses.asdict(r)
+        d.pop("wall_time")
+        return repr(d)  # NaN-safe comparison of every field
+
+    assert [fields(r) for r in opt.history] == [fields(r) for r in ref_opt.history]
+    assert any(r.skipped for r in opt.history) and not all(r.skipped for r in opt.history)
+    if name.startswith("numerics"):
+        assert any(r.module_grad_norms for r in opt.history) and any(r.headroom_log2 for r in opt.history)
