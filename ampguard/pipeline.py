@@ -153,11 +153,8 @@ class HostCopy:
         a test forces it on CPU tensors to run the path CUDA takes)."""
         if not (gathered.device.type != "cpu" if copy is None else copy):
             return cls(gathered, None, view)
-        parts = [gathered.reshape(-1).float()]
-        if measured is not None:
-            parts.append(measured.norms)
-            if measured.numerics is not None:
-                parts.append(measured.numerics)
+        parts = (report_parts(gathered, measured.norms, measured.numerics) if measured is not None
+                 else [gathered.reshape(-1).float()])
         n = sum(p.numel() for p in parts)
         # The growth tracker (< growth_interval) rides as a float32, exact up to 2**24; a larger
         # interval (not a realistic one) reads it on its own.
@@ -530,12 +527,20 @@ def payload(decision: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor,
     """Everything the host report needs from one step, in one float32 vector (one copy):
     decision, gathered matrix, per-tensor norms, then the sampled numerics (if any), then a sampled
     step's leading indicators (:mod:`ampguard.indicators`; the reporter takes them from the end)."""
-    parts = [decision, gathered.reshape(-1).float(), norms]
-    if numerics is not None:
-        parts.append(numerics.to(norms.device))
+    parts = [decision, *report_parts(gathered, norms, numerics)]
     if indicators is not None:
         parts.append(indicators)
     return torch.cat(parts)
+
+
+def report_parts(gathered: torch.Tensor, norms: torch.Tensor, numerics: torch.Tensor | None) -> list[torch.Tensor]:
+    """The report's part after the decision, in the order the reporter reads it: the gathered
+    matrix (flattened), the per-tensor norms, a sampled step's numerics. :func:`payload` and
+    :class:`HostCopy` both lay it out here."""
+    parts = [gathered.reshape(-1).float(), norms]
+    if numerics is not None:
+        parts.append(numerics.to(norms.device))
+    return parts
 
 
 def grad_marks(params: Sequence[torch.Tensor]) -> list[Any]:
