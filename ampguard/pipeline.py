@@ -391,10 +391,9 @@ class StepPipeline:
             return  # a multiply by 1 changes no value: skip the pass over the gradients
         coef = decision[Dec.CLIP_COEF]
         for grads in measured.groups.tensors.values():
-            dev = grads[0].device
-            # A host coefficient reaches another device by a fill (the same float32 value), not a copy (a sync).
-            c = coef if coef.device == dev else (torch.full((), host[Dec.CLIP_COEF], dtype=coef.dtype, device=dev)
-                                                 if host is not None else coef.to(dev))
+            c, dev = coef, grads[0].device
+            if c.device != dev:  # a host coefficient by a fill (the same float32 value): a copy would sync
+                c = c.to(dev) if host is None else torch.full((), host[Dec.CLIP_COEF], dtype=c.dtype, device=dev)
             torch._foreach_mul_(grads, c)
 
     def inner_step(self, decision: torch.Tensor, measured: Measured) -> bool:

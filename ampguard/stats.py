@@ -33,11 +33,11 @@ __all__ = [
     "Decision",
     "GradGroups",
     "Loc",
+    "cpu_norms",
     "grads_by_device_and_dtype",
     "local_tensor",
     "local_vector",
     "origin_ranks",
-    "cpu_norms",
     "per_tensor_norms",
 ]
 
