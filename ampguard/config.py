@@ -65,7 +65,8 @@ class GuardConfig:
 
     A bad value raises ``ValueError`` naming the field, the value and what is allowed.
     Build one from a mapping (e.g. a YAML file) with :meth:`from_dict`, which also rejects
-    unknown keys by name.
+    unknown keys by name; a misspelt keyword (``GuardConfig(hysterisis=2)``) is a ``TypeError``
+    naming the closest field, as the mapping's ``ValueError`` does.
     """
 
     hysteresis: int = 1

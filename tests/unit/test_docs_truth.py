@@ -414,6 +414,23 @@ def _top_level_names(module: str) -> set[str] | None:
     return names
 
 
+def test_attributes_of_the_guarded_optimizer_the_docs_use_exist():
+    # `opt.x` / `guard.x` (the guarded optimizer, as the docs name it) and `opt.history.x`, looked up
+    # with dir() on a real one: instance attributes count, and no property is evaluated.
+    model = torch.nn.Linear(2, 2)
+    opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    try:
+        owners = {"": set(dir(opt)), "history.": set(dir(opt.history))}
+    finally:
+        opt.close()
+    bad = []
+    for s in all_spans(("code", "ticked")):
+        for m in re.finditer(r"(?<![\w.])(?:opt|guard)\.(history\.)?([A-Za-z_]\w*)(?![\w.]*\.(?:py|md)\b)", s.text):
+            if m.group(2) != "py" and m.group(2) not in owners[m.group(1) or ""]:
+                bad.append((s.where(m.start()), m.group(0)))
+    assert not bad, f"attributes the guarded optimizer (or its history) does not have: {bad}"
+
+
 def _in_source(module: str, rest: list[str]) -> bool:
     """Is ``rest`` (submodules, then a name) found from ``module`` on, reading sources only?"""
     for part in rest:
@@ -547,6 +564,8 @@ PLANTED = {
         "`ampguard_skiped_steps_total`, `AmpguardNonFinitBurst`, `job:ampguard_steps:rate1m`\n", "skiped"),
     "test_ampguard_names_the_docs_call_or_import_exist": (
         "```python\nfrom ampguard import wrap, GuardCofnig\nampguard.warp(opt)\n```\n", "GuardCofnig"),
+    "test_attributes_of_the_guarded_optimizer_the_docs_use_exist": (
+        "`opt.history.steps_reportd` and `opt.skiped_steps`\n", "steps_reportd"),
     "test_command_lines_use_real_flags_and_the_command_table_has_every_flag": (
         "| command | what |\n|---|---|\n| `ampguard report RUN [--jsn]` | reads |\n", "--jsn"),
     "test_the_gathered_vector_is_as_wide_as_the_code_packs": (
