@@ -86,7 +86,14 @@ def _promtool_rejects(options: dict[str, Any]) -> str:
             return ""  # a promtool that cannot run checks nothing; the parser already did
         if check.returncode == 0:
             return ""
-        return " ".join((check.stderr or check.stdout).split())
+        # one complaint per rule, each "PATH: line:col: group ..., rule N, NAME: message": the first,
+        # without the temporary path, and how many more
+        found = [line.split(f"{rules}: ", 1)[1] for line in (check.stderr + check.stdout).splitlines()
+                 if line.startswith(f"{rules}: ")]
+        if not found:
+            return " ".join((check.stderr or check.stdout).replace(str(rules), rules.name).split())
+        more = f" (and {len(found) - 1} more rules alike)" if len(found) > 1 else ""
+        return f"{rules.name} {found[0]}{more}"
 
 
 def _precision_fraction(text: str) -> tuple[str, float]:

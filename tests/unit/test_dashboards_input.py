@@ -79,3 +79,13 @@ def test_parse_selector_reads_promql_matchers():
     assert m[0].matches("llm-7b") and not m[0].matches("xllm-7b")  # anchored, as Prometheus does
     assert m[1].matches("") and not m[1].matches("b")
     assert dashboards.parse_selector("") == () and dashboards.parse_selector(r'job=~"a\\d"')[0].value == r"a\d"
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (scripts/install_prometheus.sh)")
+def test_promtool_checks_what_the_parser_cannot_before_anything_is_written(capsys, tmp_path):
+    # Python's re accepts a lookahead; Prometheus's RE2 does not: promtool is the judge where installed.
+    out = tmp_path / "d"
+    code, err = _run(capsys, "--out", str(out), "--job-selector", 'job=~"(?=llm)llm-.*"', "--test-job", "llm-7b")
+    assert code == 2 and not out.exists() and len(err.splitlines()) == 1
+    assert err.startswith("ampguard dashboards: error: promtool rejects the generated rules: ampguard.rules.yml ")
+    assert "invalid or unsupported Perl syntax" in err and "more rules alike" in err
