@@ -11,6 +11,7 @@ from ._version import __version__
 from .config import Escalation, GuardConfig
 from .errors import (
     AmpGuardError,
+    BackendError,
     BackendUnavailableError,
     GuardStateError,
     NonFiniteError,
@@ -20,6 +21,7 @@ from .exporters.base import Exporter, MultiExporter, NullExporter
 from .factory import wrap
 from .guard import GuardedOptimizer
 from .hardware import UnsupportedPrecisionError
+from .integrations._versions import IntegrationVersionError  # imports no framework
 from .preflight import Recommendation, preflight
 from .report import Anomaly, History, RunInfo, StepReport
 from .schedule import EMA
@@ -31,6 +33,7 @@ __all__ = [
     "PrometheusExporter",
     "TensorBoardExporter",
     "Anomaly",
+    "BackendError",
     "BackendUnavailableError",
     "EMA",
     "Escalation",
@@ -39,6 +42,7 @@ __all__ = [
     "GuardStateError",
     "GuardedOptimizer",
     "History",
+    "IntegrationVersionError",
     "MultiExporter",
     "NonFiniteError",
     "NullExporter",

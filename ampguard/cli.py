@@ -6,7 +6,10 @@ Exit codes: 0 success, 1 the command ran and failed, 2 bad usage or bad input.
 from __future__ import annotations
 
 import argparse
+import shutil
+import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -47,18 +50,50 @@ def _report(args: argparse.Namespace, argv: list[str]) -> int:
 def _dashboards(args: argparse.Namespace, argv: list[str]) -> int:
     if args.burst_threshold < dashboards.MIN_BURST_THRESHOLD:
         args.command_parser.error(f"--burst-threshold must be >= {dashboards.MIN_BURST_THRESHOLD}")
+    options: dict[str, Any] = {
+        "job_selector": args.job_selector, "burst_threshold": args.burst_threshold, "test_job": args.test_job,
+        "skip_rate_thresholds": dict(args.skip_rate_threshold), "grad_growth_factor": args.grad_growth_factor,
+        "grad_growth_window": args.grad_growth_window,
+    }
     try:
-        paths = dashboards.write_all(
-            args.out, job_selector=args.job_selector, burst_threshold=args.burst_threshold, test_job=args.test_job,
-            skip_rate_thresholds=dict(args.skip_rate_threshold), grad_growth_factor=args.grad_growth_factor,
-            grad_growth_window=args.grad_growth_window,
-        )
+        problem = _promtool_rejects(options)  # the options are checked here too: nothing written yet
+        if problem:
+            print(f"ampguard dashboards: error: promtool rejects the generated rules: {problem}", file=sys.stderr)
+            return 2
+        paths = dashboards.write_all(args.out, **options)
     except (OSError, ValueError) as exc:
         print(f"ampguard dashboards: error: {exc}", file=sys.stderr)
         return 2
     for path in paths:
         print(path)
     return 0
+
+
+def _promtool_rejects(options: dict[str, Any]) -> str:
+    """Write the files into a temporary directory (which checks every option) and, where promtool is
+    installed, run ``promtool check rules`` on them; return its complaint ("" when it accepts them or
+    is not installed)."""
+    with tempfile.TemporaryDirectory(prefix="ampguard-dashboards-") as tmp:
+        paths = dashboards.write_all(tmp, **options)
+        promtool = shutil.which("promtool")
+        if promtool is None:
+            return ""
+        rules = next(p for p in paths if p.name == dashboards.RULES_FILE)
+        try:
+            check = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True,
+                                   timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return ""  # a promtool that cannot run checks nothing; the parser already did
+        if check.returncode == 0:
+            return ""
+        # one complaint per rule, each "PATH: line:col: group ..., rule N, NAME: message": the first,
+        # without the temporary path, and how many more
+        found = [line.split(f"{rules}: ", 1)[1] for line in (check.stderr + check.stdout).splitlines()
+                 if line.startswith(f"{rules}: ")]
+        if not found:
+            return " ".join((check.stderr or check.stdout).replace(str(rules), rules.name).split())
+        more = f" (and {len(found) - 1} more rules alike)" if len(found) > 1 else ""
+        return f"{rules.name} {found[0]}{more}"
 
 
 def _precision_fraction(text: str) -> tuple[str, float]:
@@ -90,8 +125,9 @@ def _dashboards_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-growth-window", default=dashboards.DEFAULT_GRAD_GROWTH_WINDOW,
                    help="that window, a Prometheus duration of at least 10m "
                    f"(default: {dashboards.DEFAULT_GRAD_GROWTH_WINDOW})")
-    p.add_argument("--test-job", default="train",
-                   help="job label of the synthetic series in the rule tests; must match --job-selector")
+    p.add_argument("--test-job", default=None,
+                   help="job label of the synthetic series in the rule tests; must match --job-selector (default: "
+                   f"the selector's job=\"...\" value, else {dashboards.DEFAULT_TEST_JOB})")
 
 
 # ---------------------------------------------------------------------------------- parser

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 __all__ = ["Escalation", "GuardConfig"]
@@ -64,7 +65,8 @@ class GuardConfig:
 
     A bad value raises ``ValueError`` naming the field, the value and what is allowed.
     Build one from a mapping (e.g. a YAML file) with :meth:`from_dict`, which also rejects
-    unknown keys by name.
+    unknown keys by name; a misspelt keyword (``GuardConfig(hysterisis=2)``) is a ``TypeError``
+    naming the closest field, as the mapping's ``ValueError`` does.
     """
 
     hysteresis: int = 1
@@ -290,16 +292,9 @@ class GuardConfig:
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> GuardConfig:
         """Build a config from a mapping; an unknown key raises ValueError naming it."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = [k for k in values if k not in known]
+        unknown = _unknown_keys(cls, values)
         if unknown:
-            hints = []
-            for key in unknown:
-                close = difflib.get_close_matches(str(key), sorted(known), n=1)
-                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ValueError(
-                f"unknown GuardConfig key(s): {', '.join(hints)}; known keys: {', '.join(sorted(known))}"
-            )
+            raise ValueError(unknown)
         values = dict(values)
         if isinstance(values.get("escalation"), Mapping):
             esc = dict(values["escalation"])
@@ -317,6 +312,40 @@ class GuardConfig:
         """A copy with some fields changed (validated like the original)."""
         current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return GuardConfig.from_dict({**current, **changes})
+
+
+def _unknown_keys(cls: type, keys: Iterable[Any]) -> str:
+    """"" when every key is a field of ``cls``; else a message naming the unknown keys, each with the
+    closest field (difflib), and the known ones."""
+    known = sorted(f.name for f in dataclasses.fields(cls))
+    unknown = [k for k in keys if k not in known]
+    if not unknown:
+        return ""
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"unknown {cls.__name__} key(s): {', '.join(hints)}; known keys: {', '.join(known)}"
+
+
+def _suggest_unknown_keywords(cls: type) -> None:
+    """Make ``cls(...)`` (a kw_only dataclass) answer a misspelt keyword as :meth:`GuardConfig.from_dict`
+    answers a misspelt key: a ``TypeError`` (what Python raises for it) naming the closest field. The
+    generated ``__init__`` still does the work, so ``dataclasses.replace`` and pickling are unchanged."""
+    generated = vars(cls)["__init__"]
+
+    @functools.wraps(generated)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        unknown = _unknown_keys(cls, kwargs)
+        if unknown:
+            raise TypeError(unknown)
+        generated(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+
+
+_suggest_unknown_keywords(Escalation)
+_suggest_unknown_keywords(GuardConfig)
 
 
 def _is_real(value: Any) -> bool:

@@ -12,6 +12,7 @@ take the ``max`` over ranks rather than the sum.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -30,10 +31,12 @@ __all__ = [
     "DEFAULT_GRAD_GROWTH_WINDOW",
     "DEFAULT_SKIP_RATE_THRESHOLDS",
     "MIN_BURST_THRESHOLD",
+    "Matcher",
     "build_dashboard",
     "build_rule_tests",
     "build_rules",
     "dashboard_queries",
+    "parse_selector",
     "render_dashboard",
     "render_rule_tests",
     "render_rules",
@@ -54,6 +57,8 @@ DEFAULT_SKIP_RATE_THRESHOLDS: dict[str, float] = {"fp16": 0.01, "bf16": 0.0, "fp
 #: this factor above its median over the window before.
 DEFAULT_GRAD_GROWTH_FACTOR = 10.0
 DEFAULT_GRAD_GROWTH_WINDOW = "30m"
+#: The rule tests' job label when neither ``test_job`` nor a ``job="..."`` matcher names one.
+DEFAULT_TEST_JOB = "train"
 DASHBOARD_UID = "ampguard-numerics"
 RULES_FILE = "ampguard.rules.yml"
 RULES_TEST_FILE = "ampguard.rules.test.yml"
@@ -84,6 +89,115 @@ _REC_SKIP_RATE_PRECISION = "job_precision:" + M.SKIPPED_STEPS.name.removesuffix(
 _RANK_SERIES = ("job", "instance", *M.RANK_LABELS)
 _DURATION = re.compile(r"(\d+)([mhd])")
 _MINUTES = {"m": 1, "h": 60, "d": 1440}
+
+
+# ---------------------------------------------------------------------------------- selectors
+@dataclasses.dataclass(frozen=True)
+class Matcher:
+    """One PromQL label matcher of a job selector: ``name op "value"``."""
+
+    name: str
+    op: str
+    """``=``, ``!=``, ``=~`` or ``!~``."""
+    value: str
+    """The string's value (escapes resolved)."""
+
+    def matches(self, value: str) -> bool:
+        """Does a series whose label ``name`` is ``value`` ("" where it has none) match? Regular
+        expressions are fully anchored, as in Prometheus (Python's ``re`` stands in for RE2)."""
+        if self.op in ("=", "!="):
+            return (value == self.value) == (self.op == "=")
+        return (re.fullmatch(self.value, value) is not None) == (self.op == "=~")
+
+    def __str__(self) -> str:
+        return f"{self.name}{self.op}{json.dumps(self.value)}"
+
+
+_TOKEN = re.compile(r"""\s*(?:
+    (?P<name>[A-Za-z_][A-Za-z0-9_]*|"(?:[^"\\]|\\.)*")\s*(?P<op>=~|!~|!=|=)\s*
+    (?P<value>"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*'|`[^`]*`)\s*
+    (?P<sep>,|$))""", re.VERBOSE)
+_ESCAPE = re.compile(r"\\(?:([abfnrtv\\'\"])|x([0-9A-Fa-f]{2})|u([0-9A-Fa-f]{4})|U([0-9A-Fa-f]{8})|([0-7]{3})|(.))",
+                     re.DOTALL)
+_SIMPLE_ESCAPES = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v"}
+
+
+def _unquote(token: str) -> str:
+    """A PromQL string literal's value: Go's escapes in "..." and '...', none in `...`."""
+    if token[0] == "`":
+        return token[1:-1]
+
+    def escape(m: re.Match[str]) -> str:
+        simple, hex2, hex4, hex8, octal, bad = m.groups()
+        if bad is not None:
+            raise ValueError(f"unknown escape sequence \\{bad} in {token}")
+        if simple is not None:
+            return _SIMPLE_ESCAPES.get(simple, simple)
+        return chr(int(hex2 or hex4 or hex8, 16) if octal is None else int(octal, 8))
+
+    return _ESCAPE.sub(escape, token[1:-1])
+
+
+def parse_selector(selector: str) -> tuple[Matcher, ...]:
+    """The label matchers of a job selector, the inside of a PromQL ``{...}``: ``name op "value"``
+    separated by commas, e.g. ``'job=~"llm-.*", cluster="a"'`` ("" or blanks: none). Raises
+    ``ValueError`` saying what is wrong and where, with an example of the syntax."""
+    if not isinstance(selector, str):
+        raise ValueError(f"job_selector={selector!r}; allowed: a string of PromQL label matchers")
+    matchers: list[Matcher] = []
+    pos = 0
+    while selector[pos:].strip():
+        m = _TOKEN.match(selector, pos)
+        if m is None:
+            braces = " (without the braces)" if selector.strip().startswith("{") else ""
+            raise ValueError(
+                f"job_selector {selector!r} is not a list of PromQL label matchers{braces} (at {selector[pos:]!r}); "
+                'allowed: name op "value", ... with op one of = != =~ !~, e.g. \'job=~"llm-.*"\' or \'job="llm"\''
+            )
+        name = m["name"]
+        try:
+            matcher = Matcher(_unquote(name) if name[0] == '"' else name, m["op"], _unquote(m["value"]))
+        except ValueError as exc:
+            raise ValueError(f"job_selector {selector!r}: {exc}") from None
+        if matcher.op in ("=~", "!~"):
+            try:
+                re.compile(matcher.value)
+            except re.error as exc:
+                raise ValueError(f"job_selector {selector!r}: {matcher} is not a valid regular expression ({exc})"
+                                 ) from None
+        matchers.append(matcher)
+        pos = m.end()
+        if m["sep"] == "":
+            break
+    return tuple(matchers)
+
+
+def _test_job(selector: str, test_job: str | None) -> str:
+    """The job label of the rule tests' series: ``test_job``, else the value of the selector's
+    ``job="..."`` matcher, else "train". Checked: the rule tests' synthetic series (labels
+    job, instance, rank, local_rank) must match every matcher of the selector, or the generated
+    tests would fail under promtool."""
+    matchers = parse_selector(selector)
+    if test_job is None:
+        test_job = next((m.value for m in matchers if m.name == "job" and m.op == "="), DEFAULT_TEST_JOB)
+    ranks = [_rank_labels(test_job, r) for r in (0, 1)]
+    labels = ranks[0]
+    for matcher in matchers:
+        if all(matcher.matches(rank.get(matcher.name, "")) for rank in ranks):
+            continue
+        if matcher.name == "job":
+            raise ValueError(f"test_job={test_job!r} (--test-job) does not match {matcher} of job_selector "
+                             f"{selector!r}: the rule tests' series would not reach the rules; pass a job name the "
+                             "selector matches")
+        raise ValueError(f"job_selector {selector!r}: {matcher} does not match the rule tests' series, which carry "
+                         f"only the labels {', '.join(labels)}; select on those (e.g. job) so the generated tests "
+                         "can exercise the rules")
+    return test_job
+
+
+def _rank_labels(job: str, rank: int) -> dict[str, str]:
+    """The labels of rank ``rank``'s series in the rule tests."""
+    return {"job": job, "instance": f"node0:{9400 + rank}", "rank": str(rank), "local_rank": str(rank)}
 
 
 def _sel(metric: str, selector: str) -> str:
@@ -151,6 +265,7 @@ def build_rules(
         )
     thresholds = _skip_rate_thresholds(skip_rate_thresholds)
     _grad_growth(grad_growth_factor, grad_growth_window)
+    parse_selector(job_selector)
     s = job_selector
     nonfinite = _sel(M.NONFINITE_STEPS.name, s)
     skipped = _sel(M.SKIPPED_STEPS.name, s)
@@ -344,7 +459,7 @@ def build_rule_tests(
     *,
     burst_threshold: int = DEFAULT_BURST_THRESHOLD,
     job_selector: str = "",
-    test_job: str = "train",
+    test_job: str | None = None,
     rules_file: str = RULES_FILE,
     skip_rate_thresholds: Mapping[str, float] | None = None,
     grad_growth_factor: float = DEFAULT_GRAD_GROWTH_FACTOR,
@@ -352,16 +467,16 @@ def build_rule_tests(
 ) -> dict[str, Any]:
     """promtool unit tests: every alert fires when it should and stays silent on a healthy run.
 
-    The synthetic series carry ``job=test_job``: with a ``job_selector``, pick a job it matches.
+    The synthetic series carry ``job=test_job`` (None: the selector's ``job="..."`` value, else
+    "train"); a ``test_job`` the ``job_selector`` does not match raises ``ValueError``.
     The rule options are :func:`build_rules`'s: the tests are for the rules built with them."""
     rules = build_rules(burst_threshold=burst_threshold, job_selector=job_selector,
                         skip_rate_thresholds=skip_rate_thresholds, grad_growth_factor=grad_growth_factor,
                         grad_growth_window=grad_growth_window)
     thresholds = _skip_rate_thresholds(skip_rate_thresholds)
     window = _grad_growth(grad_growth_factor, grad_growth_window)
-    job = test_job
-    r0 = {"job": job, "instance": "node0:9400", "rank": "0", "local_rank": "0"}
-    r1 = {"job": job, "instance": "node0:9401", "rank": "1", "local_rank": "1"}
+    job = _test_job(job_selector, test_job)
+    r0, r1 = _rank_labels(job, 0), _rank_labels(job, 1)
     burst = burst_threshold + 5
 
     def healthy(labels: dict[str, str], minutes: int, precision: str = "fp16") -> list[dict[str, str]]:
@@ -937,7 +1052,7 @@ def write_all(
     out_dir: str | os.PathLike[str] = "dashboards",
     job_selector: str = "",
     burst_threshold: int = DEFAULT_BURST_THRESHOLD,
-    test_job: str = "train",
+    test_job: str | None = None,
     *,
     skip_rate_thresholds: Mapping[str, float] | None = None,
     grad_growth_factor: float = DEFAULT_GRAD_GROWTH_FACTOR,
@@ -945,10 +1060,12 @@ def write_all(
 ) -> list[Path]:
     """Write the dashboard, the rules and their promtool tests into ``out_dir``; return the paths.
 
-    ``job_selector`` (e.g. ``'job=~"llm-.*"'``) restricts every rule to matching series;
-    ``burst_threshold`` is AmpguardNonFiniteBurst's threshold; ``test_job`` is the job label of
-    the rule tests' synthetic series (it must match ``job_selector``); the other options are
-    :func:`build_rules`'s."""
+    ``job_selector`` (PromQL label matchers, e.g. ``'job=~"llm-.*"'``; checked by
+    :func:`parse_selector`) restricts every rule to matching series; ``burst_threshold`` is
+    AmpguardNonFiniteBurst's threshold; ``test_job`` is the job label of the rule tests' synthetic
+    series (it must match ``job_selector``; None: see :func:`build_rule_tests`); the other options
+    are :func:`build_rules`'s. Every file is rendered, and every option checked (``ValueError``),
+    before anything is written."""
     options: dict[str, Any] = {
         "job_selector": job_selector, "burst_threshold": burst_threshold, "skip_rate_thresholds": skip_rate_thresholds,
         "grad_growth_factor": grad_growth_factor, "grad_growth_window": grad_growth_window,

@@ -98,6 +98,16 @@ def _check_devices(optimizer: torch.optim.Optimizer, model: torch.nn.Module | No
                      "fine): move the model with model.to(device) before building the optimizer.")
 
 
+def _check_exporter_instances(exporters: Any) -> None:
+    """Refuse an exporter class where an instance belongs: a class has ``open``/``export``/``close``
+    too, so it would pass for an exporter and then fail on every call (retried for ever)."""
+    given = [exporters] if isinstance(exporters, type) else exporters
+    for e in given if isinstance(given, (list, tuple)) else ():  # anything else: MultiExporter checks it
+        if isinstance(e, type):
+            raise TypeError(f"exporters: {e.__name__} is a class, not an exporter; pass an instance, "
+                            f"{e.__name__}(...), e.g. exporters=[ampguard.JsonlExporter('events-{{rank}}.jsonl')]")
+
+
 def _framework_adopter(optimizer: torch.optim.Optimizer) -> Callable[..., Any] | None:
     """A framework's optimizer wrapper that ``wrap()`` hands to its integration instead."""
     if any(cls.__module__.startswith("accelerate.") for cls in type(optimizer).__mro__):
@@ -160,6 +170,7 @@ def wrap(
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"wrap(model=...) expects the torch.nn.Module being trained (or None), got "
                         f"{type(model).__name__} {model!r:.60}")
+    _check_exporter_instances(exporters)
     adopt = _framework_adopter(optimizer)
     if adopt is not None:
         return adopt(optimizer, model=model, scaler=scaler, precision=precision, config=config,

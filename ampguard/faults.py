@@ -46,7 +46,8 @@ class Fault:
     where: str
     """"loss" | "grad" | "output" | "backward"."""
     value: float
-    """The injected value: NaN, inf or -inf (or any float, e.g. 1e6 to force an fp16 overflow)."""
+    """The injected value: NaN, inf or -inf, or any float that fits the target tensor's dtype (a
+    larger one raises ``ValueError`` naming the dtype's largest value when the fault fires)."""
     steps: frozenset[int] | None
     """Steps at which it fires (None: every step)."""
     ranks: frozenset[int] | None = None
@@ -73,6 +74,19 @@ def _value(value: float | str) -> float:
             raise ValueError(f"fault value {value!r}; allowed: 'nan', 'inf', '-inf' or a float")
         return _VALUES[value.lower()]
     return float(value)
+
+
+def _check_fits(f: Fault, dtype: torch.dtype) -> None:
+    """A finite value beyond ``dtype``'s range cannot be written into a tensor of it (torch refuses):
+    say so, naming the fault, the dtype and its largest finite value. NaN and +-inf always fit."""
+    if math.isfinite(f.value) and dtype.is_floating_point and abs(f.value) > torch.finfo(dtype).max:
+        largest = torch.finfo(dtype).max
+        tensor = "output" if f.where == "output" else "gradient"
+        raise ValueError(
+            f"faults.{f.where}({f.target!r}, {f.value:g}): {f.value:g} does not fit the {tensor}'s dtype {dtype} "
+            f"(largest finite value {largest:g}); inject a finite value within +-{largest:g} (a huge one still "
+            "overflows what comes after it) or 'inf'/'nan'"
+        )
 
 
 def _poke(t: torch.Tensor, value: float) -> None:
@@ -106,7 +120,10 @@ def grad(param: str, value: float | str = "nan", *, steps: Iterable[int] | int |
 def output(module: str, value: float | str = "nan", *, steps: Iterable[int] | int | None,
            ranks: Iterable[int] | int | None = None, transient: bool = False) -> Fault:
     """Put ``value`` into the first element of module ``module``'s forward output at ``steps``.
-    A large finite value (e.g. ``1e5``) overflows fp16 downstream: a realistic overflow."""
+    A large finite value that fits the output's dtype (e.g. ``6e4`` under fp16 autocast, whose
+    largest value is 65504) overflows fp16 downstream: a realistic overflow. One that does not fit
+    (``1e5`` in an fp16 output) raises ``ValueError`` naming the dtype and its largest value when the
+    fault fires."""
     return Fault("output", _value(value), _set(steps), _set(ranks), target=module, transient=transient)
 
 
@@ -301,6 +318,7 @@ class Injection:
         def hook(g: torch.Tensor) -> torch.Tensor | None:
             if not self._fires(f):
                 return None
+            _check_fits(f, g.dtype)
             g = g.clone()
             _poke(g, f.value)
             return g
@@ -315,6 +333,7 @@ class Injection:
                 # through the DTensor would start a collective on this rank alone.
                 to_local = getattr(g, "to_local", None)
                 local = to_local() if callable(to_local) else g
+                _check_fits(f, local.dtype)
                 with torch.no_grad():
                     _poke(local, f.value)
 
@@ -332,6 +351,7 @@ class Injection:
             t = out[0] if isinstance(out, (tuple, list)) else out
             if not isinstance(t, torch.Tensor):
                 return None
+            _check_fits(f, t.dtype)
             mask = _first_element(t)
             if traced:
                 mask = mask & switch.fire(t.device)
@@ -350,10 +370,12 @@ class Injection:
                 return None
             if not args[0].requires_grad:
                 return None
-            if torch.compiler.is_compiling():
-                return (_CorruptGradIf.apply(args[0], switch.fire(args[0].device), f.value), *args[1:])
-            if not self._fires(f):
+            traced = torch.compiler.is_compiling()
+            if not traced and not self._fires(f):
                 return None
+            _check_fits(f, args[0].dtype)  # the gradient it corrupts has its input's dtype
+            if traced:
+                return (_CorruptGradIf.apply(args[0], switch.fire(args[0].device), f.value), *args[1:])
             return (_CorruptGrad.apply(args[0], f.value), *args[1:])
 
         return hook

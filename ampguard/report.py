@@ -152,8 +152,10 @@ class History(Sequence[StepReport]):
 
     ``history[s]`` is the report of step ``s`` (``history[-1]`` the latest); a step that
     has been evicted raises ``IndexError`` naming ``GuardConfig.history_size``.
-    ``len(history)`` is the number of steps reported so far (evicted ones included), so
-    indices stay equal to step numbers; iteration yields the retained reports.
+    ``len(history)`` is the number of reports retained, what iteration (and ``reversed``) yields;
+    ``steps_reported`` counts every step reported so far, evicted ones included, and
+    ``first_step`` is the step number of the oldest retained report. Indices are step numbers,
+    not positions: ``history[history.first_step]`` is the first report iteration yields.
     """
 
     def __init__(self, maxlen: int) -> None:
@@ -167,6 +169,11 @@ class History(Sequence[StepReport]):
         self._count += 1
 
     def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def steps_reported(self) -> int:
+        """Steps reported so far, evicted ones included (the next report is this step's)."""
         return self._count
 
     @overload
@@ -192,6 +199,16 @@ class History(Sequence[StepReport]):
 
     def __iter__(self) -> Iterator[StepReport]:
         return iter(self._items)
+
+    def __reversed__(self) -> Iterator[StepReport]:
+        return reversed(self._items)
+
+    def index(self, value: Any, start: int = 0, stop: int | None = None) -> int:
+        """The step number of ``value`` (a retained report), searched from step ``start`` to ``stop``."""
+        for step, report in enumerate(self._items, self.first_step):
+            if start <= step and (stop is None or step < stop) and (report is value or report == value):
+                return step
+        raise ValueError(f"{value!r} is not in the history")
 
     @property
     def first_step(self) -> int:

@@ -9,7 +9,7 @@ a step was skipped costs a host sync on the sync-free path (fused optimizer on C
   the host (CPU; non-fused optimizers on CUDA), that is right after the step. On the sync-free
   path step N's report is decoded at the start of step N+1's ``step()``, before its inner
   update reads the LR: the LR every update sees is the eager loop's, bitwise. The advance
-  counts taken steps (``len(history) - skipped_total``) against those already applied, so
+  counts taken steps (``history.steps_reported - skipped_total``) against those already applied, so
   readers that decode early (``last_report``...) change nothing.
 - **EMA** (:class:`EMA`) is updated inside ``step()``, right after the inner step, on device:
   ``torch.where`` on the decision's skip flag keeps the average of a skipped step, no sync.
@@ -47,7 +47,7 @@ class Schedules:
     def taken(guard: Any) -> int:
         """Taken steps among the decoded reports (no decode here)."""
         rep = guard._reporter
-        return len(rep.history) - rep.skipped_total  # type: ignore[no-any-return]
+        return rep.history.steps_reported - rep.skipped_total  # type: ignore[no-any-return]
 
     def advance(self, guard: Any) -> None:
         """Step every scheduler once per taken step decoded since the last call. Decodes nothing:
