@@ -252,41 +252,38 @@ def test_grad_scale_will_not_overflow() -> None:
 # ---------------------------------------------------------------------------- clipping, penalty, accumulation
 
 
-def test_grad_scaling_clipping() -> None:
-    """Mirrors ``test_grad_scaling_clipping``: ``clip_grad_norm_(params, max_norm * scale)`` on the
-    still-scaled gradients, then the step (the guard unscales after the user's clip)."""
+def _clipping_run(separate_unscale: bool) -> Run:
+    """Upstream's clipping loops, max_norm 0.2: ``clip_grad_norm_(params, max_norm * scale)`` on the
+    still-scaled gradients; or (``separate_unscale``) ``scaler.unscale_(opt)`` first (the guard's
+    ``unscale_``), then ``clip_grad_norm_(max_norm, error_if_nonfinite=False)``."""
 
     def run(data, model, opt, scaler, loss_fn, skip_iter, api):
-        max_norm = 0.2
         for i, (x, y) in enumerate(data):
             opt.zero_grad()
-            loss = loss_fn(model(x), y)
-            _backward(api, opt, scaler, loss)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm * (scaler.get_scale() if api != "control"
-                                                                           else 1.0))
-            _inject(api, model, scaler, i, skip_iter)
+            _backward(api, opt, scaler, loss_fn(model(x), y))
+            if separate_unscale:
+                _inject(api, model, scaler, i, skip_iter)
+                if api != "control":
+                    scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2, error_if_nonfinite=False)
+            else:
+                factor = scaler.get_scale() if api != "control" else 1.0
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2 * factor)
+                _inject(api, model, scaler, i, skip_iter)
             _step(api, opt, scaler, i, skip_iter)
 
-    _run_scaling_case(run, unskipped=3, skipped=1, atol=1e-5)
+    return run
+
+
+def test_grad_scaling_clipping() -> None:
+    """Mirrors ``test_grad_scaling_clipping``: the clip on the still-scaled gradients, then the step
+    (the guard unscales after the user's clip)."""
+    _run_scaling_case(_clipping_run(separate_unscale=False), unskipped=3, skipped=1, atol=1e-5)
 
 
 def test_grad_scaling_clipping_separate_unscale() -> None:
-    """Mirrors ``test_grad_scaling_clipping_separate_unscale``: ``scaler.unscale_(opt)`` (the guard's
-    ``unscale_``), then ``clip_grad_norm_(error_if_nonfinite=False)``, then the step."""
-
-    def run(data, model, opt, scaler, loss_fn, skip_iter, api):
-        max_norm = 0.2
-        for i, (x, y) in enumerate(data):
-            opt.zero_grad()
-            loss = loss_fn(model(x), y)
-            _backward(api, opt, scaler, loss)
-            _inject(api, model, scaler, i, skip_iter)
-            if api != "control":
-                scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, error_if_nonfinite=False)
-            _step(api, opt, scaler, i, skip_iter)
-
-    _run_scaling_case(run, unskipped=3, skipped=1)
+    """Mirrors ``test_grad_scaling_clipping_separate_unscale``."""
+    _run_scaling_case(_clipping_run(separate_unscale=True), unskipped=3, skipped=1)
 
 
 def test_grad_scaling_clipping_by_the_guard() -> None:
