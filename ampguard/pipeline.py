@@ -336,13 +336,19 @@ class StepPipeline:
         groups = grads_by_device_and_dtype(self.params())
         if not groups.index or any(dtype == torch.float16 for _, dtype in groups.tensors):
             return None
+        try:
+            norms = per_tensor_norms(groups, self.device)
+        except RuntimeError:
+            if sparse_values(self.params()) is None:
+                raise
+            return None  # sparse gradients, which no fused kernel takes: today's path, and torch's own error
         if self.device.type == "cpu":  # host floats: the same float32 values, no tensor op to make them
-            norms = per_tensor_norms(groups, self.device) * adapter.inv_scale_host()
+            norms = norms * adapter.inv_scale_host()
             bad = not all(math.isfinite(n) for n in norms.tolist())
             found = adapter.record_found_inf(self.optimizer, torch.full((), 1.0 if bad else 0.0))
         else:
             inv = adapter.inv_scale()
-            norms = per_tensor_norms(groups, self.device) * inv.to(self.device, non_blocking=True)
+            norms = norms * inv.to(self.device, non_blocking=True)
             found = adapter.record_found_inf(self.optimizer, torch.isfinite(norms).all().logical_not())
         (found_inf,) = found.values()
         if found_inf.device != self.device:

@@ -34,13 +34,15 @@ def _losses(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor) -> tuple[to
         return a(x).pow(2).mean(), b(x).pow(2).mean()
 
 
-def test_two_guards_on_one_scaler_give_torchs_multi_optimizer_loop_under_real_fp16_overflow() -> None:
+@pytest.mark.parametrize("decisions", ["host", "tensor", "mixed"])
+def test_two_guards_on_one_scaler_give_torchs_multi_optimizer_loop_under_real_fp16_overflow(decisions: str) -> None:
     """torch's ``scaler.step(opt0); scaler.step(opt1); scaler.update()`` against one guard per
     optimizer on the shared scaler. Model 1's weights are large, so its fp16 backward overflows
     at the higher scales (no value injected) while model 0's does only at the first: optimizer 1
     is skipped alone on the others, the scale backs off once per overflowing iteration and grows
     after two clean ones. Old code: the first guard updated the scale and the second unscaled
-    with the new one."""
+    with the new one. ``decisions``: the guards decide on the host (CPU's), on device tensors
+    (CUDA's fused optimizers: the shared update from device flags), or one of each."""
     data = _data(12)
     scale_kw = {"init_scale": 2.0**16, "growth_interval": 2}
     a_t, b_t = _pair(0, big=20.0)
@@ -64,6 +66,8 @@ def test_two_guards_on_one_scaler_give_torchs_multi_optimizer_loop_under_real_fp
     s_g = torch.amp.GradScaler("cpu", **scale_kw)
     g0 = ampguard.wrap(torch.optim.SGD(a_g.parameters(), lr=1e-3), model=a_g, scaler=s_g, precision="fp16")
     g1 = ampguard.wrap(torch.optim.SGD(b_g.parameters(), lr=1e-6), model=b_g, scaler=s_g, precision="fp16")
+    for g in {"host": (), "tensor": (g0, g1), "mixed": (g1,)}[decisions]:
+        g._pipeline.host_decision = False  # the tensor decision (CUDA's), no host floats
     for x in data:
         g0.zero_grad()
         g1.zero_grad()
@@ -231,3 +235,25 @@ def test_a_disabled_scaler_is_a_pass_through_as_in_torchs_enabled_use_amp_idiom(
             opt.close()
         weights.append(model.weight.detach().clone())
     assert torch.equal(weights[0], weights[1]) and torch.equal(weights[0], weights[2])
+
+
+def test_sparse_gradients_with_a_fused_optimizer_raise_torchs_own_error() -> None:
+    """No fused kernel takes sparse gradients: the guard's fused fast path hands them to today's
+    path, and the user sees what torch's own loop says, not a norm kernel's complaint."""
+    messages = []
+    for api in ("torch", "guard"):
+        emb = torch.nn.Embedding(4, 2, sparse=True)
+        scaler = torch.amp.GradScaler("cpu")
+        opt: Any = torch.optim.Adam(emb.parameters(), lr=0.1, fused=True)
+        if api == "guard":
+            opt = ampguard.wrap(opt, model=emb, scaler=scaler)
+        loss = emb(torch.tensor([1, 1])).sum()
+        with pytest.raises(RuntimeError) as err:
+            if api == "guard":
+                opt.backward(loss)
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+        messages.append(str(err.value))
+    assert "does not support sparse" in messages[0] and messages[0] == messages[1]
