@@ -20,7 +20,7 @@ from .exporters.base import Exporter
 from .guard import GuardedOptimizer
 from .hardware import check_precision
 from .report import RunInfo
-from .scaling import GradScalerAdapter, f32
+from .scaling import GradScalerAdapter, SharedScaler, f32
 from .vocab import Precision
 
 __all__ = ["param_names", "wrap"]
@@ -42,7 +42,8 @@ def param_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None)
 
 def _resolve_precision(precision: str, scaler: torch.amp.GradScaler | None,
                        device: torch.device) -> tuple[str, torch.amp.GradScaler | None]:
-    """The precision to run and the scaler to use for it (a new one for fp16 when none is given)."""
+    """The precision to run and the scaler to use for it (a new one for fp16 when none is given;
+    none for a disabled one: ``GradScaler(enabled=False)`` scales nothing, and neither does the guard)."""
     scaler_enabled = scaler is not None and scaler.is_enabled()
     if precision == "auto":
         old_cuda = device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0)
@@ -52,9 +53,8 @@ def _resolve_precision(precision: str, scaler: torch.amp.GradScaler | None,
             raise ValueError(f"precision={precision!r} with an enabled GradScaler: loss scaling is for fp16. Drop the "
                              "scaler or use precision='fp16'.")
         return precision, None
-    if scaler is not None and not scaler_enabled:
-        raise ValueError("precision='fp16' with a disabled GradScaler: fp16 gradients need loss scaling. Pass an "
-                         "enabled scaler, no scaler (the guard makes one), or precision='bf16'/'fp32'.")
+    if scaler is not None and not scaler_enabled:  # torch's GradScaler(enabled=use_amp): a pass-through
+        return precision, None
     if scaler is None:
         scaler = torch.amp.GradScaler(device.type)
     if GradScalerAdapter(scaler).device_type != device.type:
@@ -139,7 +139,11 @@ def wrap(
       ``scaler`` is given; otherwise "bf16" where the device runs it (CPU, CUDA compute
       capability >= 8.0), else "fp16" with a new scaler.
     - ``scaler``: used as is (its init_scale, growth/backoff factors and interval hold), and
-      shared: ``scaler.scale(loss).backward()`` feeds the guarded step.
+      shared: ``scaler.scale(loss).backward()`` feeds the guarded step. Several optimizers may
+      share one (torch's multi-optimizer pattern): wrap each with it; their scale is updated once
+      per iteration, after the last of them steps (:class:`~ampguard.scaling.SharedScaler`). A
+      disabled one (``GradScaler(enabled=False)``, torch's ``enabled=use_amp``) with "fp16": no loss
+      scaling, as that scaler does (``opt.scaler`` is then None).
     - ``config``: a :class:`GuardConfig`, or a dict of its fields (unknown keys are an error).
     - ``exporters``: where reports go (Prometheus, TensorBoard, JSONL, or your own): a sequence of
       exporters, or one.
@@ -192,6 +196,8 @@ def wrap(
         raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
     resolved, scaler = _resolve_precision(precision, scaler, device)
     check_precision(resolved, device)
+    if scaler is not None:
+        SharedScaler.check_join(scaler, optimizer, config)  # another guard's scaler: one update rule for all
     if backend is None:
         from .backends import select_backend
 

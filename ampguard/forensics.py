@@ -425,6 +425,7 @@ class Localizer:
                 if g is None:
                     continue
                 g = g.to_local() if callable(getattr(g, "to_local", None)) else g
+                g = g.coalesce()._values() if g.is_sparse else g  # nn.Embedding(sparse=True)
                 if bool(torch.isfinite(g).all()):
                     continue
                 has_nan = bool(torch.isnan(g).any())

@@ -71,7 +71,7 @@ from .errors import GuardStateError
 from .numerics import Numerics
 from .policies import SpikeState, decide, decide_host, uses_clipping
 from .scaling import GradScalerAdapter, ScalerView, ScaleState, f32
-from .stats import Dec, GradGroups, grads_by_device_and_dtype, local_vector, per_tensor_norms
+from .stats import Dec, GradGroups, grads_by_device_and_dtype, local_vector, per_tensor_norms, sparse_values
 
 __all__ = ["DecisionGraph", "HostCopy", "LossMeter", "Measured", "StepPipeline", "local_vector_host"]
 
@@ -278,6 +278,8 @@ class StepPipeline:
         gradients): take the fused fast path where :meth:`fast_path` allows it. ``sample``: a step
         sampled by ``GuardConfig.numerics_every``: also measure the zero fractions and headroom
         (:mod:`ampguard.numerics`) of the still-scaled gradients, before they are unscaled."""
+        if self.adapter is not None and self.adapter.shared:
+            self.adapter.check_iteration()  # before anything changes: one step per guard and iteration
         if fast and self.fast_path(guard):
             measured = self._measure_scaled()
             if measured is not None:
@@ -288,8 +290,10 @@ class StepPipeline:
         if sample:
             # Before the unscale, unless somebody unscaled already: then max|scaled| = max|unscaled| * scale.
             unscaled = self.adapter is not None and not self.adapter.fast_path_ok(guard, self.optimizer)
-            numerics = self.numerics.measure(grads_by_device_and_dtype(self.params()), self.optimizer.param_groups,
-                                             self.adapter.scale if unscaled else None)  # type: ignore[union-attr]
+            scale = self.adapter.scale if unscaled else None  # type: ignore[union-attr]
+            _, numerics = self._sparse_tolerant(
+                lambda gs: self.numerics.measure(gs, self.optimizer.param_groups, scale),
+                grads_by_device_and_dtype(self.params()))
         found: dict[torch.device, torch.Tensor] = {}
         if self.adapter is not None:
             found = self.adapter.unscale(guard, self.optimizer)
@@ -298,8 +302,23 @@ class StepPipeline:
             (found_inf,) = found.values()
         elif found:
             found_inf = torch.stack([t.to(self.device, non_blocking=True).reshape(()) for t in found.values()]).sum()
-        groups = grads_by_device_and_dtype(self.params())
-        return Measured(found, found_inf, groups, per_tensor_norms(groups, self.device), numerics)
+        groups, norms = self._sparse_tolerant(lambda gs: per_tensor_norms(gs, self.device),
+                                              grads_by_device_and_dtype(self.params()))
+        return Measured(found, found_inf, groups, norms, numerics)
+
+    def _sparse_tolerant(self, fn: Callable[[GradGroups], Any], groups: GradGroups) -> tuple[GradGroups, Any]:
+        """``(groups, fn(groups))``; where ``fn`` fails because some gradients are sparse (no norm
+        kernel takes them): their values (views, which clipping scales) and ``fn`` of their coalesced
+        values (:func:`~ampguard.stats.sparse_values`), as GradScaler checks them. Dense gradients
+        pay nothing for this (an exception handler)."""
+        try:
+            return groups, fn(groups)
+        except RuntimeError:
+            values = sparse_values(self.params())
+            if values is None:
+                raise
+            views, coalesced = values
+            return views, fn(coalesced)
 
     def _measure_scaled(self) -> Measured | None:
         """The fused fast path's measurement: per-tensor norms of the still-scaled gradients (the
@@ -317,13 +336,19 @@ class StepPipeline:
         groups = grads_by_device_and_dtype(self.params())
         if not groups.index or any(dtype == torch.float16 for _, dtype in groups.tensors):
             return None
+        try:
+            norms = per_tensor_norms(groups, self.device)
+        except RuntimeError:
+            if sparse_values(self.params()) is None:
+                raise
+            return None  # sparse gradients, which no fused kernel takes: today's path, and torch's own error
         if self.device.type == "cpu":  # host floats: the same float32 values, no tensor op to make them
-            norms = per_tensor_norms(groups, self.device) * adapter.inv_scale_host()
+            norms = norms * adapter.inv_scale_host()
             bad = not all(math.isfinite(n) for n in norms.tolist())
             found = adapter.record_found_inf(self.optimizer, torch.full((), 1.0 if bad else 0.0))
         else:
             inv = adapter.inv_scale()
-            norms = per_tensor_norms(groups, self.device) * inv.to(self.device, non_blocking=True)
+            norms = norms * inv.to(self.device, non_blocking=True)
             found = adapter.record_found_inf(self.optimizer, torch.isfinite(norms).all().logical_not())
         (found_inf,) = found.values()
         if found_inf.device != self.device:
@@ -475,9 +500,19 @@ class StepPipeline:
             del inner.grad_scale, inner.found_inf  # type: ignore[attr-defined]
 
     def update_scale(self, decision: torch.Tensor, tracker: torch.Tensor | int | None) -> None:
-        if self.adapter is not None:
-            host = self.host_values(decision)
-            self.adapter.update(decision[Dec.NEXT_SCALE] if host is None else host[Dec.NEXT_SCALE], tracker)
+        """The next scale; on a GradScaler several guards share, this step's overflow and skip join
+        the iteration's one update instead (:class:`~ampguard.scaling.SharedScaler`)."""
+        adapter = self.adapter
+        if adapter is None:
+            return
+        host = self.host_values(decision)
+        if adapter.shared:
+            if host is not None:
+                adapter.contribute(host[Dec.GRAD_NONFINITE] > 0, host[Dec.SKIP] > 0)
+            else:
+                adapter.contribute(decision[Dec.GRAD_NONFINITE] > 0, decision[Dec.SKIP] > 0)
+            return
+        adapter.update(decision[Dec.NEXT_SCALE] if host is None else host[Dec.NEXT_SCALE], tracker)
 
 
 _FAST_BACKENDS = ("local", "torch.distributed")

@@ -31,7 +31,8 @@ from .errors import GuardStateError
 if TYPE_CHECKING:
     from .config import GuardConfig
 
-__all__ = ["GradScalerAdapter", "ScaleState", "ScalerView", "clamp_f32", "f32", "next_scale", "next_scale_host"]
+__all__ = ["GradScalerAdapter", "ScaleState", "ScalerView", "SharedScaler", "clamp_f32", "f32", "next_scale",
+           "next_scale_host"]
 
 # GradScaler's per-optimizer stages (torch.amp.grad_scaler.OptState), compared by name so a
 # torch that moves the enum keeps working.
@@ -67,9 +68,14 @@ class GradScalerAdapter:
       steps itself: the habit from the plain loop is a mistake), unless :attr:`route_steps` is set
       (framework integrations, whose own code calls ``scaler.step``): then it is ``opt.step()``.
     - ``scaler.update()`` after a guarded step: the guard already updated the scale; refused, or a
-      no-op with :attr:`route_steps`.
+      no-op with :attr:`route_steps`. With several guards on the scaler, an iteration in which not
+      all of them stepped is ended by it (:class:`SharedScaler`).
+    - ``scaler.step(other)`` / ``scaler.unscale_(other)`` for an optimizer no guard wraps: refused
+      before anything changes (its overflows would never reach the guarded scale update): guard it
+      too, on the same scaler.
     - ``scaler.scale(loss)``: noted, so that a step whose gradients were never scaled by this scaler
       is caught (see :attr:`scaled_since_step`).
+    - ``pickle``/``copy``: the scaler's own state, without these patches (a plain GradScaler).
     """
 
     def __init__(self, scaler: torch.amp.GradScaler) -> None:
@@ -78,9 +84,11 @@ class GradScalerAdapter:
         """Framework integrations set this: ``scaler.step(opt)`` runs the guarded step."""
         self.scaled_since_step = False
         """``scaler.scale()`` ran since the last guarded step (fp16: the gradients are scaled)."""
-        self._updated_by_guard = False
         self._targets: tuple[int, ...] = ()
-        self._saved: dict[str, Any] = {}
+        self._hub: SharedScaler | None = None
+        self.guard: Any = None
+        """The guarded optimizer, once attached."""
+        self.config: GuardConfig | None = None
 
     # ------------------------------------------------------------------ reads
     @property
@@ -190,13 +198,17 @@ class GradScalerAdapter:
 
     def update(self, new_scale: torch.Tensor | float, tracker: torch.Tensor | int | None) -> None:
         """Set the next scale and growth tracker (device tensors: no sync; or host values, CPU)."""
+        self._apply(new_scale, tracker)
+        if self._hub is not None:
+            self._hub.updated = True
+        self.scaled_since_step = False
+
+    def _apply(self, new_scale: torch.Tensor | float, tracker: torch.Tensor | int | None) -> None:
         self._call("update", new_scale=new_scale)
         if isinstance(tracker, int):
             self.scaler._growth_tracker.fill_(tracker)  # type: ignore[union-attr]
         elif tracker is not None:
             self.scaler._growth_tracker.copy_(tracker)  # type: ignore[union-attr]
-        self._updated_by_guard = True
-        self.scaled_since_step = False
 
     @contextlib.contextmanager
     def at_scale(self, scale: torch.Tensor) -> Iterator[None]:
@@ -214,68 +226,241 @@ class GradScalerAdapter:
 
     def _call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """GradScaler's own method, bypassing what :meth:`attach` put on the instance."""
-        original = self._saved.get(name) or getattr(type(self.scaler), name).__get__(self.scaler)
+        hub = self._hub or SharedScaler.of(self.scaler)
+        original = hub._own(name) if hub is not None else getattr(type(self.scaler), name).__get__(self.scaler)
         return original(*args, **kwargs)
 
     # ------------------------------------------------------------------ the scaler's public calls
+    @property
+    def shared(self) -> bool:
+        """Several guards share this GradScaler: the scale is updated once per iteration, after
+        the last of them steps (:class:`SharedScaler`)."""
+        hub = self._hub
+        return hub is not None and len(hub.members) > 1
+
+    def contribute(self, overflow: torch.Tensor | bool, skip: torch.Tensor | bool) -> None:
+        """A guard on a shared scaler stepped (or skipped): its overflow and skip flags (host bools
+        or 0-d bool device tensors) join this iteration's one scale update, made after the last guard."""
+        assert self._hub is not None  # internal: shared
+        self._hub.contribute(self, overflow, skip)
+        self.scaled_since_step = False
+
+    def check_iteration(self) -> None:
+        """Before a guard on a shared scaler unscales: refuse a second step in one iteration."""
+        assert self._hub is not None  # internal: shared
+        self._hub.check_iteration(self)
+
     def attach(self, guard: Any) -> None:
         """Make ``scaler.step/unscale_/update/scale`` guard-aware on this instance (see the class
-        docstring). Calls about other optimizers go to GradScaler unchanged."""
-        if self._targets:
+        docstring), joining the guards already on it (:class:`SharedScaler`)."""
+        if self._hub is not None:
             return
         self._targets = (id(guard), id(guard.optimizer))
-        scaler = self.scaler
-        for name in ("step", "unscale_", "update", "scale"):
-            self._saved[name] = scaler.__dict__.get(name)  # someone else's instance patch, if any
-        def _class(name: str) -> Callable[..., Any]:
-            return self._saved[name] or getattr(type(scaler), name).__get__(scaler)
-
-        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-            if id(optimizer) not in self._targets:
-                return _class("step")(optimizer, *args, **kwargs)
-            if self.route_steps:
-                return guard.step(*args, **kwargs)
-            self.forget(optimizer)
-            raise GuardStateError(
-                "scaler.step(opt) was called on a guarded optimizer: the guard already unscales, checks and "
-                "steps. Replace `scaler.step(opt); scaler.update()` with `opt.step()`. Nothing was changed."
-            )
-
-        def unscale_(optimizer: Any) -> None:
-            if id(optimizer) not in self._targets:
-                return _class("unscale_")(optimizer)  # type: ignore[no-any-return]
-            guard.unscale_()
-            return None
-
-        def update(new_scale: Any = None) -> None:
-            if self._updated_by_guard and new_scale is None:
-                if self.route_steps:
-                    self._updated_by_guard = False
-                    return None
-                raise GuardStateError(
-                    "scaler.update() after opt.step(): the guarded step already updated the loss scale. Remove "
-                    "the scaler.update() call. Nothing was changed."
-                )
-            return _class("update")(new_scale)  # type: ignore[no-any-return]
-
-        def scale(outputs: Any) -> Any:
-            self.scaled_since_step = True
-            return _class("scale")(outputs)
-
-        scaler.step = step  # type: ignore[method-assign]
-        scaler.unscale_ = unscale_  # type: ignore[method-assign]
-        scaler.update = update  # type: ignore[method-assign]
-        scaler.scale = scale  # type: ignore[method-assign]
+        self.guard, self.config = guard, guard.config
+        hub = SharedScaler.of(self.scaler) or SharedScaler(self.scaler)
+        hub.join(self)
+        self._hub = hub
 
     def detach(self) -> None:
-        """Undo :meth:`attach`: the scaler's methods are GradScaler's (or whatever they were) again."""
-        for name, previous in self._saved.items():
-            if previous is None:
-                self.scaler.__dict__.pop(name, None)
-            else:
-                setattr(self.scaler, name, previous)
-        self._saved.clear()
+        """Undo :meth:`attach`: the last guard to leave gives the scaler back its own methods."""
+        if self._hub is not None:
+            self._hub.leave(self)
+        self._hub = None
         self._targets = ()
+
+
+_PATCHED = ("step", "unscale_", "update", "scale", "__getstate__")
+"""The GradScaler methods the guards patch onto a scaler instance (nothing global)."""
+
+
+class SharedScaler:
+    """The guards on one ``GradScaler``, and the scaler's public calls while any is on it.
+
+    Patched onto the scaler instance as bound methods of this object (``scaler.step`` is
+    :meth:`step`, ...); ``scaler.__getstate__`` hands pickle and ``copy`` the scaler's own state
+    without them, so a copy is a plain GradScaler, as the scaler was before the guard.
+
+    Several guards on one scaler (torch's ``scaler.step(opt0); scaler.step(opt1); scaler.update()``):
+    each decides, and skips, on its own gradients, unscaled with the iteration's scale; the scale
+    is updated once per iteration, after every guard on the scaler stepped: backed off when any of
+    them overflowed, grown by GradScaler's timer otherwise (held when one skipped for another
+    reason), within [min_scale, max_scale]. An iteration in which not every guard steps is ended by
+    ``scaler.update()``; a guard that steps twice in one iteration is refused.
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler) -> None:
+        self.scaler = scaler
+        self.members: list[GradScalerAdapter] = []
+        self.pending: dict[int, tuple[torch.Tensor | bool, torch.Tensor | bool]] = {}
+        """This iteration's (overflow, skip) of each member that stepped, by ``id(member)``."""
+        self.updated = False
+        """The guards updated the scale since the last ``scaler.update()`` call."""
+        self.saved: dict[str, Any] = {name: scaler.__dict__.get(name) for name in _PATCHED}
+        patches = {"step": self.step, "unscale_": self.unscale_, "update": self.update, "scale": self.scale,
+                   "__getstate__": self._getstate}
+        for name in _PATCHED:
+            setattr(scaler, name, patches[name])
+
+    @staticmethod
+    def of(scaler: torch.amp.GradScaler) -> SharedScaler | None:
+        """The hub the guards on ``scaler`` share (None: no guard on it)."""
+        owner = getattr(scaler.__dict__.get("__getstate__"), "__self__", None)
+        return owner if isinstance(owner, SharedScaler) else None
+
+    @staticmethod
+    def check_join(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, config: GuardConfig) -> None:
+        """Before a guard is built on ``scaler``: may it join the guards already there? Raises
+        ``GuardStateError``/``ValueError`` naming the fix; changes nothing."""
+        hub = SharedScaler.of(scaler)
+        if hub is None or not hub.members:
+            return
+        if any(id(optimizer) in m._targets for m in hub.members):
+            raise GuardStateError("this optimizer is already guarded on this GradScaler; wrap each optimizer once "
+                                  "(opt.optimizer is the inner one). Nothing was changed.")
+        configs = [config, *(m.config for m in hub.members if m.config is not None)]
+        odd = [f"{name}={[getattr(c, name) for c in configs]}" for name in ("min_scale", "max_scale")
+               if len({getattr(c, name) for c in configs}) > 1]
+        if any(c.hysteresis != 1 for c in configs):
+            odd.append(f"hysteresis={[c.hysteresis for c in configs]} (allowed: 1)")
+        if any(c.scale_policy != "default" for c in configs):
+            odd.append(f"scale_policy={[c.scale_policy for c in configs]} (allowed: 'default')")
+        if odd:
+            raise ValueError(
+                f"this GradScaler is already shared by {len(hub.members)} guard(s), and guards on one scaler update "
+                "its scale once per iteration with one rule: GradScaler's, within one [min_scale, max_scale]. Their "
+                f"configs disagree or need a scale of their own: {'; '.join(odd)}. Give every guard on the scaler "
+                "the same min_scale/max_scale with hysteresis=1 and scale_policy='default', or give this optimizer "
+                "a GradScaler of its own (scaler=torch.amp.GradScaler(...)). Nothing was changed.")
+
+    def join(self, member: GradScalerAdapter) -> None:
+        self.members.append(member)
+
+    def leave(self, member: GradScalerAdapter) -> None:
+        """A guard closes: the last one restores the scaler's methods; otherwise an iteration that
+        only waited for it is complete now."""
+        if member in self.members:
+            self.members.remove(member)
+        if not self.members:
+            self.pending.clear()
+            for name, previous in self.saved.items():
+                if previous is None:
+                    self.scaler.__dict__.pop(name, None)
+                else:
+                    setattr(self.scaler, name, previous)
+        elif self.pending and all(id(m) in self.pending for m in self.members):
+            self.flush()
+
+    def _member(self, optimizer: Any) -> GradScalerAdapter | None:
+        return next((m for m in self.members if id(optimizer) in m._targets), None)
+
+    def _own(self, name: str) -> Callable[..., Any]:
+        """The scaler's own method ``name`` (or the instance patch that was there before the guards)."""
+        return self.saved.get(name) or getattr(type(self.scaler), name).__get__(self.scaler)
+
+    def _refuse_unguarded(self, call: str) -> GuardStateError:
+        return GuardStateError(
+            f"scaler.{call}(optimizer) on an optimizer no guard wraps, with a GradScaler a guard shares: the guarded "
+            "steps update this scaler's scale, so this optimizer's overflows would never back it off. Guard it too, "
+            "on the same scaler: `opt1 = ampguard.wrap(opt1, scaler=scaler)` and call opt1.step() (the guards on one "
+            "GradScaler update its scale once per iteration, after the last of them). Nothing was changed.")
+
+    # the scaler's public calls, while guards are on it
+    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        member = self._member(optimizer)
+        if member is None:
+            raise self._refuse_unguarded("step")
+        if member.route_steps:
+            return member.guard.step(*args, **kwargs)
+        member.forget(optimizer)
+        raise GuardStateError(
+            "scaler.step(opt) was called on a guarded optimizer: the guard already unscales, checks and "
+            "steps. Replace `scaler.step(opt); scaler.update()` with `opt.step()`. Nothing was changed."
+        )
+
+    def unscale_(self, optimizer: Any) -> None:
+        member = self._member(optimizer)
+        if member is None:
+            raise self._refuse_unguarded("unscale_")
+        member.guard.unscale_()
+
+    def update(self, new_scale: Any = None) -> None:
+        if new_scale is None and self.pending:  # ends an iteration in which not every guard stepped
+            self.flush()
+            self.updated = False
+            return None
+        if self.updated and new_scale is None:
+            if any(m.route_steps for m in self.members):
+                self.updated = False
+                return None
+            raise GuardStateError(
+                "scaler.update() after opt.step(): the guarded step already updated the loss scale (guards sharing "
+                "a GradScaler update it once per iteration, after the last of them). Remove the scaler.update() "
+                "call. Nothing was changed."
+            )
+        return self._own("update")(new_scale)  # type: ignore[no-any-return]
+
+    def scale(self, outputs: Any) -> Any:
+        for m in self.members:
+            m.scaled_since_step = True
+        return self._own("scale")(outputs)
+
+    def _getstate(self) -> dict[str, Any]:
+        """``scaler.__getstate__``: the scaler's own state, without the guards' patches."""
+        state: dict[str, Any] = self._own("__getstate__")()
+        for name, previous in self.saved.items():
+            if previous is None:
+                state.pop(name, None)
+            else:
+                state[name] = previous
+        return state
+
+    # one scale update per iteration
+    def check_iteration(self, member: GradScalerAdapter) -> None:
+        if id(member) in self.pending:
+            raise GuardStateError(
+                f"this guard already stepped in this iteration of a GradScaler shared by {len(self.members)} guards, "
+                "whose scale is updated after every one of them stepped. Where only some of them step in an "
+                "iteration, end it with scaler.update() after their steps (before the next backward). Nothing "
+                "was changed.")
+
+    def contribute(self, member: GradScalerAdapter, overflow: torch.Tensor | bool, skip: torch.Tensor | bool) -> None:
+        self.pending[id(member)] = (overflow, skip)
+        if all(id(m) in self.pending for m in self.members):
+            self.flush()
+
+    def flush(self) -> None:
+        """The iteration's one scale update: GradScaler's rule on the flags of the guards that stepped
+        (overflow: any; held: a skip without overflow), within the guards' [min_scale, max_scale]."""
+        flags = list(self.pending.values())
+        self.pending.clear()
+        first = self.members[0]
+        view, config = first.view(), first.config
+        assert config is not None  # internal: members are attached
+        if all(isinstance(o, bool) and isinstance(s, bool) for o, s in flags):
+            overflow = any(o for o, _ in flags)
+            held = not overflow and any(s for _, s in flags)
+            scale = f32(float(view.scale.item()))
+            new_host, tracker_host, *_ = next_scale_host(scale, int(view.growth_tracker.item()), overflow, held, 0,
+                                                         scaler=view, config=config)
+            first._apply(new_host, tracker_host)
+        else:
+            dev = view.scale.device
+            o = torch.stack([_on(f, dev) for f, _ in flags]).any()
+            s = torch.stack([_on(f, dev) for _, f in flags]).any()
+            new, tracker, *_ = next_scale(
+                scale=view.scale, growth_tracker=view.growth_tracker, overflow=o, held=s & ~o,
+                state=ScaleState.fresh(dev), growth_factor=view.growth_factor, backoff_factor=view.backoff_factor,
+                growth_interval=view.growth_interval, hysteresis=1, min_scale=config.min_scale,
+                max_scale=config.max_scale)
+            first._apply(new, tracker)
+        self.updated = True
+
+
+def _on(flag: torch.Tensor | bool, device: torch.device) -> torch.Tensor:
+    """A skip/overflow flag as a 0-d bool tensor on ``device`` (a host bool by a fill: no copy, no sync)."""
+    if isinstance(flag, bool):
+        return torch.full((), flag, dtype=torch.bool, device=device)
+    return flag.to(device, non_blocking=True).reshape(()).bool()
 
 
 def _unscales_as_grad_scaler(cls: type) -> bool:

@@ -39,6 +39,7 @@ __all__ = [
     "local_vector",
     "origin_ranks",
     "per_tensor_norms",
+    "sparse_values",
 ]
 
 
@@ -162,9 +163,28 @@ def grads_by_device_and_dtype(params: Sequence[torch.Tensor]) -> GradGroups:
     """The params' gradients grouped exactly as ``clip_grad_norm_`` groups them (same helper,
     same order), so norms derived from them are bitwise clip_grad_norm_'s; each with the index
     of its parameter in ``params``."""
+    return _grouped([p.grad for p in params])
+
+
+def sparse_values(params: Sequence[torch.Tensor]) -> tuple[GradGroups, GradGroups] | None:
+    """The params' gradients grouped as :func:`grads_by_device_and_dtype` groups them, each sparse
+    one by its values, as GradScaler checks and unscales them: ``(views, coalesced)``. ``views``:
+    the gradients' own values (a view: clipping them clips the gradient; uncoalesced ones are left
+    so, as GradScaler leaves float32 ones, so the optimizer steps on what it would have); and
+    ``coalesced``: the values of the coalesced gradients (duplicate indices summed: a copy where
+    the gradient is not coalesced), whose norms are the gradients' norms. None when no gradient
+    is sparse."""
+    grads = [p.grad for p in params]
+    if not any(g is not None and g.is_sparse for g in grads):
+        return None
+    views = [None if g is None else g._values() if g.is_sparse else g for g in grads]
+    summed = [None if g is None else g.coalesce()._values() if g.is_sparse else g for g in grads]
+    return _grouped(views), _grouped(summed)
+
+
+def _grouped(every: Sequence[torch.Tensor | None]) -> GradGroups:
     # Sharded (DTensor, FSDP2) gradients: this rank's shard, as a plain tensor sharing its storage.
     # Norms are then local (decide() adds the squares across ranks) and no op dispatches a collective.
-    every = [p.grad for p in params]
     present = [i for i, g in enumerate(every) if g is not None]
     grads: list[torch.Tensor] = [every[i] for i in present]  # type: ignore[misc]
     if not grads:  # a backward that reached no parameter: nothing to group (torch's helper refuses [])

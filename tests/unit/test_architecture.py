@@ -59,9 +59,12 @@ def test_adapter_attach_makes_the_scalers_calls_guard_aware_and_detach_undoes_it
     other = torch.optim.SGD(other_model.parameters(), lr=0.1)
     before_other = other_model.weight.detach().clone()
     scaler.scale(other_model(torch.ones(1, 2)).sum()).backward()
-    scaler.step(other)  # calls about other optimizers are GradScaler's own
-    assert not torch.equal(before_other, other_model.weight)
-    scaler.update()
+    scaled = other_model.weight.grad.clone()
+    with pytest.raises(ampguard.GuardStateError, match=r"no guard wraps.*ampguard.wrap\(opt1, scaler=scaler\)"):
+        scaler.step(other)  # an unguarded optimizer on a guarded scaler: its overflows would never back it off
+    with pytest.raises(ampguard.GuardStateError, match="no guard wraps"):
+        scaler.unscale_(other)
+    assert torch.equal(before_other, other_model.weight) and torch.equal(scaled, other_model.weight.grad)
     with pytest.raises(ampguard.GuardStateError, match=r"scaler.step\(opt\)"):
         scaler.step(opt.optimizer)  # the inner optimizer is the guard's too
     opt.backward(model(torch.ones(3, 4)).sum())
@@ -75,7 +78,7 @@ def test_adapter_attach_makes_the_scalers_calls_guard_aware_and_detach_undoes_it
     scaler.update()  # -> a no-op: the guarded step updated the scale
     assert opt.step_count == 2 and len(opt.history) == 2
     opt.close()
-    assert not {"step", "unscale_", "update", "scale"} & set(vars(scaler))
+    assert not {"step", "unscale_", "update", "scale", "__getstate__"} & set(vars(scaler))
 
 
 def test_backend_protocol_holds_for_every_backend():

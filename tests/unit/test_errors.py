@@ -123,12 +123,6 @@ def test_wrapping_twice_is_refused():
         ampguard.wrap(opt)
 
 
-def test_fp16_with_disabled_scaler_is_refused():
-    model = make_model()
-    with pytest.raises(ValueError, match="disabled GradScaler"):
-        ampguard.wrap(make_opt(model), precision="fp16", scaler=torch.amp.GradScaler("cpu", enabled=False))
-
-
 def test_enabled_scaler_with_bf16_is_refused_and_auto_picks_fp16():
     model = make_model()
     with pytest.raises(ValueError, match="loss scaling is for fp16"):
