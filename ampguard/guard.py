@@ -212,12 +212,7 @@ class GuardedOptimizer(InnerOptimizerView):
         fresh = self._fresh_grads()
         self._check_step_call(fresh)
         if not self._loss.count:  # a host int: the loss the guard never saw (no sync)
-            self._voice.warn_once(
-                "no_loss", self._step,
-                "step() on gradients from a backward the guard did not see, and no loss was given: every report's "
-                "loss is unknown (None), and the loss curve, the loss-spike detector and ampguard_loss have "
-                "nothing to show. Call opt.backward(loss) instead of loss.backward() / "
-                "scaler.scale(loss).backward(), or give the loss with opt.observe_loss(loss)", stacklevel=3)  # step() runs inside torch's step wrapper
+            self._voice.no_loss(self._step, stacklevel=3)  # 3: step() runs inside torch's step wrapper
         self._fixed_point(self._step + 1)  # the previous step's reports, if left pending; this forward is done
         if self._reporter.ladder is not None and self._reporter.ladder.pending_rollback is not None:
             actions.rollback_step(self)

@@ -224,6 +224,16 @@ class Voice:
         self._log(logging.WARNING, step, message)
         warnings.warn(f"ampguard: {message}", RuntimeWarning, stacklevel=stacklevel + 1)
 
+    def no_loss(self, step: int, *, stacklevel: int) -> None:
+        """``step()`` with no loss given for it (a backward the guard did not run): said once per run."""
+        if "no_loss" not in self._warned:
+            self.warn_once("no_loss", step,
+                           "step() on gradients from a backward the guard did not see, and no loss was given: every "
+                           "report's loss is unknown (None), and the loss curve, the loss-spike detector and "
+                           "ampguard_loss have nothing to show. Call opt.backward(loss) instead of loss.backward() / "
+                           "scaler.scale(loss).backward(), or give the loss with opt.observe_loss(loss)",
+                           stacklevel=stacklevel + 1)
+
     def check_activation_dtype(self, loss: torch.Tensor, device_type: str, expected: torch.dtype, step: int,
                                *, stacklevel: int) -> None:
         """On the first loss given to the guard: does the loop's autocast run a low-precision dtype
