@@ -138,9 +138,9 @@ class Voice:
         """Fold the reports about to be exported in, in step order, and say what they call for."""
         for report, anomalies in decoded:
             self.last = report
-            if report.skipped or anomalies or report.scale_backoff or report.scale_growth or not self.kept:
+            if anomalies or report.skipped or report.scale_backoff or report.scale_growth or not self.kept:
                 self._notable(report, anomalies)
-            else:
+            elif self.consecutive:
                 self.consecutive = 0
 
     def _notable(self, report: StepReport, anomalies: list[Anomaly]) -> None:
@@ -188,9 +188,9 @@ class Voice:
             if key not in self._findings:
                 self._findings.add(key)
                 self._log(logging.WARNING, anomaly.step,
-                          f"forensics: the first non-finite value came from module {anomaly.module or '(unknown)'}, "
-                          f"phase {anomaly.phase}, cause {anomaly.cause} (first seen on this step; "
-                          "every anomaly it explains is in opt.anomalies)")
+                          f"forensics found where the first non-finite value arose: module {anomaly.module or '-'}, "
+                          f"phase {anomaly.phase or '-'}, cause {anomaly.cause or '-'} (first seen on this step; "
+                          "opt.anomalies has every step it explains)")
 
     def _say(self, key: Any, step: int, level: int, message: str | Callable[[], str]) -> None:
         """Log ``message`` (made only when logged) unless ``key`` was logged less than

@@ -135,7 +135,7 @@ def test_forensics_findings_are_said_once(caplog):
         opt.step()
         opt.zero_grad()
     found = [r.getMessage() for r in _records(caplog) if r.getMessage().startswith("step 4, rank 0: forensics")]
-    assert found == ["step 4, rank 0: forensics: the first non-finite value came from module 0, phase forward, "
-                     "cause nan (first seen on this step; every anomaly it explains is in opt.anomalies)"]
-    assert len([r for r in _records(caplog) if "forensics: the first" in r.getMessage()]) == 1  # not again at 6
+    assert found == ["step 4, rank 0: forensics found where the first non-finite value arose: module 0, phase "
+                     "forward, cause nan (first seen on this step; opt.anomalies has every step it explains)"]
+    assert len([r for r in _records(caplog) if "forensics found" in r.getMessage()]) == 1  # not again at 6
     assert math.isnan(opt.history[4].loss)
