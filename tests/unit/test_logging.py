@@ -12,7 +12,7 @@ import torch
 import ampguard
 from ampguard.runlog import RunSummary, format_summary, load_run, summary
 
-from ._models import loss_of, make_data, make_model, make_opt
+from ._models import guarded_steps, make_data, make_model, make_opt
 
 
 def _records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
@@ -20,15 +20,12 @@ def _records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
 
 
 def _train(opt, model, batches, n, *, bad=lambda step: False, overflow=False):
-    for step in range(n):
-        x, y = batches[step % len(batches)]
-        if bad(step):  # a bad batch: an fp16 activation overflow (inf loss), or a missing value (NaN loss)
-            x = x * 1e6 if overflow else x.clone().index_fill_(1, torch.tensor([2]), math.nan)
-        with opt.autocast():
-            loss = loss_of(model, x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
+    """``n`` steps over ``batches``; a bad batch where ``bad(step)``: an fp16 activation overflow
+    (an inf loss, ``overflow=True``) or a missing value (a NaN feature: a NaN loss)."""
+    data = [batches[step % len(batches)] for step in range(n)]
+    data = [(x * 1e6 if overflow else x.clone().index_fill_(1, torch.tensor([2]), math.nan), y) if bad(step)
+            else (x, y) for step, (x, y) in enumerate(data)]
+    guarded_steps(opt, model, data)
 
 
 def test_a_healthy_run_logs_nothing_but_the_summary_and_close_returns_it(caplog):

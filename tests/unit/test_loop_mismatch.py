@@ -19,7 +19,7 @@ import torch
 import ampguard
 from ampguard.runlog import load_run
 
-from ._models import loss_of, make_data, make_model, make_opt
+from ._models import guarded_steps, loss_of, make_data, make_model, make_opt
 
 
 def _messages(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG) -> list[str]:
@@ -27,13 +27,7 @@ def _messages(caplog: pytest.LogCaptureFixture, level: int = logging.DEBUG) -> l
 
 
 def _run(opt, model, batches, n):
-    for i in range(n):
-        x, y = batches[i % len(batches)]
-        with opt.autocast():
-            loss = loss_of(model, x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
+    guarded_steps(opt, model, [batches[i % len(batches)] for i in range(n)])
 
 
 # ------------------------------------------------------------------ a run that cannot learn (default config)
