@@ -15,7 +15,7 @@ from typing import Any
 from .report import StepReport
 from .vocab import SkipReason
 
-__all__ = ["carry_out", "rollback_step"]
+__all__ = ["carry_out", "export", "rollback_step"]
 
 
 def carry_out(guard: Any, next_forward: int) -> None:
@@ -26,7 +26,7 @@ def carry_out(guard: Any, next_forward: int) -> None:
         return
     rep.decode()
     guard._schedules.advance(guard)  # opt.schedule(): once per decoded taken step, before the next inner step
-    rep.export_pending()
+    export(guard)
     actions = rep.take_actions()
     for report in actions.reports:
         guard._forensics.after_report(report, next_forward, actions.blocks.get(report.step))
@@ -38,7 +38,16 @@ def carry_out(guard: Any, next_forward: int) -> None:
         if actions.abort is not None and ladder.on_abort is not None:
             ladder.on_abort(guard, actions.abort[0])
     if actions.escalation is not None:
+        guard._voice.say_stop(actions.escalation, guard.step_count)
         raise actions.escalation
+
+
+def export(guard: Any) -> None:
+    """Hand the decoded records to the ``ampguard`` logger (:class:`ampguard.logs.Voice`, which
+    also keeps what the run's summary needs) and to the exporters."""
+    rep = guard._reporter
+    guard._voice.hear(rep._unexported)
+    rep.export_pending()
 
 
 def rollback_step(guard: Any) -> None:
@@ -53,7 +62,7 @@ def rollback_step(guard: Any) -> None:
                         nonfinite_loss=False, world_size=guard.backend.world_size, rank=guard.backend.rank,
                         wall_time=time.time())
     rep.record(report, [], consecutive=False)
-    rep.export_pending()
+    export(guard)
     rep.take_actions()
     guard._batch_ids = []
     guard._end_step()

@@ -80,9 +80,13 @@ class GuardConfig:
     max_scale: float | None = None
     """Ceiling of the loss scale (None: unbounded, as GradScaler). Must be >= ``min_scale``."""
 
-    max_consecutive_skips: int | None = None
-    """Raise :class:`~ampguard.NonFiniteError` when this many steps in a row were skipped
-    (None: never). Every rank raises at the same step."""
+    max_consecutive_skips: int | None = 100
+    """Raise :class:`~ampguard.NonFiniteError`, with a diagnosis, when this many steps in a row were
+    skipped (None: never). Every rank raises at the same step; half-way there the ``ampguard``
+    logger warns. The default, 100, stops a run that cannot learn (a NaN loss on every step, an
+    optimizer over parameters the loss never reaches) and leaves room for what is normal: an fp16
+    warm-up, where the scale calibrates down from GradScaler's 65536, skips at most 16 steps per
+    unit of ``hysteresis`` (to the default floor 1.0), so up to hysteresis 6 fits."""
 
     grad_spike_factor: float | None = None
     """Flag a step whose gradient norm exceeds this factor (> 1) times its running average

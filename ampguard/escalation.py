@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from .config import Escalation
+from .logs import ADVICE, KIND_OF_REASON
 from .report import Anomaly, StepReport
 from .vocab import AnomalyKind
 
-__all__ = ["Ladder", "Observed"]
+__all__ = ["Ladder", "Observed", "consecutive_diagnosis"]
 
 
 def _to(obj: Any, device: str | None) -> Any:
@@ -102,14 +103,8 @@ class Ladder:
         return Observed([Anomaly(report.step, AnomalyKind.ABORT, diagnosis, report.nonfinite_ranks)], diagnosis, False)
 
     def diagnose(self, report: StepReport, count: int, why: str, anomalies: Sequence[Anomaly]) -> str:
-        located = [a for a in anomalies if a.module is not None][-3:]
-        where = "; ".join(f"step {a.step}: {a.module or '(model)'} {a.phase} ({a.cause})" for a in located)
-        return (
-            f"training stopped at step {report.step}: {count} non-finite steps within {self.config.window} steps "
-            f"and {why}. Last report: reason={report.reason}, loss={report.loss}, grad_norm={report.grad_norm}, "
-            f"loss_scale={report.loss_scale}, ranks={list(report.nonfinite_ranks) or 'local'}."
-            + (f" Localised: {where}." if where else "")
-        )
+        return (f"training stopped at step {report.step}: {count} non-finite steps within {self.config.window} steps "
+                f"and {why}. " + _last(report, anomalies))
 
     @torch.no_grad()
     def take_snapshot(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
@@ -146,3 +141,27 @@ class Ladder:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.recent = deque(int(s) for s in state.get("recent", ()))
         self.rollbacks = int(state.get("rollbacks", 0))
+
+
+def _last(report: StepReport, anomalies: Sequence[Anomaly]) -> str:
+    """The last report, and where forensics localised the last non-finite values (if anywhere)."""
+    located = [a for a in anomalies if a.module is not None][-3:]
+    where = "; ".join(f"step {a.step}: {a.module or '(model)'} {a.phase} ({a.cause})" for a in located)
+    return (f"Last report: reason={report.reason}, loss={report.loss}, grad_norm={report.grad_norm}, "
+            f"loss_scale={report.loss_scale}, ranks={list(report.nonfinite_ranks) or 'local'}."
+            + (f" Localised: {where}." if where else ""))
+
+
+def consecutive_diagnosis(report: StepReport, count: int, limit: int, anomalies: Sequence[Anomaly]) -> str:
+    """Why training stops after ``count`` skipped steps in a row (``GuardConfig.max_consecutive_skips``
+    = ``limit``): what the skips were, what that means, what to do."""
+    reasons: dict[str, int] = {}
+    for a in anomalies:
+        if a.step > report.step - count:
+            reasons[str(a.kind)] = reasons.get(str(a.kind), 0) + 1
+    seen = ", ".join(f"{k} {v}" for k, v in reasons.items()) or "none recorded"
+    advice = ADVICE[KIND_OF_REASON.get(str(report.reason), AnomalyKind.NONFINITE_GRAD)]
+    return (f"{count} consecutive steps skipped (GuardConfig.max_consecutive_skips={limit}): the run cannot learn "
+            f"as it is. Anomalies over those steps: {seen}. What to do: {advice}. " + _last(report, anomalies)
+            + " opt.anomalies (or `ampguard report` on the event log) has every step; "
+            "GuardConfig(max_consecutive_skips=None) turns this stop off.")

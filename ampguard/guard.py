@@ -23,6 +23,7 @@ from .errors import GuardStateError
 from .escalation import Ladder
 from .exporters.base import Exporter, MultiExporter
 from .indicators import Indicators
+from .logs import Voice
 from .optimizer_view import InnerOptimizerView
 from .pipeline import LossMeter, StepPipeline, grad_marks
 from .report import Anomaly, History, RunInfo, StepReport
@@ -94,6 +95,10 @@ class GuardedOptimizer(InnerOptimizerView):
         self._lagged_reports = device.type != "cpu"  # CPU steps are synchronous: report at once
         self._schedules = Schedules()  # opt.schedule(), opt.track_ema()
         self._closed = False
+        self._summary: Any = None  # close()'s summary, once closed
+        self._voice = Voice(rank=backend.rank, world_size=backend.world_size, precision=precision,
+                            scaled=scaler is not None, max_consecutive_skips=config.max_consecutive_skips)
+        """What the guard tells the ``ampguard`` logger (:mod:`ampguard.logs`), and the run's summary."""
         self.backend.attach(self)
         self.run_info = run_info(self)
         self._exporter.open(self.run_info)
@@ -136,16 +141,28 @@ class GuardedOptimizer(InnerOptimizerView):
         if self._stage is Stage.STEPPED and not self._forensics.replaying:
             raise GuardStateError("backward() after step() without zero_grad(): the new gradients would be added to "
                                   "the last step's. Call opt.zero_grad() after opt.step(). Nothing was changed.")
+        replaying = self._forensics.replaying
+        if not replaying:
+            self._loss.check("mean")  # before anything runs: a refused call changes nothing
         for hook in self._loss_hooks.values():
             loss = hook(loss, self._step)
-        if not self._forensics.replaying:
-            self._loss.add(loss, "mean")
-            if batch_id is not None:
-                self._batch_ids.append(batch_id)
-            self._stage = Stage.ACCUMULATING
-        else:  # a replay closure's backward: same scale, nothing accumulated
+        scaled_before = self._scaler is not None and self._scaler.scaled_since_step
+        try:
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward(**kwargs)
+        except BaseException:
+            # A backward that raised (a freed graph, an in-place modification) leaves the guard as it
+            # was: its loss is not kept, the step's stage does not move, the scaler's mark is undone.
+            if self._scaler is not None:
+                self._scaler.scaled_since_step = scaled_before
+            raise
+        if replaying:  # a replay closure's backward: same scale, nothing accumulated
             self._forensics.replay_loss = loss.detach().float().reshape(())
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward(**kwargs)
+            return
+        self._loss.add(loss, "mean")
+        if batch_id is not None:
+            self._batch_ids.append(batch_id)
+        self._stage = Stage.ACCUMULATING
+        self._voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=2)
 
     def observe_loss(self, loss: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean") -> None:
         """Record one micro-batch's loss for this step's checks and report, when the backward is
@@ -157,6 +174,7 @@ class GuardedOptimizer(InnerOptimizerView):
             raise ValueError(f"reduction={reduction!r}; allowed: 'mean' | 'sum'")
         if not self._forensics.replaying:
             self._loss.add(loss, reduction)
+            self._voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=2)
 
     def unscale_(self) -> None:
         """Unscale the gradients now (fp16) and measure them, so the caller can clip unscaled
@@ -193,6 +211,8 @@ class GuardedOptimizer(InnerOptimizerView):
                 result = closure()
         fresh = self._fresh_grads()
         self._check_step_call(fresh)
+        if not self._loss.count:  # a host int: the loss the guard never saw (no sync)
+            self._voice.no_loss(self._step, stacklevel=3)  # 3: step() runs inside torch's step wrapper
         self._fixed_point(self._step + 1)  # the previous step's reports, if left pending; this forward is done
         if self._reporter.ladder is not None and self._reporter.ladder.pending_rollback is not None:
             actions.rollback_step(self)
@@ -334,14 +354,27 @@ class GuardedOptimizer(InnerOptimizerView):
         exporters have written it (the JSONL log's background writer drained)."""
         self._reporter.decode()
         self._schedules.advance(self)  # the last step's scheduler advance (opt.schedule)
-        self._reporter.export_pending()
+        actions.export(self)
         self._exporter.flush()
 
-    def close(self) -> None:
-        """Flush, then close the exporters, remove backend hooks and hand the scaler's methods
-        back. Idempotent."""
+    def summary(self) -> Any:
+        """The run so far as ``ampguard report`` summarises its event log: an
+        :class:`ampguard.runlog.RunSummary` (steps, skips by reason, loss-scale range, where
+        non-finite values came from, anomalies by kind; ``.to_dict()`` for JSON,
+        ``ampguard.runlog.format_summary`` for the table), from this rank's reports. Waits for the
+        pending reports (like :meth:`flush`), and logs the table at INFO on the ``ampguard`` logger.
+        After :meth:`close`, the summary ``close()`` returned."""
         if self._closed:
-            return
+            return self._summary
+        self.flush()
+        return self._summarise(closed=False)
+
+    def close(self) -> Any:
+        """Flush, then close the exporters, remove backend hooks and hand the scaler's methods
+        back. Returns the run's summary (:meth:`summary`) and logs it at INFO. Idempotent: a second
+        call returns the same summary."""
+        if self._closed:
+            return self._summary
         try:
             self.flush()
         finally:
@@ -352,6 +385,15 @@ class GuardedOptimizer(InnerOptimizerView):
                 self._scaler.detach()
             self._exporter.close()
             self.backend.close()
+        self._summary = self._summarise(closed=True)
+        return self._summary
+
+    def _summarise(self, *, closed: bool) -> Any:
+        from .runlog.summary import format_summary
+
+        result = self._voice.summary(self.run_info, self._step, closed)
+        self._voice.say_summary(format_summary(result), self._step)
+        return result
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

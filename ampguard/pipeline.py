@@ -94,12 +94,16 @@ class LossMeter:
         self.count = 0
         self.reduction: str | None = None
 
-    def add(self, loss: torch.Tensor, reduction: str) -> None:
+    def check(self, reduction: str) -> None:
+        """Raise, changing nothing, when ``reduction`` differs from this step's earlier losses'."""
         if self.reduction is not None and reduction != self.reduction:
             raise GuardStateError(
                 f"this step's losses were given with reduction={self.reduction!r} and now {reduction!r}: give every "
                 "micro-batch loss of one step the same way (opt.backward(loss) means 'mean'). Nothing was changed."
             )
+
+    def add(self, loss: torch.Tensor, reduction: str) -> None:
+        self.check(reduction)
         detached = loss.detach().float().reshape(())
         self.total = detached if self.total is None else self.total + detached
         self.count += 1

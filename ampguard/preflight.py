@@ -150,7 +150,7 @@ def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], An
     bad = sum(r.nonfinite for r in after)
     clean = [r for r in reports if not r.skipped]
     norms = [r.grad_norm for r in clean if math.isfinite(r.grad_norm)]
-    losses = [r.loss for r in clean if math.isfinite(r.loss)]
+    losses = [r.loss for r in clean if r.loss is not None and math.isfinite(r.loss)]
     anomalies = [a for a in opt.anomalies if a.step >= settle]
     return Trial(
         precision=precision,

@@ -34,9 +34,10 @@ class StepReport:
     """True when the inner optimizer did not update the parameters on this step."""
     reason: SkipReason | None
     """Why the step was skipped, or None."""
-    loss: float
-    """The loss given to ``backward()`` (unscaled; the mean when several backward calls
-    accumulated into this step; NaN when non-finite)."""
+    loss: float | None
+    """The loss given to ``backward()`` or ``observe_loss()`` (unscaled; the mean when several
+    backward calls accumulated into this step; NaN when non-finite); None when no loss was given
+    for this step (a backward the guard did not see: unknown, not non-finite)."""
     loss_scale: float
     """The scale that multiplied this step's loss (1.0 without loss scaling)."""
     next_loss_scale: float

@@ -25,7 +25,7 @@ import torch
 from .config import GuardConfig
 from .diagnosis import annotate
 from .errors import NonFiniteError
-from .escalation import Ladder
+from .escalation import Ladder, consecutive_diagnosis
 from .exporters.base import MultiExporter
 from .forensics import Finding
 from .indicators import Indicators
@@ -209,12 +209,7 @@ class Reporter:
         limit = self.config.max_consecutive_skips
         if limit is not None and self.consecutive_skips >= limit and self.actions.escalation is None:
             self.actions.escalation = NonFiniteError(
-                f"{self.consecutive_skips} consecutive steps skipped (GuardConfig.max_consecutive_skips="
-                f"{limit}); last at step {report.step}: {report.reason}, loss={report.loss}, "
-                f"grad_norm={report.grad_norm}, loss_scale={report.loss_scale}. "
-                "Look at opt.anomalies for where it started.",
-                report,
-            )
+                consecutive_diagnosis(report, self.consecutive_skips, limit, self.anomalies), report)
 
     def take_actions(self) -> Actions:
         actions, self.actions = self.actions, Actions()
@@ -243,8 +238,9 @@ class Reporter:
         ranks = origin_ranks(rows) if world > 1 else ()
         every = self.config.param_norms_every
         want_norms = d.grad_nonfinite or (every is not None and step % every == 0)
+        unknown = math.isnan(d.loss) and not d.loss_nonfinite  # NaN without the flag: no loss was given
         report = StepReport(
-            step=step, skipped=d.skip, reason=d.reason, loss=d.loss, loss_scale=d.scale,
+            step=step, skipped=d.skip, reason=d.reason, loss=None if unknown else d.loss, loss_scale=d.scale,
             next_loss_scale=d.next_scale, grad_norm=d.grad_norm, nonfinite_grads=d.nonfinite_tensors,
             nonfinite_loss=d.loss_nonfinite, nonfinite_ranks=ranks,
             clip_coef=d.clip_coef if uses_clipping(self.config) else 1.0,

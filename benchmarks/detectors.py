@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # 3. live
     live_cfgs: dict[str, dict[str, Any]] = {"none": {}}
     for name, cfg in DETECTORS.items():
-        live_cfgs[name] = {"spike_warmup": WARMUP, **cfg, **({} if name == "zclip" else {"on_spike": "skip"})}
+        live_cfgs[name] = {"spike_warmup": WARMUP, **cfg, **({} if name == "zclip" else {"on_spike": "skip"}),
+                           "max_consecutive_skips": None}  # a run of skips is what this measures: never stop it
     live = {}
     for name, cfg in live_cfgs.items():
         res = train(plan, cfg)

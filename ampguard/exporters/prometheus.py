@@ -229,7 +229,8 @@ class PrometheusExporter:
         b.grad_norm.set(report.grad_norm)
         if math.isfinite(report.grad_norm):
             b.grad_norm_finite.observe(report.grad_norm)
-        b.loss.set(report.loss)
+        if report.loss is not None:  # None: no loss was given for this step (the gauge keeps the last one)
+            b.loss.set(report.loss)
         b.last_step_timestamp.set(report.wall_time)
         if report.scale_backoff:
             b.scale_backoffs.inc()

@@ -97,7 +97,7 @@ class TensorBoardExporter:
         t = report.wall_time or None
         for tag, field in _FINITE_SCALARS:
             value = getattr(report, field)
-            if math.isfinite(value):
+            if value is not None and math.isfinite(value):  # a loss not given to the guard is None
                 w.add_scalar(tag, value, s, walltime=t)
         w.add_scalar("ampguard/skipped", float(report.skipped), s, walltime=t)
         w.add_scalar("ampguard/skipped_steps", self._skipped, s, walltime=t)

@@ -169,7 +169,8 @@ def wrap_prepared(
     accelerator = _find_accelerator(acc_opt)
     if accelerator is None:
         warnings.warn("ampguard: no Accelerator holds this optimizer, so accelerator.backward() is not observed "
-                      "and the reported loss is NaN; call opt.observe_loss(loss) per micro-batch to report it",
+                      "and the reported loss is unknown (None); call opt.observe_loss(loss) per micro-batch to "
+                      "report it",
                       RuntimeWarning, stacklevel=3)
     _hook(guard, accelerator, adopt=False)
     acc_opt.optimizer = guard

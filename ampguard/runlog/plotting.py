@@ -132,8 +132,8 @@ def _loss_panel(ax: Any, story: _Story) -> None:
         ax.plot(xs, ys, "-" if log.every_step else "o", color=story.color(i), lw=1.4 if i == 0 else 1.0, ms=3,
                 alpha=1.0 if i == 0 else 0.75, label=label)
     reports = [r for log in story.ranks for r in log.reports]
-    finite = [r.loss for r in reports if math.isfinite(r.loss)]
-    bad = sorted({r.step for r in reports if not math.isfinite(r.loss)})
+    finite = [r.loss for r in reports if r.loss is not None and math.isfinite(r.loss)]
+    bad = sorted({r.step for r in reports if r.nonfinite_loss})
     if bad:
         ax.plot(bad, [1.0] * len(bad), "x", color="#d62728", ms=9, mew=2.2,
                 transform=ax.get_xaxis_transform(), clip_on=False, label="non-finite loss")
@@ -344,7 +344,7 @@ def _series(ranks: Sequence[RankLog], attr: str, positive: bool = False) -> list
     """(label, log, steps, values) per rank, finite values only; one "all ranks" series when they agree."""
     out = []
     for log in ranks:
-        pts = [(r.step, float(getattr(r, attr))) for r in log.reports]
+        pts = [(r.step, float(v)) for r in log.reports if (v := getattr(r, attr)) is not None]  # None: unknown
         pts = [(x, y) for x, y in pts if math.isfinite(y) and (y > 0 or not positive)]
         out.append((f"rank {log.rank}", log, [x for x, _ in pts], [y for _, y in pts]))
     if len(out) > 1 and all(o[2:] == out[0][2:] for o in out[1:]):

@@ -179,7 +179,7 @@ def step_report(rec: dict[str, Any]) -> StepReport:
         kw.setdefault(name, math.nan)
     kw.setdefault("next_loss_scale", kw["loss_scale"])
     kw.setdefault("nonfinite_grads", 0)
-    kw.setdefault("nonfinite_loss", not math.isfinite(kw["loss"]))
+    kw.setdefault("nonfinite_loss", kw["loss"] is not None and not math.isfinite(kw["loss"]))
     return StepReport(**kw)
 
 

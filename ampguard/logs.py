@@ -1,0 +1,308 @@
+"""The guard speaks through Python :mod:`logging`: the logger ``"ampguard"``.
+
+Library convention: ampguard adds no handler and sets no level on it; your logging configuration
+decides what is shown. With none at all, Python's last-resort handler prints WARNING and above to
+stderr, so a run in trouble is never silent; ``logging.basicConfig(level=logging.INFO)`` also
+shows the INFO messages (loss-scale overflows, the run's summary at ``close()``).
+
+:class:`Voice` hears every decoded report at the guard's fixed points (``actions.carry_out``,
+``flush``), never where a report is read, and says, once each and rate-limited:
+
+- every anomaly, at a level by kind (:data:`LEVELS`), with step, rank and what to do; the same kind
+  again at most once per :data:`REPEAT_EVERY` steps (with a count of those not shown);
+- the loss scale reaching its floor (the ``scale_floor`` anomaly, ERROR);
+- more than :data:`SKIP_RATE` of the last :data:`SKIP_WINDOW` steps skipped (WARNING);
+- half of ``GuardConfig.max_consecutive_skips`` skipped steps in a row (WARNING), before the
+  :class:`~ampguard.NonFiniteError` at the limit;
+- forensics' findings (module, phase, cause), once per finding;
+- the loss the guard never saw, and an autocast dtype that disagrees with the guard's precision
+  (also as a ``warnings.warn``), once per run.
+
+The shared decisions are logged by rank 0 only (every rank holds the same reports; the messages
+name the ranks where a value originated); which rank speaks is decided once, at construction.
+A healthy step costs one attribute store and one test here: nothing is formatted unless
+something happened, and nothing reads the device.
+
+:meth:`Voice.summary` is the run as ``ampguard report`` prints it
+(:func:`ampguard.runlog.summary` over the reports kept here: the skipped, anomalous and scale-
+changing ones, the first and the last).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .report import Anomaly, RunInfo, StepReport
+from .vocab import AnomalyKind, SkipReason
+
+__all__ = ["LEVELS", "REPEAT_EVERY", "SKIP_RATE", "SKIP_WINDOW", "Voice", "logger"]
+
+logger = logging.getLogger("ampguard")
+"""The library's logger (no handler, no level of its own)."""
+
+SKIP_WINDOW = 100
+"""Steps over which the skip rate is judged (the judgement starts once that many were reported)."""
+SKIP_RATE = 0.25
+"""Skip rate over :data:`SKIP_WINDOW` steps above which a WARNING is logged. An fp16 warm-up from
+GradScaler's initial scale 65536 skips up to ~16-20 steps while the scale calibrates: below it."""
+REPEAT_EVERY = 100
+"""Steps between two messages of one kind (the first of each kind is always logged)."""
+
+LEVELS: dict[str, int] = {
+    AnomalyKind.NONFINITE_LOSS: logging.WARNING,
+    AnomalyKind.NONFINITE_GRAD: logging.WARNING,
+    # fp16: the loss scale doing its job (an overflow backs it off); too many of them show as a
+    # skip rate over SKIP_RATE, or as the scale reaching its floor.
+    AnomalyKind.OVERFLOW: logging.INFO,
+    AnomalyKind.GRAD_SPIKE: logging.WARNING,
+    AnomalyKind.LOSS_SPIKE: logging.WARNING,
+    AnomalyKind.SCALE_FLOOR: logging.ERROR,
+    AnomalyKind.RANK_DIVERGENCE: logging.ERROR,
+    AnomalyKind.ROLLBACK: logging.WARNING,
+    AnomalyKind.ABORT: logging.ERROR,
+    AnomalyKind.NO_GRADIENTS: logging.ERROR,
+}
+"""Level of each anomaly kind's message."""
+
+ADVICE: dict[str, str] = {
+    AnomalyKind.NONFINITE_LOSS: "the loss itself was NaN/inf, so no loss scale helps: check this batch and the "
+                                "loss (a log of 0, a division by 0, labels out of range); opt.quarantine holds the "
+                                "batch_ids of such steps",
+    AnomalyKind.NONFINITE_GRAD: "a gradient went NaN/inf: wrap(model=...) lets forensics name the module; lower the "
+                                "learning rate or fix the input if it persists",
+    AnomalyKind.OVERFLOW: "an fp16 overflow at this loss scale: the scale backs off; occasional ones are normal",
+    AnomalyKind.GRAD_SPIKE: "a gradient-norm spike: look at this step's batch; clip_grad_norm or zclip bound it",
+    AnomalyKind.LOSS_SPIKE: "a loss spike: look at this step's batch and the learning rate",
+    AnomalyKind.SCALE_FLOOR: "fp16 overflows at the smallest loss scale allowed: this run will not learn in fp16 "
+                             "as it is; train in bf16 (precision='bf16') or fp32, or find the overflowing module "
+                             "(wrap(model=...), opt.anomalies)",
+    AnomalyKind.RANK_DIVERGENCE: "ranks disagree: check that every rank runs the same code and data order",
+    AnomalyKind.ROLLBACK: "restored the last good snapshot; if it keeps happening, lower the learning rate",
+    AnomalyKind.ABORT: "training stops: read the diagnosis and opt.anomalies",
+    AnomalyKind.NO_GRADIENTS: "the loss reached none of the optimizer's parameters: is the optimizer built on this "
+                              "model's parameters (model.parameters() of the model that computed the loss)? Is the "
+                              "output detached (.detach(), torch.no_grad(), .item())?",
+}
+"""What to do about each anomaly kind (appended to its message)."""
+
+KIND_OF_REASON: dict[str, str] = {SkipReason.NONFINITE_LOSS: AnomalyKind.NONFINITE_LOSS,
+                                   SkipReason.NO_GRADIENTS: AnomalyKind.NO_GRADIENTS,
+                                   SkipReason.GRAD_SPIKE: AnomalyKind.GRAD_SPIKE,
+                                   SkipReason.LOSS_SPIKE: AnomalyKind.LOSS_SPIKE}
+"""The anomaly kind whose advice fits a skip reason (non-finite gradients otherwise)."""
+
+_MEMORY = Path("(this process: opt.summary())")
+
+
+@dataclasses.dataclass(slots=True)
+class _Said:
+    """One message kind's rate limit: the step it was last logged at, and how many were held back."""
+
+    step: int
+    held: int = 0
+
+
+class Voice:
+    """What the guard tells the ``ampguard`` logger, and the run's summary. See the module docstring."""
+
+    def __init__(self, *, rank: int, world_size: int, precision: str, scaled: bool,
+                 max_consecutive_skips: int | None) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.speaks = rank == 0
+        """The shared decisions are logged by rank 0 only (decided once)."""
+        self.precision, self.scaled = precision, scaled
+        self.limit = max_consecutive_skips
+        self.kept: list[StepReport] = []
+        """The reports the summary needs besides the last: skipped, anomalous or scale-changing ones,
+        and the first (stripped of per-parameter values)."""
+        self.anomalies: list[tuple[Anomaly, SkipReason | None]] = []
+        self.last: StepReport | None = None
+        self.consecutive = 0
+        self._skips: deque[int] = deque()
+        """Steps of the skips within the last :data:`SKIP_WINDOW` steps."""
+        self._said: dict[Any, _Said] = {}
+        self._findings: set[tuple[Any, ...]] = set()
+        self._warned: set[str] = set()
+        self._dtype_checked = False
+
+    # ------------------------------------------------------------------ hearing reports (fixed points)
+    def hear(self, decoded: Iterable[tuple[StepReport, list[Anomaly]]]) -> None:
+        """Fold the reports about to be exported in, in step order, and say what they call for."""
+        for report, anomalies in decoded:
+            self.last = report
+            if anomalies or report.skipped or report.scale_backoff or report.scale_growth or not self.kept:
+                self._notable(report, anomalies)
+            elif self.consecutive:
+                self.consecutive = 0
+
+    def _notable(self, report: StepReport, anomalies: list[Anomaly]) -> None:
+        self.kept.append(dataclasses.replace(report, param_norms=None, group_zero_fractions=None,
+                                             module_grad_norms=None, module_update_ratios=None))
+        for anomaly in anomalies:
+            self.anomalies.append((anomaly, report.reason))
+            self._say_anomaly(anomaly, report)
+        if not report.skipped:
+            self.consecutive = 0
+            return
+        if report.reason != SkipReason.ROLLBACK:
+            self.consecutive += 1
+        step = report.step
+        skips = self._skips
+        skips.append(step)
+        while skips[0] <= step - SKIP_WINDOW:
+            skips.popleft()
+        if step + 1 >= SKIP_WINDOW and len(skips) > SKIP_RATE * SKIP_WINDOW:
+            self._say("skip_rate", step, logging.WARNING, lambda: (
+                f"{len(skips)} of the last {SKIP_WINDOW} steps were skipped (over {SKIP_RATE:.0%}; "
+                f"{self._reasons(step)}). The run learns from few of its batches: look at opt.anomalies (or "
+                "`ampguard report` on its event log) for where it started"))
+        if self.limit is not None and self.consecutive == max(1, self.limit // 2) and self.consecutive < self.limit:
+            self._say("consecutive", step, logging.WARNING, lambda: (
+                f"{self.consecutive} steps in a row skipped (last: {report.reason}); training stops with "
+                f"NonFiniteError at {self.limit} (GuardConfig.max_consecutive_skips). What to do: "
+                f"{ADVICE[KIND_OF_REASON.get(str(report.reason), AnomalyKind.NONFINITE_GRAD)]}"))
+
+    def _reasons(self, step: int) -> str:
+        counts: dict[str, int] = {}
+        for r in self.kept[-SKIP_WINDOW:]:
+            if r.skipped and r.step > step - SKIP_WINDOW:
+                counts[str(r.reason)] = counts.get(str(r.reason), 0) + 1
+        return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+
+    def _say_anomaly(self, anomaly: Anomaly, report: StepReport) -> None:
+        kind = str(anomaly.kind)
+        where = f" (from rank(s) {list(anomaly.ranks)})" if anomaly.ranks else ""
+        advice = ADVICE.get(kind)
+        self._say(kind, anomaly.step, LEVELS.get(kind, logging.WARNING),
+                  lambda: f"{kind}{where}: {anomaly.detail}" + (f". What to do: {advice}" if advice else ""))
+        if anomaly.module is not None or anomaly.cause is not None:
+            key = (anomaly.module, anomaly.phase, anomaly.cause)
+            if key not in self._findings:
+                self._findings.add(key)
+                self._log(logging.WARNING, anomaly.step,
+                          f"forensics found where the first non-finite value arose: module {anomaly.module or '-'}, "
+                          f"phase {anomaly.phase or '-'}, cause {anomaly.cause or '-'} (first seen on this step; "
+                          "opt.anomalies has every step it explains)")
+
+    def _say(self, key: Any, step: int, level: int, message: str | Callable[[], str]) -> None:
+        """Log ``message`` (made only when logged) unless ``key`` was logged less than
+        :data:`REPEAT_EVERY` steps ago."""
+        said = self._said.get(key)
+        if said is not None and step - said.step < REPEAT_EVERY:
+            said.held += 1
+            return
+        text = message if isinstance(message, str) else message()
+        if said is not None and said.held:
+            text += f" [{said.held} more like it since step {said.step} not shown]"
+        self._said[key] = _Said(step)
+        self._log(level, step, text)
+
+    def say_stop(self, error: BaseException, step: int) -> None:
+        """Training stops (the error raised at this fixed point): said at ERROR, always."""
+        self._log(logging.ERROR, step, f"training stops: {error}")
+
+    def _log(self, level: int, step: int, message: str) -> None:
+        if self.speaks and logger.isEnabledFor(level):
+            where = f"rank {self.rank}" if self.world_size > 1 else "rank 0"
+            logger.log(level, "step %d, %s: %s", step, where, message,
+                       extra={"ampguard_step": step, "ampguard_rank": self.rank})
+
+    # ------------------------------------------------------------------ loop mismatches (warned once)
+    def warn_once(self, key: str, step: int, message: str, *, stacklevel: int) -> None:
+        """A mismatch between the loop and the guard: logged (WARNING) and ``warnings.warn`` once per run."""
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        self._log(logging.WARNING, step, message)
+        warnings.warn(f"ampguard: {message}", RuntimeWarning, stacklevel=stacklevel + 1)
+
+    def no_loss(self, step: int, *, stacklevel: int) -> None:
+        """``step()`` with no loss given for it (a backward the guard did not run): said once per run."""
+        if "no_loss" not in self._warned:
+            self.warn_once("no_loss", step,
+                           "step() on gradients from a backward the guard did not see, and no loss was given: every "
+                           "report's loss is unknown (None), and the loss curve, the loss-spike detector and "
+                           "ampguard_loss have nothing to show. Call opt.backward(loss) instead of loss.backward() / "
+                           "scaler.scale(loss).backward(), or give the loss with opt.observe_loss(loss)",
+                           stacklevel=stacklevel + 1)
+
+    def check_activation_dtype(self, loss: torch.Tensor, device_type: str, expected: torch.dtype, step: int,
+                               *, stacklevel: int) -> None:
+        """On the first loss given to the guard: does the loop's autocast run a low-precision dtype
+        other than the guard's? Read from the autocast state, the loss's dtype and the dtypes the
+        loss's autograd graph carries near the loss (host metadata only: no sync). Once per run."""
+        if self._dtype_checked:
+            return
+        self._dtype_checked = True
+        seen = _activation_dtype(loss, device_type)
+        if seen is None or seen == expected:
+            return
+        name = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[seen]
+        if seen == torch.float16:
+            fix = ("wrap(..., precision='fp16') (the guard makes a GradScaler, or pass yours), or autocast with "
+                   "dtype=torch.bfloat16")
+            risk = "fp16 activations without loss scaling: small gradients underflow to zero and nothing scales them"
+        else:
+            fix = "wrap(..., precision='bf16') with no GradScaler, or autocast with dtype=torch.float16"
+            risk = "the guard's fp16 rules (loss scaling, overflow backoff) run on a bf16 loop"
+        self.warn_once("autocast_dtype", step,
+                       f"the loop's autocast runs {name} but the guard runs precision={self.precision!r}: {risk}. "
+                       f"Fix: {fix}", stacklevel=stacklevel + 1)
+
+    # ------------------------------------------------------------------ the run's summary
+    def summary(self, info: RunInfo, steps: int, closed: bool) -> Any:
+        """The run as ``ampguard report`` summarises it (:class:`ampguard.runlog.RunSummary`),
+        from the reports heard so far. ``steps``: ``step()`` calls so far."""
+        from .runlog.reading import LoggedAnomaly, RankLog, Run
+        from .runlog.summary import summary
+
+        reports = list(self.kept)
+        if self.last is not None and (not reports or reports[-1].step != self.last.step):
+            reports.append(self.last)
+        log = RankLog(self.rank, reports=reports, closed=closed, close_steps=steps)
+        fields = [f.name for f in dataclasses.fields(Anomaly)]
+        anomalies = [LoggedAnomaly(**{n: getattr(a, n) for n in fields}, reason=reason, logged_by=(self.rank,))
+                     for a, reason in self.anomalies]
+        facts = {"run_id": info.run_id, "world_size": info.world_size, "precision": info.precision,
+                 "backend": info.backend, "device": info.device, "versions": dict(info.versions)}
+        return summary(Run(path=_MEMORY, info=facts, ranks={self.rank: log}, anomalies=anomalies))
+
+    def say_summary(self, text: str, step: int) -> None:
+        self._log(logging.INFO, step, "run summary\n" + text)
+
+
+def _activation_dtype(loss: torch.Tensor, device_type: str) -> torch.dtype | None:
+    """A low-precision dtype (float16/bfloat16) the loop computes in, if one shows: the autocast
+    dtype when autocast is on around this call, the loss's own dtype, or the first low-precision
+    dtype among the outputs of the autograd nodes nearest the loss (at most 64 of them)."""
+    low = (torch.float16, torch.bfloat16)
+    try:
+        if torch.is_autocast_enabled(device_type):
+            autocast = torch.get_autocast_dtype(device_type)
+            if autocast in low:
+                return autocast
+    except (RuntimeError, TypeError, AttributeError):  # an autocast device type torch does not know
+        pass
+    if loss.dtype in low:
+        return loss.dtype
+    nodes, seen, todo = 0, set(), [loss.grad_fn]
+    while todo and nodes < 64:
+        node = todo.pop(0)
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        nodes += 1
+        for meta in getattr(node, "_input_metadata", ()):  # torch's per-node output metadata (host only)
+            dtype = getattr(meta, "dtype", None)
+            if dtype in low:
+                return dtype  # type: ignore[no-any-return]
+        todo.extend(f for f, _ in node.next_functions)
+    return None
