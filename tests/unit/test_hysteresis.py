@@ -7,7 +7,8 @@ every other step, half the steps were skipped for ever and the scale never moved
 refilled on every clean step); a burst of k overflows backed off floor(k/h) times. Now the
 allowance refills only when the scale grows (DeepSpeed's and Megatron-LM's rule): the scale backs
 off until the batches fit, and a burst of k backs off k - h + 1 times. ``hysteresis=1`` stays
-GradScaler's rule bit for bit, overflows included.
+GradScaler's rule bit for bit, overflows included (test_guard.py's
+test_fp16_bitwise_identical_to_plain_gradscaler_loop, through natural overflows).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 import ampguard
 
-from ._models import assert_same, guarded_steps, loss_of, make_data, make_model, make_opt, snapshot
+from ._models import guarded_steps, make_data, make_model, make_opt
 
 INIT = 1024.0
 _SPEC = importlib.util.spec_from_file_location(
@@ -59,7 +60,7 @@ def test_alternating_overflows_back_the_scale_off_until_the_batches_fit():
     assert len(backoffs) == len(overflowed) - 1  # every overflow after the first backed off
 
 
-@pytest.mark.parametrize(("k", "hysteresis"), [(5, 2), (4, 3), (3, 3), (2, 3)])
+@pytest.mark.parametrize(("k", "hysteresis"), [(5, 2), (3, 2), (4, 3), (6, 3)])
 def test_a_burst_of_k_overflows_backs_off_k_minus_h_plus_1_times(k, hysteresis):
     start = 4
     data = batches(start + k + 4, set(range(start, start + k)), 1e6)  # overflows at every scale >= 1/8
@@ -94,24 +95,3 @@ def test_the_rule_is_megatrons_and_deepspeeds_on_every_pattern_of_the_benchmark(
         before = bench.old_ampguard_trajectory(pattern, hysteresis=2, growth_interval=6)
         if name == "alternating":  # the failing case: the old rule never backed off
             assert before[-1] == bench.INIT and ours[-1] < bench.INIT / 2**10
-
-
-def test_hysteresis_1_is_gradscaler_bit_for_bit_through_alternating_overflows():
-    data = batches(24, {i for i in range(24) if i % 3 == 1}, 1e3)
-    model = make_model()
-    opt = make_opt(model)
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT, growth_interval=3)
-    scales = []
-    for x, y in data:
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_of(model, x, y)
-        scales.append(scaler.get_scale())
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad(set_to_none=True)
-    g_model = make_model()
-    g = guarded(data, hysteresis=1, growth_interval=3, model=g_model)
-    assert [r.loss_scale for r in g.history] == scales and len(set(scales)) > 2
-    assert sum(r.nonfinite_grads > 0 for r in g.history) >= 4  # genuine overflows along the way
-    assert_same(snapshot(model, opt), snapshot(g_model, g))
