@@ -170,7 +170,7 @@ def summarise(pattern: Sequence[int], traj: Trajectory, init: float) -> dict[str
 def run(steps: int, hysteresis: int, growth_interval: int) -> dict[str, dict[str, dict[str, object]]]:
     out: dict[str, dict[str, dict[str, object]]] = {}
     for name, pattern in patterns(steps).items():
-        out[name] = {"pattern": {"log2": pattern}}  # type: ignore[dict-item]
+        out[name] = {"pattern": {"overflow": pattern}}  # type: ignore[dict-item]
         for rule, fn in RULES.items():
             h = 1 if rule == "torch" else hysteresis
             traj = fn(pattern, hysteresis=h, growth_interval=growth_interval)
@@ -188,7 +188,7 @@ def markdown(result: dict[str, dict[str, dict[str, object]]], argv: list[str], h
         lines += [f"## {name}", "", "| rule | backoffs | skipped | final log2 | log2(scale) per step |",
                   "|---|---|---|---|---|"]
         for rule, row in rows.items():
-            seq = " ".join(str(v) for v in row["log2"])  # type: ignore[union-attr]
+            seq = " ".join(str(v) for v in row.get("log2", row.get("overflow")))  # type: ignore[union-attr]
             if rule == "pattern":
                 lines.append(f"| overflow | | | | `{seq}` |")
             else:
