@@ -98,7 +98,8 @@ class GuardConfig:
     re-baseline bound: after this many flagged steps in a row (a lasting shift of the level,
     not a bad batch), the detectors' statistics (and ZClip's, after this many clipped steps in a
     row) are re-based on those steps and a ``rebaseline`` anomaly is recorded, so a skipping
-    detector skips at most ``spike_warmup`` steps in a row. See docs/detectors.md."""
+    detector skips at most ``spike_warmup`` flagged steps in a row before it re-bases. See
+    docs/detectors.md."""
 
     spike_ema_decay: float = 0.98
     """Decay of the running averages used by the spike detectors, in (0, 1)."""

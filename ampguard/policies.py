@@ -35,7 +35,7 @@ class SpikeState:
     No statistic locks itself out: the ``flag_*`` fields follow the current run of consecutive
     flagged steps (the spike detectors') and the ``clip_flag_*`` fields the current run of ZClip's
     outliers, their mean and population variance over the run. After ``spike_warmup`` consecutive
-    flags, the statistics are re-based on that run (:func:`_rebaseline`)."""
+    flags, the statistics are re-based on that run (:func:`_flag_run`)."""
 
     grad_ema: torch.Tensor
     loss_ema: torch.Tensor
@@ -126,11 +126,10 @@ def _flag_run(run: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, x: torch
     return torch.where(rebase, torch.zeros_like(n), n), m, v, rebase
 
 
-def _flag_run_host(run: int, mean: list[float], var: list[float], x: list[float], flagged: bool, ends: bool,
+def _flag_run_host(run: int, mean: list[float], var: list[float], x: list[float],
                    k: int) -> tuple[int, list[float], list[float], bool]:
-    """:func:`_flag_run` on float32 host values (one list entry per stacked statistic)."""
-    if not flagged:
-        return (0 if ends else run), mean, var, False
+    """:func:`_flag_run` of a flagged step, on float32 host values (one list entry per stacked
+    statistic). The caller sets the run to 0 on a step that ends it and leaves it on any other."""
     n = run + 1
     if run == 0:
         mean, var = list(x), [0.0] * len(x)
@@ -336,7 +335,7 @@ def _zclip_host(grad_norm: float, bad: bool, config: GuardConfig,
         run = int(spikes.clip_run.item())
         if outlier:
             flags = _flag_run_host(run, [spikes.clip_flag_mean.item()], [spikes.clip_flag_var.item()], [grad_norm],
-                                   True, False, config.spike_warmup)
+                                   config.spike_warmup)
             run, rebase = flags[0], flags[3]
             spikes.clip_flag_mean.fill_(flags[1][0])
             spikes.clip_flag_var.fill_(flags[2][0])
@@ -423,7 +422,7 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
         if spike:
             run, mean, var, rebase = _flag_run_host(
                 run, [spikes.flag_norm_mean.item(), spikes.flag_loss_mean.item()], [spikes.flag_norm_var.item(), 0.0],
-                [grad_norm, loss], True, False, config.spike_warmup)
+                [grad_norm, loss], config.spike_warmup)
             spikes.flag_norm_mean.fill_(mean[0])
             spikes.flag_loss_mean.fill_(mean[1])
             spikes.flag_norm_var.fill_(var[0])

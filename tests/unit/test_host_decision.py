@@ -500,6 +500,9 @@ _CONFIGS = {
     "clip+zscore": {"clip_grad_norm": 0.05, "spike_detector": "zscore", "spike_warmup": 3},
     "numerics+indicators+headroom": {"numerics_every": 3, "scale_policy": "headroom"},
     "huge-growth-interval": {},
+    # thresholds low enough that runs of flags re-base the detectors' and ZClip's statistics
+    "rebaseline": {"spike_detector": "zscore", "spike_zscore": 0.1, "spike_warmup": 2, "on_spike": "skip",
+                   "zclip": True, "zclip_z": 0.1},
 }
 
 
@@ -547,6 +550,10 @@ def test_the_one_host_copy_path_decides_and_reports_as_the_cpu_path(name, monkey
     assert any(r.skipped for r in opt.history) and not all(r.skipped for r in opt.history)
     if name.startswith("numerics"):
         assert any(r.module_grad_norms for r in opt.history) and any(r.headroom_log2 for r in opt.history)
+    if name == "rebaseline":
+        kinds = [(a.step, a.kind, a.detail) for a in opt.anomalies]
+        assert kinds == [(a.step, a.kind, a.detail) for a in ref_opt.anomalies]
+        assert {d.split(" ")[0] for _, k, d in kinds if k == "rebaseline"} == {"the", "ZClip"}
 
 
 @pytest.mark.parametrize("config", [
