@@ -95,3 +95,11 @@ def test_the_rule_is_megatrons_and_deepspeeds_on_every_pattern_of_the_benchmark(
         before = bench.old_ampguard_trajectory(pattern, hysteresis=2, growth_interval=6)
         if name == "alternating":  # the failing case: the old rule never backed off
             assert before[-1] == bench.INIT and ours[-1] < bench.INIT / 2**10
+
+
+@pytest.mark.parametrize("field", ["hysteresis", "spike_warmup"])
+def test_a_count_beyond_int32_is_refused_by_name(field):
+    # the allowance and the flagged runs are int32 device counters: refused at construction
+    with pytest.raises(ValueError, match=rf"GuardConfig\.{field}=2147483648; allowed: an int in 1\.\.2147483647"):
+        ampguard.GuardConfig(**{field: 2**31})
+    assert getattr(ampguard.GuardConfig(**{field: 2**31 - 1}), field) == 2**31 - 1
