@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".md").write_text(md + "\n")
-        args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+        args.out.with_suffix(".json").write_text(json.dumps(result) + "\n")
         print(f"wrote {args.out.with_suffix('.md')} and .json")
     return 0
 
