@@ -88,35 +88,45 @@ def _real(g: dict[str, Any], field: str) -> float:
 
 
 # -- issue 17 item 4: the z-score detector's and ZClip's running statistics --
-_DETECTOR_REALS = ("z_mean", "z_var", "zclip_mean", "zclip_var")
-_DETECTOR_STATE = {"z_mean": "z_mean", "z_var": "z_var", "zclip_mean": "clip_mean", "zclip_var": "clip_var",
-                   "zclip_count": "clip_count"}
-"""state_dict key -> SpikeState attribute."""
+# (and the runs of flagged steps the detectors re-baseline on, which came later)
+_DETECTORS = {"z_mean": "z_mean", "z_var": "z_var", "zclip_mean": "clip_mean", "zclip_var": "clip_var",
+              "zclip_count": "clip_count"}
+_REBASELINE = {"flag_run": "flag_run", "flag_norm_mean": "flag_norm_mean", "flag_norm_var": "flag_norm_var",
+               "flag_loss_mean": "flag_loss_mean", "zclip_run": "clip_run", "zclip_flag_mean": "clip_flag_mean",
+               "zclip_flag_var": "clip_flag_var"}
+_GROUPS = (_DETECTORS, _REBASELINE)
+"""state_dict key -> SpikeState attribute, per group of keys saved together (a group is absent as a
+whole in a state saved before it existed)."""
+_COUNTS = ("zclip_count", "flag_run", "zclip_run")
+_VARIANCES = ("z_var", "zclip_var", "flag_norm_var", "zclip_flag_var")
 
 
 def _save_detectors(spikes: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {k: float(getattr(spikes, a).item()) for k, a in _DETECTOR_STATE.items()}
-    out["zclip_count"] = int(out["zclip_count"])
+    return {k: (int if k in _COUNTS else float)(getattr(spikes, a).item()) for group in _GROUPS
+            for k, a in group.items()}
+
+
+def _check_detectors(g: dict[str, Any]) -> list[dict[str, Any] | None]:
+    """Per group, the detectors' statistics to restore; None when the state predates the group (a
+    checkpoint of an earlier version: those statistics then start afresh). Present, all must be
+    valid: a mean finite, a variance finite and >= 0, a count an int32."""
+    out: list[dict[str, Any] | None] = []
+    for group in _GROUPS:
+        if not any(k in g for k in group):
+            out.append(None)
+            continue
+        values: dict[str, Any] = {k: _count(g, k, _INT32_MAX) if k in _COUNTS else _real(g, k) for k in group}
+        for var in _VARIANCES:
+            if var in group and values[var] < 0:
+                raise _bad(var, g[var], "a finite number >= 0 (float32 range)")
+        out.append(values)
     return out
 
 
-def _check_detectors(g: dict[str, Any]) -> dict[str, Any] | None:
-    """The detectors' statistics to restore; None when the state predates them (a checkpoint of an
-    earlier version: the statistics then start afresh). Present, all must be valid: a mean finite,
-    a variance finite and >= 0, the count an int32."""
-    if not any(k in g for k in _DETECTOR_STATE):
-        return None
-    values: dict[str, Any] = {k: _real(g, k) for k in _DETECTOR_REALS}
-    for var in ("z_var", "zclip_var"):
-        if values[var] < 0:
-            raise _bad(var, g[var], "a finite number >= 0 (float32 range)")
-    values["zclip_count"] = _count(g, "zclip_count", _INT32_MAX)
-    return values
-
-
-def _restore_detectors(spikes: Any, values: dict[str, Any] | None) -> None:
-    for key, attr in _DETECTOR_STATE.items():
-        getattr(spikes, attr).fill_(0 if values is None else values[key])
+def _restore_detectors(spikes: Any, groups: list[dict[str, Any] | None]) -> None:
+    for group, values in zip(_GROUPS, groups):
+        for key, attr in group.items():
+            getattr(spikes, attr).fill_(0 if values is None else values[key])
 # -- end of issue 17 item 4 --
 
 

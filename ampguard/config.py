@@ -70,8 +70,12 @@ class GuardConfig:
     """
 
     hysteresis: int = 1
-    """Back the loss scale off only after this many *consecutive* overflowing steps (>= 1).
-    Every overflowing step is still skipped. 1 is GradScaler's behaviour."""
+    """Overflows the loss scale tolerates before it backs off (>= 1): the first ``hysteresis - 1``
+    overflowing steps after the scale last grew do not back it off, and every later one does,
+    until the scale grows again (the allowance refills only on growth, as DeepSpeed's and
+    Megatron-LM's do; clean steps in between do not refill it, so intermittent overflows back off
+    too). Every overflowing step is still skipped. 1 is GradScaler's behaviour. See
+    docs/hysteresis.md."""
 
     min_scale: float = 1.0
     """Floor of the loss scale (> 0). Reaching it records a ``scale_floor`` anomaly: an fp16
@@ -96,7 +100,12 @@ class GuardConfig:
     """Flag a step whose loss exceeds this factor (> 1) times its running average (None: off)."""
 
     spike_warmup: int = 20
-    """Healthy steps the running averages need before spikes are flagged (>= 1)."""
+    """Healthy steps the running averages need before spikes are flagged (>= 1). Also the
+    re-baseline bound: after this many flagged steps in a row (a lasting shift of the level,
+    not a bad batch), the detectors' statistics (and ZClip's, after this many clipped steps in a
+    row) are re-based on those steps and a ``rebaseline`` anomaly is recorded, so a skipping
+    detector skips at most ``spike_warmup`` flagged steps in a row before it re-bases. See
+    docs/detectors.md."""
 
     spike_ema_decay: float = 0.98
     """Decay of the running averages used by the spike detectors, in (0, 1)."""
@@ -228,6 +237,9 @@ class GuardConfig:
             if f.type == "bool" and not isinstance(getattr(self, f.name), bool):  # 'no' and 'false' are truthy
                 raise ValueError(f"GuardConfig.{f.name}={getattr(self, f.name)!r}; allowed: True | False")
         _int_at_least("hysteresis", self.hysteresis, 1)
+        if self.hysteresis > _INT32_MAX:
+            raise ValueError(f"GuardConfig.hysteresis={self.hysteresis!r}; allowed: an int in 1..{_INT32_MAX} "
+                             "(the allowance is counted in an int32)")
         _positive_float("min_scale", self.min_scale)
         if self.max_scale is not None:
             _positive_float("max_scale", self.max_scale)
@@ -242,6 +254,9 @@ class GuardConfig:
             if value is not None and not (_is_real(value) and math.isfinite(value) and value > 1):
                 raise ValueError(f"GuardConfig.{name}={value!r}; allowed: None or a finite number > 1")
         _int_at_least("spike_warmup", self.spike_warmup, 1)
+        if self.spike_warmup > _INT32_MAX:
+            raise ValueError(f"GuardConfig.spike_warmup={self.spike_warmup!r}; allowed: an int in 1..{_INT32_MAX} "
+                             "(the detectors count steps in int32)")
         if not (_is_real(self.spike_ema_decay) and 0 < self.spike_ema_decay < 1):
             raise ValueError(
                 f"GuardConfig.spike_ema_decay={self.spike_ema_decay!r}; allowed: a number in (0, 1)"
@@ -354,6 +369,9 @@ _suggest_unknown_keywords(GuardConfig)
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_INT32_MAX = 2**31 - 1
 
 
 def _int_at_least(name: str, value: Any, low: int) -> None:

@@ -30,7 +30,12 @@ __all__ = ["ScalerView", "SpikeState", "decide", "decide_host", "uses_clipping",
 class SpikeState:
     """Running statistics of the gradient norm and loss (float32, on device): the factor
     detector's averages of healthy steps, the z-score detector's mean and variance of the same
-    steps (counted by ``count`` too), and ZClip's mean and variance of the clipped norms."""
+    steps (counted by ``count`` too), and ZClip's mean and variance of the clipped norms.
+
+    No statistic locks itself out: the ``flag_*`` fields follow the current run of consecutive
+    flagged steps (the spike detectors') and the ``clip_flag_*`` fields the current run of ZClip's
+    outliers, their mean and population variance over the run. After ``spike_warmup`` consecutive
+    flags, the statistics are re-based on that run (:func:`_flag_run`)."""
 
     grad_ema: torch.Tensor
     loss_ema: torch.Tensor
@@ -40,13 +45,22 @@ class SpikeState:
     clip_mean: torch.Tensor
     clip_var: torch.Tensor
     clip_count: torch.Tensor  # finite steps folded into ZClip's statistics (int32)
+    flag_run: torch.Tensor  # consecutive flagged steps, not counting non-finite or gradient-less ones (int32)
+    flag_norm_mean: torch.Tensor  # over the flagged run: mean and population variance of the norms,
+    flag_norm_var: torch.Tensor
+    flag_loss_mean: torch.Tensor  # and mean of the losses
+    clip_run: torch.Tensor  # consecutive steps ZClip clipped, not counting non-finite or gradient-less ones (int32)
+    clip_flag_mean: torch.Tensor  # over that run: mean and population variance of the raw norms
+    clip_flag_var: torch.Tensor
 
     @classmethod
     def fresh(cls, device: torch.device) -> SpikeState:
         z = torch.zeros((), dtype=torch.float32, device=device)
         n = torch.zeros((), dtype=torch.int32, device=device)
         return cls(grad_ema=z.clone(), loss_ema=z.clone(), count=n.clone(), z_mean=z.clone(), z_var=z.clone(),
-                   clip_mean=z.clone(), clip_var=z.clone(), clip_count=n.clone())
+                   clip_mean=z.clone(), clip_var=z.clone(), clip_count=n.clone(), flag_run=n.clone(),
+                   flag_norm_mean=z.clone(), flag_norm_var=z.clone(), flag_loss_mean=z.clone(),
+                   clip_run=n.clone(), clip_flag_mean=z.clone(), clip_flag_var=z.clone())
 
 
 ZCLIP_EPS = 1e-6
@@ -92,6 +106,39 @@ def _zscore_floor(config: GuardConfig) -> float:
     return 2.0 / (config.spike_window + 1)
 
 
+def _flag_run(run: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, x: torch.Tensor, flagged: torch.Tensor,
+              ends: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step of a run of consecutive flagged steps, and the re-baseline it may trigger.
+
+    A flagged step extends the run and folds ``x`` into the run's mean and population variance
+    (weight ``1/n``: exact over the run; the first flag starts them at ``x`` and 0); a step that
+    ``ends`` the run (finite, not flagged) sets it to 0; any other step (non-finite, no gradients)
+    leaves it as it is. When a flagged step brings the run to ``k``, ``rebase`` is true: the caller
+    replaces its statistics with the run's mean and variance, and the run starts again from 0.
+    ``mean``, ``var`` and ``x`` may be stacked (one run, several statistics). Returns
+    ``(run, mean, var, rebase)``, the state after this step; nothing is written."""
+    n = torch.where(flagged, run + 1, torch.where(ends, torch.zeros_like(run), run))
+    m, v = _fold(mean, var, x, torch.reciprocal(n.float()))
+    first = run == 0
+    m = torch.where(flagged, torch.where(first, x, m), mean)
+    v = torch.where(flagged, torch.where(first, torch.zeros_like(v), v), var)
+    rebase = flagged & (n >= k)
+    return torch.where(rebase, torch.zeros_like(n), n), m, v, rebase
+
+
+def _flag_run_host(run: int, mean: list[float], var: list[float], x: list[float],
+                   k: int) -> tuple[int, list[float], list[float], bool]:
+    """:func:`_flag_run` of a flagged step, on float32 host values (one list entry per stacked
+    statistic). The caller sets the run to 0 on a step that ends it and leaves it on any other."""
+    n = run + 1
+    if run == 0:
+        mean, var = list(x), [0.0] * len(x)
+    else:
+        w = _reciprocal(f32(float(n)))
+        mean, var = (list(t) for t in zip(*(_fold_host(m, v, xi, w) for m, v, xi in zip(mean, var, x))))
+    return (0 if n >= k else n), mean, var, n >= k
+
+
 # Long (~90 lines) on purpose: the whole decision is one device-side expression graph, captured as
 # one CUDA graph and read top to bottom as the rule; split up, it reads worse and captures the same.
 def decide(
@@ -123,7 +170,7 @@ def decide(
 
     false = torch.zeros((), dtype=torch.bool, device=dev)
     nan = torch.full((), math.nan, dtype=torch.float32, device=dev)
-    grad_spike = loss_spike = false
+    grad_spike = loss_spike = rebase = clip_rebase = false
     spike_threshold = clip_threshold = nan
     zscore = config.spike_detector == "zscore"
     spikes_on = uses_grad_detector(config) or config.loss_spike_factor is not None
@@ -155,20 +202,30 @@ def decide(
         ema = torch.stack([spikes.grad_ema, spikes.loss_ema])
         new = torch.where(spikes.count == 0, pair, d * ema + (1 - d) * pair)
         new = torch.where(healthy, new, ema)
+        # No lock-out: spike_warmup flags in a row re-base the statistics on those steps.
+        run, run_mean, run_var, rebase = _flag_run(
+            spikes.flag_run, torch.stack([spikes.flag_norm_mean, spikes.flag_loss_mean]),
+            torch.stack([spikes.flag_norm_var, torch.zeros_like(spikes.flag_norm_var)]), pair, spike, healthy,
+            config.spike_warmup)
+        new = torch.where(rebase, run_mean, new)
         spikes.grad_ema.copy_(new[0])
         spikes.loss_ema.copy_(new[1])
         if zscore:
             w = _window_weight(spikes.count, _zscore_floor(config))
             mean, var = _fold(spikes.z_mean, spikes.z_var, grad_norm, w)
-            spikes.z_mean.copy_(torch.where(healthy, mean, spikes.z_mean))
-            spikes.z_var.copy_(torch.where(healthy, var, spikes.z_var))
+            spikes.z_mean.copy_(torch.where(rebase, run_mean[0], torch.where(healthy, mean, spikes.z_mean)))
+            spikes.z_var.copy_(torch.where(rebase, run_var[0], torch.where(healthy, var, spikes.z_var)))
         spikes.count.add_(healthy.int())
+        spikes.flag_run.copy_(run)
+        spikes.flag_norm_mean.copy_(run_mean[0])
+        spikes.flag_loss_mean.copy_(run_mean[1])
+        spikes.flag_norm_var.copy_(run_var[0])
 
     if config.clip_grad_norm is not None:
         # The expression of torch.nn.utils.clip_grad_norm_, so the coefficient is bitwise its.
         clip_coef = torch.clamp(config.clip_grad_norm / (grad_norm + 1e-6), max=1.0)
     elif config.zclip:
-        clip_coef, clip_threshold = _zclip(grad_norm, nonfinite | no_grads, config, spikes)
+        clip_coef, clip_threshold, clip_rebase = _zclip(grad_norm, nonfinite | no_grads, config, spikes)
     else:
         clip_coef = torch.ones((), dtype=torch.float32, device=dev)
 
@@ -197,7 +254,8 @@ def decide(
 
     values = torch.stack([loss, grad_norm, nonfinite_tensors, clip_coef, scale.reshape(()), new_scale.reshape(()),
                           reason])
-    flags = torch.stack([skip, loss_bad, grad_bad, grad_spike, loss_spike, backoff, growth, floor_hit, no_grads])
+    flags = torch.stack([skip, loss_bad, grad_bad, grad_spike, loss_spike, backoff, growth, floor_hit, no_grads,
+                         rebase, clip_rebase])
     thresholds = torch.stack([spike_threshold.reshape(()), clip_threshold.reshape(())])
     out = torch.cat([values.float(), flags.float(), thresholds.float()])
     if out.shape[0] != DECISION_K:  # pragma: no cover - layout invariant (see stats.Dec)
@@ -206,7 +264,7 @@ def decide(
 
 
 def _zclip(grad_norm: torch.Tensor, bad: torch.Tensor, config: GuardConfig,
-           spikes: SpikeState) -> tuple[torch.Tensor, torch.Tensor]:
+           spikes: SpikeState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ZClip (Kumar et al. 2025, "ZClip: Adaptive Spike Mitigation for LLM Pre-Training",
     arXiv:2504.02507; the reference code's default ``mode="zscore"``,
     ``clip_option="adaptive_scaling"``): once ``spike_warmup`` finite steps are folded in, a norm
@@ -217,8 +275,13 @@ def _zclip(grad_norm: torch.Tensor, bad: torch.Tensor, config: GuardConfig,
     ``1/n`` instead of keeping a buffer: at its end mean and variance are the warm-up norms' mean
     and population variance, as the paper's buffer gives them (up to float32 rounding).
     ``bad``: non-finite or gradient-less steps, which neither clip nor touch the statistics.
-    Returns ``(clip_coef, ceiling)``: ``ceiling`` is the largest norm this step let through (the
-    threshold when clipped, ``mean + zclip_z * (std + eps)`` otherwise, inf during warm-up)."""
+    Unlike the paper, the statistics cannot lock themselves out: after ``spike_warmup`` clipped
+    steps in a row (a lasting shift of the norm's level: folding the thresholds would follow it
+    only by ``zclip_z**2 * std / z`` a step), mean and variance are re-based on the raw norms of
+    that run (:func:`_flag_run`); that step is still clipped.
+    Returns ``(clip_coef, ceiling, rebase)``: ``ceiling`` is the largest norm this step let through
+    (the threshold when clipped, ``mean + zclip_z * (std + eps)`` otherwise, inf during warm-up);
+    ``rebase``: the statistics were re-based this step."""
     mean, var, count = spikes.clip_mean, spikes.clip_var, spikes.clip_count
     zt = config.zclip_z
     std = torch.sqrt(var)
@@ -237,16 +300,23 @@ def _zclip(grad_norm: torch.Tensor, bad: torch.Tensor, config: GuardConfig,
     new_mean, warmup_var = _fold(mean, var, x, w)
     e = x - new_mean
     new_var = torch.where(warm, (1 - w) * var + w * (e * e), warmup_var)
-    mean.copy_(torch.where(bad, mean, new_mean))
-    var.copy_(torch.where(bad, var, new_var))
+    run, run_mean, run_var, rebase = _flag_run(spikes.clip_run, spikes.clip_flag_mean, spikes.clip_flag_var,
+                                               grad_norm, outlier, ~bad, config.spike_warmup)
+    mean.copy_(torch.where(rebase, run_mean, torch.where(bad, mean, new_mean)))
+    var.copy_(torch.where(rebase, run_var, torch.where(bad, var, new_var)))
     count.add_((~bad).int())
-    return coef, ceiling
+    spikes.clip_run.copy_(run)
+    spikes.clip_flag_mean.copy_(run_mean)
+    spikes.clip_flag_var.copy_(run_var)
+    return coef, ceiling, rebase
 
 
-def _zclip_host(grad_norm: float, bad: bool, config: GuardConfig, spikes: SpikeState) -> tuple[float, float]:
+def _zclip_host(grad_norm: float, bad: bool, config: GuardConfig,
+                spikes: SpikeState) -> tuple[float, float, bool]:
     """:func:`_zclip` on float32 host values."""
     mean, var, count = spikes.clip_mean.item(), spikes.clip_var.item(), int(spikes.clip_count.item())
     zt = f32(config.zclip_z)
+    rebase = False
     std = _sqrt(spikes.clip_var)
     spread = f32(std + f32(ZCLIP_EPS))
     z = _div(f32(grad_norm - mean), spread)
@@ -262,10 +332,22 @@ def _zclip_host(grad_norm: float, bad: bool, config: GuardConfig, spikes: SpikeS
         if warm:
             e = f32(x - new_mean)
             new_var = f32(f32(f32(1.0 - w) * var) + f32(w * f32(e * e)))
+        run = int(spikes.clip_run.item())
+        if outlier:
+            flags = _flag_run_host(run, [spikes.clip_flag_mean.item()], [spikes.clip_flag_var.item()], [grad_norm],
+                                   config.spike_warmup)
+            run, rebase = flags[0], flags[3]
+            spikes.clip_flag_mean.fill_(flags[1][0])
+            spikes.clip_flag_var.fill_(flags[2][0])
+            if rebase:
+                new_mean, new_var = flags[1][0], flags[2][0]
+            spikes.clip_run.fill_(run)
+        elif run:
+            spikes.clip_run.fill_(0)
         spikes.clip_mean.fill_(new_mean)
         spikes.clip_var.fill_(new_var)
         spikes.clip_count.fill_(count + 1)
-    return coef, ceiling
+    return coef, ceiling, rebase
 
 
 def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeState, scale_state: ScaleState,
@@ -319,7 +401,9 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
     reason = (1.0 if loss_bad else 2.0 if grad_bad else 5.0 if no_grads else 3.0 if skip and grad_spike
               else 4.0 if skip and loss_spike else 0.0)
 
-    if spikes_on and not nonfinite and not no_grads and not spike:  # healthy: fold it into the averages
+    rebase = clip_rebase = False
+    healthy = not nonfinite and not no_grads and not spike
+    if spikes_on and healthy:  # fold it into the averages
         if count == 0:
             grad_ema, loss_ema = grad_norm, loss
         else:
@@ -333,12 +417,30 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
             spikes.z_mean.fill_(z_mean)
             spikes.z_var.fill_(z_var)
         spikes.count.fill_(count + 1)
+    if spikes_on:  # no lock-out: spike_warmup flags in a row re-base the statistics on those steps
+        run = int(spikes.flag_run.item())
+        if spike:
+            run, mean, var, rebase = _flag_run_host(
+                run, [spikes.flag_norm_mean.item(), spikes.flag_loss_mean.item()], [spikes.flag_norm_var.item(), 0.0],
+                [grad_norm, loss], config.spike_warmup)
+            spikes.flag_norm_mean.fill_(mean[0])
+            spikes.flag_loss_mean.fill_(mean[1])
+            spikes.flag_norm_var.fill_(var[0])
+            spikes.flag_run.fill_(run)
+            if rebase:
+                spikes.grad_ema.fill_(mean[0])
+                spikes.loss_ema.fill_(mean[1])
+                if zscore:
+                    spikes.z_mean.fill_(mean[0])
+                    spikes.z_var.fill_(var[0])
+        elif healthy and run:
+            spikes.flag_run.fill_(0)
 
     if config.clip_grad_norm is not None:
         # clip_grad_norm_'s ``max_norm / (total_norm + 1e-6)``, clamped at 1 (NaN stays NaN)
         clip_coef = clamp_f32(f32(_reciprocal(f32(grad_norm + f32(1e-6))) * f32(config.clip_grad_norm)), None, 1.0)
     elif config.zclip:
-        clip_coef, clip_threshold = _zclip_host(grad_norm, nonfinite or no_grads, config, spikes)
+        clip_coef, clip_threshold, clip_rebase = _zclip_host(grad_norm, nonfinite or no_grads, config, spikes)
     else:
         clip_coef = 1.0
 
@@ -358,7 +460,8 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
         backoff = growth = floor_hit = False
 
     values = [loss, grad_norm, nonfinite_tensors, clip_coef, scale, new_scale, reason]
-    flags = [skip, loss_bad, grad_bad, grad_spike, loss_spike, backoff, growth, floor_hit, no_grads]
+    flags = [skip, loss_bad, grad_bad, grad_spike, loss_spike, backoff, growth, floor_hit, no_grads, rebase,
+             clip_rebase]
     out = values + [1.0 if f else 0.0 for f in flags] + [spike_threshold, clip_threshold]
     if len(out) != DECISION_K:  # pragma: no cover - layout invariant (see stats.Dec)
         raise AssertionError("decision vector layout out of date")

@@ -317,6 +317,13 @@ class Reporter:
         if report.loss_spike:
             out.append(Anomaly(step, AnomalyKind.LOSS_SPIKE, f"loss {report.loss:.4g} exceeded "
                                f"{self.config.loss_spike_factor}x its running average; step {act}", ranks))
+        k = self.config.spike_warmup
+        for flagged, who, did in ((d.rebaseline, "the spike detectors", "flagged"),
+                                  (d.zclip_rebaseline, "ZClip", "clipped")):
+            if flagged:
+                out.append(Anomaly(step, AnomalyKind.REBASELINE, f"{who} {did} {k} steps in a row (spike_warmup): "
+                                   "the level moved, so their statistics were re-based on those steps and the next "
+                                   "steps are judged against that level"))
         if d.floor:
             out.append(Anomaly(step, AnomalyKind.SCALE_FLOOR, f"loss scale reached the floor min_scale="
                                f"{self.config.min_scale:g}: fp16 overflows persist at the smallest allowed "

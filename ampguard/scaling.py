@@ -8,7 +8,8 @@ here. It also decides what the *public* GradScaler calls mean on a guarded optim
 
 GradScaler's own rule (``torch._amp_update_scale_``) backs off on every overflowing step and
 grows after ``growth_interval`` clean ones. :func:`next_scale` computes the same rule with
-plain tensor ops, plus hysteresis (back off only after N consecutive overflows) and a
+plain tensor ops, plus hysteresis (an allowance of ``hysteresis - 1`` overflows that do not back
+off, refilled only when the scale grows, as DeepSpeed and Megatron-LM refill theirs) and a
 [min, max] clamp, and hands the result to ``GradScaler.update(new_scale=...)``. With
 hysteresis 1 and a scale inside [min, max] the result is bitwise GradScaler's.
 :func:`next_scale_host` is the same rule on host floats (the CPU decision), float32 op for op.
@@ -474,7 +475,10 @@ class ScaleState:
     """Device tensors the scale rule carries from step to step."""
 
     overflow_run: torch.Tensor
-    """int32: consecutive overflowing steps not yet answered by a backoff (hysteresis)."""
+    """int32: overflowing steps since the scale last grew (or since the start), at most
+    ``hysteresis``: the hysteresis allowance spent (Megatron-LM's ``hysteresis_tracker`` is
+    ``hysteresis - overflow_run``). An overflow backs off once it reaches ``hysteresis``; only a
+    growth of the scale sets it back to 0."""
 
     @classmethod
     def fresh(cls, device: torch.device) -> ScaleState:
@@ -507,6 +511,14 @@ def next_scale(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The scale for the next step, without a host sync.
 
+    Hysteresis: an overflow backs the scale off when it brings the overflows counted since the
+    scale last grew (``state.overflow_run``, capped at ``hysteresis``) to ``hysteresis``; clean
+    steps do not refill the allowance, a growth does. So the first ``hysteresis - 1`` overflows
+    after a growth are skipped without a backoff and every later one backs off (DeepSpeed's
+    ``DynamicLossScaler`` with ``consecutive_hysteresis=False``, Megatron-LM's
+    ``DynamicGradScaler``); intermittent overflows back the scale off as consecutive ones do.
+    With ``hysteresis=1`` every overflow backs off: GradScaler's rule.
+
     ``overflow`` (bool, 0-d): the gradients were non-finite on some rank. ``held`` (bool): the
     step was skipped for another reason (a spike, a non-finite loss with finite gradients):
     the scale and the growth count stay as they are. Updates ``state`` in place; ``growth_tracker``
@@ -519,9 +531,8 @@ def next_scale(
     - margin)`` (:func:`headroom_target_host`). Overflows back off as without it. ``backoff`` and
     ``growth`` then also say which way the policy moved the scale.
     """
-    run = torch.where(overflow, state.overflow_run + 1, torch.zeros_like(state.overflow_run))
+    run = torch.where(overflow, torch.clamp(state.overflow_run + 1, max=hysteresis), state.overflow_run)
     backoff = overflow & (run >= hysteresis)
-    state.overflow_run.copy_(torch.where(backoff, torch.zeros_like(run), run))
     backed = scale * backoff_factor
     floor_hit = backoff & (backed <= min_scale)
     if headroom is not None:  # the headroom policy: no growth timer; a taken sampled step sets the scale
@@ -531,6 +542,7 @@ def next_scale(
                              max=HEADROOM_MAX_SCALE if max_scale is None else max_scale)
         new = torch.clamp(torch.where(backoff, backed, torch.where(apply, target, scale)), min=min_scale, max=max_scale)
         moved_down, moved_up = apply & (new < scale), apply & (new > scale)
+        state.overflow_run.copy_(torch.where(moved_up, torch.zeros_like(run), run))  # growth refills
         return new, torch.zeros_like(growth_tracker), backoff | moved_down, moved_up, floor_hit
 
     tracker = torch.where(
@@ -547,6 +559,7 @@ def next_scale(
     new = torch.clamp(new, min=min_scale, max=max_scale)
     if max_scale is not None:
         growth = growth & (grown <= max_scale)
+    state.overflow_run.copy_(torch.where(growth, torch.zeros_like(run), run))  # only a growth refills
     return new, tracker, backoff, growth, floor_hit
 
 
@@ -587,9 +600,8 @@ def next_scale_host(scale: float, growth_tracker: int, overflow: bool, held: boo
     ``headroom``: as for :func:`next_scale` (the headroom policy; None: off).
     Returns ``(new_scale, new_tracker, backoff, growth, floor_hit, new_overflow_run)``."""
     min_scale, max_scale = config.min_scale, config.max_scale
-    run = overflow_run + 1 if overflow else 0
+    run = min(overflow_run + 1, config.hysteresis) if overflow else overflow_run
     backoff = overflow and run >= config.hysteresis
-    new_run = 0 if backoff else run
     backed = f32(scale * f32(scaler.backoff_factor))
     floor_hit = backoff and backed <= f32(min_scale)
     if headroom is not None:
@@ -598,7 +610,8 @@ def next_scale_host(scale: float, growth_tracker: int, overflow: bool, held: boo
             headroom_target_host(scale, headroom, config.headroom_margin_log2, min_scale, max_scale) if apply
             else scale)
         new = clamp_f32(new, min_scale, max_scale)
-        return new, 0, backoff or (apply and new < scale), apply and new > scale, floor_hit, new_run
+        up = apply and new > scale
+        return new, 0, backoff or (apply and new < scale), up, floor_hit, 0 if up else run
 
     tracker = 0 if overflow else growth_tracker if held else growth_tracker + 1
     grown = f32(scale * f32(scaler.growth_factor))
@@ -611,4 +624,4 @@ def next_scale_host(scale: float, growth_tracker: int, overflow: bool, held: boo
     new = clamp_f32(new, min_scale, max_scale)
     if max_scale is not None:
         growth = growth and grown <= f32(max_scale)
-    return new, tracker, backoff, growth, floor_hit, new_run
+    return new, tracker, backoff, growth, floor_hit, 0 if growth else run

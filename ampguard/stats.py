@@ -91,8 +91,10 @@ class Dec(enum.IntEnum):
     GROWTH = 13  # 1.0 when the scale grew this step
     FLOOR = 14  # 1.0 when a backoff hit min_scale
     NO_GRADS = 15  # 1.0 when some rank had no gradient at all
-    SPIKE_THRESHOLD = 16  # the norm above which a gradient spike is flagged (NaN: no gradient detector)
-    CLIP_THRESHOLD = 17  # ZClip: the largest norm this step let through (NaN: ZClip off; inf: warm-up)
+    REBASELINE = 16  # 1.0 when the spike detectors' statistics were re-based on a run of flagged steps
+    ZCLIP_REBASELINE = 17  # 1.0 when ZClip's statistics were re-based on a run of clipped steps
+    SPIKE_THRESHOLD = 18  # the norm above which a gradient spike is flagged (NaN: no gradient detector)
+    CLIP_THRESHOLD = 19  # ZClip: the largest norm this step let through (NaN: ZClip off; inf: warm-up)
 
 
 DECISION_K = len(Dec)
@@ -126,6 +128,8 @@ class Decision:
     no_grads: bool
     spike_threshold: float = math.nan
     clip_threshold: float = math.nan
+    rebaseline: bool = False
+    zclip_rebaseline: bool = False
 
     @classmethod
     def decode(cls, d: Sequence[float]) -> Decision:
@@ -136,7 +140,8 @@ class Decision:
             grad_nonfinite=d[Dec.GRAD_NONFINITE] > 0, grad_spike=d[Dec.GRAD_SPIKE] > 0,
             loss_spike=d[Dec.LOSS_SPIKE] > 0, backoff=d[Dec.BACKOFF] > 0, growth=d[Dec.GROWTH] > 0,
             floor=d[Dec.FLOOR] > 0, no_grads=d[Dec.NO_GRADS] > 0, spike_threshold=d[Dec.SPIKE_THRESHOLD],
-            clip_threshold=d[Dec.CLIP_THRESHOLD],
+            clip_threshold=d[Dec.CLIP_THRESHOLD], rebaseline=d[Dec.REBASELINE] > 0,
+            zclip_rebaseline=d[Dec.ZCLIP_REBASELINE] > 0,
         )
 
 

@@ -62,6 +62,9 @@ class AnomalyKind(_StrEnum):
     """The escalation ladder stopped training (NonFiniteError follows)."""
     NO_GRADIENTS = "no_gradients"
     """A backward reached no parameter of the optimizer (on the ranks named); the step was skipped."""
+    REBASELINE = "rebaseline"
+    """A spike detector (or ZClip) flagged ``spike_warmup`` steps in a row: the level moved, so its
+    statistics were re-based on those steps and the next steps are judged against the new level."""
 
 
 class Phase(_StrEnum):

@@ -17,7 +17,9 @@
    (``AFTERMATH`` steps: the damaged model's own large gradients), false positives (flags
    anywhere else), steps flagged; for ZClip, per known spike, the share of its norm let through.
 3. **Live.** Training again from the same seed with each detector acting (factor and z-score with
-   ``on_spike="skip"``, ZClip clipping, and none): the final loss on a held-out set.
+   ``on_spike="skip"``, ZClip clipping, and none): the final loss on a held-out set, the longest
+   run of skipped steps (at most ``spike_warmup``: a detector re-bases its statistics after that
+   many flags in a row) and the steps where a detector re-baselined.
 
     python benchmarks/detectors.py --out benchmarks/results/detectors_cpu
     python benchmarks/detectors.py --quick --out /tmp/detectors_quick   # seconds; used by the tests
@@ -49,6 +51,7 @@ from ampguard.exporters import JsonlExporter
 from ampguard.policies import SpikeState, decide_host
 from ampguard.scaling import ScaleState
 from ampguard.stats import LOCAL_K, Dec, Loc
+from ampguard.vocab import AnomalyKind
 
 BURST_LAG = 3
 """An LR burst at step s counts as caught when a step in s+1..s+BURST_LAG is flagged."""
@@ -126,10 +129,11 @@ def train(plan: Plan, config: dict[str, Any], exporters: list[Any] | None = None
         opt.zero_grad(set_to_none=True)
     opt.flush()
     reports = list(opt.history)
+    rebaselines = [a.step for a in opt.anomalies if a.kind == AnomalyKind.REBASELINE]
     opt.close()
     with torch.no_grad():
         eval_loss = float(torch.nn.functional.mse_loss(model(ex), ey))
-    return {"reports": reports, "eval_loss": eval_loss}
+    return {"reports": reports, "eval_loss": eval_loss, "rebaselines": rebaselines}
 
 
 # ---------------------------------------------------------------------------------- replay
@@ -216,7 +220,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         res = train(plan, cfg)
         live[name] = {"eval_loss": res["eval_loss"], "skipped": sum(r.skipped for r in res["reports"]),
                       "longest_skip_run": _longest_run([r.skipped for r in res["reports"]]),
-                      "clipped": sum(r.clip_coef < 1.0 for r in res["reports"]), "config": cfg}
+                      "clipped": sum(r.clip_coef < 1.0 for r in res["reports"]), "rebaselines": res["rebaselines"],
+                      "config": cfg}
 
     healthy = [n for s, n in enumerate(norms) if all(not (e <= s < e + AFTERMATH) for _, e in plan.events())]
     result = {
@@ -273,13 +278,14 @@ def markdown(r: dict[str, Any]) -> str:
                      f"| {sp['share_let_through']:.3g} |")
     lines += ["", "## Live: trained with each detector acting", "",
               "| detector | action | held-out loss at the end | steps skipped | longest run of skips (from step) "
-              "| steps clipped |", "|---|---|---|---|---|---|"]
+              "| steps clipped | re-baselined at |", "|---|---|---|---|---|---|---|"]
     for name, s in r["live"].items():
         action = "none" if name == "none" else ("clip" if name == "zclip" else "skip")
         length, start = s["longest_skip_run"]
         run = f"{length} ({start})" if length else "0"
+        rebased = ", ".join(map(str, s["rebaselines"])) or "-"
         lines.append(f"| {name} | {action} | {s['eval_loss']:.4g} | {s['skipped']} | {run} "
-                     f"| {s['clipped']} |")
+                     f"| {s['clipped']} | {rebased} |")
     lines.append("")
     return "\n".join(lines)
 

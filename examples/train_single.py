@@ -7,11 +7,13 @@ three faults with :mod:`ampguard.faults`:
 
 - step 10: a NaN loss (the gradients stay finite): skipped, the loss scale is held;
 - steps 20-22: an inf gradient burst in ``head.weight``. With ``GuardConfig(hysteresis=2)``
-  the scale is kept on the first overflow, halved on the second, kept on the third;
+  the scale is kept on the first overflow and halved on the second and the third (the
+  allowance refills only when the scale grows: docs/hysteresis.md);
 - step 35: a huge but fp16-representable activation (3e4) in the output of ``ln_f``. The
   forward pass stays finite (the loss just jumps), but in the backward pass the scaled
   gradient of ``head.weight`` (activation x scaled logit gradient) overflows fp16: a
-  realistic overflow. It is skipped; being a single overflow, hysteresis keeps the scale.
+  realistic overflow. It is skipped, and since the scale has not grown since the burst, it
+  backs the scale off.
 
 The spike detector (``grad_spike_factor``) is on in "warn" mode: whatever it flags, it
 flags on its own; nothing here fakes a spike.
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     model = CharTransformer(len(_VOCAB), context=args.context)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     config = ampguard.GuardConfig(
-        hysteresis=2,  # back the scale off only on the 2nd overflow in a row
+        hysteresis=2,  # absorb one overflow per growth of the scale; back off on the others
         grad_spike_factor=5.0,  # flag (and only warn) on a gradient norm 5x its running average
         on_spike="warn",
         spike_warmup=20,

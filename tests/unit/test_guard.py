@@ -136,7 +136,7 @@ def test_nonfinite_loss_with_finite_grads_skips_without_backoff():
     assert r.next_loss_scale == r.loss_scale  # the scale did not cause it: no backoff
 
 
-def test_hysteresis_backs_off_only_after_consecutive_overflows():
+def test_hysteresis_allowance_is_spent_by_overflows_and_refilled_only_by_growth():
     model = make_model()
     opt = ampguard.wrap(make_opt(model), model=model, scaler=torch.amp.GradScaler("cpu", init_scale=1024.0),
                         config={"hysteresis": 3})
@@ -145,11 +145,13 @@ def test_hysteresis_backs_off_only_after_consecutive_overflows():
         guarded_steps(opt, model, make_data(9))
     h = opt.history
     assert [h[i].skipped for i in range(9)] == [False, True, True, False, True, True, True, True, False]
-    # steps 1, 2: two overflows then a clean step resets the run -> no backoff
+    # steps 1, 2: two overflows spend the allowance (hysteresis - 1 = 2): no backoff
     assert h[3].loss_scale == s0
-    # steps 4, 5, 6: the third consecutive overflow backs off; 7 starts a new run
-    assert h[6].loss_scale == s0 and h[6].next_loss_scale == s0 / 2
-    assert h[8].loss_scale == s0 / 2
+    # step 4: the third overflow since the scale last grew backs off although a clean step came
+    # between (docs/hysteresis.md); so does every later one until the scale grows
+    assert h[4].loss_scale == s0 and h[4].next_loss_scale == s0 / 2
+    assert [h[i].next_loss_scale for i in (5, 6, 7)] == [s0 / 4, s0 / 8, s0 / 16]
+    assert h[8].loss_scale == s0 / 16
 
 
 def test_scale_floor_and_ceiling():
@@ -221,8 +223,10 @@ def test_state_dict_round_trip_continues_bit_for_bit():
     guarded_steps(opt_a, model_a, data)
 
     model_b, opt_b = build()
-    guarded_steps(opt_b, model_b, data[:9])  # stops mid-hysteresis: step 8 overflowed, no backoff yet
-    assert opt_b.state_dict()["ampguard"]["overflow_run"] == 1
+    # stops with the allowance spent (5 and 8 overflowed since the growth at step 3): step 9 backs
+    # off only if the resumed guard restored that
+    guarded_steps(opt_b, model_b, data[:9])
+    assert opt_b.state_dict()["ampguard"]["overflow_run"] == 2
     saved_model = {k: v.clone() for k, v in model_b.state_dict().items()}
     saved_opt = opt_b.state_dict()
 

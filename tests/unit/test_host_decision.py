@@ -56,13 +56,22 @@ class Carried:
     clip_mean: float = 0.0
     clip_var: float = 0.0
     clip_count: int = 0
+    flag_run: int = 0
+    flag_norm_mean: float = 0.0
+    flag_norm_var: float = 0.0
+    flag_loss_mean: float = 0.0
+    clip_run: int = 0
+    clip_flag_mean: float = 0.0
+    clip_flag_var: float = 0.0
     last: tuple[float, ...] = ()  # the decision that produced this state (not state)
 
     def tensors(self) -> tuple[SpikeState, ScaleState, ScalerView | None]:
         f = functools.partial(torch.tensor, dtype=torch.float32)
-        spikes = SpikeState(f(self.grad_ema), f(self.loss_ema), torch.tensor(self.count, dtype=torch.int32),
-                            f(self.z_mean), f(self.z_var), f(self.clip_mean), f(self.clip_var),
-                            torch.tensor(self.clip_count, dtype=torch.int32))
+        i = functools.partial(torch.tensor, dtype=torch.int32)
+        spikes = SpikeState(f(self.grad_ema), f(self.loss_ema), i(self.count), f(self.z_mean), f(self.z_var),
+                            f(self.clip_mean), f(self.clip_var), i(self.clip_count), i(self.flag_run),
+                            f(self.flag_norm_mean), f(self.flag_norm_var), f(self.flag_loss_mean), i(self.clip_run),
+                            f(self.clip_flag_mean), f(self.clip_flag_var))
         state = ScaleState(torch.tensor(self.overflow_run, dtype=torch.int32))
         view = None
         if self.scale is not None:
@@ -72,8 +81,10 @@ class Carried:
         return spikes, state, view
 
 
-DETECTOR_FLOATS = ("grad_ema", "loss_ema", "z_mean", "z_var", "clip_mean", "clip_var")
+DETECTOR_FLOATS = ("grad_ema", "loss_ema", "z_mean", "z_var", "clip_mean", "clip_var", "flag_norm_mean",
+                   "flag_norm_var", "flag_loss_mean", "clip_flag_mean", "clip_flag_var")
 """The carried float32 statistics of the detectors (SpikeState), compared bit for bit."""
+DETECTOR_COUNTS = ("count", "clip_count", "flag_run", "clip_run")
 
 
 def run_both(gathered: torch.Tensor, config: GuardConfig, carried: Carried, sharded: bool = False) -> Carried:
@@ -97,15 +108,15 @@ def run_both(gathered: torch.Tensor, config: GuardConfig, carried: Carried, shar
     for name in DETECTOR_FLOATS:
         a, b = getattr(t_spikes, name).item(), getattr(h_spikes, name).item()
         assert bits(a) == bits(b), f"{name}: host {b!r} != tensor {a!r}\n{gathered}\n{config}\n{carried}"
-    assert t_spikes.count.item() == h_spikes.count.item()
-    assert t_spikes.clip_count.item() == h_spikes.clip_count.item()
+    for name in DETECTOR_COUNTS:
+        assert getattr(t_spikes, name).item() == getattr(h_spikes, name).item(), name
     assert t_state.overflow_run.item() == h_state.overflow_run.item()
     # the host path only reads the scaler: the pipeline writes the new scale and tracker
     if t_view is not None and h_view is not None:
         assert bits(t_view.scale.item()) == bits(h_view.scale.item())
     return dataclasses.replace(
         carried, **{n: getattr(h_spikes, n).item() for n in DETECTOR_FLOATS},
-        count=int(h_spikes.count.item()), clip_count=int(h_spikes.clip_count.item()),
+        **{n: int(getattr(h_spikes, n).item()) for n in DETECTOR_COUNTS},
         overflow_run=int(h_state.overflow_run.item()),
         scale=None if carried.scale is None else h_out[Dec.NEXT_SCALE],
         tracker=carried.tracker if h_tracker is None else h_tracker, last=tuple(h_out),
@@ -183,6 +194,13 @@ def rand_carried(rng: random.Random) -> Carried:
         clip_mean=f32(rng.choice([0.0, rng.uniform(0, 10), math.exp(rng.uniform(-10, 10)), math.nan])),
         clip_var=f32(rng.choice([0.0, rng.uniform(0, 4), math.exp(rng.uniform(-20, 20)), math.inf])),
         clip_count=rng.choice([0, 0, 1, 2, 3, 25]),
+        flag_run=rng.choice([0, 0, 1, 2, 19]),
+        flag_norm_mean=f32(rng.choice([0.0, rng.uniform(0, 10), math.exp(rng.uniform(-10, 10)), math.nan])),
+        flag_norm_var=f32(rng.choice([0.0, rng.uniform(0, 4), math.exp(rng.uniform(-20, 20)), math.inf])),
+        flag_loss_mean=f32(rng.choice([0.0, rng.uniform(0, 5), math.nan])),
+        clip_run=rng.choice([0, 0, 1, 2, 19]),
+        clip_flag_mean=f32(rng.choice([0.0, rng.uniform(0, 10), math.exp(rng.uniform(-10, 10))])),
+        clip_flag_var=f32(rng.choice([0.0, rng.uniform(0, 4), math.exp(rng.uniform(-20, 20))])),
     )
 
 
@@ -284,13 +302,19 @@ def test_growth_interval_boundary_floor_and_ceiling():
     run_both(clean(loss=math.nan, loss_nonfinite=1.0), config, Carried(scale=8.0, tracker=2, growth_interval=3))
 
 
-def test_hysteresis_runs():
+def test_hysteresis_allowance_refills_only_on_growth():
+    """hysteresis=3 on both paths: the first two overflows after a growth back nothing off, a clean
+    step between them refills nothing, every later overflow backs off, and a growth (4 clean steps)
+    refills the allowance (DeepSpeed's and Megatron-LM's rule; docs/hysteresis.md)."""
     config = GuardConfig(hysteresis=3)
-    carried = Carried(scale=4096.0)
-    pattern = [1, 1, 0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 0, 0]
+    carried = Carried(scale=4096.0, growth_interval=4)
+    pattern = [1, 1, 0, 1, 1, 0, 0, 0, 0, 1, 0, 1, 1, 1]
+    expect = [4096, 4096, 4096, 2048, 1024, 1024, 1024, 1024, 2048, 2048, 2048, 2048, 1024, 512]
+    seen = []
     for bad in pattern:
         carried = run_both(clean(found_inf=float(bad)), config, carried)
-    assert carried.scale == 4096.0 / 8  # three runs of three overflows backed off; the shorter ones did not
+        seen.append(carried.scale)
+    assert seen == expect
 
 
 def test_sequences_match_the_scale_rule_step_by_step():
@@ -476,6 +500,9 @@ _CONFIGS = {
     "clip+zscore": {"clip_grad_norm": 0.05, "spike_detector": "zscore", "spike_warmup": 3},
     "numerics+indicators+headroom": {"numerics_every": 3, "scale_policy": "headroom"},
     "huge-growth-interval": {},
+    # thresholds low enough that runs of flags re-base the detectors' and ZClip's statistics
+    "rebaseline": {"spike_detector": "zscore", "spike_zscore": 0.1, "spike_warmup": 2, "on_spike": "skip",
+                   "zclip": True, "zclip_z": 0.1},
 }
 
 
@@ -523,3 +550,34 @@ def test_the_one_host_copy_path_decides_and_reports_as_the_cpu_path(name, monkey
     assert any(r.skipped for r in opt.history) and not all(r.skipped for r in opt.history)
     if name.startswith("numerics"):
         assert any(r.module_grad_norms for r in opt.history) and any(r.headroom_log2 for r in opt.history)
+    if name == "rebaseline":
+        kinds = [(a.step, a.kind, a.detail) for a in opt.anomalies]
+        assert kinds == [(a.step, a.kind, a.detail) for a in ref_opt.anomalies]
+        assert {d.split(" ")[0] for _, k, d in kinds if k == "rebaseline"} == {"the", "ZClip"}
+
+
+@pytest.mark.parametrize("config", [
+    GuardConfig(grad_spike_factor=3.0, loss_spike_factor=2.0, spike_warmup=4, on_spike="skip", zclip=True),
+    GuardConfig(spike_detector="zscore", spike_window=5, spike_warmup=3, on_spike="warn", zclip=True, zclip_z=1.0),
+], ids=["factor+loss+zclip", "zscore+zclip"])
+def test_a_lasting_shift_re_bases_the_statistics_on_both_paths(config):
+    """A norm and loss that jump x10 for good, with non-finite steps inside the flagged run (they
+    neither extend nor end it) and a lone spike before: both paths re-base the detectors' and
+    ZClip's statistics on the same step, to the same bits (docs/detectors.md)."""
+    rng = random.Random(5)
+    carried, rebased, zrebased = Carried(), [], []
+    for i in range(40):
+        level = 10.0 if i >= 20 else 1.0
+        cols = {"grad_norm": level * rng.uniform(0.9, 1.1), "loss": level * rng.uniform(0.95, 1.05)}
+        if i == 12:
+            cols = {"grad_norm": 50.0, "loss": 50.0}
+        if i in (21, 22):
+            cols.update(grad_norm=math.inf, found_inf=1.0)
+        carried = run_both(clean(**cols), config, carried)
+        if carried.last[Dec.REBASELINE] > 0:
+            rebased.append(i)
+        if carried.last[Dec.ZCLIP_REBASELINE] > 0:
+            zrebased.append(i)
+    k = config.spike_warmup
+    assert rebased[:1] == zrebased[:1] == [20 + k + 1]  # k flagged steps, the two non-finite ones not counted
+    assert carried.grad_ema > 5 or carried.z_mean > 5
