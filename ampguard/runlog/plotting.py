@@ -40,7 +40,6 @@ _DPI = 100
 _LANES = 4
 _NOTE_FONT = 8.5
 _STRIP_RATIO = 1.0
-_STRIP_PX = 90
 
 
 @dataclasses.dataclass
@@ -117,7 +116,7 @@ def figure(run: Run, *, width_px: int = 1600, height_px: int = 1200) -> Any:
               0.9 + 0.35 * max(len(run.ranks), 1), *([2.2] if numerics else [])]
     fig, all_axes = plt.subplots(
         len(ratios), 1, sharex=True,
-        figsize=(width_px / _DPI, (height_px + _STRIP_PX * strip + 250 * indicators + 300 * numerics) / _DPI),
+        figsize=(width_px / _DPI, (height_px + 250 * indicators + 300 * numerics) / _DPI),
         dpi=_DPI, gridspec_kw={"height_ratios": ratios, "hspace": 0.3},
     )
     ax_strip, axes = (all_axes[0], all_axes[1:]) if strip else (None, all_axes)
