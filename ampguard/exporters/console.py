@@ -146,7 +146,8 @@ class ConsoleExporter:
             return
         try:
             if self.plain:
-                self._print(self.status() + "  (closed)")
+                skips = sum(self._skips.values())
+                self._print(f"closed after {self._steps} steps: {skips} skipped, {self._anomalies} anomalies")
             elif self._live is not None:
                 self._draw(time.monotonic())
         finally:
@@ -159,11 +160,11 @@ class ConsoleExporter:
         r = self._last
         if r is None:
             return "no step yet"
-        done = f"{r.step + 1}/{self.total_steps}" if self.total_steps else f"{r.step + 1}"
+        done = f" [{r.step + 1}/{self.total_steps}]" if self.total_steps else ""
         skips = sum(self._skips.values())
         why = f"SKIPPED ({r.reason})" if r.skipped else "ok"
-        return (f"step {done:>6}  loss {_g(r.loss):>9}  scale {_g(r.loss_scale):>8}  grad norm {_g(r.grad_norm):>9}  "
-                f"skipped {skips}  anomalies {self._anomalies}  {why}")
+        return (f"step {r.step:>5}{done}  loss {_g(r.loss):>9}  scale {_g(r.loss_scale):>8}  "
+                f"grad norm {_g(r.grad_norm):>9}  skipped {skips}  anomalies {self._anomalies}  {why}")
 
     def render(self) -> Any:
         """The live table (a rich renderable)."""
@@ -179,7 +180,7 @@ class ConsoleExporter:
         progress = ""
         if r is not None:
             done = r.step + 1
-            progress = f"step {done}" + (f"/{self.total_steps}" if self.total_steps else "")
+            progress = f"{done}" + (f"/{self.total_steps}" if self.total_steps else "") + " steps"
             if elapsed > 0 and self._steps > 1:
                 rate = self._steps / elapsed
                 progress += f", {rate:.3g} steps/s"

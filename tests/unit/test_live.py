@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import threading
 import time
 import warnings
@@ -62,7 +63,7 @@ def test_console_exporter_draws_the_run_live_and_rate_limits_its_redraws():
     assert fast.redraws >= STEPS + 1
     assert slow.redraws == 1 + anomaly_steps + 1 < fast.redraws
     last_frame = slow_out.getvalue().split("ampguard run ")[-1]
-    assert last_frame.startswith(f"{opt.run_info.run_id}: fp16, 1 rank(s)   step {STEPS}/{STEPS}")
+    assert last_frame.startswith(f"{opt.run_info.run_id}: fp16, 1 rank(s)   {STEPS}/{STEPS} steps")
     for text in ("nonfinite_loss", "loss scale", "skipped by reason", "last anomalies", "forward"):
         assert text in last_frame, text
     row = next(line for line in last_frame.splitlines() if line.startswith("│") and f" {STEPS - 1} " in line)
@@ -82,9 +83,10 @@ def test_console_exporter_prints_plain_lines_off_a_terminal():
     assert "[0, forward, " in flagged[-1]  # where forensics localised it
     status = [line for line in lines if line.startswith("step ")]
     skipped = [r.step for r in opt.history if r.skipped]
-    expected = [*sorted(set(skipped) | {s for s in range(STEPS) if (s + 1) % 5 == 0}), STEPS - 1]
-    assert [int(line.split()[1]) - 1 for line in status] == expected
-    assert status[-1].endswith("(closed)") and "\x1b[" not in out.getvalue()
+    every_5th = {s for s in range(STEPS) if (s + 1) % 5 == 0}
+    assert [int(line.split()[1]) for line in status] == sorted(set(skipped) | every_5th)
+    assert lines[-1] == f"closed after {STEPS} steps: {len(skipped)} skipped, {len(opt.anomalies)} anomalies"
+    assert "\x1b[" not in out.getvalue()
 
 
 def test_console_exporter_draws_on_rank_0_only_unless_asked():
@@ -187,3 +189,62 @@ def test_reading_a_large_log_shows_progress_with_an_estimate(tmp_path):
     console, buf = _console()
     command._load_with_progress(str(out), None, console)  # a small log: no bar
     assert buf.getvalue() == ""
+
+
+# ---------------------------------------------------------------------------------- preflight
+def _tiny_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+
+
+def _tiny_batch(i: int):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.01)
+
+
+def test_preflight_warns_of_a_slow_trial_after_its_first_step(caplog):
+    calls: list[tuple[int, int, str]] = []
+    warned_at: list[int] = []
+
+    class Spy(logging.Handler):  # when, in trial steps, the warning came
+        def emit(self, record: logging.LogRecord) -> None:
+            warned_at.append(len(calls))
+
+    spy = Spy()
+    logging.getLogger("ampguard.preflight").addHandler(spy)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ampguard.preflight"):
+            ampguard.preflight(_tiny_model, _tiny_batch, _sgd, steps=6, precision=("fp16", "bf16"), device="cpu",
+                               warn_after_s=1e-9, progress=lambda *a: calls.append(a))
+    finally:
+        logging.getLogger("ampguard.preflight").removeHandler(spy)
+    (record,) = [r for r in caplog.records if r.name == "ampguard.preflight"]
+    assert warned_at == [1]  # after the first trial's start, at its first step: before any other step ran
+    msg = record.getMessage()
+    assert msg.startswith("a fp16 trial step takes ") and "on cpu: 6 steps x 2 candidate(s) will take about" in msg
+    assert "smaller model or batch" in msg and "--device cuda" in msg
+    steps = [(i + 1, 12, "fp16" if i < 6 else "bf16") for i in range(12)]
+    assert calls == [(0, 12, "fp16"), *steps[:6], (6, 12, "bf16"), *steps[6:]]
+
+
+def test_preflight_is_quiet_when_its_trials_are_quick(caplog):
+    with caplog.at_level(logging.WARNING, logger="ampguard.preflight"):
+        ampguard.preflight(_tiny_model, _tiny_batch, _sgd, steps=5, precision=("bf16",), device="cpu")
+    assert not [r for r in caplog.records if r.name == "ampguard.preflight"]
+    with pytest.raises(ValueError, match="warn_after_s=0"):
+        ampguard.preflight(_tiny_model, _tiny_batch, _sgd, steps=5, precision=("bf16",), warn_after_s=0)
+
+
+def test_preflight_progress_bar_shows_the_time_left():
+    from ampguard.preflight import _progress_bar
+
+    console, buf = _console()
+    with _progress_bar(console) as progress:
+        ampguard.preflight(_tiny_model, _tiny_batch, _sgd, steps=5, precision=("fp16", "bf16"), device="cpu",
+                           progress=progress)
+    text = buf.getvalue()
+    assert "preflight: bf16 trial" in text and "10/10 steps, eta" in text and "0:00:00" in text
