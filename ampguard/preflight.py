@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -44,7 +45,7 @@ starts and after each step."""
 
 def _duration(seconds: float) -> str:
     if seconds < 90:
-        return f"{seconds:.0f} s"
+        return f"{seconds:.2g} s"
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
@@ -52,38 +53,72 @@ def _duration(seconds: float) -> str:
 
 class _Watch:
     """Counts the trial steps, reports progress, and warns once when a trial step is slow for its
-    device: from the first step's time on CPU, from the faster of the first two on CUDA (the first
-    pays one-time warm-up there), before the trials have run for long."""
+    device, before the trials have run for long: from the first step on CPU, from the second on CUDA
+    (the first pays one-time warm-up there). That step's time, times every step of the preflight, is
+    the estimate; and where that step alone runs past ``warn_after_s / steps in all``, a timer warns
+    while it still runs (an fp16 step of a large model on a CPU can take minutes by itself)."""
 
     def __init__(self, total: int, candidates: int, steps: int, device: torch.device, warn_after_s: float | None,
                  progress: Progress | None) -> None:
         self.total, self.candidates, self.steps, self.device = total, candidates, steps, device
         self.warn_after_s, self.progress = warn_after_s, progress
         self.done = 0
-        self.times: list[float] = []
         self.estimate_s: float | None = None
         """The whole preflight's estimated time, once measured (seconds)."""
+        self._timed = 0
+        self._warned = False
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
 
     def begin(self, precision: str) -> None:
         """A trial starts."""
         if self.progress is not None:
             self.progress(self.done, self.total, precision)
 
+    def _deciding(self) -> bool:
+        """The step under way is the one the estimate comes from."""
+        return self._timed == (1 if self.device.type == "cuda" else 0)
+
+    def step_starts(self, precision: str) -> None:
+        if self.warn_after_s is not None and self._deciding() and not self._warned:
+            limit = self.warn_after_s / self.total
+            self._timer = threading.Timer(limit, self._warn, (precision, limit, False))
+            self._timer.daemon = True
+            self._timer.start()
+
     def step(self, precision: str, seconds: float) -> None:
         self.done += 1
-        if len(self.times) < 2:
-            self.times.append(seconds)
-            if len(self.times) == (2 if self.device.type == "cuda" else 1):
-                self.estimate_s = min(self.times) * self.total
-                if self.warn_after_s is not None and self.estimate_s > self.warn_after_s:
-                    log.warning(
-                        "a %s trial step takes %.3g s on %s: %d steps x %d candidate(s) will take about %s. "
-                        "Preflight needs the model's numerics, not its full size: try a smaller model or batch "
-                        "(fewer layers, a shorter sequence), fewer steps (steps=, --steps), or a GPU "
-                        "(device='cuda', --device cuda)", precision, min(self.times), self.device, self.steps,
-                        self.candidates, _duration(self.estimate_s))
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._deciding():
+            self.estimate_s = seconds * self.total
+            if self.warn_after_s is not None and self.estimate_s > self.warn_after_s:
+                self._warn(precision, seconds, True)
+        self._timed += 1
         if self.progress is not None:
             self.progress(self.done, self.total, precision)
+
+    def _warn(self, precision: str, seconds: float, done: bool) -> None:
+        with self._lock:
+            if self._warned:
+                return
+            self._warned = True
+        what = "takes" if done else "has run for"
+        more = "" if done else " and is not done"
+        about = "about" if done else "more than"
+        log.warning(
+            "a %s trial step %s %.3g s on %s%s: %d steps x %d candidate(s) will take %s %s. Preflight needs "
+            "the model's numerics, not its full size: try a smaller model or batch (fewer layers, a shorter "
+            "sequence), fewer steps (steps=, --steps), or a GPU (device='cuda', --device cuda)%s", precision, what,
+            seconds, self.device, more, self.steps, self.candidates, about, _duration(seconds * self.total),
+            "; fp16 on a CPU is slow: try bf16 (--precision bf16)" if self.device.type == "cpu" and
+            precision == "fp16" else "")
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +221,7 @@ def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], An
                config=GuardConfig(min_scale=2.0**-14, forensics=False, history_size=max(steps, 1)))
     watch.begin(precision)
     for i in range(steps):
+        watch.step_starts(precision)
         started = time.perf_counter()
         batch = batch_fn(i)
         with opt.autocast():
@@ -269,8 +305,9 @@ def preflight(
     - ``margin``: the recommended ``init_scale`` is the largest clean power of two / ``2**margin``.
 
     - ``warn_after_s``: log a warning (logger ``ampguard.preflight``) as soon as the first trial step
-      (the faster of the first two on CUDA) says the whole preflight will take longer than this, with
-      the estimate and what to change; None: never.
+      (the second on CUDA, where the first pays warm-up) says the whole preflight will take longer
+      than this: when it ends, or while it still runs once it has taken ``warn_after_s`` / (the
+      preflight's steps); with the estimate and what to change. None: never.
     - ``progress(done, total, precision)``: called as each trial starts and after each of its steps
       (``ampguard preflight`` draws its progress bar from it).
 
@@ -290,13 +327,16 @@ def preflight(
     loss_fn = loss_fn or _default_loss
     extra = min(steps, 5) if dev.type == "cuda" and "fp32" not in precision else 0
     watch = _Watch(steps * len(precision) + extra, len(precision), steps, dev, warn_after_s, progress)
-    trials = [_trial(model_fn, batch_fn, optimizer_fn, loss_fn, p, steps, dev, growth_interval, watch)
-              for p in precision]
-    fp32_peak = None
-    if dev.type == "cuda":
-        fp32 = next((t for t in trials if t.precision == "fp32"), None) or _trial(
-            model_fn, batch_fn, optimizer_fn, loss_fn, "fp32", min(steps, 5), dev, growth_interval, watch)
-        fp32_peak = fp32.peak_memory_bytes
+    try:
+        trials = [_trial(model_fn, batch_fn, optimizer_fn, loss_fn, p, steps, dev, growth_interval, watch)
+                  for p in precision]
+        fp32_peak = None
+        if dev.type == "cuda":
+            fp32 = next((t for t in trials if t.precision == "fp32"), None) or _trial(
+                model_fn, batch_fn, optimizer_fn, loss_fn, "fp32", min(steps, 5), dev, growth_interval, watch)
+            fp32_peak = fp32.peak_memory_bytes
+    finally:
+        watch.close()
 
     usable = [t for t in trials if t.error is None and t.steps and t.overflow_rate < 0.05
               and math.isfinite(t.loss_last)]

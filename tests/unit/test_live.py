@@ -206,11 +206,23 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.01)
 
 
-def test_preflight_warns_of_a_slow_trial_after_its_first_step(caplog):
+class _Slow(torch.nn.Module):
+    """A model whose step is slow for its device, as a big model's is on a CPU (a real wait: sleep)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _tiny_model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.4)
+        return self.inner(x)
+
+
+def test_preflight_warns_of_a_slow_trial_while_its_first_step_still_runs(caplog):
     calls: list[tuple[int, int, str]] = []
     warned_at: list[int] = []
 
-    class Spy(logging.Handler):  # when, in trial steps, the warning came
+    class Spy(logging.Handler):  # when, in progress calls, the warning came
         def emit(self, record: logging.LogRecord) -> None:
             warned_at.append(len(calls))
 
@@ -218,17 +230,18 @@ def test_preflight_warns_of_a_slow_trial_after_its_first_step(caplog):
     logging.getLogger("ampguard.preflight").addHandler(spy)
     try:
         with caplog.at_level(logging.WARNING, logger="ampguard.preflight"):
-            ampguard.preflight(_tiny_model, _tiny_batch, _sgd, steps=6, precision=("fp16", "bf16"), device="cpu",
-                               warn_after_s=1e-9, progress=lambda *a: calls.append(a))
+            ampguard.preflight(_Slow, _tiny_batch, _sgd, steps=5, precision=("fp16", "bf16"), device="cpu",
+                               warn_after_s=0.5, progress=lambda *a: calls.append(a))
     finally:
         logging.getLogger("ampguard.preflight").removeHandler(spy)
     (record,) = [r for r in caplog.records if r.name == "ampguard.preflight"]
-    assert warned_at == [1]  # after the first trial's start, at its first step: before any other step ran
+    assert warned_at == [1]  # after the first trial began, before its first step ended (a step takes 0.4 s)
     msg = record.getMessage()
-    assert msg.startswith("a fp16 trial step takes ") and "on cpu: 6 steps x 2 candidate(s) will take about" in msg
-    assert "smaller model or batch" in msg and "--device cuda" in msg
-    steps = [(i + 1, 12, "fp16" if i < 6 else "bf16") for i in range(12)]
-    assert calls == [(0, 12, "fp16"), *steps[:6], (6, 12, "bf16"), *steps[6:]]
+    assert msg.startswith("a fp16 trial step has run for 0.05 s on cpu and is not done: 5 steps x 2 candidate(s) "
+                          "will take more than 0.5 s.")
+    assert "smaller model or batch" in msg and "--device cuda" in msg and "try bf16" in msg
+    steps = [(i + 1, 10, "fp16" if i < 5 else "bf16") for i in range(10)]
+    assert calls == [(0, 10, "fp16"), *steps[:5], (5, 10, "bf16"), *steps[5:]]
 
 
 def test_preflight_is_quiet_when_its_trials_are_quick(caplog):
