@@ -200,14 +200,20 @@ class ConsoleExporter:
         parts: list[Any] = [Text(f"{head}   {progress}".rstrip(), style="bold"), table]
         if self._skips:
             parts.append("skipped by reason: " + ", ".join(f"{k} {n}" for k, n in self._skips.most_common()))
+
+        def detail(text: str) -> Text:
+            out = Text(" ".join(text.split()))
+            out.truncate(70, overflow="ellipsis")
+            return out
+
         if self._recent and self._recent_n:
             recent = Table(title="last anomalies", title_justify="left", expand=False)
             for col in ("step", "kind", "ranks", "module", "phase", "cause", "detail"):
-                recent.add_column(col, justify="right" if col == "step" else "left", overflow="ellipsis",
-                                  max_width=70 if col == "detail" else None, no_wrap=True)
+                # Only the detail gives way on a narrow terminal (it wraps); the other columns keep their words.
+                recent.add_column(col, justify="right" if col == "step" else "left", no_wrap=col != "detail")
             for a in self._recent:
                 recent.add_row(str(a.step), str(a.kind), ",".join(map(str, a.ranks)) or "-", a.module or "-",
-                               str(a.phase or "-"), str(a.cause or "-"), a.detail)
+                               str(a.phase or "-"), str(a.cause or "-"), detail(a.detail))
             parts.append(recent)
         return Group(*parts)
 

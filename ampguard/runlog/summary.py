@@ -243,9 +243,8 @@ def rich_summary(s: RunSummary, *, last_anomalies: int | None = None) -> Any:
         if table is not None:
             headers, rows, right = table
             t = Table(expand=False)
-            for h, r in zip(headers, right):
-                t.add_column(h, justify="right" if r else "left", overflow="ellipsis",
-                             max_width=60 if h == "detail" else None, no_wrap=h == "detail")
+            for h, r in zip(headers, right):  # only the detail gives way on a narrow terminal (it wraps)
+                t.add_column(h, justify="right" if r else "left", no_wrap=h != "detail")
             for row in rows:
                 t.add_row(*(_fmt_num(c) for c in row))
             parts.append(t)
