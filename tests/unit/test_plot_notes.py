@@ -91,9 +91,9 @@ def test_notes_of_a_real_run_stay_on_the_figure_and_clear_of_legends(tmp_path):
 
 
 def test_notes_of_a_long_run_with_200_anomalies(tmp_path):
-    out = _long_run_module().write(tmp_path / "long", steps=4000, anomalies=200, ranks=1)
+    out = _long_run_module().write(tmp_path / "long", steps=2000, anomalies=200, ranks=1)
     run = runlog.load_run(out)
-    assert len(run.anomalies) == 200 and run.ranks[0].steps_seen == 4000
+    assert len(run.anomalies) == 200 and run.ranks[0].steps_seen == 2000
     notes = _check_notes(run)
     assert 1 < len(notes) < 200  # crowded anomalies share notes; the notes say how many each holds
     assert any(n.get_text().startswith("steps ") for n in notes)
