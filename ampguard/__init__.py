@@ -28,6 +28,7 @@ from .schedule import EMA
 
 __all__ = [
     "AmpGuardError",
+    "ConsoleExporter",
     "JsonlExporter",
     "PortInUseError",
     "PrometheusExporter",
@@ -60,7 +61,7 @@ __all__ = [
 
 # The exporters that import optional or heavy parts load on first use: ``import ampguard``
 # imports no tensorboard and starts no server.
-_LAZY = {"PrometheusExporter", "JsonlExporter", "TensorBoardExporter", "PortInUseError"}
+_LAZY = {"PrometheusExporter", "JsonlExporter", "TensorBoardExporter", "PortInUseError", "ConsoleExporter"}
 
 
 def __getattr__(name: str) -> object:

@@ -10,9 +10,10 @@ character-level transformer on text that ships with Python (``pydoc_data.topics`
 - a loss spike (one batch of random characters);
 - a transient fault that a replay of the same batch does not reproduce.
 
-The parent process shows a live per-rank table (plain lines when the output is not a
-terminal), while each rank serves Prometheus metrics and writes TensorBoard and JSONL event
-logs under ``<out>/<run id>/``; at the end it prints a summary and writes the report picture.
+Rank 0 shows the run live through :class:`ampguard.ConsoleExporter` (a table redrawn in place;
+plain lines when the output is not a terminal, or with ``--plain``), while each rank serves
+Prometheus metrics and writes TensorBoard and JSONL event logs under ``<out>/<run id>/``; at the
+end the parent prints the summary of every rank's logs and writes the report picture.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import sys
 import tempfile
@@ -112,7 +112,7 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, run_dir: str, in
 
     import ampguard
     from ampguard import faults
-    from ampguard.exporters import JsonlExporter, PrometheusExporter, TensorBoardExporter
+    from ampguard.exporters import ConsoleExporter, JsonlExporter, PrometheusExporter, TensorBoardExporter
 
     torch.set_num_threads(1)
     if args.gpus:
@@ -131,7 +131,8 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, run_dir: str, in
         model = _model(len(chars)).to(device)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         exporters: list[Any] = [JsonlExporter(run_dir + "/", every_step=True),
-                                TensorBoardExporter(os.path.join(run_dir, "tensorboard"), histogram_every=20)]
+                                TensorBoardExporter(os.path.join(run_dir, "tensorboard"), histogram_every=20),
+                                ConsoleExporter(total_steps=args.steps, plain=True if args.plain else None)]
         if args.port:
             exporters.append(PrometheusExporter(port=args.port, addr="127.0.0.1"))
         config = ampguard.GuardConfig(hysteresis=2, loss_spike_factor=1.3, grad_spike_factor=20.0, spike_warmup=10,
@@ -176,110 +177,10 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, run_dir: str, in
 
 
 # ----------------------------------------------------------------------------- the parent
-class _Tail:
-    """Follows the ranks' JSONL event logs as they grow (complete lines only)."""
-
-    def __init__(self, run_dir: Path, ranks: int) -> None:
-        self.files = [run_dir / f"events-rank{r}.jsonl" for r in range(ranks)]
-        self.offsets = [0] * ranks
-        self.rows: list[dict[str, Any]] = [{} for _ in range(ranks)]
-        self.skips = [0] * ranks
-        self.anomalies: list[dict[str, Any]] = []
-        self.info: dict[str, Any] | None = None
-
-    def poll(self) -> list[tuple[int, dict[str, Any]]]:
-        new: list[tuple[int, dict[str, Any]]] = []
-        for r, path in enumerate(self.files):
-            if not path.exists():
-                continue
-            with open(path, "rb") as f:
-                f.seek(self.offsets[r])
-                chunk = f.read()
-            end = chunk.rfind(b"\n") + 1
-            self.offsets[r] += end
-            for line in chunk[:end].splitlines():
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                new.append((r, rec))
-                ev = rec.get("event")
-                if ev == "run":
-                    self.info = rec
-                elif ev in ("step", "skipped"):
-                    self.rows[r] = rec
-                    self.skips[r] += bool(rec.get("skipped"))
-                elif ev == "anomaly":
-                    self.anomalies.append(rec)
-        return new
-
-
-def _num(v: Any) -> float:
-    if isinstance(v, str):
-        return float(v)  # "nan", "inf", "-inf"
-    return float(v) if v is not None else math.nan
-
-
-def _row_text(r: int, rec: dict[str, Any], skips: int) -> str:
-    if not rec:
-        return f"rank {r}: starting"
-    why = f"SKIPPED ({rec.get('reason')})" if rec.get("skipped") else "ok"
-    return (f"rank {r}  step {rec.get('step', 0):>4}  loss {_num(rec.get('loss')):7.4f}  "
-            f"scale {_num(rec.get('loss_scale')):>8g}  grad norm {_num(rec.get('grad_norm')):9.4g}  "
-            f"skipped {skips:>3}  {why}")
-
-
-def _live(procs: Any, tail: _Tail, steps: int, plain: bool) -> None:
-    use_rich = not plain and sys.stdout.isatty()
-    if use_rich:
-        try:
-            from rich.live import Live
-            from rich.table import Table
-        except ImportError:
-            use_rich = False
-    if not use_rich:
-        last_printed = -1
-        seen: set[tuple[Any, Any]] = set()
-        while True:
-            done = procs.join(timeout=0.5)
-            for r, rec in tail.poll():
-                ev = rec.get("event")
-                if ev == "anomaly" and (rec.get("step"), rec.get("kind")) not in seen:  # once, not per rank
-                    seen.add((rec.get("step"), rec.get("kind")))
-                    where = f" [{rec.get('module')}, {rec.get('phase')}, {rec.get('cause')}]" if rec.get("module") \
-                        is not None else ""
-                    print(f"  ! step {rec['step']} rank {r} {rec.get('kind')}: {rec.get('detail')}{where}", flush=True)
-                elif ev in ("step", "skipped") and r == 0 and (rec["step"] % 10 == 0 or rec.get("skipped")) \
-                        and rec["step"] != last_printed:
-                    last_printed = rec["step"]
-                    print(_row_text(0, rec, tail.skips[0]), flush=True)
-            if done:
-                return
-
-    def render() -> Any:
-        done_steps = min((row.get("step", -1) + 1 for row in tail.rows), default=0)
-        table = Table(title=f"ampguard demo: step {done_steps}/{steps}", expand=False)
-        for col in ("rank", "step", "loss", "loss scale", "grad norm", "skipped", "last step"):
-            table.add_column(col, justify="right")
-        for r, rec in enumerate(tail.rows):
-            why = f"[red]skipped: {rec.get('reason')}[/red]" if rec.get("skipped") else "[green]ok[/green]"
-            table.add_row(str(r), str(rec.get("step", "-")), f"{_num(rec.get('loss')):.4f}",
-                          f"{_num(rec.get('loss_scale')):g}", f"{_num(rec.get('grad_norm')):.4g}",
-                          str(tail.skips[r]), why if rec else "-")
-        bar_w = 40
-        filled = int(bar_w * done_steps / max(steps, 1))
-        recent = list(dict.fromkeys((a["step"], a.get("kind")) for a in tail.anomalies))[-4:]  # once per step
-        table.caption = "[" + "#" * filled + "." * (bar_w - filled) + "]  " + "; ".join(
-            f"step {step} {kind}" for step, kind in recent)
-        return table
-
-    with Live(render(), refresh_per_second=4) as live:
-        while True:
-            done = procs.join(timeout=0.25)
-            tail.poll()
-            live.update(render())
-            if done:
-                return
+def _wait(procs: Any) -> None:
+    """Wait for the ranks (rank 0 draws the live view: :class:`ampguard.ConsoleExporter`)."""
+    while not procs.join(timeout=0.5):
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,9 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     init_file = tempfile.mktemp(prefix="ampguard-demo-")  # file:// rendezvous; must not exist yet
     procs = mp.start_processes(_rank_main, args=(world, args, str(run_dir), init_file), nprocs=world,
                                join=False, start_method="spawn")
-    tail = _Tail(run_dir, world)
     try:
-        _live(procs, tail, args.steps, args.plain)
+        _wait(procs)
     except KeyboardInterrupt:
         for p in procs.processes:
             p.terminate()

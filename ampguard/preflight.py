@@ -11,12 +11,16 @@ optimizer are never touched: everything is built fresh by the factories.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
+import logging
 import math
 import sys
-from collections.abc import Callable, Iterable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,92 @@ from .hardware import UnsupportedPrecisionError, check_precision
 __all__ = ["Recommendation", "Trial", "preflight", "preflight_main"]
 
 _PROBE_SCALE = 2.0**24  # start high: the backoffs in the first steps find the usable scale
+WARN_AFTER_S = 120.0
+"""``preflight(warn_after_s=)``'s default: warn when the trials are estimated to take longer."""
+
+log = logging.getLogger("ampguard.preflight")
+
+Progress = Callable[[int, int, str], None]
+"""``progress(done, total, precision)``: trial steps done of all the preflight will run, as each trial
+starts and after each step."""
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.2g} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+class _Watch:
+    """Counts the trial steps, reports progress, and warns once when a trial step is slow for its
+    device, before the trials have run for long: from the first step on CPU, from the second on CUDA
+    (the first pays one-time warm-up there). That step's time, times every step of the preflight, is
+    the estimate; and where that step alone runs past ``warn_after_s / steps in all``, a timer warns
+    while it still runs (an fp16 step of a large model on a CPU can take minutes by itself)."""
+
+    def __init__(self, total: int, candidates: int, steps: int, device: torch.device, warn_after_s: float | None,
+                 progress: Progress | None) -> None:
+        self.total, self.candidates, self.steps, self.device = total, candidates, steps, device
+        self.warn_after_s, self.progress = warn_after_s, progress
+        self.done = 0
+        self.estimate_s: float | None = None
+        """The whole preflight's estimated time, once measured (seconds)."""
+        self._timed = 0
+        self._warned = False
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def begin(self, precision: str) -> None:
+        """A trial starts."""
+        if self.progress is not None:
+            self.progress(self.done, self.total, precision)
+
+    def _deciding(self) -> bool:
+        """The step under way is the one the estimate comes from."""
+        return self._timed == (1 if self.device.type == "cuda" else 0)
+
+    def step_starts(self, precision: str) -> None:
+        if self.warn_after_s is not None and self._deciding() and not self._warned:
+            limit = self.warn_after_s / self.total
+            self._timer = threading.Timer(limit, self._warn, (precision, limit, False))
+            self._timer.daemon = True
+            self._timer.start()
+
+    def step(self, precision: str, seconds: float) -> None:
+        self.done += 1
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._deciding():
+            self.estimate_s = seconds * self.total
+            if self.warn_after_s is not None and self.estimate_s > self.warn_after_s:
+                self._warn(precision, seconds, True)
+        self._timed += 1
+        if self.progress is not None:
+            self.progress(self.done, self.total, precision)
+
+    def _warn(self, precision: str, seconds: float, done: bool) -> None:
+        with self._lock:
+            if self._warned:
+                return
+            self._warned = True
+        what = "takes" if done else "has run for"
+        more = "" if done else " and is not done"
+        about = "about" if done else "more than"
+        log.warning(
+            "a %s trial step %s %.3g s on %s%s: %d steps x %d candidate(s) will take %s %s. Preflight needs "
+            "the model's numerics, not its full size: try a smaller model or batch (fewer layers, a shorter "
+            "sequence), fewer steps (steps=, --steps), or a GPU (device='cuda', --device cuda)%s", precision, what,
+            seconds, self.device, more, self.steps, self.candidates, about, _duration(seconds * self.total),
+            "; fp16 on a CPU is slow: try bf16 (--precision bf16)" if self.device.type == "cpu" and
+            precision == "fp16" else "")
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +201,7 @@ class Recommendation:
 
 def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], Any],
            optimizer_fn: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer], loss_fn: Callable[..., Any],
-           precision: str, steps: int, device: torch.device, growth_interval: int) -> Trial:
+           precision: str, steps: int, device: torch.device, growth_interval: int, watch: _Watch) -> Trial:
     from .factory import wrap
 
     try:
@@ -129,13 +219,19 @@ def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], An
         scaler = torch.amp.GradScaler(device.type, init_scale=_PROBE_SCALE, growth_interval=growth_interval)
     opt = wrap(inner, model=model, precision=precision, scaler=scaler,  # type: ignore[arg-type]
                config=GuardConfig(min_scale=2.0**-14, forensics=False, history_size=max(steps, 1)))
+    watch.begin(precision)
     for i in range(steps):
+        watch.step_starts(precision)
+        started = time.perf_counter()
         batch = batch_fn(i)
         with opt.autocast():
             loss = loss_fn(model, batch)
         opt.backward(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)  # a trial: the step's real time, not its launch
+        watch.step(precision, time.perf_counter() - started)
     opt.flush()
     peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
     reports = list(opt.history)
@@ -197,6 +293,8 @@ def preflight(
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
     margin: int = 1,
     growth_interval: int = 2000,
+    warn_after_s: float | None = WARN_AFTER_S,
+    progress: Progress | None = None,
 ) -> Recommendation:
     """Try each candidate precision on one device for ``steps`` steps and recommend one.
 
@@ -205,6 +303,13 @@ def preflight(
     - ``loss_fn(model, batch)`` -> scalar loss; default: ``batch = (x, y)``, cross-entropy for
       integer targets, MSE otherwise.
     - ``margin``: the recommended ``init_scale`` is the largest clean power of two / ``2**margin``.
+
+    - ``warn_after_s``: log a warning (logger ``ampguard.preflight``) as soon as the first trial step
+      (the second on CUDA, where the first pays warm-up) says the whole preflight will take longer
+      than this: when it ends, or while it still runs once it has taken ``warn_after_s`` / (the
+      preflight's steps); with the estimate and what to change. None: never.
+    - ``progress(done, total, precision)``: called as each trial starts and after each of its steps
+      (``ampguard preflight`` draws its progress bar from it).
 
     Runs on one device (default: CUDA if available, else CPU); synchronises freely: it is a
     trial, not a training run. Also runs an fp32 trial on CUDA to measure the memory saved.
@@ -216,14 +321,22 @@ def preflight(
         raise ValueError(f"preflight precision={tuple(precision)!r}; allowed: a sequence of 'fp16', 'bf16', 'fp32'")
     if not (isinstance(steps, int) and steps >= 5):
         raise ValueError(f"preflight steps={steps!r}; allowed: an int >= 5")
+    if warn_after_s is not None and not (isinstance(warn_after_s, (int, float)) and warn_after_s > 0):
+        raise ValueError(f"preflight warn_after_s={warn_after_s!r}; allowed: None or a number of seconds > 0")
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     loss_fn = loss_fn or _default_loss
-    trials = [_trial(model_fn, batch_fn, optimizer_fn, loss_fn, p, steps, dev, growth_interval) for p in precision]
-    fp32_peak = None
-    if dev.type == "cuda":
-        fp32 = next((t for t in trials if t.precision == "fp32"), None) or _trial(
-            model_fn, batch_fn, optimizer_fn, loss_fn, "fp32", min(steps, 5), dev, growth_interval)
-        fp32_peak = fp32.peak_memory_bytes
+    extra = min(steps, 5) if dev.type == "cuda" and "fp32" not in precision else 0
+    watch = _Watch(steps * len(precision) + extra, len(precision), steps, dev, warn_after_s, progress)
+    try:
+        trials = [_trial(model_fn, batch_fn, optimizer_fn, loss_fn, p, steps, dev, growth_interval, watch)
+                  for p in precision]
+        fp32_peak = None
+        if dev.type == "cuda":
+            fp32 = next((t for t in trials if t.precision == "fp32"), None) or _trial(
+                model_fn, batch_fn, optimizer_fn, loss_fn, "fp32", min(steps, 5), dev, growth_interval, watch)
+            fp32_peak = fp32.peak_memory_bytes
+    finally:
+        watch.close()
 
     usable = [t for t in trials if t.error is None and t.steps and t.overflow_rate < 0.05
               and math.isfinite(t.loss_last)]
@@ -284,14 +397,60 @@ def preflight_main(argv: list[str]) -> int:
     p.add_argument("--precision", default="fp16,bf16", help="comma-separated candidates (default: fp16,bf16)")
     p.add_argument("--device", default=None)
     p.add_argument("--json", action="store_true", help="print the recommendation as JSON")
+    p.add_argument("--warn-after", type=float, default=WARN_AFTER_S, metavar="S",
+                   help="warn as soon as the first trial step says the preflight will take longer than S seconds "
+                   f"(default: {WARN_AFTER_S:g})")
     args = p.parse_args(argv)
+    handler = _StderrLines()
+    log.addHandler(handler)  # the slow-step warning, in the command's words, above the progress bar
     try:
         factories = _load(args.script)()
-        rec = preflight(factories["model_fn"], factories["batch_fn"], factories["optimizer_fn"],
-                        loss_fn=factories.get("loss_fn"), steps=args.steps,
-                        precision=tuple(s.strip() for s in args.precision.split(",") if s.strip()), device=args.device)
+        with _progress_bar() as progress:
+            rec = preflight(factories["model_fn"], factories["batch_fn"], factories["optimizer_fn"],
+                            loss_fn=factories.get("loss_fn"), steps=args.steps,
+                            precision=tuple(s.strip() for s in args.precision.split(",") if s.strip()),
+                            device=args.device, warn_after_s=args.warn_after, progress=progress)
     except (ValueError, KeyError, AmpGuardError) as exc:
         print(f"ampguard preflight: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        log.removeHandler(handler)
     print(json.dumps(rec.to_dict(), indent=2, default=str) if args.json else rec)
     return 0
+
+
+class _StderrLines(logging.Handler):
+    """``ampguard preflight: warning: ...`` on the stderr of the moment (rich's progress bar swaps it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"ampguard preflight: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _progress_bar(console: Any = None) -> Iterator[Progress]:
+    """A progress bar with the time left on stderr (rich, on a terminal); elsewhere a line as each
+    candidate's trial starts."""
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress as Bar
+    except ImportError:
+        console = None
+    else:
+        console = console if console is not None else Console(stderr=True)
+    if console is None or not console.is_terminal:
+        started: set[str] = set()
+
+        def lines(done: int, total: int, precision: str) -> None:
+            if precision not in started:
+                started.add(precision)
+                print(f"ampguard preflight: {precision} trial ({done}/{total} trial steps done)", file=sys.stderr,
+                      flush=True)
+
+        yield lines
+        return
+    bar = Bar(TextColumn("preflight: {task.description} trial"), BarColumn(), MofNCompleteColumn(),
+              TextColumn("steps, eta"), TimeRemainingColumn(), console=console, transient=True, redirect_stderr=True)
+    with bar:
+        task = bar.add_task("...", total=None)
+        yield lambda done, total, precision: bar.update(task, completed=done, total=total, description=precision)

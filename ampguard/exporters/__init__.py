@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 from .base import Exporter, MultiExporter, NullExporter
 
 if TYPE_CHECKING:
+    from .console import ConsoleExporter
     from .jsonl import JsonlExporter
     from .prometheus import PortInUseError, PrometheusExporter
     from .tensorboard import TensorBoardExporter
 
 __all__ = [
+    "ConsoleExporter",
     "Exporter",
     "JsonlExporter",
     "MultiExporter",
@@ -28,6 +30,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "ConsoleExporter": ".console",
     "PrometheusExporter": ".prometheus",
     "PortInUseError": ".prometheus",
     "JsonlExporter": ".jsonl",

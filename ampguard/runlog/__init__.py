@@ -16,17 +16,19 @@ tables), :mod:`.plotting` (the picture), :mod:`.command` (the command line).
 Command line::
 
     ampguard report RUN_DIR_OR_EVENTS.jsonl [--plot out.png] [--json] [--run-id ID]
+    ampguard report RUN_DIR_OR_EVENTS.jsonl --follow [--interval S] [--follow-timeout S]
     python -m ampguard.runlog RUN_DIR_OR_EVENTS.jsonl ...
 
-Exit status: 0 on success, 2 on bad input (one line on stderr, never a traceback).
+Exit status: 0 on success, 2 on bad input (one line on stderr, never a traceback); ``--follow``:
+0 when the run ended or on Ctrl-C, 1 when no record came for ``--follow-timeout`` seconds.
 """
 
-from .command import build_parser, report_main, run_report
-from .plotting import plot
-from .reading import LoggedAnomaly, RankLog, Run, RunLogError, load_run
-from .summary import RankSummary, RunSummary, format_summary, summary
+from .command import build_parser, follow, report_main, run_report
+from .plotting import figure, plot
+from .reading import LoggedAnomaly, NoEventsYet, RankLog, Run, RunLogError, load_run
+from .summary import RankSummary, RunSummary, format_summary, rich_summary, summary
 
 __all__ = [
-    "LoggedAnomaly", "RankLog", "RankSummary", "Run", "RunLogError", "RunSummary", "build_parser", "format_summary",
-    "load_run", "plot", "report_main", "run_report", "summary",
+    "LoggedAnomaly", "NoEventsYet", "RankLog", "RankSummary", "Run", "RunLogError", "RunSummary", "build_parser",
+    "figure", "follow", "format_summary", "load_run", "plot", "report_main", "rich_summary", "run_report", "summary",
 ]

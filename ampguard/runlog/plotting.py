@@ -7,9 +7,11 @@ of it); :func:`plot` lays the panels out and writes the PNG.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from ..errors import BackendUnavailableError
 from ..report import SKIP_REASONS, StepReport
 from .reading import LoggedAnomaly, RankLog, Run, decided_steps, origins
 
-__all__ = ["plot"]
+__all__ = ["figure", "plot"]
 
 _REASON_COLORS = {
     "nonfinite_loss": "#d62728",
@@ -30,7 +32,14 @@ _OTHER_COLOR = "#7f7f7f"
 _ANOMALY_LINE: dict[str, Any] = {"color": "#444444", "lw": 0.9, "ls": (0, (4, 3))}
 _TITLE: dict[str, Any] = {"loc": "left", "fontsize": 11, "fontweight": "bold"}
 _LEGEND: dict[str, Any] = {"loc": "upper right", "fontsize": 8.5, "framealpha": 0.9}
+_LEGEND_ABOVE: dict[str, Any] = {"loc": "lower right", "bbox_to_anchor": (1.0, 1.0), "fontsize": 8.5,
+                                 "frameon": False, "borderaxespad": 0.15, "handlelength": 1.6}
+"""The legend of a panel with a few entries: above its top right corner, in the title's row, so it
+hides no data and no note."""
 _DPI = 100
+_LANES = 4
+_NOTE_FONT = 8.5
+_STRIP_RATIO = 1.0
 
 
 @dataclasses.dataclass
@@ -72,43 +81,12 @@ def _pyplot() -> Any:
 
 
 def plot(run: Run, out_png: str | os.PathLike[str], *, width_px: int = 1600, height_px: int = 1200) -> Path:
-    """Write one PNG with aligned panels sharing the step axis: loss; loss scale per rank (log2);
-    gradient norm (log); when the run sampled them (``GuardConfig.numerics_every``), the leading
-    indicators per top-level module; non-finite counts per rank; when sampled, the fp16 numerics
-    (zero fraction, headroom) last. Skipped steps are shaded and
-    anomalies drawn as vertical lines across every panel, labelled with their kind and module.
+    """Write one PNG with aligned panels sharing the step axis (see :func:`figure`).
 
     Needs matplotlib (the ``ampguard[cli]`` extra); uses the Agg backend, so no display is needed.
     """
     plt = _pyplot()
-    story = _Story(run, plt.get_cmap("tab10"))
-    numerics = _has_numerics(run)
-    indicators = _indicator_log(story) is not None
-    ratios = [3, 2.2, 2.2, *([2.6] if indicators else []), 0.9 + 0.35 * max(len(run.ranks), 1),
-              *([2.2] if numerics else [])]
-    fig, axes = plt.subplots(
-        len(ratios), 1, sharex=True,
-        figsize=(width_px / _DPI, (height_px + 250 * indicators + 300 * numerics) / _DPI), dpi=_DPI,
-        gridspec_kw={"height_ratios": ratios, "hspace": 0.26},
-    )
-    ax_loss, ax_scale, ax_norm, ax_nf = axes[0], axes[1], axes[2], axes[3 + indicators]
-    if numerics:
-        _numerics_panel(axes[-1], story)
-    _mark_skips_and_anomalies(axes, story)
-    _loss_panel(ax_loss, story)
-    _scale_panel(ax_scale, story)
-    _grad_norm_panel(ax_norm, story)
-    if indicators:
-        _indicators_panel(axes[3], story)
-    _nonfinite_panel(ax_nf, story)
-    _anomaly_labels(ax_loss, run.anomalies)
-    _finish_axes(axes, multi=len(story.ranks) > 1)
-    _legend_and_title(fig, story)
-    if numerics:  # the step axis label under the last panel; room for the headroom axis on the right
-        ax_nf.set_xlabel("")
-        axes[-1].set_xlabel("step")
-    right = 0.94 if indicators else 0.955 if numerics else 0.985
-    fig.subplots_adjust(left=0.07, right=right, top=0.915, bottom=0.055)
+    fig = figure(run, width_px=width_px, height_px=height_px)
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=_DPI)
@@ -116,11 +94,72 @@ def plot(run: Run, out_png: str | os.PathLike[str], *, width_px: int = 1600, hei
     return out
 
 
-def _mark_skips_and_anomalies(axes: Sequence[Any], story: _Story) -> None:
-    """Every panel: skipped steps as bands shaded by reason, anomalies as dashed vertical lines."""
+def figure(run: Run, *, width_px: int = 1600, height_px: int = 1200) -> Any:
+    """The picture as a matplotlib ``Figure`` (what :func:`plot` saves; close it with
+    ``matplotlib.pyplot.close(fig)``): aligned panels sharing the step axis: a strip of anomaly
+    notes (when there are anomalies); loss; loss scale per rank (log2); gradient norm (log); when
+    the run sampled them (``GuardConfig.numerics_every``), the leading indicators per top-level
+    module; non-finite counts per rank; when sampled, the fp16 numerics (zero fraction, headroom)
+    last. Skipped steps are shaded and anomalies drawn as vertical lines across every panel.
+
+    Every anomaly is named in the strip: each note gives the kind, where it was localised and its
+    origin ranks; anomalies too close together for notes of their own share one (``steps A-B: 3
+    overflow, 1 loss_spike``). The notes stay inside the figure and clear of every legend (the
+    panels' legends sit above their panels, outside the data).
+    """
+    plt = _pyplot()
+    story = _Story(run, plt.get_cmap("tab10"))
+    numerics = _has_numerics(run)
+    indicators = _indicator_log(story) is not None
+    strip = bool(run.anomalies)
+    ratios = [*([_STRIP_RATIO] if strip else []), 3, 2.2, 2.2, *([2.6] if indicators else []),
+              0.9 + 0.35 * max(len(run.ranks), 1), *([2.2] if numerics else [])]
+    fig, all_axes = plt.subplots(
+        len(ratios), 1, sharex=True,
+        figsize=(width_px / _DPI, (height_px + 250 * indicators + 300 * numerics) / _DPI),
+        dpi=_DPI, gridspec_kw={"height_ratios": ratios, "hspace": 0.3},
+    )
+    ax_strip, axes = (all_axes[0], all_axes[1:]) if strip else (None, all_axes)
+    ax_loss, ax_scale, ax_norm, ax_nf = axes[0], axes[1], axes[2], axes[3 + indicators]
+    if numerics:
+        _numerics_panel(axes[-1], story)
+    _mark_skips_and_anomalies(all_axes, story, width_px)
+    _loss_panel(ax_loss, story)
+    _scale_panel(ax_scale, story)
+    _grad_norm_panel(ax_norm, story)
+    if indicators:
+        _indicators_panel(axes[3], story)
+    _nonfinite_panel(ax_nf, story)
+    _finish_axes(axes, multi=len(story.ranks) > 1)
+    _legend_and_title(fig, story)
+    if numerics:  # the step axis label under the last panel; room for the headroom axis on the right
+        ax_nf.set_xlabel("")
+        axes[-1].set_xlabel("step")
+    right = 0.94 if indicators else 0.955 if numerics else 0.985
+    fig.subplots_adjust(left=0.07, right=right, top=0.915, bottom=0.055)
+    _fit_left_margin(fig, all_axes)
+    if ax_strip is not None:
+        _anomaly_strip(ax_strip, story)
+    return fig
+
+
+def _fit_left_margin(fig: Any, axes: Sequence[Any]) -> None:
+    """Widen the left margin until every panel's tick labels and axis label are inside the figure
+    (the non-finite panel's row labels grow with the counts they hold)."""
+    renderer = fig.canvas.get_renderer()
+    overhang = max(0.0, *(-ax.get_tightbbox(renderer).x0 for ax in axes))
+    if overhang > 0:
+        left = fig.subplotpars.left + (overhang + 6) / fig.bbox.width
+        fig.subplots_adjust(left=left)
+
+
+def _mark_skips_and_anomalies(axes: Sequence[Any], story: _Story, width_px: int) -> None:
+    """Every panel: skipped steps as bands shaded by reason (at least ~2 px wide, so that a skipped
+    step of a long run still shows), anomalies as dashed vertical lines."""
+    half = max(0.5, story.x_max / width_px)
     for ax in axes:
         for step, reason in story.skipped:
-            ax.axvspan(step - 0.5, step + 0.5, color=_REASON_COLORS.get(reason, _OTHER_COLOR), alpha=0.18, lw=0)
+            ax.axvspan(step - half, step + half, color=_REASON_COLORS.get(reason, _OTHER_COLOR), alpha=0.18, lw=0)
         for a in story.run.anomalies:
             ax.axvline(a.step, alpha=0.8, **_ANOMALY_LINE)
 
@@ -232,7 +271,7 @@ def _nonfinite_panel(ax: Any, story: _Story) -> None:
     handles, names = ax.get_legend_handles_labels()
     uniq = dict(zip(names, handles))  # one entry per kind, whatever the number of ranks
     if uniq:
-        ax.legend(uniq.values(), uniq.keys(), **_LEGEND)
+        ax.legend(uniq.values(), uniq.keys(), ncol=len(uniq), **_LEGEND_ABOVE)
     ax.set_xlabel("step")
     ax.set_xlim(-0.5, story.x_max + 0.5)
 
@@ -274,21 +313,127 @@ def _numerics_panel(ax: Any, story: _Story) -> None:
     ax.set_title("fp16 numerics (sampled steps): gradient zero fraction, loss-scale headroom", **_TITLE)
 
 
-def _anomaly_labels(ax: Any, anomalies: Sequence[LoggedAnomaly]) -> None:
-    """Each anomaly's kind, where it was localised and its origin ranks, staggered so neighbours
-    do not overlap."""
-    for j, a in enumerate(anomalies):
-        if a.module:
-            where = f": module {a.module}" + (f" ({a.phase})" if a.phase else "")
+def _note(a: LoggedAnomaly) -> str:
+    """One anomaly's note: its kind, where it was localised, its origin ranks."""
+    if a.module:
+        where = f": module {a.module}" + (f" ({a.phase})" if a.phase else "")
+    else:
+        where = f": {a.params[0]}" if a.params else ""
+    rk = f", rank {','.join(map(str, a.ranks))}" if a.ranks else ""
+    return f"{a.kind}{where}{rk}"
+
+
+def _group_note(group: Sequence[LoggedAnomaly]) -> str:
+    """The note of anomalies that share one: the steps, their count and those of the two most
+    frequent kinds."""
+    if len(group) == 1:
+        return _note(group[0])
+    first, last = group[0].step, group[-1].step
+    steps = f"step {first}" if first == last else f"steps {first}\u2013{last}"
+    kinds = sorted(Counter(str(a.kind) for a in group).items(), key=lambda kv: (-kv[1], kv[0]))
+    if len(kinds) == 1:
+        return f"{steps}: {kinds[0][1]} {kinds[0][0]}"
+    return (f"{steps}: {len(group)} (" + ", ".join(f"{n} {kind}" for kind, n in kinds[:2])
+            + (", \u2026)" if len(kinds) > 2 else ")"))
+
+
+@dataclasses.dataclass
+class _Placed:
+    """A note placed in a lane of the strip (pixel coordinates along the step axis)."""
+
+    group: list[LoggedAnomaly]
+    lane: int
+    left: float
+    right: float
+
+
+def _layout_notes(anomalies: Sequence[LoggedAnomaly], x_px: Callable[[int], float], width_of: Callable[[str], float],
+                  lo: float, hi: float, lanes: int) -> list[_Placed]:
+    """Place one note per group of anomalies in ``lanes`` rows between ``lo`` and ``hi`` pixels,
+    none overlapping another. Groups start as one per step; while some note finds no room (see
+    :func:`_place`), the two groups closest together (in pixels) join, so notes are shared where the
+    anomalies crowd, and the notes keep one grain across the run. One group of all always fits."""
+    groups: list[list[LoggedAnomaly]] = []
+    for a in anomalies:
+        if groups and groups[-1][0].step == a.step:
+            groups[-1].append(a)
         else:
-            where = f": {a.params[0]}" if a.params else ""
-        rk = f", rank {','.join(map(str, a.ranks))}" if a.ranks else ""
-        ax.annotate(
-            f"{a.kind}{where}{rk}", xy=(a.step, 1.0), xycoords=("data", "axes fraction"),
-            xytext=(3, -12 - 13 * (j % 4)), textcoords="offset points", fontsize=8.5, color="#222222",
-            rotation=0, va="top", ha="left",
-            bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "#999999", "alpha": 0.85, "lw": 0.5},
-        )
+            groups.append([a])
+    widths: dict[str, float] = {}
+
+    def width(group: list[LoggedAnomaly]) -> float:
+        text = _group_note(group)
+        if text not in widths:
+            widths[text] = width_of(text)
+        return widths[text]
+
+    while True:
+        placed = _place(groups, x_px, width, lo, hi, lanes)
+        if placed is not None:
+            return placed
+        gaps = [x_px(b[0].step) - x_px(a[-1].step) for a, b in itertools.pairwise(groups)]
+        i = gaps.index(min(gaps))  # the two closest groups share a note from now on
+        groups[i:i + 2] = [groups[i] + groups[i + 1]]
+
+
+def _place(groups: Sequence[list[LoggedAnomaly]], x_px: Callable[[int], float],
+           width: Callable[[list[LoggedAnomaly]], float], lo: float, hi: float, lanes: int) -> list[_Placed] | None:
+    """Each group's note in the first lane with room, left to right: a note starts just right of its
+    group's first line, or, where it would run past ``hi``, ends just left of its last line. None
+    when a note finds no room."""
+    gap = 6.0
+    ends = [-math.inf] * lanes
+    placed = []
+    for group in groups:
+        w = min(width(group), hi - lo)  # a note wider than the strip gets the strip (and a lane of its own)
+        left = x_px(group[0].step) + 3
+        if left + w > hi:
+            left = max(lo, min(x_px(group[-1].step) - 3, hi) - w)
+        lane = next((k for k in range(lanes) if left >= ends[k] + gap), None)
+        if lane is None:
+            if len(groups) > 1:
+                return None
+            lane = 0
+        ends[lane] = left + w
+        placed.append(_Placed(group, lane, left, left + w))
+    return placed
+
+
+def _anomaly_strip(ax: Any, story: _Story) -> None:
+    """The strip above the panels: one note per anomaly, or per group of close ones (see
+    :func:`_layout_notes`), each with a bar spanning the steps it covers. Call it last: it places
+    the notes in pixels, from the final layout."""
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    from matplotlib.font_manager import FontProperties
+
+    font = FontProperties(size=_NOTE_FONT)
+    pad = 2 * 0.2 * _NOTE_FONT * _DPI / 72  # the round box's padding, both sides
+
+    def width_of(text: str) -> float:
+        return float(renderer.get_text_width_height_descent(text, font, ismath=False)[0]) + pad + 2
+
+    to_px = ax.transData.transform
+    box = ax.get_window_extent(renderer)
+    placed = _layout_notes(story.run.anomalies, lambda step: float(to_px((step, 0))[0]), width_of,
+                           box.x0 + 2, box.x1 - 2, _LANES)
+    to_data = ax.transData.inverted().transform
+    for p in placed:
+        y = _LANES - p.lane - 0.5
+        first, last = p.group[0].step, p.group[-1].step
+        if last > first:
+            ax.plot([first, last], [y - 0.42, y - 0.42], "-", color="#444444", lw=1.6, solid_capstyle="butt")
+        ax.annotate(_group_note(p.group), xy=(float(to_data((p.left, 0))[0]), y), ha="left", va="center",
+                    fontsize=_NOTE_FONT, color="#222222", annotation_clip=False, gid=f"anomaly-note:{len(p.group)}",
+                    bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "#999999", "alpha": 0.9, "lw": 0.5})
+    ax.set_ylim(0, _LANES)
+    ax.set_yticks([])
+    for side in ("left", "right", "top"):
+        ax.spines[side].set_visible(False)
+    ax.tick_params(axis="x", length=0)
+    shared = len(placed) < len(story.run.anomalies)
+    ax.set_title(f"anomalies ({len(story.run.anomalies)})" + ("; close ones share a note" if shared else ""),
+                 **_TITLE)
 
 
 def _finish_axes(axes: Sequence[Any], multi: bool) -> None:
@@ -309,8 +454,9 @@ def _finish_axes(axes: Sequence[Any], multi: bool) -> None:
         ax.grid(True, which="major", alpha=0.3)
         ax.tick_params(labelsize=9)
     for ax in (ax_loss, ax_scale, ax_norm):
-        if ax.get_legend_handles_labels()[0] and (multi or ax is ax_loss or ax is ax_norm):
-            ax.legend(**_LEGEND)
+        handles = ax.get_legend_handles_labels()[0]
+        if handles and (multi or ax is ax_loss or ax is ax_norm):
+            ax.legend(ncol=len(handles), **_LEGEND_ABOVE)
 
 
 def _legend_and_title(fig: Any, story: _Story) -> None:

@@ -13,6 +13,7 @@ import dataclasses
 import math
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Generic, TypeVar, overload
 
@@ -21,7 +22,7 @@ from ..report import Anomaly, StepReport
 from ..vocab import SkipReason
 from . import records as R
 
-__all__ = ["LoggedAnomaly", "RankLog", "Run", "RunLogError", "load_run"]
+__all__ = ["LoggedAnomaly", "NoEventsYet", "Progress", "RankLog", "Run", "RunLogError", "load_run"]
 
 _T = TypeVar("_T")
 _RECORD_START = re.compile(r'\{\s*"event"\s*:')
@@ -31,6 +32,35 @@ quotes would be escaped, so this only matches a record's opening."""
 
 class RunLogError(AmpGuardError, ValueError):
     """The path is not a readable ampguard event log (missing, empty, or another format)."""
+
+
+class NoEventsYet(RunLogError):
+    """The path exists but holds no event yet: a directory without ``*.jsonl`` files, or logs
+    without a complete record (a run just starting). ``ampguard report --follow`` waits on it."""
+
+
+Progress = Callable[[int, int], None]
+"""``progress(done, total)``: how far :func:`load_run` got, in units of its choosing."""
+
+
+class _Meter:
+    """Calls ``progress(done, total)`` as reading advances, about every 0.5% (and at the end)."""
+
+    def __init__(self, progress: Progress | None, total: int) -> None:
+        self.progress, self.total, self.done = progress, max(total, 1), 0
+        self._next = 0
+
+    def add(self, n: float) -> None:
+        if self.progress is None:
+            return
+        self.done = min(self.done + int(n), self.total)
+        if self.done >= self._next:
+            self._next = self.done + self.total // 200
+            self.progress(self.done, self.total)
+
+    def finish(self) -> None:
+        if self.progress is not None:
+            self.progress(self.total, self.total)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,7 +190,7 @@ def _anomaly(merged: dict[str, Any]) -> LoggedAnomaly:
 
 
 # ---------------------------------------------------------------------------------- files
-def _read_file(path: Path, problems: list[str], strict: bool) -> list[dict[str, Any]] | None:
+def _read_file(path: Path, problems: list[str], strict: bool, meter: _Meter) -> list[dict[str, Any]] | None:
     """The records of one file; None (with a problem noted) or RunLogError when it is not an event log."""
     try:
         with open(path, "rb") as f:
@@ -173,6 +203,7 @@ def _read_file(path: Path, problems: list[str], strict: bool) -> list[dict[str, 
     records: list[dict[str, Any]] = []
     first = True
     for i, line in enumerate(lines, start=1):
+        meter.add(len(line) + 1)
         if not line.strip():
             continue
         is_last = i == len(lines) or (i == len(lines) - 1 and complete)
@@ -229,7 +260,7 @@ def _files(path: Path) -> tuple[list[Path], bool]:
     if not files:  # e.g. runs/<id>/ holding the logs one level down, next to TensorBoard's
         files = sorted(p for p in path.rglob("*.jsonl") if p.is_file())
     if not files:
-        raise RunLogError(f"{path}: no *.jsonl event logs in this directory")
+        raise NoEventsYet(f"{path}: no *.jsonl event logs in this directory")
     return files, False
 
 
@@ -248,11 +279,11 @@ class _Runs:
     """When each run was last opened (its latest ``run`` record's time)."""
 
 
-def _group(root: Path, files: list[Path], single: bool, problems: list[str]) -> _Runs:
+def _group(root: Path, files: list[Path], single: bool, problems: list[str], meter: _Meter) -> _Runs:
     runs = _Runs()
     any_log = False
     for file in files:
-        records = _read_file(file, problems, strict=single or len(files) == 1)
+        records = _read_file(file, problems, strict=single or len(files) == 1, meter=meter)
         if records is None:
             continue
         any_log = True
@@ -279,7 +310,7 @@ def _group(root: Path, files: list[Path], single: bool, problems: list[str]) -> 
     if not any_log:
         raise RunLogError(f"{root}: no ampguard event log among {len(files)} *.jsonl file(s)")
     if not runs.infos:
-        raise RunLogError(f"{root}: the event log holds no records yet")
+        raise NoEventsYet(f"{root}: the event log holds no records yet")
     return runs
 
 
@@ -298,14 +329,16 @@ def _choose(root: Path, runs: _Runs, run_id: str | None, problems: list[str]) ->
     return chosen, others
 
 
-def _rank_logs(records: _Records, problems: list[str]) -> tuple[dict[int, RankLog], list[LoggedAnomaly]]:
+def _rank_logs(records: _Records, problems: list[str], meter: _Meter) -> tuple[dict[int, RankLog], list[LoggedAnomaly]]:
     """One run's records as a step series per rank, and its anomalies merged over ranks."""
     ranks: dict[int, RankLog] = {}
+    unit = (meter.total - meter.done) / max(sum(map(len, records.values())), 1)
     merged: dict[tuple[int, str], dict[str, Any]] = {}
     for rank, recs in sorted(records.items()):
         log = ranks.setdefault(rank, RankLog(rank))
         by_step: dict[int, StepReport] = {}
         for file, rec in recs:
+            meter.add(unit)
             if file not in log.paths:
                 log.paths.append(file)
             event = rec["event"]
@@ -331,22 +364,31 @@ def _rank_logs(records: _Records, problems: list[str]) -> tuple[dict[int, RankLo
     return ranks, anomalies
 
 
-def load_run(path: str | os.PathLike[str], *, run_id: str | None = None) -> Run:
+def load_run(path: str | os.PathLike[str], *, run_id: str | None = None, progress: Progress | None = None) -> Run:
     """Read a run from a directory (every ``*.jsonl`` in it: one file per rank) or one ``.jsonl`` file.
 
     Logs are append-only, so one file may hold several runs: the run ``run_id`` is read, by
     default the one opened last (the others are listed in :attr:`Run.other_runs`).
     Raises :class:`RunLogError` for a missing path, a directory without event logs, or a file
-    that is not an ampguard event log. Reads files only; no torch, no device.
+    that is not an ampguard event log (:class:`NoEventsYet` where the path exists but holds no
+    event yet). Reads files only; no torch, no device.
+
+    ``progress(done, total)``, when given, is called as reading advances (the bytes read, then the
+    records turned into reports, in one count; ``done == total`` at the end): a large log takes
+    seconds (``ampguard report`` draws a progress bar from it).
     """
     root = Path(path)
     files, single = _files(root)
     problems: list[str] = []
-    runs = _group(root, files, single, problems)
+    size = sum(f.stat().st_size for f in files)
+    meter = _Meter(progress, 2 * size)  # reading the bytes, then turning the records into reports
+    runs = _group(root, files, single, problems, meter)
     chosen, others = _choose(root, runs, run_id, problems)
     info = runs.infos[chosen]
     ranks_opened: set[int] = info.pop("ranks_opened", set())
-    ranks, anomalies = _rank_logs(runs.records.get(chosen, {}), problems)
+    meter.done = max(meter.done, size)  # the other runs' records are not converted
+    ranks, anomalies = _rank_logs(runs.records.get(chosen, {}), problems, meter)
+    meter.finish()
     for rank in sorted(ranks_opened - set(ranks)):
         ranks[rank] = RankLog(rank, paths=[])
     ranks = dict(sorted(ranks.items()))

@@ -12,7 +12,7 @@ from typing import Any
 from ..report import SKIP_REASONS, _jsonable
 from .reading import LoggedAnomaly, RankLog, Run, decided_steps, origins
 
-__all__ = ["RankSummary", "RunSummary", "format_summary", "summary"]
+__all__ = ["RankSummary", "RunSummary", "format_summary", "rich_summary", "summary"]
 
 _RUN_FACTS = ("run_id", "world_size", "precision", "backend", "device", "versions")
 
@@ -171,6 +171,10 @@ def _fmt_num(v: Any) -> str:
     return str(v)
 
 
+_Table = tuple[list[str], list[list[Any]], list[bool]]
+"""(headers, rows, right-aligned per column)."""
+
+
 def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Sequence[bool]) -> list[str]:
     cells = [[_fmt_num(c) for c in row] for row in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
@@ -181,35 +185,70 @@ def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]], right: Sequenc
     return [line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)]
 
 
-def format_summary(s: RunSummary) -> str:
-    """The summary as plain-text tables (what ``ampguard report`` prints)."""
+def _blocks(s: RunSummary, last_anomalies: int | None = None) -> list[tuple[list[str], _Table | None]]:
+    """The summary as (lines, table after them) blocks: what :func:`format_summary` prints and
+    :func:`rich_summary` draws. ``last_anomalies``: list only the last N anomalies."""
     run = s.run
     state = "finished" if s.closed else "no close record: still running, or killed"
     facts = [f"{k} {run[k]}" for k in ("precision", "backend", "world_size", "device") if run.get(k) is not None]
     pct = f" ({100.0 * s.skipped / s.steps:.1f}%)" if s.steps else ""
-    out = [f"ampguard run {run.get('run_id', '?')}  ({state})", "  " + "   ".join(facts), f"  log: {s.path}", "",
-           f"steps {s.steps}   skipped {s.skipped}{pct}"]
-    if s.skipped_by_reason:
-        out += _table(["skip reason", "steps"], list(s.skipped_by_reason.items()), [False, True])
-    out += ["", "per rank"]
+    out: list[tuple[list[str], _Table | None]] = [(
+        [f"ampguard run {run.get('run_id', '?')}  ({state})", "  " + "   ".join(facts), f"  log: {s.path}", "",
+         f"steps {s.steps}   skipped {s.skipped}{pct}"],
+        (["skip reason", "steps"], [list(kv) for kv in s.skipped_by_reason.items()], [False, True])
+        if s.skipped_by_reason else None)]
     rows = [
         [rank, r.steps, r.skipped, r.scale_min, r.scale_max, r.scale_last, r.nonfinite_loss_steps,
          r.nonfinite_grad_steps, "yes" if r.closed else "no"]
         for rank, r in s.ranks.items()
     ]
-    out += _table(["rank", "steps", "skipped", "scale min", "scale max", "scale now", "nonfinite loss",
-                   "nonfinite grad", "closed"], rows, [True] * 8 + [False])
-    out += ["", f"anomalies {len(s.anomalies)}"]
-    if s.anomalies:
-        arows = [
-            [a.step, a.kind, ",".join(map(str, a.ranks)) or "-", a.module, a.phase, a.cause, _short(a.detail, 90)]
-            for a in s.anomalies
-        ]
-        out += _table(["step", "kind", "ranks", "module", "phase", "cause", "detail"], arows,
-                      [True, False, False, False, False, False, False])
+    out.append((["", "per rank"], (["rank", "steps", "skipped", "scale min", "scale max", "scale now", "nonfinite loss",
+                                    "nonfinite grad", "closed"], rows, [True] * 8 + [False])))
+    shown = s.anomalies if last_anomalies is None else s.anomalies[len(s.anomalies) - last_anomalies:]
+    which = f" (the last {len(shown)})" if len(shown) < len(s.anomalies) else ""
+    arows = [
+        [a.step, a.kind, ",".join(map(str, a.ranks)) or "-", a.module, a.phase, a.cause, _short(a.detail, 90)]
+        for a in shown
+    ]
+    out.append((["", f"anomalies {len(s.anomalies)}{which}"],
+                (["step", "kind", "ranks", "module", "phase", "cause", "detail"], arows,
+                 [True, False, False, False, False, False, False]) if arows else None))
     if s.problems:
-        out += ["", "problems reading the log", *(f"  - {p}" for p in s.problems)]
+        out.append((["", "problems reading the log", *(f"  - {p}" for p in s.problems)], None))
+    return out
+
+
+def format_summary(s: RunSummary) -> str:
+    """The summary as plain-text tables (what ``ampguard report`` prints)."""
+    out: list[str] = []
+    for lines, table in _blocks(s):
+        out += lines
+        if table is not None:
+            out += _table(*table)
     return "\n".join(out)
+
+
+def rich_summary(s: RunSummary, *, last_anomalies: int | None = None) -> Any:
+    """The same summary as a rich renderable (``rich.table.Table`` per table; what ``ampguard report
+    --follow`` redraws). ``last_anomalies``: list only the last N anomalies. Needs rich."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    parts: list[Any] = []
+    for lines, table in _blocks(s, last_anomalies):
+        text = "\n".join(lines).strip("\n")
+        if text:
+            parts.append(Text(text))
+        if table is not None:
+            headers, rows, right = table
+            t = Table(expand=False)
+            for h, r in zip(headers, right):  # only the detail gives way on a narrow terminal (it wraps)
+                t.add_column(h, justify="right" if r else "left", no_wrap=h != "detail")
+            for row in rows:
+                t.add_row(*(_fmt_num(c) for c in row))
+            parts.append(t)
+    return Group(*parts)
 
 
 def _short(text: str, n: int) -> str:

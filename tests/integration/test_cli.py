@@ -159,3 +159,65 @@ def test_demo_end_to_end(tmp_path):
     assert "report picture:" in output and "Prometheus, rank 1" in output
     located = [a for a in summary["anomalies"] if a.get("module")]
     assert any(a["cause"] == "transient" for a in located), summary["anomalies"]
+
+
+def _stalled_log(tmp_path: Path) -> Path:
+    log = tmp_path / "events-rank0.jsonl"
+    log.write_text('{"event": "run", "run_id": "r1", "rank": 0, "world_size": 1, "precision": "fp16"}\n'
+                   '{"event": "step", "step": 0, "loss": 2.5, "loss_scale": 1024}\n'
+                   '{"event": "skipped", "step": 1, "skipped": true, "reason": "nonfinite_loss", "loss": "nan"}\n')
+    return log
+
+
+def test_report_follow_stops_cleanly_on_ctrl_c_and_on_its_timeout(tmp_path):
+    import signal
+
+    _stalled_log(tmp_path)
+    proc = subprocess.Popen([*CLI, "report", str(tmp_path), "--follow", "--interval", "0.1"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()  # off a terminal: a status line per change
+        assert first == "r1: step 2, skipped 1, anomalies 0 (running)\n"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert "ampguard run r1  (no close record: still running, or killed)" in out  # the summary, at the end
+    timed = subprocess.run([*CLI, "report", str(tmp_path), "--follow", "--interval", "0.05", "--follow-timeout", "0.5"],
+                           capture_output=True, text=True, timeout=120)
+    assert timed.returncode == 1 and "no new record for 0.5s" in timed.stderr and "Traceback" not in timed.stderr
+    with (tmp_path / "events-rank0.jsonl").open("a") as f:
+        f.write('{"event": "close", "rank": 0, "steps": 2}\n')
+    ended = subprocess.run([*CLI, "report", str(tmp_path), "--follow"], capture_output=True, text=True, timeout=120)
+    assert ended.returncode == 0 and "ampguard run r1  (finished)" in ended.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--follow", "--plot", "x.png"], "ampguard report: error: --follow draws the summary live"),
+    (["--follow", "--interval", "0"], "ampguard report: error: argument --interval: '0': expected a number of "
+                                      "seconds > 0"),
+])
+def test_report_follow_refuses_bad_options(tmp_path, args, message):
+    _stalled_log(tmp_path)
+    out = subprocess.run([*CLI, "report", str(tmp_path), *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.splitlines()[-1].startswith(message) and "Traceback" not in out.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_preflight_says_early_when_its_trials_will_be_slow(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n"
+                      "def make_preflight():\n"
+                      "    return {'model_fn': lambda: torch.nn.Linear(4, 2),\n"
+                      "            'batch_fn': lambda i: (torch.randn(8, 4), torch.randn(8, 2)),\n"
+                      "            'optimizer_fn': lambda p: torch.optim.SGD(p, lr=0.01)}\n")
+    out = subprocess.run([*CLI, "preflight", "--script", f"{script}:make_preflight", "--steps", "5",
+                          "--precision", "bf16", "--warn-after", "1e-9"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    assert lines[0] == "ampguard preflight: bf16 trial (0/5 trial steps done)"
+    assert lines[1].startswith("ampguard preflight: warning: a bf16 trial step ")
+    assert " on cpu" in lines[1] and ": 5 steps x 1 candidate(s) will take " in lines[1]
+    assert "preflight recommendation: precision=bf16" in out.stdout
