@@ -22,7 +22,8 @@ configuration, sequence 128):
     t5 (T5ForConditionalGeneration) decoder.block.1.layer.0.SelfAttention  EncoderDecoderCache
 
     python benchmarks/hf_classification.py --out benchmarks/results/hf_classification_cpu.json
-    python benchmarks/hf_classification.py --device cuda --gpt2-124m --out benchmarks/results/hf_classification_h200.json
+    python benchmarks/hf_classification.py --device cuda --gpt2-124m \
+        --out benchmarks/results/hf_classification_h200.json
 
 Writes JSON: per family and variant (``plain``, ``replay``, ``sentinel``) the module, phase and
 cause named, the step named and the first bad step, and the step's detail. Used by
