@@ -15,7 +15,8 @@ The rule (:meth:`Localizer.collect`), first match wins:
    whose output was not. A container finishes after its children, so it is named only when no
    child qualifies: the non-finite value arose in its own code (an attention's ``q @ kᵀ`` and
    softmax). An embedding's integer input counts as finite, so a NaN embedding row names it;
-3. **loss**: every module output was finite, the loss was not (``Phase.LOSS``, no module);
+3. **loss**: every module output was finite, the loss was not (``Phase.LOSS``, no module, no
+   cause: nothing between the model's output and the loss can be recomputed);
 4. **backward**: the first module, in backward order, whose incoming gradient (at its outputs)
    was finite and whose outgoing gradient (at its inputs) was not. Each module sees its inputs
    through views of its own, so its outgoing gradient is its own contribution, not the sum of
@@ -29,17 +30,21 @@ free of NaN and +inf (-inf is the masking convention of additive attention masks
 Classification of a forward culprit (``Finding.cause``), from evidence: the culprit is
 recomputed on its saved inputs twice, in the run's precision (the autocast state of the call,
 and the module's own weights, half precision included) and in fp32 (inputs and a float32 copy
-of its half-precision parameters and buffers):
+of its half-precision parameters and buffers). The saved inputs are what the call saw: stateful
+arguments (a KV cache the call and later layers append to) are copied at the call, and each
+recompute runs on copies of its own (:mod:`ampguard.recompute`), so the run's cache is untouched:
 
 - non-finite in the run's precision, finite in fp32 -> ``"overflow"`` (also inside the
   module, as attention logits past 65504 in fp16);
 - non-finite in both -> ``"nan"`` (log of a negative, 0/0, a NaN weight);
 - finite in both -> ``"not_reproduced"``: the module's math on these inputs is fine (an
   injected value, a race, hardware, or state the recompute does not see);
-- a recompute that fails (an error, sharded parameters) -> cause None, the reason in ``detail``.
+- a recompute that fails (an error, sharded parameters), or not run because a saved input was
+  written in place after the call or could not be copied -> cause None, the reason in ``detail``.
 
 A backward culprit is ``"overflow"`` when its gradient holds inf but no NaN under fp16 loss
-scaling, else ``"nan"``. A non-finite model input is ``"nan"`` (bad data).
+scaling, else ``"nan"``; the same for a gradient that was non-finite already where the loss's
+backward entered the model. A non-finite model input is ``"nan"`` (bad data).
 
 A replay (``opt.step(closure, replay=True)``, :mod:`ampguard.diagnosis`) then decides
 persistence: a replay that reproduces keeps the recompute's cause (``persistent=True``); a
@@ -202,10 +207,10 @@ def _reachable(value: Any) -> tuple[list[torch.Tensor], list[Any]]:
     return tensors, shared
 
 
-def _copy_tensors(value: Any, fn: Any) -> Any:
+def _copy_tensors(value: Any, fn: Any, reach: tuple[list[torch.Tensor], list[Any]] | None = None) -> Any:
     """A copy of ``value`` (containers and objects, a KV cache included) in which every tensor
-    ``t`` is ``fn(t)`` and every module is the same module."""
-    tensors, shared = _reachable(value)
+    ``t`` is ``fn(t)`` and every module is the same module (``reach``: ``_reachable(value)``)."""
+    tensors, shared = _reachable(value) if reach is None else reach
     memo: dict[int, Any] = {id(t): fn(t) for t in tensors}
     memo.update((id(m), m) for m in shared)
     return copy.deepcopy(value, memo)
@@ -239,6 +244,11 @@ class _Call:
         self.unsaved: str | None = None  # why the inputs could not be kept as the call saw them
         self.versions: list[tuple[torch.Tensor, int]] = []  # each saved tensor and its version at the call
 
+    def moved(self) -> list[tuple[torch.Tensor, int]]:
+        """The saved tensors written in place since the call (during it or after), with their
+        version at the call."""
+        return [(t, v) for t, v in self.versions if t._version != v]
+
     def save(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Keep the call's inputs as the call saw them. Stateful arguments (a KV cache the call and
         later layers append to, a mutable config) are copied now, their tensors shared (a cache that
@@ -247,14 +257,15 @@ class _Call:
         stateful = [(f"argument {i}", v) for i, v in enumerate(args) if not _plain(v)]
         stateful += [(k, v) for k, v in kwargs.items() if not _plain(v)]
         self.args, self.kwargs = args, kwargs
+        reach = _reachable((args, kwargs))
+        self.versions = [(t, v) for t in reach[0] if (v := _version(t)) is not None]
         if stateful:
             self.copied = tuple(f"{k} ({type(v).__name__})" for k, v in stateful)
             try:
-                self.args, self.kwargs = _copy_tensors((args, kwargs), lambda t: t)
+                self.args, self.kwargs = _copy_tensors((args, kwargs), lambda t: t, reach)
             except Exception as exc:  # an object that cannot be copied: the recompute will not run on it
                 self.unsaved = (f"its argument(s) {', '.join(self.copied)} could not be copied at the call "
                                 f"({type(exc).__name__}: {str(exc)[:120]})")
-        self.versions = [(t, v) for t in _reachable((self.args, self.kwargs))[0] if (v := _version(t)) is not None]
 
 
 class Localizer:
@@ -475,7 +486,7 @@ class Localizer:
         call = self._calls[c]
         name = self.modules[call.idx][0]
         x = _first_tensor(list(_floats((call.args, call.kwargs))))
-        in_max = float(x.detach().abs().max()) if x is not None and x.numel() else math.nan
+        in_max = float(x.detach().abs().max()) if x is not None and x.numel() and not call.moved() else math.nan
         if phase == Phase.INPUT:
             what = "NaN" if x is not None and bool(torch.isnan(x).any()) else "inf"
             return Finding(None, Phase.INPUT, Cause.NAN, str(x.dtype) if x is not None else "", in_max,

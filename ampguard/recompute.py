@@ -63,12 +63,12 @@ def _unchanged(call: _Call) -> str | None:
     """None where the saved inputs are as the call saw them; else why not (not recomputed)."""
     if call.unsaved is not None:
         return f"not recomputed: {call.unsaved}"
-    moved = [(t, v) for t, v in call.versions if t._version != v]
+    moved = call.moved()
     if moved:
         t, v = moved[0]
         return (f"not recomputed: {len(moved)} of its saved input tensors ({tuple(t.shape)} {t.dtype}, ...) were "
-                f"written in place after the call (version {v} -> {t._version}), so a recompute would not see what "
-                "the call saw")
+                f"written in place during or after the call (version {v} -> {t._version}), so a recompute would not "
+                "see what the call saw")
     return None
 
 
