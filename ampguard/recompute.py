@@ -4,9 +4,9 @@ run's precision and in fp32 (see :mod:`ampguard.forensics` for the verdicts).
 Each recompute runs on copies that nothing else holds: its tensors cloned (or cast), its stateful
 arguments (a KV cache, kept as it was at the call by :meth:`ampguard.forensics._Call.save`) copied
 again, its module's buffers cloned. A recompute that appends to a cache or writes in place changes
-nothing of the run, and the second recompute sees what the first did. A saved tensor written in
-place after the call (its version moved) is not recomputed on: the cause is then None, and the
-detail says which input changed."""
+nothing of the run, and the second recompute sees what the call saw, not what the first left. A
+saved tensor written in place during or after the call (its version moved) is not recomputed on:
+the cause is then None, and the detail says which input changed."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def _recompute(loc: Localizer, module: torch.nn.Module, call: _Call, *,
 
     def own(t: torch.Tensor) -> torch.Tensor:  # a copy of its own: the recompute may write into it
         c = prep(t)
-        return c.clone() if c.data_ptr() == t.data_ptr() and c.numel() else c
+        return c.clone() if c.dtype == t.dtype else c  # (a cast is a copy already)
 
     try:
         args, kwargs = _copy_tensors((call.args, call.kwargs), own)
