@@ -39,8 +39,11 @@ def annotate(anomalies: list[Anomaly], finding: Finding | None) -> list[Anomaly]
     params = first.params
     if finding.param is not None:
         params = (finding.param, *(p for p in params if p != finding.param))[:max(len(params), 1)]
+    # A finding that says nothing of where (a clean replay of an unobserved step) keeps what the
+    # sentinel saw on this step, or nothing; else module and phase are the finding's, None included.
+    module, phase = (finding.module, finding.phase) if finding.phase is not None else (first.module, first.phase)
     anomalies[0] = dataclasses.replace(
-        first, kind=kind, module=finding.module, phase=finding.phase or first.phase, cause=finding.cause,
+        first, kind=kind, module=module, phase=phase, cause=finding.cause,
         params=params, detail=f"{first.detail}. Forensics: {finding.detail}",
     )
     return anomalies

@@ -15,7 +15,8 @@ The rule (:meth:`Localizer.collect`), first match wins:
    whose output was not. A container finishes after its children, so it is named only when no
    child qualifies: the non-finite value arose in its own code (an attention's ``q @ kᵀ`` and
    softmax). An embedding's integer input counts as finite, so a NaN embedding row names it;
-3. **loss**: every module output was finite, the loss was not (``Phase.LOSS``, no module);
+3. **loss**: every module output was finite, the loss was not (``Phase.LOSS``, no module, no
+   cause: nothing between the model's output and the loss can be recomputed);
 4. **backward**: the first module, in backward order, whose incoming gradient (at its outputs)
    was finite and whose outgoing gradient (at its inputs) was not. Each module sees its inputs
    through views of its own, so its outgoing gradient is its own contribution, not the sum of
@@ -29,17 +30,21 @@ free of NaN and +inf (-inf is the masking convention of additive attention masks
 Classification of a forward culprit (``Finding.cause``), from evidence: the culprit is
 recomputed on its saved inputs twice, in the run's precision (the autocast state of the call,
 and the module's own weights, half precision included) and in fp32 (inputs and a float32 copy
-of its half-precision parameters and buffers):
+of its half-precision parameters and buffers). The saved inputs are what the call saw: stateful
+arguments (a KV cache the call and later layers append to) are copied at the call, and each
+recompute runs on copies of its own (:mod:`ampguard.recompute`), so the run's cache is untouched:
 
 - non-finite in the run's precision, finite in fp32 -> ``"overflow"`` (also inside the
   module, as attention logits past 65504 in fp16);
 - non-finite in both -> ``"nan"`` (log of a negative, 0/0, a NaN weight);
 - finite in both -> ``"not_reproduced"``: the module's math on these inputs is fine (an
   injected value, a race, hardware, or state the recompute does not see);
-- a recompute that fails (an error, sharded parameters) -> cause None, the reason in ``detail``.
+- a recompute that fails (an error, sharded parameters), or not run because a saved input was
+  written in place after the call or could not be copied -> cause None, the reason in ``detail``.
 
 A backward culprit is ``"overflow"`` when its gradient holds inf but no NaN under fp16 loss
-scaling, else ``"nan"``. A non-finite model input is ``"nan"`` (bad data).
+scaling, else ``"nan"``; the same for a gradient that was non-finite already where the loss's
+backward entered the model. A non-finite model input is ``"nan"`` (bad data).
 
 A replay (``opt.step(closure, replay=True)``, :mod:`ampguard.diagnosis`) then decides
 persistence: a replay that reproduces keeps the recompute's cause (``persistent=True``); a
@@ -56,8 +61,11 @@ it is reported, and skipped, but not attributed to a module.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import enum
 import math
+import types
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -154,11 +162,72 @@ def _map_tensors(value: Any, fn: Any) -> Any:
     return {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in value.items()}
 
 
+# ---------------------------------------------------------------- what a call saw, kept unchangeable
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, enum.Enum, type, torch.dtype, torch.device,
+          torch.layout, torch.memory_format, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+
+
+def _plain(value: Any) -> bool:
+    """A value later code cannot change without it showing: a tensor (an in-place write moves its
+    version), an immutable atom, or a tuple of them."""
+    if isinstance(value, tuple):
+        return all(_plain(v) for v in value)
+    return isinstance(value, (torch.Tensor, *_ATOMS))
+
+
+def _reachable(value: Any) -> tuple[list[torch.Tensor], list[Any]]:
+    """The tensors, and the modules (shared, never copied), reachable from ``value`` through
+    containers and object attributes (``__dict__``, ``__slots__``), each once."""
+    tensors: list[torch.Tensor] = []
+    shared: list[Any] = []
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if id(v) in seen:
+            continue
+        seen.add(id(v))
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+        elif isinstance(v, torch.nn.Module):
+            shared.append(v)
+        elif isinstance(v, _ATOMS):
+            continue
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            stack.extend(v)
+        else:
+            stack.extend(getattr(v, "__dict__", {}).values())
+            for cls in type(v).__mro__:
+                slots = cls.__dict__.get("__slots__", ())
+                for name in (slots,) if isinstance(slots, str) else slots:
+                    if name not in ("__dict__", "__weakref__") and hasattr(v, name):
+                        stack.append(getattr(v, name))
+    return tensors, shared
+
+
+def _copy_tensors(value: Any, fn: Any, reach: tuple[list[torch.Tensor], list[Any]] | None = None) -> Any:
+    """A copy of ``value`` (containers and objects, a KV cache included) in which every tensor
+    ``t`` is ``fn(t)`` and every module is the same module (``reach``: ``_reachable(value)``)."""
+    tensors, shared = _reachable(value) if reach is None else reach
+    memo: dict[int, Any] = {id(t): fn(t) for t in tensors}
+    memo.update((id(m), m) for m in shared)
+    return copy.deepcopy(value, memo)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference-mode tensor has no version counter (and cannot be written to)
+        return None
+
+
 class _Call:
     """One forward call of one module, while armed. Flags are indices into ``Localizer._flags``."""
 
-    __slots__ = ("args", "autocast", "enter", "exit", "grad_out", "idx", "in_ok", "kwargs", "out_dtype", "out_ok",
-                 "parent")
+    __slots__ = ("args", "autocast", "copied", "enter", "exit", "grad_nan", "grad_out", "idx", "in_ok", "kwargs",
+                 "out_dtype", "out_ok", "parent", "unsaved", "versions")
 
     def __init__(self, idx: int, parent: int, enter: int) -> None:
         self.idx, self.parent, self.enter = idx, parent, enter
@@ -170,6 +239,33 @@ class _Call:
         self.out_ok: int | None = None  # flag index: the outputs were all finite (None: no float output)
         self.out_dtype = ""
         self.grad_out: list[int] = []  # flag indices: the gradients arriving at the outputs were finite
+        self.grad_nan: list[int] = []  # top-level calls: flag indices: those gradients held a NaN
+        self.copied: tuple[str, ...] = ()  # the stateful arguments kept as copies made at the call
+        self.unsaved: str | None = None  # why the inputs could not be kept as the call saw them
+        self.versions: list[tuple[torch.Tensor, int]] = []  # each saved tensor and its version at the call
+
+    def moved(self) -> list[tuple[torch.Tensor, int]]:
+        """The saved tensors written in place since the call (during it or after), with their
+        version at the call."""
+        return [(t, v) for t, v in self.versions if t._version != v]
+
+    def save(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Keep the call's inputs as the call saw them. Stateful arguments (a KV cache the call and
+        later layers append to, a mutable config) are copied now, their tensors shared (a cache that
+        appends makes new tensors); the version of every tensor kept is noted, so that a tensor
+        written in place afterwards (a static cache, an in-place op) is known to have changed."""
+        stateful = [(f"argument {i}", v) for i, v in enumerate(args) if not _plain(v)]
+        stateful += [(k, v) for k, v in kwargs.items() if not _plain(v)]
+        self.args, self.kwargs = args, kwargs
+        reach = _reachable((args, kwargs))
+        self.versions = [(t, v) for t in reach[0] if (v := _version(t)) is not None]
+        if stateful:
+            self.copied = tuple(f"{k} ({type(v).__name__})" for k, v in stateful)
+            try:
+                self.args, self.kwargs = _copy_tensors((args, kwargs), lambda t: t, reach)
+            except Exception as exc:  # an object that cannot be copied: the recompute will not run on it
+                self.unsaved = (f"its argument(s) {', '.join(self.copied)} could not be copied at the call "
+                                f"({type(exc).__name__}: {str(exc)[:120]})")
 
 
 class Localizer:
@@ -257,7 +353,7 @@ class Localizer:
             return views[id(t)]
 
         args, kwargs = _map_tensors(args, own), _map_tensors(kwargs, own)
-        call.args, call.kwargs = args, kwargs
+        call.save(args, kwargs)
         self._stack.append(len(self._calls))
         self._calls.append(call)
         return (args, kwargs) if views else None
@@ -299,7 +395,10 @@ class Localizer:
         @compile_safe
         def hook(g: torch.Tensor | None) -> None:
             if g is not None:
-                self._calls[c].grad_out.append(self._flag(_all_finite(g)))
+                call = self._calls[c]
+                call.grad_out.append(self._flag(_all_finite(g)))
+                if call.parent == -1:  # the gradient the loss's backward sent into the model
+                    call.grad_nan.append(self._flag(torch.isnan(g).any()))
 
         return hook
 
@@ -337,21 +436,31 @@ class Localizer:
             finding = self._forward_finding(ok)
             if finding is None and (not loss_finite or any(c.in_ok is not None and not ok[c.in_ok] for c in top)):
                 finding = self._outside(Phase.FORWARD) if self.within is not None else Finding(
-                    None, Phase.LOSS, Cause.NAN, "float32", math.nan,
+                    None, Phase.LOSS, None, "", math.nan,
                     "every module's inputs and outputs were finite; the loss itself was non-finite "
-                    "(the code between the model's output and the loss)")
+                    "(the code between the model's output and the loss; no module to recompute: cause unknown)")
             if finding is None:
                 finding = self._backward_finding(ok, fp16_scaling)
             if finding is None and any(not ok[f] for c in top for f in c.grad_out):
-                finding = self._outside(Phase.BACKWARD) if self.within is not None else Finding(
-                    None, Phase.BACKWARD, Cause.NAN, "", math.nan,
-                    "the gradient arriving at the model's output was already non-finite: it arose in the loss's "
-                    "backward (the code between the model's output and the loss)")
+                finding = self._outside(Phase.BACKWARD) if self.within is not None else self._loss_backward(
+                    ok, top, fp16_scaling)
             if finding is None:
                 finding = self._param_finding(fp16_scaling)
         finally:
             self.reset()
         return finding
+
+    @staticmethod
+    def _loss_backward(ok: list[bool], top: list[_Call], fp16_scaling: bool) -> Finding:
+        """The gradient arriving at the model's output was non-finite: the loss's backward made it.
+        Its cause by the backward rule (inf without NaN under fp16 loss scaling: overflow)."""
+        nan = any(ok[f] for c in top for f in c.grad_nan)
+        overflow = fp16_scaling and not nan
+        why = ("inf but no NaN, under fp16 loss scaling: the scaled gradient exceeded fp16's range" if overflow
+               else "it holds NaN" if nan else "it holds inf")
+        return Finding(None, Phase.BACKWARD, Cause.OVERFLOW if overflow else Cause.NAN, "", math.nan,
+                       f"the gradient arriving at the model's output was already non-finite ({why}): it arose in the "
+                       "loss's backward (the code between the model's output and the loss)")
 
     def _outside(self, phase: Phase) -> Finding:
         """Hooks inside one block (the sentinel's) only, and the first non-finite value was not made
@@ -377,7 +486,7 @@ class Localizer:
         call = self._calls[c]
         name = self.modules[call.idx][0]
         x = _first_tensor(list(_floats((call.args, call.kwargs))))
-        in_max = float(x.detach().abs().max()) if x is not None and x.numel() else math.nan
+        in_max = float(x.detach().abs().max()) if x is not None and x.numel() and not call.moved() else math.nan
         if phase == Phase.INPUT:
             what = "NaN" if x is not None and bool(torch.isnan(x).any()) else "inf"
             return Finding(None, Phase.INPUT, Cause.NAN, str(x.dtype) if x is not None else "", in_max,

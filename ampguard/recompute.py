@@ -1,5 +1,12 @@
 """Classification of a forward culprit from evidence: recompute it on its saved inputs in the
-run's precision and in fp32 (see :mod:`ampguard.forensics` for the verdicts)."""
+run's precision and in fp32 (see :mod:`ampguard.forensics` for the verdicts).
+
+Each recompute runs on copies that nothing else holds: its tensors cloned (or cast), its stateful
+arguments (a KV cache, kept as it was at the call by :meth:`ampguard.forensics._Call.save`) copied
+again, its module's buffers cloned. A recompute that appends to a cache or writes in place changes
+nothing of the run, and the second recompute sees what the call saw, not what the first left. A
+saved tensor written in place during or after the call (its version moved) is not recomputed on:
+the cause is then None, and the detail says which input changed."""
 
 from __future__ import annotations
 
@@ -8,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .forensics import _HALF, FP16_MAX, _floats, _map_tensors
+from .forensics import _HALF, FP16_MAX, _copy_tensors, _floats
 from .vocab import Cause
 
 if TYPE_CHECKING:
@@ -23,6 +30,9 @@ def classify(loc: Localizer, call: _Call) -> tuple[Cause | None, str]:
     module = loc.modules[call.idx][1]
     if any(hasattr(p, "placements") for p in module.parameters()):
         return None, "not recomputed: its parameters are sharded (DTensor/FSDP2)"
+    unchanged = _unchanged(call)
+    if unchanged is not None:
+        return None, unchanged
     ac = call.autocast
     run_label = (f"{str(ac[1]).removeprefix('torch.')} autocast" if ac is not None
                  else call.out_dtype.removeprefix("torch."))
@@ -34,18 +44,33 @@ def classify(loc: Localizer, call: _Call) -> tuple[Cause | None, str]:
                 for label, res, err in ((run_label, run, run_err), ("fp32", fp32, fp32_err))]
         return None, "; ".join(said)
     run_ok, fp32_ok, fp32_max = run[0], fp32[0], fp32[1]
+    on = "on its saved inputs" + (f" (copies of {', '.join(call.copied)} as at the call)" if call.copied else "")
     if not run_ok and fp32_ok:
-        return Cause.OVERFLOW, (f"recomputed on its saved inputs it is non-finite in {run_label} and finite in "
+        return Cause.OVERFLOW, (f"recomputed {on} it is non-finite in {run_label} and finite in "
                                 f"fp32 (max |y| = {fp32_max:.4g}): the run's precision overflowed (fp16 ends at "
                                 f"±{FP16_MAX:g}), possibly inside the module")
     if not run_ok:
-        return Cause.NAN, (f"recomputed on its saved inputs it is non-finite in {run_label} and in fp32: a "
+        return Cause.NAN, (f"recomputed {on} it is non-finite in {run_label} and in fp32: a "
                            "genuine NaN/inf (log of a negative, 0/0, a non-finite weight)")
     if not fp32_ok:
-        return Cause.NAN, f"recomputed on its saved inputs it is finite in {run_label} but non-finite in fp32"
-    return Cause.NOT_REPRODUCED, (f"recomputed on its saved inputs it is finite in {run_label} and in fp32: not "
+        return Cause.NAN, f"recomputed {on} it is finite in {run_label} but non-finite in fp32"
+    return Cause.NOT_REPRODUCED, (f"recomputed {on} it is finite in {run_label} and in fp32: not "
                                   "reproducible by recompute (an injected value, a race, hardware, or state the "
                                   "recompute does not see)")
+
+
+def _unchanged(call: _Call) -> str | None:
+    """None where the saved inputs are as the call saw them; else why not (not recomputed)."""
+    if call.unsaved is not None:
+        return f"not recomputed: {call.unsaved}"
+    moved = call.moved()
+    if moved:
+        t, v = moved[0]
+        return (f"not recomputed: {len(moved)} of its saved input tensors ({tuple(t.shape)} {t.dtype}, ...) were "
+                f"written in place during or after the call (version {v} -> {t._version}), so a recompute would not "
+                "see what the call saw")
+    return None
+
 
 def _recompute(loc: Localizer, module: torch.nn.Module, call: _Call, *,
                fp32: bool) -> tuple[tuple[bool, float], str | None]:
@@ -57,7 +82,14 @@ def _recompute(loc: Localizer, module: torch.nn.Module, call: _Call, *,
         t = t.detach()
         return t.float() if fp32 and t.dtype in _HALF else t
 
-    args, kwargs = _map_tensors(call.args, prep), _map_tensors(call.kwargs, prep)
+    def own(t: torch.Tensor) -> torch.Tensor:  # a copy of its own: the recompute may write into it
+        c = prep(t)
+        return c.clone() if c.dtype == t.dtype else c  # (a cast is a copy already)
+
+    try:
+        args, kwargs = _copy_tensors((call.args, call.kwargs), own)
+    except Exception as exc:  # an object that cannot be copied: say so, guess nothing
+        return (True, math.nan), f"its saved inputs could not be copied ({type(exc).__name__}: {str(exc)[:200]})"
     state = {n: prep(b).clone() for n, b in module.named_buffers()}
     if fp32:
         state.update({n: p.detach().float() for n, p in module.named_parameters() if p.dtype in _HALF})

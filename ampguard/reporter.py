@@ -291,7 +291,7 @@ class Reporter:
         where = f" on rank(s) {list(ranks)}" if ranks else ""
         if d.loss_nonfinite:
             out.append(Anomaly(step, AnomalyKind.NONFINITE_LOSS, f"loss was {d.loss}{where}; step skipped{scale_txt}",
-                               ranks, bad_params[:8], phase=Phase.LOSS))
+                               ranks, bad_params[:8]))  # phase: None until forensics or the sentinel shows one
         elif d.grad_nonfinite:
             kind = AnomalyKind.OVERFLOW if self.scaled else AnomalyKind.NONFINITE_GRAD
             what = f"{d.nonfinite_tensors} gradient tensor(s) non-finite"

@@ -161,8 +161,8 @@ def test_horovod_one_decision_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> 
         assert r["broadcast"] == (1024.0, 7, 2)
         assert r["zeroed"]
         # a first anomaly: no hooks were armed on the first pass, so the clean replay says only "transient";
-        # no module applies: None (issue 14; it was "", the name of the model root)
-        assert r["replay"] == [(2, None, "loss", "transient", (1,))], r["replay"]
+        # where is unknown: module and phase None (issue 14: module was ""; issue 23: phase was "loss")
+        assert r["replay"] == [(2, None, None, "transient", (1,))], r["replay"]
     assert all(torch.equal(a, b) for a, b in zip(res[0]["replay_params"], res[1]["replay_params"]))
 
 

@@ -183,3 +183,64 @@ def test_persistent_nan_without_closure_is_named_late_and_never_wrong(lagged):
         assert (by_step[step].module, by_step[step].cause) == (None, None), by_step[step]
     for step in range(first, 14):
         assert (by_step[step].module, by_step[step].phase) == ("blocks.2.mlp", "forward"), by_step[step]
+
+
+def test_the_first_bad_step_claims_nothing_before_forensics_saw_it():
+    # A genuine forward NaN (log of a negative) on the first anomaly of the run: no hook was armed,
+    # so nothing showed where it arose. It used to say phase "loss" (module None).
+    result = S.run("log_negative", closure=False)
+    first = result["anomalies"][0]
+    assert (first[0], first[1]) == (3, "nonfinite_loss")
+    assert (first[2], first[3], first[4]) == (None, None, None), first
+    assert S.named(result)[4][:3] == ("0", "forward", "nan")  # the evidence, one step later
+
+
+def _armed_lm_steps(opt, model, loss_term, steps=4, bad=3):
+    """lm() trained with the hooks armed from step 2 (a NaN loss at step 1); ``loss_term(y)`` is
+    added to the loss at step ``bad``."""
+    faults.inject(opt, faults.loss("nan", steps=[1]))
+    for step, tokens in enumerate(batches(steps)):
+        with opt.autocast():
+            y = model(tokens[:, :-1])
+        loss = F.cross_entropy(y.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        if step == bad:
+            loss = loss + loss_term(y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    (a,) = [a for a in opt.anomalies if a.step == bad]
+    return a
+
+
+def test_a_loss_made_non_finite_after_the_model_claims_no_cause():
+    # Every module's output finite, the loss NaN (a log of a negative in the loss code): phase
+    # "loss" is shown by the hooks; nothing recomputed it, so no cause (it said "nan").
+    model = lm()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16")
+    a = _armed_lm_steps(opt, model, lambda y: torch.log(-1.0 - y.float().pow(2).mean()))
+    assert (a.module, a.phase, a.cause) == (None, "loss", None), a
+    assert "cause unknown" in a.detail
+
+
+def test_an_overflow_in_the_loss_backward_under_fp16_scaling_is_an_overflow():
+    # A loss term that is 0 in forward and whose gradient, times the loss scale, passes fp16's range
+    # where it enters the model's fp16 output: inf, no NaN (the backward rule), not "nan".
+    model = lm()
+    opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=1e-3), model=model, precision="fp16",
+                        scaler=torch.amp.GradScaler("cpu"))
+    a = _armed_lm_steps(opt, model, lambda y: 1e30 * (y.float() - y.float().detach()).mean())
+    assert (a.module, a.phase, a.cause) == (None, "backward", "overflow"), a
+    assert "inf but no NaN" in a.detail and "loss's backward" in a.detail
+
+
+def test_a_clean_replay_keeps_the_block_the_sentinel_saw():
+    # A one-off NaN out of blocks.1.mlp on step 2, hooks not yet armed, sentinel on, replay clean:
+    # the sentinel showed blocks.1 (forward); the replay adds "transient". It used to drop the
+    # module and keep the phase.
+    model = lm()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
+                        config={"sentinel": "top"})
+    faults.inject(opt, faults.output("blocks.1.mlp", "nan", steps=[2], transient=True))
+    train(opt, model, batches(3), closure=True)
+    (a,) = [a for a in opt.anomalies if a.step == 2]
+    assert (a.module, a.phase, a.cause) == ("blocks.1", "forward", "transient"), a

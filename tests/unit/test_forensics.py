@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -256,3 +257,65 @@ def test_transient_fault_flag_is_clean_on_replay():
     (t,) = [a for a in opt.anomalies if a.step == 1]
     assert t.cause == "transient" and t.module is None
     assert [s for s, _, _ in inj.fired] == [1]  # not again on the replay
+
+
+class Fp16Times1000(torch.nn.Module):
+    """An fp16 kernel: overflows where |x| > 65.504. Saves nothing for backward."""
+
+    def forward(self, x, tape=None):
+        if tape is not None:
+            tape.calls.append(x.shape)  # state the call leaves behind, as a KV cache's update
+        return x.half() * 1000.0
+
+
+class ThenZeroes(torch.nn.Module):
+    """Its culprit's input is written in place after the call (as a static KV cache is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l0 = torch.nn.Linear(8, 8)
+        self.big = Fp16Times1000()
+
+    def forward(self, x, tape=None):
+        h = self.l0(x)
+        y = self.big(h, tape=tape).float()
+        if tape is None:
+            h.zero_()
+        return y
+
+
+def _run_fp32(model, tape=None, steps=3):
+    opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.0), model=model, precision="fp32")
+    g = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        x = torch.randn(4, 8, generator=g) * (100.0 if step >= 1 else 0.01)
+        opt.backward(model(x, tape=tape).pow(2).mean())
+        opt.step()
+        opt.zero_grad()
+    return next(a for a in opt.anomalies if a.step == steps - 1)
+
+
+def test_a_saved_input_written_in_place_after_the_call_is_not_recomputed():
+    # Before: the recompute ran on the zeroed input, was finite twice, and said "not_reproduced"
+    # for a genuine overflow. Now it knows the input changed and says so.
+    a = _run_fp32(ThenZeroes())
+    assert (a.module, a.phase, a.cause) == ("big", "forward", None), a
+    assert "written in place during or after the call" in a.detail and "input max |x| = nan" in a.detail
+
+
+class Tape:
+    """A stateful argument that cannot be copied (it holds a lock)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls: list[torch.Size] = []
+
+
+def test_a_stateful_argument_that_cannot_be_copied_is_not_recomputed_on_and_left_as_it_was():
+    # Before: both recomputes ran on the live object and appended to it (5 calls for 3 forwards).
+    tape = Tape()
+    a = _run_fp32(ThenZeroes(), tape=tape)
+    assert len(tape.calls) == 3  # one per forward: the recompute left it alone
+    assert (a.module, a.phase, a.cause) == ("big", "forward", None), a
+    assert "tape (Tape) could not be copied" in a.detail
