@@ -27,9 +27,12 @@ from .schedule import EMA
 __all__ = [
     "AmpGuardError",
     "JsonlExporter",
+    "MlflowExporter",
+    "OtelExporter",
     "PortInUseError",
     "PrometheusExporter",
     "TensorBoardExporter",
+    "WandbExporter",
     "Anomaly",
     "BackendUnavailableError",
     "EMA",
@@ -55,8 +58,9 @@ __all__ = [
 
 
 # The exporters that import optional or heavy parts load on first use: ``import ampguard``
-# imports no tensorboard and starts no server.
-_LAZY = {"PrometheusExporter", "JsonlExporter", "TensorBoardExporter", "PortInUseError"}
+# imports no tensorboard, wandb, mlflow or opentelemetry, and starts no server.
+_LAZY = {"PrometheusExporter", "JsonlExporter", "TensorBoardExporter", "PortInUseError", "WandbExporter",
+         "MlflowExporter", "OtelExporter"}
 
 
 def __getattr__(name: str) -> object:

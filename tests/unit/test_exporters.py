@@ -762,7 +762,8 @@ def test_import_ampguard_imports_no_tensorboard_and_exporters_load_lazily():
         "from ampguard.exporters import PrometheusExporter, JsonlExporter, TensorBoardExporter\n"
         "assert 'tensorboard' not in sys.modules\n"
         "assert sorted(e.__all__) == sorted(['Exporter','MultiExporter','NullExporter','PrometheusExporter',"
-        "'JsonlExporter','TensorBoardExporter','PortInUseError'])\n"
+        "'JsonlExporter','TensorBoardExporter','PortInUseError','WandbExporter','MlflowExporter','OtelExporter'])\n"
+        "assert not {'wandb', 'mlflow', 'opentelemetry'} & {m.split('.')[0] for m in sys.modules}\n"
         "import threading; assert threading.active_count() == 1\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
