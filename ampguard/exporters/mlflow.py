@@ -9,11 +9,16 @@ Metrics: ``ampguard/<field>`` for each number of the step's :class:`~ampguard.re
 ``ampguard/anomalies``, each at ``step=`` the guard's step and ``timestamp=`` the report's wall time.
 Params: the run's facts (``ampguard.run_id``, ``ampguard.precision``, ``ampguard.torch_version``, ...).
 
-The metrics of a step are handed to MLflow's asynchronous logging (``log_batch(synchronous=False)``):
-its own thread batches and sends them, so a slow or unreachable tracking server does not hold the
-training step; ``flush()`` and ``close()`` wait for them. A failed send is raised on the training
-thread by a later ``export()``, ``flush()`` or ``close()`` (``MultiExporter`` reports it and retries);
-the steps of a failed send are not sent again (the JSONL log keeps them).
+Every call to the tracking server (creating the run, logging its params, sending metrics, ending
+it) is made by a background thread (:class:`~ampguard.exporters._sender.Sender`), never on the
+training step: ``open()`` and ``export()`` only queue, so a tracking server that is slow or down
+(MLflow's HTTP client retries for about four minutes before it gives up) never holds training. The
+thread sends the queued steps in batches (up to 1000 metrics a call). A failed call is kept and
+retried by the thread (1 s doubling to 60 s), and raised once on the training thread by the next
+``export()``, ``flush()`` or ``close()`` (``MultiExporter`` reports it in one line and retries); the
+steps not yet sent stay queued (the last :attr:`MlflowExporter.BACKLOG`; older ones are dropped and
+counted) and are sent, in order, once the server answers. ``flush()`` waits for every queued step
+(at most ``timeout_s``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 from ..errors import BackendUnavailableError
 from ..report import Anomaly, RunInfo, StepReport
 from ._scalars import STEP_KEY, run_params, step_scalars
+from ._sender import Sender
 
 __all__ = ["MlflowExporter"]
 
@@ -43,100 +49,125 @@ def _mlflow() -> Any:
 class MlflowExporter:
     """Log the guard's reports to an MLflow run.
 
-    - ``tracking_uri``: where runs are kept (``"file:./mlruns"``, ``"http://host:5000"``, ...).
-      None: MLflow's own default (``MLFLOW_TRACKING_URI``, ``mlflow.set_tracking_uri``).
+    - ``tracking_uri``: where runs are kept (``"http://host:5000"``, ``"sqlite:///mlflow.db"``,
+      ``"file:./mlruns"``, ...). None: MLflow's own default (``MLFLOW_TRACKING_URI``, ``mlflow.set_tracking_uri``).
     - ``run_id``: a run to log into (it is left running at ``close()``: it is yours). None: the
       active run (``mlflow.active_run()``, e.g. the transformers Trainer's) when there is one, else
-      the exporter creates a run in ``experiment`` in ``open()`` and ends it in ``close()``.
+      the exporter creates a run in ``experiment`` and ends it in ``close()``.
     - ``experiment``: the experiment's name for a run the exporter creates (made if missing;
       None: MLflow's default experiment).
     - ``all_ranks``: False (default) logs from rank 0 only (every rank holds the same global
       decision); True creates one run per rank, named ``<run id>-rank<R>`` and tagged ``ampguard.rank``.
+    - ``timeout_s``: how long ``flush()`` and ``close()`` wait at most for the queued steps.
 
-    Cost per step: building about 15 ``Metric`` entries and a queue put (MLflow's logging thread sends them).
+    Cost per step: building a dict of about 15 numbers and a queue append (the sending is the thread's).
     """
 
+    BACKLOG = 100_000
+    """Steps queued for the thread at most; beyond that the oldest are dropped (and counted)."""
+    BATCH = 1000
+    """Metrics per ``log_batch`` call at most (MLflow's own limit for one request)."""
+
     def __init__(self, tracking_uri: str | None = None, *, run_id: str | None = None, experiment: str | None = None,
-                 all_ranks: bool = False) -> None:
+                 all_ranks: bool = False, timeout_s: float = 30.0) -> None:
         self.tracking_uri = tracking_uri
         self.run_id = run_id
         self.experiment = experiment
         self.all_ranks = all_ranks
+        self.timeout_s = timeout_s
         self.active_run_id: str | None = None
-        """The run the exporter logs into (None before ``open()`` and on ranks that do not log)."""
-        self._client: Any = None
+        """The run the exporter logs into, once the thread has it (None before, and on ranks that do not log)."""
+        self._info: RunInfo | None = None
         self._owned = False
-        self._pending: list[Any] = []
+        self._client: Any = None
+        self._sender: Sender | None = None
         _mlflow()  # fail at construction, naming the extra, when mlflow is missing
 
+    @property
+    def dropped(self) -> int:
+        """Steps dropped because more than :attr:`BACKLOG` were waiting to be sent."""
+        return self._sender.dropped if self._sender is not None else 0
+
+    # ------------------------------------------------------------------ the training thread
     def open(self, info: RunInfo) -> None:
+        """Queue the run's creation (or find the run to log into) and its params; returns at once."""
         if info.rank != 0 and not self.all_ranks:
             return  # which rank logs is decided once, here
+        if self._sender is not None:
+            return  # opened already: the thread retries what failed
         mlflow = _mlflow()
-        self._end()  # opened again after a failure
-        client = mlflow.tracking.MlflowClient(self.tracking_uri)
         run_id = self.run_id
-        active = mlflow.active_run() if self.tracking_uri is None else None
-        owned = run_id is None and active is None
-        if run_id is None and active is not None:
-            run_id = active.info.run_id
-        if run_id is None:
-            experiment_id = None
+        if run_id is None and self.tracking_uri is None:
+            active = mlflow.active_run()  # the caller's thread's run: read here, not on the sender thread
+            run_id = active.info.run_id if active is not None else None
+        self._owned = run_id is None
+        self._info = info
+        self._sender = Sender("ampguard-mlflow", self._send, backlog=self.BACKLOG, batch=self.BATCH)
+        self._sender.put(("open", run_id))
+
+    def export(self, report: StepReport, anomalies: Sequence[Anomaly]) -> None:
+        sender = self._sender
+        if sender is None:
+            return
+        sender.raise_error()
+        ms = int(1000 * (report.wall_time or time.time()))
+        values = {k: v for k, v in step_scalars(report, anomalies).items() if k != STEP_KEY}
+        sender.put(("log", (report.step, ms, values)))
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Return once every queued step is sent (raises a failed send, or ``TimeoutError`` after ``timeout`` s)."""
+        if self._sender is not None:
+            self._sender.flush(self.timeout_s if timeout is None else timeout)
+
+    def close(self) -> None:
+        sender = self._sender
+        if sender is None:
+            return
+        try:
+            if self._owned:
+                sender.put(("end", None))
+            sender.flush(self.timeout_s)
+        finally:
+            sender.stop()
+            self._sender = None
+
+    # ------------------------------------------------------------------ the sender thread
+    def _send(self, items: list[tuple[str, Any]]) -> int:
+        kind, payload = items[0]
+        if kind == "open":
+            self._start_run(payload)
+            return 1
+        if kind == "end":
+            self._client.set_terminated(self.active_run_id)
+            return 1
+        metric = _mlflow().entities.Metric
+        metrics: list[Any] = []
+        done = 0
+        for kind, payload in items:  # the leading "log" items, up to BATCH metrics
+            step, ms, values = payload if kind == "log" else (0, 0, None)
+            if values is None or (metrics and len(metrics) + len(values) > self.BATCH):
+                break
+            metrics += [metric(k, v, ms, step) for k, v in values.items()]
+            done += 1
+        self._client.log_batch(self.active_run_id, metrics=metrics)
+        return done
+
+    def _start_run(self, run_id: str | None) -> None:
+        mlflow = _mlflow()
+        info = self._info
+        assert info is not None  # internal: queued by open()
+        client = self._client = self._client or mlflow.tracking.MlflowClient(self.tracking_uri)
+        if run_id is not None:
+            self.active_run_id = run_id
+        elif self.active_run_id is None:  # a retry after the run was made reuses it
+            experiment_id = "0"
             if self.experiment is not None:
                 found = client.get_experiment_by_name(self.experiment)
                 experiment_id = found.experiment_id if found else client.create_experiment(self.experiment)
             name = f"{info.run_id}-rank{info.rank}" if self.all_ranks else info.run_id
             tags = {"ampguard.run_id": info.run_id, "ampguard.rank": str(info.rank)}
-            run_id = client.create_run(experiment_id or "0", run_name=name, tags=tags).info.run_id
-        params = [mlflow.entities.Param(k, v) for k, v in run_params(info).items()]
-        client.log_batch(run_id, params=params)
-        self._client, self.active_run_id, self._owned = client, run_id, owned
-
-    def export(self, report: StepReport, anomalies: Sequence[Anomaly]) -> None:
-        if self._client is None:
-            return
-        metric = _mlflow().entities.Metric
-        ms = int(1000 * (report.wall_time or time.time()))
-        step = report.step
-        metrics = [metric(k, v, ms, step) for k, v in step_scalars(report, anomalies).items() if k != STEP_KEY]
-        self._pending.append(self._client.log_batch(self.active_run_id, metrics=metrics, synchronous=False))
-        if len(self._pending) >= 64:
-            self._reap()
-
-    def _reap(self) -> None:
-        """Drop the sends that are done (the handles stay bounded); raise the first that failed."""
-        keep, error = [], None
-        for operations in self._pending:
-            if all(f.done() for f in getattr(operations, "_operation_futures", ())):
-                try:
-                    operations.wait()
-                except Exception as exc:
-                    error = error or exc
-            else:
-                keep.append(operations)
-        self._pending = keep
-        if error is not None:
-            raise error
-
-    def flush(self) -> None:
-        """Return once MLflow has sent every step handed to it (raises a failed send)."""
-        pending, self._pending = self._pending, []
-        for operations in pending:
-            operations.wait()
-
-    def close(self) -> None:
-        if self._client is None:
-            return
-        try:
-            self.flush()
-        finally:
-            self._end()
-
-    def _end(self) -> None:
-        client, run_id, owned = self._client, self.active_run_id, self._owned
-        self._client, self.active_run_id, self._owned, self._pending = None, None, False, []
-        if client is not None and owned and run_id is not None:
-            client.set_terminated(run_id)
+            self.active_run_id = client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
+        client.log_batch(self.active_run_id, params=[mlflow.entities.Param(k, v) for k, v in run_params(info).items()])
 
     def __repr__(self) -> str:
         return f"MlflowExporter({self.tracking_uri!r}, all_ranks={self.all_ranks})"

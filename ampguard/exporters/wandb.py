@@ -20,6 +20,7 @@ from typing import Any
 from ..errors import BackendUnavailableError
 from ..report import Anomaly, RunInfo, StepReport
 from ._scalars import KEY_PREFIX, STEP_KEY, run_params, step_scalars
+from ._sender import Sender
 
 __all__ = ["WandbExporter"]
 
@@ -37,54 +38,112 @@ class WandbExporter:
 
     - ``run``: a run to log into (it stays open at ``close()``: it is yours). None: the active run
       (``wandb.run``, e.g. the transformers Trainer's) when there is one, else the exporter starts one
-      with ``wandb.init(**init_kwargs)`` in ``open()`` and finishes it in ``close()``.
+      with ``wandb.init(**init_kwargs)`` and finishes it in ``close()``.
     - ``all_ranks``: False (default) logs from rank 0 only (every rank holds the same global decision;
       the per-rank view is the Prometheus/OpenTelemetry exporters'); True starts one run per rank,
       grouped by the guard's run id (``group=``, ``name=<run id>-rank<R>``).
+    - ``timeout_s``: how long ``flush()`` and ``close()`` wait at most for the queued steps.
     - ``init_kwargs``: passed to ``wandb.init`` (``project=``, ``dir=``, ``mode="offline"``, ``settings=``...).
 
-    Cost per step: one ``run.log`` of about 15 numbers (wandb hands it to its own service process).
-    ``wandb.init`` in online mode waits for the server (``settings=wandb.Settings(init_timeout=...)``).
+    ``wandb.init``, ``run.log`` and ``run.finish`` are called by a background thread
+    (:class:`~ampguard.exporters._sender.Sender`), never on the training step: ``wandb.init`` waits up
+    to its ``init_timeout`` (90 s) for a server that does not answer, and the training goes on meanwhile;
+    the steps wait in a queue (the last :attr:`BACKLOG`) and are logged, in order, once the run is up.
+    A failure is raised once by the next ``export()``, ``flush()`` or ``close()`` (``MultiExporter``
+    reports it in one line and retries) and retried by the thread with backoff.
+
+    Cost per step: building a dict of about 15 numbers and a queue append.
     """
 
-    def __init__(self, run: Any = None, *, all_ranks: bool = False, **init_kwargs: Any) -> None:
+    BACKLOG = 100_000
+    """Steps queued for the thread at most; beyond that the oldest are dropped (and counted)."""
+
+    def __init__(self, run: Any = None, *, all_ranks: bool = False, timeout_s: float = 30.0,
+                 **init_kwargs: Any) -> None:
         self.run = run
         self.all_ranks = all_ranks
+        self.timeout_s = timeout_s
         self.init_kwargs = init_kwargs
-        self._run: Any = None
+        self.active_run: Any = None
+        """The run the exporter logs into, once the thread has it."""
         self._owned = False
+        self._info: RunInfo | None = None
+        self._sender: Sender | None = None
         _wandb()  # fail at construction, naming the extra, when wandb is missing
 
+    @property
+    def dropped(self) -> int:
+        """Steps dropped because more than :attr:`BACKLOG` were waiting to be logged."""
+        return self._sender.dropped if self._sender is not None else 0
+
     def open(self, info: RunInfo) -> None:
+        """Queue the run's start (or find the run to log into); returns at once."""
         if info.rank != 0 and not self.all_ranks:
             return  # which rank logs is decided once, here
-        self._finish()  # opened again after a failure: a run of our own is started afresh
-        wandb = _wandb()
-        run = self.run if self.run is not None else wandb.run
+        if self._sender is not None:
+            return  # opened already: the thread retries what failed
+        run = self.run if self.run is not None else _wandb().run
+        self._owned = run is None
+        self._info = info
+        self._sender = Sender("ampguard-wandb", self._send, backlog=self.BACKLOG, batch=256)
+        self._sender.put(("open", run))
+
+    def export(self, report: StepReport, anomalies: Sequence[Anomaly]) -> None:
+        sender = self._sender
+        if sender is not None:
+            sender.raise_error()
+            sender.put(("log", step_scalars(report, anomalies)))
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Return once every queued step is handed to wandb (raises a failed call, or ``TimeoutError``)."""
+        if self._sender is not None:
+            self._sender.flush(self.timeout_s if timeout is None else timeout)
+
+    def close(self) -> None:
+        sender = self._sender
+        if sender is None:
+            return
+        try:
+            if self._owned:
+                sender.put(("end", None))
+            sender.flush(self.timeout_s)
+        finally:
+            sender.stop()
+            self._sender = None
+
+    # ------------------------------------------------------------------ the sender thread
+    def _send(self, items: list[tuple[str, Any]]) -> int:
+        kind, payload = items[0]
+        if kind == "open":
+            self._start_run(payload)
+            return 1
+        if kind == "end":
+            self.active_run.finish()
+            return 1
+        done = 0
+        for kind, values in items:
+            if kind != "log":
+                break
+            self.active_run.log(values)
+            done += 1
+        return done
+
+    def _start_run(self, run: Any) -> None:
+        info = self._info
+        assert info is not None  # internal: queued by open()
+        if run is None:
+            run = self.active_run
         if run is None:
             kw: dict[str, Any] = {"config": {"ampguard": run_params(info)}}
             if self.all_ranks:
                 kw.update(group=info.run_id, name=f"{info.run_id}-rank{info.rank}")
             kw.update(self.init_kwargs)
-            run = wandb.init(**kw)
-            self._owned = True
+            run = _wandb().init(**kw)
         else:
             run.config.update({"ampguard": run_params(info)}, allow_val_change=True)
         run.define_metric(STEP_KEY)
         run.define_metric(KEY_PREFIX + "*", step_metric=STEP_KEY)
-        self._run = run
-
-    def export(self, report: StepReport, anomalies: Sequence[Anomaly]) -> None:
-        if self._run is not None:
-            self._run.log(step_scalars(report, anomalies))
-
-    def close(self) -> None:
-        self._finish()
-
-    def _finish(self) -> None:
-        run, owned, self._run, self._owned = self._run, self._owned, None, False
-        if run is not None and owned:
-            run.finish()
+        self.active_run = run
 
     def __repr__(self) -> str:
         return f"WandbExporter(all_ranks={self.all_ranks})"
