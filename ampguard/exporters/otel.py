@@ -4,17 +4,16 @@ opentelemetry is optional (``pip install 'ampguard[otel]'``: the API and SDK); i
 the exporter is made, never by ``import ampguard``.
 
 Every instrument comes from :mod:`ampguard.metrics` (:attr:`~ampguard.metrics.Metric.otel_name`,
-:attr:`~ampguard.metrics.Metric.unit`): ``ampguard.steps`` (counter), ``ampguard.loss`` (gauge),
-``ampguard.grad_norm_finite`` (histogram with the catalogue's buckets), ...; the same families,
-meanings and updates as the Prometheus exporter. Every data point carries the attributes ``rank`` and
-``local_rank`` (ints) and the family's own (``reason``, ``kind``, ``exporter``, ``group``,
-``module``); every rank records its own, as every rank serves its own Prometheus endpoint. Counters
-start at 0 for every known attribute combination; the run's facts are ``ampguard.run_info``
-(a gauge of 1 with :data:`ampguard.metrics.RUN_INFO_LABELS` as attributes). A gauge is recorded
-with finite values only (the SDK refuses NaN and inf): on a non-finite step ``ampguard.loss`` or
-``ampguard.grad_norm`` keeps its last finite value, and ``ampguard.nonfinite_steps`` and
-``ampguard.skipped_steps`` count the step; a gauge with no value yet (memory off CUDA, the loss-scale
-floor without fp16) has no data point, where Prometheus shows NaN.
+:attr:`~ampguard.metrics.Metric.unit`; the names are listed in docs/exporters.md): a counter, gauge
+or histogram (with the catalogue's buckets) per family, the same families, meanings and updates as
+the Prometheus exporter. Every data point carries the attributes ``rank`` and ``local_rank`` (ints)
+and the family's own (``reason``, ``kind``, ``exporter``, ``group``, ``module``); every rank records
+its own, as every rank serves its own Prometheus endpoint. Counters start at 0 for every known
+attribute combination; the run's facts are a gauge of 1 (:data:`ampguard.metrics.RUN_INFO`) with
+:data:`ampguard.metrics.RUN_INFO_LABELS` as attributes. A gauge is recorded with finite values only
+(the SDK refuses NaN and inf): on a non-finite step the loss or gradient-norm gauge keeps its last
+finite value, and the non-finite and skipped-step counters count the step; a gauge with no value yet
+(memory off CUDA, the loss-scale floor without fp16) has no data point, where Prometheus shows NaN.
 
 The exporter records into a ``MeterProvider``: the one given, else the global one
 (``opentelemetry.metrics.get_meter_provider()``, what ``opentelemetry-instrument`` or your own setup
