@@ -46,29 +46,23 @@ def _otel_metrics() -> Any:
     return metrics
 
 
-def _instrument(meter: Any, metric: M.Metric) -> Any:
-    kw = {"unit": metric.unit, "description": metric.help}
-    if metric.type == "counter":
-        return meter.create_counter(metric.otel_name, **kw)
-    if metric.type == "histogram":
-        return meter.create_histogram(metric.otel_name, explicit_bucket_boundaries_advisory=list(M.GRAD_NORM_BUCKETS),
-                                      **kw)
-    return meter.create_gauge(metric.otel_name, **kw)  # gauges, and the run-info family (a gauge of 1)
-
-
 class OtelExporter:
     """Record the guard's metrics as OpenTelemetry instruments (see the module docstring).
 
-    - ``meter_provider``: the ``MeterProvider`` to record into; None: the global one.
+    - ``meter_provider``: the ``MeterProvider`` to record into; None: the global one. One
+      ``OtelExporter`` per provider (a second one's instruments would carry the same names).
 
-    Cost per step: about six instrument calls (steps, loss, loss scale, grad norm and its histogram,
-    last-step time), more on a step that skips, backs off or is sampled.
+    Counters and gauges are observable instruments: ``export()`` stores plain Python numbers (as the
+    Prometheus exporter does) and the provider's reader reads them when it collects, on its own
+    thread; the grad-norm histogram records each finite norm (one SDK call a step).
     """
 
     def __init__(self, meter_provider: Any = None) -> None:
         self.meter_provider = meter_provider
-        self._i: dict[str, Any] = {}
+        self._histogram: Any = None
         self._rank: dict[str, Any] = {}
+        self._values: dict[str, dict[tuple[str, ...], float]] = {m.name: {} for m in M.CATALOGUE}
+        """Per family, per values of its own labels: the counter's total or the gauge's last value."""
         self._health: Mapping[str, ExporterHealth] = {}
         self._health_seen: dict[str, tuple[bool, int]] = {}
         _otel_metrics()  # fail at construction, naming the extra, when opentelemetry is missing
@@ -80,30 +74,48 @@ class OtelExporter:
 
     def open(self, info: RunInfo) -> None:
         """Create the instruments (once), every counter at 0, the run's facts and the scale floor."""
-        if not self._i:
+        if self._histogram is None:
             provider = self.meter_provider or _otel_metrics().get_meter_provider()
             meter = provider.get_meter("ampguard", __version__)
-            self._i = {m.name: _instrument(meter, m) for m in M.CATALOGUE}
+            for metric in M.CATALOGUE:
+                self._instrument(meter, metric)
         self._rank = {"rank": info.rank, "local_rank": info.local_rank}
+        for stored in self._values.values():
+            stored.clear()
         for metric in M.CATALOGUE:
             if metric.type == "counter" and metric not in M.PER_EXPORTER:
                 for combo in M.label_combinations(metric):
-                    self._i[metric.name].add(0, self._attrs(metric, *combo))
-        self._i[M.RUN_INFO.name].set(1, {**M.run_info_values(info), **self._rank})
+                    self._values[metric.name][combo] = 0
+        self._values[M.RUN_INFO.name][tuple(M.run_info_values(info).values())] = 1
         if info.loss_scale_floor is not None:  # fp16; bf16 and fp32 have no floor (no data point)
             self._set(M.LOSS_SCALE_FLOOR, info.loss_scale_floor)
         self._health_seen = {}
         self._report_health()
 
-    def _attrs(self, metric: M.Metric, *values: str) -> dict[str, Any]:
-        return {**dict(zip(metric.labels, values)), **self._rank}
+    def _instrument(self, meter: Any, metric: M.Metric) -> None:
+        kw: dict[str, Any] = {"unit": metric.unit, "description": metric.help}
+        if metric.type == "histogram":
+            self._histogram = meter.create_histogram(
+                metric.otel_name, explicit_bucket_boundaries_advisory=list(M.GRAD_NORM_BUCKETS), **kw)
+            return
+        observation = _otel_metrics().Observation
+        labels = M.RUN_INFO_LABELS if metric is M.RUN_INFO else metric.labels
+        stored = self._values[metric.name]
+
+        def observe(options: Any) -> list[Any]:  # the reader's thread: a copy of what export() stored
+            rank = self._rank
+            return [observation(v, {**dict(zip(labels, combo)), **rank}) for combo, v in list(stored.items())]
+
+        make = meter.create_observable_counter if metric.type == "counter" else meter.create_observable_gauge
+        make(metric.otel_name, callbacks=[observe], **kw)  # gauges, and the run-info family (a gauge of 1)
 
     def _add(self, metric: M.Metric, *values: str, amount: float = 1) -> None:
-        self._i[metric.name].add(amount, self._attrs(metric, *values) if values else self._rank)
+        counts = self._values[metric.name]
+        counts[values] = counts.get(values, 0) + amount
 
     def _set(self, metric: M.Metric, value: float, *values: str) -> None:
-        if math.isfinite(value):  # the SDK refuses NaN and inf (a warning each time): the gauge keeps its last value
-            self._i[metric.name].set(value, self._attrs(metric, *values) if values else self._rank)
+        if math.isfinite(value):  # the SDK refuses NaN and inf: the gauge keeps its last finite value
+            self._values[metric.name][values] = value
 
     def export(self, report: StepReport, anomalies: Sequence[Anomaly]) -> None:
         if not self._rank:
@@ -121,7 +133,7 @@ class OtelExporter:
         self._set(M.LOSS_SCALE, report.loss_scale)
         self._set(M.GRAD_NORM, report.grad_norm)
         if math.isfinite(report.grad_norm):
-            self._i[M.GRAD_NORM_HISTOGRAM.name].record(report.grad_norm, self._rank)
+            self._histogram.record(report.grad_norm, self._rank)
         self._set(M.LOSS, report.loss)
         self._set(M.LAST_STEP_TIMESTAMP, report.wall_time)
         if report.scale_backoff:

@@ -87,17 +87,19 @@ def _info(rank: int, local_rank: int, precision: str = "bf16") -> RunInfo:
 
 
 def test_every_rank_records_its_own_series_with_rank_attributes():
-    reader = InMemoryMetricReader()
-    provider = MeterProvider(metric_readers=[reader])
+    """As in a job: one process per rank, each with its own provider and exporter."""
+    seen = []
     for rank in (0, 1):
-        exporter = OtelExporter(provider)
+        reader = InMemoryMetricReader()
+        exporter = OtelExporter(MeterProvider(metric_readers=[reader]))
         exporter.open(_info(rank, rank))
         exporter.export(StepReport(step=0, skipped=False, reason=None, loss=float(rank + 1), loss_scale=1.0,
                                    next_loss_scale=1.0, grad_norm=0.5, nonfinite_grads=0, nonfinite_loss=False,
                                    world_size=2, rank=rank, wall_time=1.0), ())
-    points = _points(reader)
-    assert sorted((a["rank"], a["local_rank"], v) for a, v in points[M.LOSS.otel_name]) == [(0, 0, 1.0), (1, 1, 2.0)]
-    assert M.LOSS_SCALE_FLOOR.otel_name not in points  # bf16: no floor, no data point (Prometheus: NaN)
+        points = _points(reader)
+        seen += [(a["rank"], a["local_rank"], v) for a, v in points[M.LOSS.otel_name]]
+        assert M.LOSS_SCALE_FLOOR.otel_name not in points  # bf16: no floor, no data point (Prometheus: NaN)
+    assert seen == [(0, 0, 1.0), (1, 1, 2.0)]
 
 
 def test_every_catalogue_family_is_an_instrument_with_its_name_unit_and_kind():
