@@ -103,3 +103,81 @@ class Sender:
                 self._todo.popleft()
             self._cv.notify_all()
         return True
+
+
+class QueuedExporter:
+    """The part of a run tracker's exporter (W&B, MLflow) that queues on the training thread: its
+    backend calls (``_start_run``, ``_log``, ``_end_run``) run on a :class:`Sender`'s thread."""
+
+    BACKLOG = 100_000
+    """Steps queued for the thread at most; beyond that the oldest are dropped (and counted)."""
+    BATCH = 256
+    """Items handed to one ``_log`` call at most."""
+
+    timeout_s: float
+    _info: Any
+    _owned: bool
+    _sender: Sender | None
+
+    @property
+    def dropped(self) -> int:
+        """Steps dropped because more than :attr:`BACKLOG` were waiting to be sent."""
+        return self._sender.dropped if self._sender is not None else 0
+
+    def _begin(self, name: str, info: Any, run: Any) -> None:
+        """Start the thread and queue the run's start (``run``: the caller's run, or None to make one)."""
+        self._owned = run is None
+        self._info = info
+        self._sender = Sender(name, self._send, backlog=self.BACKLOG, batch=self.BATCH)
+        self._sender.put(("open", run))
+
+    def _queue(self, payload: Any) -> None:
+        """Queue one step (raising, once, what the thread's last failed call raised)."""
+        sender = self._sender
+        if sender is not None:
+            sender.raise_error()
+            sender.put(("log", payload))
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Return once every queued step is sent (raises a failed call, or ``TimeoutError`` after ``timeout``
+        seconds; None: ``timeout_s``)."""
+        if self._sender is not None:
+            self._sender.flush(self.timeout_s if timeout is None else timeout)
+
+    def close(self) -> None:
+        """Send what is queued (at most ``timeout_s``), end a run the exporter started, stop the thread."""
+        sender = self._sender
+        if sender is None:
+            return
+        try:
+            if self._owned:
+                sender.put(("end", None))
+            sender.flush(self.timeout_s)
+        finally:
+            sender.stop()
+            self._sender = None
+
+    def _send(self, items: list[tuple[str, Any]]) -> int:
+        kind, payload = items[0]
+        if kind == "open":
+            self._start_run(payload)
+            return 1
+        if kind == "end":
+            self._end_run()
+            return 1
+        steps = []
+        for kind, payload in items:  # the leading steps
+            if kind != "log":
+                break
+            steps.append(payload)
+        return self._log(steps)
+
+    def _start_run(self, run: Any) -> None:
+        raise NotImplementedError
+
+    def _log(self, steps: list[Any]) -> int:
+        """Send the leading ``steps`` (or some of them); return how many were sent."""
+        raise NotImplementedError
+
+    def _end_run(self) -> None:
+        raise NotImplementedError

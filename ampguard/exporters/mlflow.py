@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import BackendUnavailableError
 from ..report import Anomaly, RunInfo, StepReport
 from ._scalars import STEP_KEY, run_params, step_scalars
-from ._sender import Sender
+from ._sender import QueuedExporter
 
 __all__ = ["MlflowExporter"]
 
@@ -46,7 +46,7 @@ def _mlflow() -> Any:
     return mlflow
 
 
-class MlflowExporter:
+class MlflowExporter(QueuedExporter):
     """Log the guard's reports to an MLflow run.
 
     - ``tracking_uri``: where runs are kept (``"http://host:5000"``, ``"sqlite:///mlflow.db"``,
@@ -63,9 +63,7 @@ class MlflowExporter:
     Cost per step: building a dict of about 15 numbers and a queue append (the sending is the thread's).
     """
 
-    BACKLOG = 100_000
-    """Steps queued for the thread at most; beyond that the oldest are dropped (and counted)."""
-    BATCH = 1000
+    METRICS_PER_CALL = 1000
     """Metrics per ``log_batch`` call at most (MLflow's own limit for one request)."""
 
     def __init__(self, tracking_uri: str | None = None, *, run_id: str | None = None, experiment: str | None = None,
@@ -80,13 +78,8 @@ class MlflowExporter:
         self._info: RunInfo | None = None
         self._owned = False
         self._client: Any = None
-        self._sender: Sender | None = None
+        self._sender = None
         _mlflow()  # fail at construction, naming the extra, when mlflow is missing
-
-    @property
-    def dropped(self) -> int:
-        """Steps dropped because more than :attr:`BACKLOG` were waiting to be sent."""
-        return self._sender.dropped if self._sender is not None else 0
 
     # ------------------------------------------------------------------ the training thread
     def open(self, info: RunInfo) -> None:
@@ -100,57 +93,30 @@ class MlflowExporter:
         if run_id is None and self.tracking_uri is None:
             active = mlflow.active_run()  # the caller's thread's run: read here, not on the sender thread
             run_id = active.info.run_id if active is not None else None
-        self._owned = run_id is None
-        self._info = info
-        self._sender = Sender("ampguard-mlflow", self._send, backlog=self.BACKLOG, batch=self.BATCH)
-        self._sender.put(("open", run_id))
+        self._begin("ampguard-mlflow", info, run_id)
 
     def export(self, report: StepReport, anomalies: Sequence[Anomaly]) -> None:
-        sender = self._sender
-        if sender is None:
-            return
-        sender.raise_error()
-        ms = int(1000 * (report.wall_time or time.time()))
-        values = {k: v for k, v in step_scalars(report, anomalies).items() if k != STEP_KEY}
-        sender.put(("log", (report.step, ms, values)))
-
-    def flush(self, timeout: float | None = None) -> None:
-        """Return once every queued step is sent (raises a failed send, or ``TimeoutError`` after ``timeout`` s)."""
         if self._sender is not None:
-            self._sender.flush(self.timeout_s if timeout is None else timeout)
-
-    def close(self) -> None:
-        sender = self._sender
-        if sender is None:
-            return
-        try:
-            if self._owned:
-                sender.put(("end", None))
-            sender.flush(self.timeout_s)
-        finally:
-            sender.stop()
-            self._sender = None
+            ms = int(1000 * (report.wall_time or time.time()))
+            values = {k: v for k, v in step_scalars(report, anomalies).items() if k != STEP_KEY}
+            self._queue((report.step, ms, values))
 
     # ------------------------------------------------------------------ the sender thread
-    def _send(self, items: list[tuple[str, Any]]) -> int:
-        kind, payload = items[0]
-        if kind == "open":
-            self._start_run(payload)
-            return 1
-        if kind == "end":
-            self._client.set_terminated(self.active_run_id)
-            return 1
+    def _log(self, steps: list[Any]) -> int:
+        """One ``log_batch`` of the leading steps, up to :attr:`METRICS_PER_CALL` metrics."""
         metric = _mlflow().entities.Metric
         metrics: list[Any] = []
         done = 0
-        for kind, payload in items:  # the leading "log" items, up to BATCH metrics
-            step, ms, values = payload if kind == "log" else (0, 0, None)
-            if values is None or (metrics and len(metrics) + len(values) > self.BATCH):
+        for step, ms, values in steps:
+            if metrics and len(metrics) + len(values) > self.METRICS_PER_CALL:
                 break
             metrics += [metric(k, v, ms, step) for k, v in values.items()]
             done += 1
         self._client.log_batch(self.active_run_id, metrics=metrics)
         return done
+
+    def _end_run(self) -> None:
+        self._client.set_terminated(self.active_run_id)
 
     def _start_run(self, run_id: str | None) -> None:
         mlflow = _mlflow()

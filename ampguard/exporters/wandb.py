@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import BackendUnavailableError
 from ..report import Anomaly, RunInfo, StepReport
 from ._scalars import KEY_PREFIX, STEP_KEY, run_params, step_scalars
-from ._sender import Sender
+from ._sender import QueuedExporter
 
 __all__ = ["WandbExporter"]
 
@@ -33,7 +33,7 @@ def _wandb() -> Any:
     return wandb
 
 
-class WandbExporter:
+class WandbExporter(QueuedExporter):
     """Log the guard's reports to a W&B run.
 
     - ``run``: a run to log into (it stays open at ``close()``: it is yours). None: the active run
@@ -55,9 +55,6 @@ class WandbExporter:
     Cost per step: building a dict of about 15 numbers and a queue append.
     """
 
-    BACKLOG = 100_000
-    """Steps queued for the thread at most; beyond that the oldest are dropped (and counted)."""
-
     def __init__(self, run: Any = None, *, all_ranks: bool = False, timeout_s: float = 30.0,
                  **init_kwargs: Any) -> None:
         self.run = run
@@ -68,13 +65,8 @@ class WandbExporter:
         """The run the exporter logs into, once the thread has it."""
         self._owned = False
         self._info: RunInfo | None = None
-        self._sender: Sender | None = None
+        self._sender = None
         _wandb()  # fail at construction, naming the extra, when wandb is missing
-
-    @property
-    def dropped(self) -> int:
-        """Steps dropped because more than :attr:`BACKLOG` were waiting to be logged."""
-        return self._sender.dropped if self._sender is not None else 0
 
     def open(self, info: RunInfo) -> None:
         """Queue the run's start (or find the run to log into); returns at once."""
@@ -82,51 +74,19 @@ class WandbExporter:
             return  # which rank logs is decided once, here
         if self._sender is not None:
             return  # opened already: the thread retries what failed
-        run = self.run if self.run is not None else _wandb().run
-        self._owned = run is None
-        self._info = info
-        self._sender = Sender("ampguard-wandb", self._send, backlog=self.BACKLOG, batch=256)
-        self._sender.put(("open", run))
+        self._begin("ampguard-wandb", info, self.run if self.run is not None else _wandb().run)
 
     def export(self, report: StepReport, anomalies: Sequence[Anomaly]) -> None:
-        sender = self._sender
-        if sender is not None:
-            sender.raise_error()
-            sender.put(("log", step_scalars(report, anomalies)))
-
-    def flush(self, timeout: float | None = None) -> None:
-        """Return once every queued step is handed to wandb (raises a failed call, or ``TimeoutError``)."""
-        if self._sender is not None:
-            self._sender.flush(self.timeout_s if timeout is None else timeout)
-
-    def close(self) -> None:
-        sender = self._sender
-        if sender is None:
-            return
-        try:
-            if self._owned:
-                sender.put(("end", None))
-            sender.flush(self.timeout_s)
-        finally:
-            sender.stop()
-            self._sender = None
+        self._queue(step_scalars(report, anomalies))
 
     # ------------------------------------------------------------------ the sender thread
-    def _send(self, items: list[tuple[str, Any]]) -> int:
-        kind, payload = items[0]
-        if kind == "open":
-            self._start_run(payload)
-            return 1
-        if kind == "end":
-            self.active_run.finish()
-            return 1
-        done = 0
-        for kind, values in items:
-            if kind != "log":
-                break
+    def _log(self, steps: list[Any]) -> int:
+        for values in steps:
             self.active_run.log(values)
-            done += 1
-        return done
+        return len(steps)
+
+    def _end_run(self) -> None:
+        self.active_run.finish()
 
     def _start_run(self, run: Any) -> None:
         info = self._info
