@@ -3,11 +3,14 @@ own fields, each under ``ampguard/<field>``, the values the JSONL log holds for 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
+from typing import Any
 
+from ..errors import BackendUnavailableError
 from ..report import Anomaly, RunInfo, StepReport
 
-__all__ = ["KEY_PREFIX", "STEP_KEY", "run_params", "step_scalars"]
+__all__ = ["KEY_PREFIX", "STEP_KEY", "optional_module", "run_params", "step_scalars"]
 
 KEY_PREFIX = "ampguard/"
 STEP_KEY = KEY_PREFIX + "step"
@@ -48,3 +51,14 @@ def run_params(info: RunInfo) -> dict[str, str]:
            if k not in ("param_names", "versions", "modules")}
     out.update({f"ampguard.{pkg}_version": str(v) for pkg, v in info.versions})
     return out
+
+
+def optional_module(exporter: str, extra: str, *names: str) -> Any:
+    """Import ``names`` (an optional backend and the submodules used) and return the first; a missing
+    one raises :class:`~ampguard.errors.BackendUnavailableError` naming the pip extra."""
+    try:
+        modules = [importlib.import_module(name) for name in names]
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"{exporter} needs the {extra} package: pip install 'ampguard[{extra}]'") from exc
+    return modules[0]

@@ -114,10 +114,17 @@ class QueuedExporter:
     BATCH = 256
     """Items handed to one ``_log`` call at most."""
 
-    timeout_s: float
-    _info: Any
-    _owned: bool
-    _sender: Sender | None
+    def __init__(self, *, all_ranks: bool, timeout_s: float) -> None:
+        self.all_ranks = all_ranks
+        self.timeout_s = timeout_s
+        self._info: Any = None
+        self._owned = False
+        self._sender: Sender | None = None
+
+    def _opens(self, info: Any) -> bool:
+        """Whether ``open(info)`` has a run to start: rank 0 (or every rank with ``all_ranks``), once
+        (opened again after a failure, the thread retries what failed)."""
+        return (info.rank == 0 or self.all_ranks) and self._sender is None
 
     @property
     def dropped(self) -> int:

@@ -27,23 +27,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import BackendUnavailableError
 from ..report import Anomaly, RunInfo, StepReport
-from ._scalars import STEP_KEY, run_params, step_scalars
+from ._scalars import STEP_KEY, optional_module, run_params, step_scalars
 from ._sender import QueuedExporter
 
 __all__ = ["MlflowExporter"]
 
 
 def _mlflow() -> Any:
-    try:
-        import mlflow
-        import mlflow.entities
-        import mlflow.tracking
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            "MlflowExporter needs the mlflow package: pip install 'ampguard[mlflow]'") from exc
-    return mlflow
+    return optional_module("MlflowExporter", "mlflow", "mlflow", "mlflow.entities", "mlflow.tracking")
 
 
 class MlflowExporter(QueuedExporter):
@@ -71,23 +63,17 @@ class MlflowExporter(QueuedExporter):
         self.tracking_uri = tracking_uri
         self.run_id = run_id
         self.experiment = experiment
-        self.all_ranks = all_ranks
-        self.timeout_s = timeout_s
+        super().__init__(all_ranks=all_ranks, timeout_s=timeout_s)
         self.active_run_id: str | None = None
         """The run the exporter logs into, once the thread has it (None before, and on ranks that do not log)."""
-        self._info: RunInfo | None = None
-        self._owned = False
         self._client: Any = None
-        self._sender = None
         _mlflow()  # fail at construction, naming the extra, when mlflow is missing
 
     # ------------------------------------------------------------------ the training thread
     def open(self, info: RunInfo) -> None:
         """Queue the run's creation (or find the run to log into) and its params; returns at once."""
-        if info.rank != 0 and not self.all_ranks:
-            return  # which rank logs is decided once, here
-        if self._sender is not None:
-            return  # opened already: the thread retries what failed
+        if not self._opens(info):  # which rank logs is decided once, here
+            return
         mlflow = _mlflow()
         run_id = self.run_id
         if run_id is None and self.tracking_uri is None:

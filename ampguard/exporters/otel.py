@@ -29,21 +29,16 @@ from typing import Any
 
 from .. import metrics as M
 from .._version import __version__
-from ..errors import BackendUnavailableError
 from ..report import Anomaly, RunInfo, StepReport
 from ..vocab import AnomalyKind, Cause, SkipReason
+from ._scalars import optional_module
 from .base import ExporterHealth
 
 __all__ = ["OtelExporter"]
 
 
 def _otel_metrics() -> Any:
-    try:
-        from opentelemetry import metrics
-    except ImportError as exc:
-        raise BackendUnavailableError(
-            "OtelExporter needs the opentelemetry packages: pip install 'ampguard[otel]'") from exc
-    return metrics
+    return optional_module("OtelExporter", "otel", "opentelemetry.metrics")
 
 
 class OtelExporter:

@@ -17,20 +17,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import BackendUnavailableError
 from ..report import Anomaly, RunInfo, StepReport
-from ._scalars import KEY_PREFIX, STEP_KEY, run_params, step_scalars
+from ._scalars import KEY_PREFIX, STEP_KEY, optional_module, run_params, step_scalars
 from ._sender import QueuedExporter
 
 __all__ = ["WandbExporter"]
 
 
 def _wandb() -> Any:
-    try:
-        import wandb
-    except ImportError as exc:
-        raise BackendUnavailableError("WandbExporter needs the wandb package: pip install 'ampguard[wandb]'") from exc
-    return wandb
+    return optional_module("WandbExporter", "wandb", "wandb")
 
 
 class WandbExporter(QueuedExporter):
@@ -58,23 +53,16 @@ class WandbExporter(QueuedExporter):
     def __init__(self, run: Any = None, *, all_ranks: bool = False, timeout_s: float = 30.0,
                  **init_kwargs: Any) -> None:
         self.run = run
-        self.all_ranks = all_ranks
-        self.timeout_s = timeout_s
         self.init_kwargs = init_kwargs
+        super().__init__(all_ranks=all_ranks, timeout_s=timeout_s)
         self.active_run: Any = None
         """The run the exporter logs into, once the thread has it."""
-        self._owned = False
-        self._info: RunInfo | None = None
-        self._sender = None
         _wandb()  # fail at construction, naming the extra, when wandb is missing
 
     def open(self, info: RunInfo) -> None:
         """Queue the run's start (or find the run to log into); returns at once."""
-        if info.rank != 0 and not self.all_ranks:
-            return  # which rank logs is decided once, here
-        if self._sender is not None:
-            return  # opened already: the thread retries what failed
-        self._begin("ampguard-wandb", info, self.run if self.run is not None else _wandb().run)
+        if self._opens(info):  # which rank logs is decided once, here
+            self._begin("ampguard-wandb", info, self.run if self.run is not None else _wandb().run)
 
     def export(self, report: StepReport, anomalies: Sequence[Anomaly]) -> None:
         self._queue(step_scalars(report, anomalies))
