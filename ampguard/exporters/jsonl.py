@@ -100,9 +100,9 @@ class JsonlExporter:
     """Append the guard's events to a JSON-lines file per rank.
 
     - ``path``: file, ``{rank}`` pattern, or directory (see module docstring). Parents are created.
-    - ``every_step``: True (default): log every step, healthy ones too (one line each, written by a
-      background thread: a few microseconds on the step); False: only anomalies and skipped steps
-      (a smaller file, and no loss/scale/gradient-norm lines in ``ampguard report --plot``).
+    - ``every_step``: True (default): log every step, healthy ones too (one line each; on the step a
+      queue put, the serialising and writing are a background thread's); False: only anomalies and
+      skipped steps (a smaller file, and no loss/scale/gradient-norm lines in ``ampguard report --plot``).
     - ``fsync_every``: with ``every_step``, fsync healthy-step lines every N steps (anomalies and
       skipped steps are always fsynced when written).
 
