@@ -30,9 +30,12 @@ __all__ = [
     "AmpGuardError",
     "ConsoleExporter",
     "JsonlExporter",
+    "MlflowExporter",
+    "OtelExporter",
     "PortInUseError",
     "PrometheusExporter",
     "TensorBoardExporter",
+    "WandbExporter",
     "Anomaly",
     "BackendError",
     "BackendUnavailableError",
@@ -60,8 +63,9 @@ __all__ = [
 
 
 # The exporters that import optional or heavy parts load on first use: ``import ampguard``
-# imports no tensorboard and starts no server.
-_LAZY = {"PrometheusExporter", "JsonlExporter", "TensorBoardExporter", "PortInUseError", "ConsoleExporter"}
+# imports no tensorboard, rich, wandb, mlflow or opentelemetry, and starts no server.
+_LAZY = {"PrometheusExporter", "JsonlExporter", "TensorBoardExporter", "PortInUseError", "ConsoleExporter",
+         "WandbExporter", "MlflowExporter", "OtelExporter"}
 
 
 def __getattr__(name: str) -> object:

@@ -9,6 +9,15 @@ on counters, every series carries ``rank`` and ``local_rank``; ``job`` (and ``in
 are left to service discovery. Every known label combination is created at 0 when the
 exporter opens, so ``increase()`` sees the very first NaN.
 
+OpenTelemetry names (:attr:`Metric.otel_name`, :attr:`Metric.unit`, used by
+:class:`~ampguard.exporters.OtelExporter`) are made from the same entries: ``ampguard.`` and the
+Prometheus name without its ``ampguard_`` prefix, its ``_total`` and its unit suffix
+(``ampguard_steps_total`` -> ``ampguard.steps``, unit ``{step}``;
+``ampguard_last_step_timestamp_seconds`` -> ``ampguard.last_step_timestamp``, unit ``s``), with the
+same attributes as the Prometheus labels (``rank``, ``local_rank`` and the family's own). OpenTelemetry's
+Prometheus compatibility rules (dots to underscores, the unit's suffix, ``_total`` on a monotonic sum)
+turn each name back into its Prometheus name, so the dashboards and rules work on either path.
+
 Importing this module creates no metric and touches no registry: it is plain data.
 """
 
@@ -16,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .report import ANOMALY_KINDS, SKIP_REASONS
+from .report import ANOMALY_KINDS, SKIP_REASONS, RunInfo
 
 __all__ = [
     "ANOMALIES",
@@ -51,8 +60,19 @@ __all__ = [
     "STEPS",
     "TRANSIENT_FAULTS",
     "Metric",
+    "OTEL_PREFIX",
+    "PREFIX",
     "by_name",
+    "by_otel_name",
+    "label_combinations",
+    "run_info_values",
 ]
+
+#: Every Prometheus name starts with this; every OpenTelemetry name with :data:`OTEL_PREFIX`.
+PREFIX = "ampguard_"
+OTEL_PREFIX = "ampguard."
+#: Prometheus name suffix of each OpenTelemetry unit that has one (OpenTelemetry's Prometheus compatibility).
+_UNIT_SUFFIXES = {"s": "_seconds", "By": "_bytes"}
 
 #: Labels every ampguard series carries.
 RANK_LABELS = ("rank", "local_rank")
@@ -81,6 +101,9 @@ class Metric:
     """Known values of each label in :attr:`labels` (same order); every combination exists at 0.
     ``()`` for a label: its values are known when the exporter opens (the run's exporter names,
     :data:`PER_EXPORTER`), and its series are created then."""
+    unit: str = ""
+    """OpenTelemetry unit (UCUM; ``{step}``-style annotations for counts; ``""``: dimensionless). The
+    Prometheus name already ends in its base unit (``_seconds``, ``_bytes``)."""
 
     @property
     def client_name(self) -> str:
@@ -94,18 +117,28 @@ class Metric:
     def all_labels(self) -> tuple[str, ...]:
         return (*self.labels, *RANK_LABELS)
 
+    @property
+    def otel_name(self) -> str:
+        """The OpenTelemetry instrument name (see the module docstring): ``ampguard.steps``."""
+        stem = self.name.removeprefix(PREFIX)
+        if self.type == "counter":
+            stem = stem.removesuffix("_total")
+        return OTEL_PREFIX + stem.removesuffix(_UNIT_SUFFIXES.get(self.unit, "\0"))
+
     def series(self, suffix: str = "") -> str:
         """The name of a series of this family (``series("_bucket")`` for a histogram's buckets)."""
         return self.name + suffix
 
 
-STEPS = Metric("ampguard_steps_total", "counter", "Optimizer steps attempted (skipped ones included).")
+STEPS = Metric("ampguard_steps_total", "counter", "Optimizer steps attempted (skipped ones included).",
+               unit="{step}")
 SKIPPED_STEPS = Metric(
     "ampguard_skipped_steps_total",
     "counter",
     "Steps whose parameter update was skipped, by reason (the exemplar carries the step number).",
     labels=("reason",),
     label_values=(SKIP_REASONS,),
+    unit="{step}",
 )
 NONFINITE_STEPS = Metric(
     "ampguard_nonfinite_steps_total",
@@ -114,11 +147,13 @@ NONFINITE_STEPS = Metric(
     "gradients were (each step counts once).",
     labels=("kind",),
     label_values=(NONFINITE_KINDS,),
+    unit="{step}",
 )
 NONFINITE_ORIGIN = Metric(
     "ampguard_nonfinite_origin_steps_total",
     "counter",
     "Non-finite steps whose NaN/inf originated on this rank (spots the one bad rank).",
+    unit="{step}",
 )
 LOSS_SCALE = Metric(
     "ampguard_loss_scale",
@@ -144,13 +179,17 @@ LAST_STEP_TIMESTAMP = Metric(
     "ampguard_last_step_timestamp_seconds",
     "gauge",
     "Unix time at which the last step was reported (0 before the first step).",
+    unit="s",
 )
-SCALE_BACKOFFS = Metric("ampguard_scale_backoffs_total", "counter", "Times the loss scale was decreased.")
-SCALE_GROWTHS = Metric("ampguard_scale_growths_total", "counter", "Times the loss scale was increased.")
+SCALE_BACKOFFS = Metric("ampguard_scale_backoffs_total", "counter", "Times the loss scale was decreased.",
+                        unit="{backoff}")
+SCALE_GROWTHS = Metric("ampguard_scale_growths_total", "counter", "Times the loss scale was increased.",
+                       unit="{growth}")
 RANK_DIVERGENCE = Metric(
     "ampguard_rank_divergence_total",
     "counter",
     "Failed consistency checks: ranks disagreed on step/skip count, loss scale or parameters.",
+    unit="{check}",
 )
 ANOMALIES = Metric(
     "ampguard_anomalies_total",
@@ -158,12 +197,14 @@ ANOMALIES = Metric(
     "Anomalies the guard recorded, by kind.",
     labels=("kind",),
     label_values=(ANOMALY_KINDS,),
+    unit="{anomaly}",
 )
 TRANSIENT_FAULTS = Metric(
     "ampguard_transient_faults_total",
     "counter",
     "Non-finite steps that originated on this rank and that a replay of the same batch did not reproduce "
     "(forensics cause=transient): repeated ones on one rank point at bad hardware.",
+    unit="{step}",
 )
 #: Values of the ``kind`` label of :data:`DEVICE_MEMORY_PEAK`.
 MEMORY_KINDS = ("allocated", "reserved")
@@ -174,6 +215,7 @@ DEVICE_MEMORY_PEAK = Metric(
     "peak with GuardConfig(memory_peak_per_step=True); NaN off CUDA.",
     labels=("kind",),
     label_values=(MEMORY_KINDS,),
+    unit="By",
 )
 EXPORTER_ERRORS = Metric(
     "ampguard_exporter_errors_total",
@@ -182,6 +224,7 @@ EXPORTER_ERRORS = Metric(
     "retried with backoff.",
     labels=("exporter",),
     label_values=((),),
+    unit="{call}",
 )
 EXPORTER_UP = Metric(
     "ampguard_exporter_up",
@@ -283,3 +326,29 @@ def by_name(name: str) -> Metric:
         if name in names:
             return m
     raise KeyError(f"{name!r} is not in ampguard's metric catalogue (ampguard.metrics.CATALOGUE)")
+
+
+def by_otel_name(name: str) -> Metric:
+    """The catalogue entry whose OpenTelemetry instrument is named ``name`` (``ampguard.steps``)."""
+    for m in CATALOGUE:
+        if m.otel_name == name:
+            return m
+    raise KeyError(f"{name!r} is not an OpenTelemetry name of ampguard's metric catalogue (ampguard.metrics.CATALOGUE)")
+
+
+def label_combinations(metric: Metric) -> list[tuple[str, ...]]:
+    """Every combination of the known values of ``metric``'s labels beyond the rank's (``[()]``
+    without such labels): the series that exist at 0 from the start."""
+    out: list[tuple[str, ...]] = [()]
+    for choices in metric.label_values:
+        out = [(*prefix, v) for prefix in out for v in choices]
+    return out
+
+
+def run_info_values(info: RunInfo) -> dict[str, str]:
+    """The labels of :data:`RUN_INFO` (:data:`RUN_INFO_LABELS`) for ``info``."""
+    versions = dict(info.versions)
+    return {
+        name: versions.get(name.removesuffix("_version"), "") if name.endswith("_version") else str(getattr(info, name))
+        for name in RUN_INFO_LABELS
+    }

@@ -6,18 +6,27 @@ call (and each exporter alone) for a healthy :class:`~ampguard.report.StepReport
 model (GPT-2's parameter count, ``param_norms`` off as on most steps), best of ``--repeat`` runs of
 ``--n`` calls, in microseconds per call. Arms:
 
-  null         ``MultiExporter([])``: the dispatch alone
-  prometheus   ``PrometheusExporter(port=0, addr="127.0.0.1")`` (serving)
-  jsonl        ``JsonlExporter(tmp file, every_step=True)`` (the default ``fsync_every=100``)
-  both         Prometheus + JSONL, as ``overhead.py``'s ``guard_exporters`` variant
+  null             ``MultiExporter([])``: the dispatch alone
+  prometheus       ``PrometheusExporter(port=0, addr="127.0.0.1")`` (serving)
+  jsonl            ``JsonlExporter(tmp file)``: its default, a line per step (``fsync_every=100``)
+  jsonl_anomalies  ``JsonlExporter(tmp file, every_step=False)``: anomalies and skipped steps only
+                   (the default before every step was logged; a healthy step writes nothing)
+  both             Prometheus + JSONL, as ``overhead.py``'s ``guard_exporters`` variant
+  otel             ``OtelExporter`` into an SDK ``MeterProvider`` with an ``InMemoryMetricReader``
+                   (never collected during the timing: the instrument calls alone)
+  wandb            ``WandbExporter`` into an offline run (``WANDB_MODE=offline``, a tmp dir)
+  mlflow           ``MlflowExporter`` into a local file store (``file:`` tmp dir)
+
+``--arms a,b`` runs some of them (the W&B and MLflow arms start a run per repeat: seconds each).
 
 ``--gap-us G`` sleeps G us between exports (what the rest of a step does: the GIL is free while
 the host waits for the device or runs most ops) and times each export() alone: the cost on the step
 when a writer thread has time to run between steps. Without it the exports run back to back and
 a writer thread competes with them for the GIL.
 
-For the JSONL arms, ``drain_us`` is the time the exporter then needs to have every record on the
-OS (``flush()`` where the exporter has one, else 0): the work moved off the step, not removed.
+``drain_us`` is the time the exporter then needs to have every record on the OS or handed to its
+backend (``flush()`` where the exporter has one: JSONL, W&B, MLflow; else 0): the work moved off
+the step, not removed.
 
     python benchmarks/exporter_cost.py                  # this tree
     PYTHONPATH=/tmp/base python benchmarks/exporter_cost.py   # another tree's ampguard
@@ -78,6 +87,26 @@ def time_arm(make: Any, n: int, repeat: int, gap_s: float = 0.0) -> dict[str, fl
     return {"us_per_export": 1e6 * best, "drain_us_per_export": 1e6 * drain}
 
 
+def _otel() -> list[Any]:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    return [ampguard.OtelExporter(MeterProvider(metric_readers=[InMemoryMetricReader()]))]
+
+
+def _wandb(tmp: str) -> list[Any]:
+    import wandb
+
+    settings = wandb.Settings(mode="offline", console="off", x_disable_stats=True, disable_git=True, save_code=False,
+                              silent=True)
+    return [ampguard.WandbExporter(project="ampguard-bench", dir=tmp, settings=settings, timeout_s=600)]
+
+
+def _mlflow(tmp: str) -> list[Any]:
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store behind this switch
+    return [ampguard.MlflowExporter("file:" + os.path.join(tmp, "mlruns"), experiment="bench", timeout_s=600)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=2000)
@@ -85,24 +114,34 @@ def main() -> int:
     ap.add_argument("--gap-us", type=float, default=0.0,
                     help="sleep this long between exports (a step's other work, GIL free); each export() is "
                          "timed alone. 0: exports back to back, where a writer thread competes for the GIL")
+    ap.add_argument("--arms", default=None, help="comma-separated arms to run (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="ampguard-exp-")
     k = [0]
 
-    def jsonl() -> JsonlExporter:
+    def jsonl(**kw: Any) -> JsonlExporter:
         k[0] += 1
-        return JsonlExporter(os.path.join(tmp, f"e{k[0]}.jsonl"), every_step=True)
+        return JsonlExporter(os.path.join(tmp, f"e{k[0]}.jsonl"), **kw)
 
     arms = {
         "null": lambda: [],
         "prometheus": lambda: [PrometheusExporter(port=0, addr="127.0.0.1")],
         "jsonl": lambda: [jsonl()],
+        "jsonl_anomalies": lambda: [jsonl(every_step=False)],
         "both": lambda: [PrometheusExporter(port=0, addr="127.0.0.1"), jsonl()],
+        "otel": _otel,
+        "wandb": lambda: _wandb(tmp),
+        "mlflow": lambda: _mlflow(tmp),
     }
+    chosen = args.arms.split(",") if args.arms else list(arms)
+    unknown = sorted(set(chosen) - set(arms))
+    if unknown:
+        ap.error(f"--arms: unknown {', '.join(unknown)}; known: {', '.join(arms)}")
     res = {"ampguard": os.path.dirname(ampguard.__file__), "n": args.n, "repeat": args.repeat, "gap_us": args.gap_us,
            "loadavg": os.getloadavg(), "arms": {}}
-    for name, make in arms.items():
+    for name in chosen:
+        make = arms[name]
         res["arms"][name] = time_arm(make, args.n, args.repeat, args.gap_us * 1e-6)
         print(f"{name:11s} {res['arms'][name]['us_per_export']:8.2f} us/export on the step   "
               f"+{res['arms'][name]['drain_us_per_export']:8.2f} us/export drained after", flush=True)

@@ -1,8 +1,9 @@
 """Exporters: where the guard's reports go.
 
 ``Exporter`` (the protocol), ``MultiExporter`` and ``NullExporter`` live in :mod:`.base`.
-The backends (``PrometheusExporter``, ``JsonlExporter``, ``TensorBoardExporter``) are loaded
-on first use, so ``import ampguard`` imports neither tensorboard nor starts anything.
+The backends (``PrometheusExporter``, ``JsonlExporter``, ``TensorBoardExporter``, ``WandbExporter``,
+``MlflowExporter``, ``OtelExporter``) are loaded on first use, so ``import ampguard`` imports none of
+tensorboard, wandb, mlflow or opentelemetry, and starts nothing.
 """
 
 from __future__ import annotations
@@ -15,18 +16,24 @@ from .base import Exporter, MultiExporter, NullExporter
 if TYPE_CHECKING:
     from .console import ConsoleExporter
     from .jsonl import JsonlExporter
+    from .mlflow import MlflowExporter
+    from .otel import OtelExporter
     from .prometheus import PortInUseError, PrometheusExporter
     from .tensorboard import TensorBoardExporter
+    from .wandb import WandbExporter
 
 __all__ = [
     "ConsoleExporter",
     "Exporter",
     "JsonlExporter",
+    "MlflowExporter",
     "MultiExporter",
     "NullExporter",
+    "OtelExporter",
     "PortInUseError",
     "PrometheusExporter",
     "TensorBoardExporter",
+    "WandbExporter",
 ]
 
 _LAZY = {
@@ -35,6 +42,9 @@ _LAZY = {
     "PortInUseError": ".prometheus",
     "JsonlExporter": ".jsonl",
     "TensorBoardExporter": ".tensorboard",
+    "WandbExporter": ".wandb",
+    "MlflowExporter": ".mlflow",
+    "OtelExporter": ".otel",
 }
 
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
+from ..errors import AmpGuardError
 from ..report import Anomaly, RunInfo, StepReport
 
 __all__ = ["Exporter", "ExporterHealth", "MultiExporter", "NullExporter"]
@@ -182,7 +182,7 @@ class MultiExporter:
         outage.held.append(item)
 
     def _fail(self, i: int, method: str, exc: Exception) -> _Outage:
-        health, e = self._health[i], self.exporters[i]
+        health = self._health[i]
         health.errors += 1
         health.last_error = f"{type(exc).__name__}: {exc}"
         outage = self._outages.get(i)
@@ -191,11 +191,8 @@ class MultiExporter:
             outage = self._outages[i] = _Outage(
                 reopen=method == "open", backoff_s=self.RETRY_FIRST_S, retry_at=self.clock() + self.RETRY_FIRST_S,
                 held=deque(maxlen=self.BACKLOG))
-            msg = (f"ampguard: exporter {type(e).__name__}.{method}() failed: {health.last_error}. Training goes on; "
-                   f"the exporter is retried with backoff (first in {self.RETRY_FIRST_S:g}s, then up to every "
-                   f"{self.RETRY_MAX_S:g}s), the last {self.BACKLOG} steps held for it meanwhile")
-            log.error(msg, exc_info=exc)
-            warnings.warn(msg, RuntimeWarning, stacklevel=4)
+            log.error(_failure_line(health.name, method, exc, self.RETRY_FIRST_S, self.RETRY_MAX_S, self.BACKLOG))
+            log.debug("ampguard: exporter %s.%s() traceback", health.name, method, exc_info=exc)
         else:
             outage.reopen |= method == "open"
             outage.backoff_s = min(max(outage.backoff_s * 2, self.RETRY_FIRST_S), self.RETRY_MAX_S)
@@ -225,3 +222,32 @@ class MultiExporter:
         lost = f"; the {outage.dropped} oldest steps were dropped" if outage.dropped else ""
         log.warning("ampguard: exporter %s works again after %d failed call(s); the steps it missed were handed "
                     "over%s", health.name, health.errors, lost)
+
+
+def _failure_line(name: str, method: str, exc: BaseException, first_s: float, max_s: float, backlog: int) -> str:
+    """The one line a failed exporter gets: which one, the error, what happens and what to do."""
+    error = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line, whatever the message holds
+    hint = "" if isinstance(exc, AmpGuardError) else f" ({_hint(exc)})"  # ampguard's own errors name the fix
+    return (f"ampguard: exporter {name}.{method}() failed: {error}. Training goes on; fix the cause{hint} "
+            f"and the exporter catches up: it is retried "
+            f"in {first_s:g}s, then up to every {max_s:g}s, the last {backlog} steps held for it. "
+            "Traceback: logging.getLogger('ampguard').setLevel(logging.DEBUG)")
+
+
+def _hint(exc: BaseException) -> str:
+    for cls in type(exc).__mro__:  # the most specific hint first (PortInUseError before OSError)
+        hint = _HINTS.get(cls.__name__)
+        if hint is not None:
+            return hint
+    return "see the error"
+
+
+#: What to do, by the type of the error an exporter raised (its class name, so no backend is imported).
+_HINTS = {
+    "OSError": "a full disk, a missing directory or a permission: free space or fix the path",
+    "PermissionError": "the file or directory is not writable: fix its permissions or the path",
+    "FileNotFoundError": "the directory is gone: recreate it or fix the path",
+    "ConnectionError": "the backend cannot be reached: check its address and that it is up",
+    "ConnectionRefusedError": "nothing listens at the backend's address: start it or fix the address",
+    "TimeoutError": "the backend did not answer in time: check that it is up and reachable",
+}

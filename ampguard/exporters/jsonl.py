@@ -9,7 +9,9 @@ Records, in the order they happen:
   loses none of them.
 - ``{"event": "skipped", "step", "rank", "skipped": true, "reason", ...StepReport}``: one per
   skipped step (fsynced with it: a skipped step is an event too).
-- ``{"event": "step", ...StepReport}``: one per healthy step, only with ``every_step=True``;
+- ``{"event": "step", ...StepReport}``: one per healthy step (the default, ``every_step=True``; with
+  ``every_step=False`` the log holds the anomalies and skipped steps only, and ``ampguard report
+  --plot`` can draw no loss, scale or gradient-norm line between them);
   serialised and written by a background writer thread, off the training step (``export()`` only
   queues the report), fsynced every ``fsync_every`` steps; ``flush()``, ``close()`` and the next
   anomaly or skipped step wait until the writer has written every queued one, so the file keeps
@@ -98,7 +100,9 @@ class JsonlExporter:
     """Append the guard's events to a JSON-lines file per rank.
 
     - ``path``: file, ``{rank}`` pattern, or directory (see module docstring). Parents are created.
-    - ``every_step``: also log healthy steps (one line each).
+    - ``every_step``: True (default): log every step, healthy ones too (one line each; on the step a
+      queue put, the serialising and writing are a background thread's); False: only anomalies and
+      skipped steps (a smaller file, and no loss/scale/gradient-norm lines in ``ampguard report --plot``).
     - ``fsync_every``: with ``every_step``, fsync healthy-step lines every N steps (anomalies and
       skipped steps are always fsynced when written).
 
@@ -109,7 +113,7 @@ class JsonlExporter:
     QUEUE = 1024
     """Healthy steps queued for the writer at most; ``export()`` waits for room beyond that."""
 
-    def __init__(self, path: str | os.PathLike[str], every_step: bool = False, *, fsync_every: int = 100) -> None:
+    def __init__(self, path: str | os.PathLike[str], every_step: bool = True, *, fsync_every: int = 100) -> None:
         if not (isinstance(fsync_every, int) and fsync_every >= 1):
             raise ValueError(f"JsonlExporter fsync_every={fsync_every!r}; allowed: an int >= 1")
         self.path = path

@@ -182,11 +182,11 @@ class PrometheusExporter:
         rank = (str(info.rank), str(info.local_rank))
         children = {
             metric.name: {
-                combo: self._m[metric.name].labels(*combo, *rank) for combo in _combinations(metric.label_values)
+                combo: self._m[metric.name].labels(*combo, *rank) for combo in M.label_combinations(metric)
             }
             for metric in M.CATALOGUE
         }
-        children[M.RUN_INFO.name][()].info(_run_info_values(info))
+        children[M.RUN_INFO.name][()].info(M.run_info_values(info))
         # The group label's values are known now: "all", then one per param group of the optimizer.
         children[M.GRAD_ZERO_FRACTION.name] = {
             (group,): self._m[M.GRAD_ZERO_FRACTION.name].labels(group, *rank)
@@ -291,13 +291,6 @@ def _family(addr: str, port: int) -> tuple[socket.AddressFamily, str]:
     return family, str(sockaddr[0])
 
 
-def _combinations(values: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
-    out: list[tuple[str, ...]] = [()]
-    for choices in values:
-        out = [(*prefix, v) for prefix in out for v in choices]
-    return out
-
-
 class _Bound:
     """One rank's label children, bound once by ``open()``: ``export()`` only adds and stores
     (no per-step ``labels()`` look-up, which validates and locks)."""
@@ -361,15 +354,6 @@ class _Bound:
         for gauge in (self.loss, self.grad_norm, self.loss_scale, *memory.values(), *self.zero_fraction,
                       self.headroom, *self.module_grad_norm.values(), *self.module_update_ratio.values()):
             gauge.set(math.nan)
-
-
-def _run_info_values(info: RunInfo) -> dict[str, str]:
-    """The labels of the run-info metric (:data:`ampguard.metrics.RUN_INFO_LABELS`) for ``info``."""
-    versions = dict(info.versions)
-    return {
-        name: versions.get(name.removesuffix("_version"), "") if name.endswith("_version") else str(getattr(info, name))
-        for name in M.RUN_INFO_LABELS
-    }
 
 
 def _register(registry: CollectorRegistry) -> dict[str, Any]:

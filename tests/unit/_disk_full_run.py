@@ -42,7 +42,8 @@ def main(log: str) -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of the signal, as a full disk gives ENOSPC
     model = make_model()
     prom = PrometheusExporter(port=0, addr="127.0.0.1")
-    opt = ampguard.wrap(make_opt(model), model=model, precision="fp32", exporters=[JsonlExporter(log), prom])
+    log_ = JsonlExporter(log, every_step=False)  # the anomalies and skipped steps only
+    opt = ampguard.wrap(make_opt(model), model=model, precision="fp32", exporters=[log_, prom])
     data = make_data(STEPS)
     seen = {}
     with faults.inject(opt, model, faults.loss("nan", steps=NAN_AT)):
