@@ -129,7 +129,8 @@ class OtelExporter:
         self._set(M.GRAD_NORM, report.grad_norm)
         if math.isfinite(report.grad_norm):
             self._histogram.record(report.grad_norm, self._rank)
-        self._set(M.LOSS, report.loss)
+        if report.loss is not None:  # None: no loss was given for the step; the gauge keeps its last value
+            self._set(M.LOSS, report.loss)
         self._set(M.LAST_STEP_TIMESTAMP, report.wall_time)
         if report.scale_backoff:
             self._add(M.SCALE_BACKOFFS)
