@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from .metrics import LOSS
 from .report import Anomaly, RunInfo, StepReport
 from .vocab import AnomalyKind, SkipReason
 
@@ -230,7 +231,7 @@ class Voice:
             self.warn_once("no_loss", step,
                            "step() on gradients from a backward the guard did not see, and no loss was given: every "
                            "report's loss is unknown (None), and the loss curve, the loss-spike detector and "
-                           "ampguard_loss have nothing to show. Call opt.backward(loss) instead of loss.backward() / "
+                           f"{LOSS.name} have nothing to show. Call opt.backward(loss) instead of loss.backward() / "
                            "scaler.scale(loss).backward(), or give the loss with opt.observe_loss(loss)",
                            stacklevel=stacklevel + 1)
 
