@@ -198,7 +198,9 @@ def decide(
     if spikes_on:  # running averages of healthy steps (only kept when a detector needs them)
         healthy = ~nonfinite & ~no_grads & ~spike
         d = config.spike_ema_decay
-        pair = torch.stack([grad_norm, loss])
+        # A NaN loss on a step that is not loss_bad is a loss nobody gave (StepReport.loss None): the
+        # loss statistics keep their value instead of turning NaN for ever (and unloadable).
+        pair = torch.stack([grad_norm, torch.where(torch.isnan(loss), spikes.loss_ema, loss)])
         ema = torch.stack([spikes.grad_ema, spikes.loss_ema])
         new = torch.where(spikes.count == 0, pair, d * ema + (1 - d) * pair)
         new = torch.where(healthy, new, ema)
@@ -385,6 +387,7 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
     if spikes_on:
         count = int(spikes.count.item())
         grad_ema, loss_ema = spikes.grad_ema.item(), spikes.loss_ema.item()
+        known_loss = loss_ema if math.isnan(loss) else loss  # as decide(): a loss nobody gave moves nothing
         warm = count >= config.spike_warmup and not nonfinite and not no_grads
         if config.grad_spike_factor is not None:
             spike_threshold = f32(f32(config.grad_spike_factor) * grad_ema)
@@ -405,11 +408,11 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
     healthy = not nonfinite and not no_grads and not spike
     if spikes_on and healthy:  # fold it into the averages
         if count == 0:
-            grad_ema, loss_ema = grad_norm, loss
+            grad_ema, loss_ema = grad_norm, known_loss
         else:
             d, e = f32(config.spike_ema_decay), f32(1 - config.spike_ema_decay)
             grad_ema = f32(f32(d * grad_ema) + f32(e * grad_norm))
-            loss_ema = f32(f32(d * loss_ema) + f32(e * loss))
+            loss_ema = f32(f32(d * loss_ema) + f32(e * known_loss))
         spikes.grad_ema.fill_(grad_ema)
         spikes.loss_ema.fill_(loss_ema)
         if zscore:
@@ -422,7 +425,7 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
         if spike:
             run, mean, var, rebase = _flag_run_host(
                 run, [spikes.flag_norm_mean.item(), spikes.flag_loss_mean.item()], [spikes.flag_norm_var.item(), 0.0],
-                [grad_norm, loss], config.spike_warmup)
+                [grad_norm, known_loss], config.spike_warmup)
             spikes.flag_norm_mean.fill_(mean[0])
             spikes.flag_loss_mean.fill_(mean[1])
             spikes.flag_norm_var.fill_(var[0])

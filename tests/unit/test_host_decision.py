@@ -15,6 +15,7 @@ import functools
 import math
 import random
 import struct
+import warnings
 
 import pytest
 import torch
@@ -581,3 +582,36 @@ def test_a_lasting_shift_re_bases_the_statistics_on_both_paths(config):
     k = config.spike_warmup
     assert rebased[:1] == zrebased[:1] == [20 + k + 1]  # k flagged steps, the two non-finite ones not counted
     assert carried.grad_ema > 5 or carried.z_mean > 5
+
+
+def test_a_loss_nobody_gave_leaves_the_loss_statistics_as_they_are_on_both_paths():
+    """``scaler.scale(loss).backward(); opt.step()`` with a spike detector on: the guard never sees
+    the loss (``StepReport.loss`` is None, the gathered loss NaN). Before, that NaN went into the
+    loss EMA on every taken step, so the guard's own ``state_dict()`` could not be loaded back
+    ("loss_ema is nan"). Both paths now keep the loss statistics and resume bit for bit."""
+    cfg = dict(grad_spike_factor=3.0, spike_warmup=2, on_spike="skip")
+
+    def make(m):
+        return ampguard.wrap(make_opt(m), model=m, precision="fp16", config=cfg,
+                             scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+
+    def unseen_loss(opt, model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the guard's warning about the unseen loss
+            for x, y in make_data(8):
+                with opt.autocast():
+                    loss = loss_of(model, x, y)
+                opt.scaler.scale(loss).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+    hist = both_paths(make, 8, run=unseen_loss)
+    assert [r.loss for r in hist] == [None] * 8 and not any(r.skipped for r in hist)
+    model = make_model()
+    opt = make(model)
+    unseen_loss(opt, model)
+    state = opt.state_dict()
+    assert math.isfinite(state["ampguard"]["loss_ema"]) and state["ampguard"]["ema_count"] == 8
+    other = make_model()
+    again = make(other)
+    again.load_state_dict(state)  # raised "loss_ema is nan; expected a finite number" before
