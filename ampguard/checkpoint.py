@@ -87,7 +87,7 @@ def _real(g: dict[str, Any], field: str) -> float:
     return float(v)
 
 
-# -- issue 17 item 4: the z-score detector's and ZClip's running statistics --
+# -- the z-score detector's and ZClip's running statistics --
 # (and the runs of flagged steps the detectors re-baseline on, which came later)
 _DETECTORS = {"z_mean": "z_mean", "z_var": "z_var", "zclip_mean": "clip_mean", "zclip_var": "clip_var",
               "zclip_count": "clip_count"}
@@ -127,7 +127,7 @@ def _restore_detectors(spikes: Any, groups: list[dict[str, Any] | None]) -> None
     for group, values in zip(_GROUPS, groups):
         for key, attr in group.items():
             getattr(spikes, attr).fill_(0 if values is None else values[key])
-# -- end of issue 17 item 4 --
+# -- end of the z-score detector's and ZClip's statistics --
 
 
 def _check_optimizer(guard: Any, sd: Any) -> None:
@@ -184,7 +184,7 @@ def _check_escalation(value: Any) -> dict[str, Any]:
 
 
 def _check_scale_policy(g: dict[str, Any]) -> None:
-    """The scale policy the state was saved under (absent in states saved before issue 17: the
+    """The scale policy the state was saved under (absent in states saved before the headroom policy existed: the
     default). Either policy's state loads into either: the scale, growth tracker and hysteresis run
     are the scaler's and the guard's own (the headroom policy keeps the tracker at 0)."""
     policy = g.get("scale_policy", "default")

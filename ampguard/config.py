@@ -117,7 +117,7 @@ class GuardConfig:
     """Clip the unscaled gradients to this global L2 norm (> 0), using the norm the guard
     already computed: no second pass over the gradients. None: no clipping."""
 
-    # -- issue 17 item 4: alternative spike detectors and adaptive clipping (docs/detectors.md) --
+    # -- alternative spike detectors and adaptive clipping (docs/detectors.md) --
     spike_detector: str = "factor"
     """Which detector flags a gradient-norm spike: "factor" (a step whose norm exceeds
     ``grad_spike_factor`` times the running average; today's behaviour, bit for bit) or "zscore"
@@ -144,7 +144,7 @@ class GuardConfig:
 
     zclip_alpha: float = 0.97
     """ZClip's EMA smoothing factor for the norm's mean and variance, in (0, 1) (the paper's 0.97)."""
-    # -- end of issue 17 item 4 --
+    # -- end of the spike detectors and adaptive clipping --
 
     history_size: int = 1024
     """How many step reports ``opt.history`` retains (>= 1)."""

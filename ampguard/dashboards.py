@@ -863,7 +863,7 @@ def build_dashboard() -> dict[str, Any]:
             ],
         ),
     ]
-    for row in (_precision_panels, _numerics_panels, _indicator_panels):  # issue 17's rows, each below the last
+    for row in (_precision_panels, _numerics_panels, _indicator_panels):  # the numerics rows, each below the last
         panels += row(*_below(panels))
     annotations = [
         {
@@ -971,7 +971,7 @@ def build_dashboard() -> dict[str, Any]:
 
 
 def _numerics_panels(pid: int, y: int) -> list[dict[str, Any]]:
-    """The fp16 numerics row (issue 17): the sampled zero fraction and headroom, rank-local values
+    """The fp16 numerics row: the sampled zero fraction and headroom, rank-local values
     (``GuardConfig.numerics_every``; the gauges hold the last sampled step's value, NaN before one)."""
     zero, headroom = M.GRAD_ZERO_FRACTION, M.LOSS_SCALE_HEADROOM
     by_group = _SEL + ', group=~"$group"'
@@ -1011,7 +1011,7 @@ def _below(panels: list[dict[str, Any]]) -> tuple[int, int]:
 
 
 def _indicator_panels(pid: int, y: int) -> list[dict[str, Any]]:
-    """The leading indicators (issue 17, :mod:`ampguard.indicators`): a row of their own (panel ids
+    """The leading indicators (:mod:`ampguard.indicators`): a row of their own (panel ids
     from ``pid``, at grid row ``y``), gradient norm and update ratio per top-level module (log axes).
     Every rank reports its own values (with DDP the gradients, hence the values, are the same on
     every rank): the max over the selected ranks; pick one rank with the rank variable."""

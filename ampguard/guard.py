@@ -73,7 +73,7 @@ class GuardedOptimizer(InnerOptimizerView):
         self._scaler = GradScalerAdapter(scaler) if scaler is not None else None
         self._pipeline = StepPipeline(optimizer=optimizer, adapter=self._scaler, backend=backend, config=config,
                                       device=device)
-        # issue 17: leading indicators per top-level module (ampguard.indicators), sampled every N steps
+        # leading indicators per top-level module (ampguard.indicators), sampled every N steps
         self._indicators = (Indicators(model, self._pipeline.params(), device)
                             if config.numerics_every is not None and model is not None else None)
         ladder = Ladder(config.escalation, on_rollback=on_rollback, on_abort=on_abort) if config.escalation else None
@@ -226,7 +226,7 @@ class GuardedOptimizer(InnerOptimizerView):
         if self._forensics.armed:  # armed only after an anomaly
             self._forensics.collect(self._step, decision, gathered)
         pipe.clip(measured, decision)
-        ind = self._indicators  # issue 17: a sampled step copies the weights before the inner step
+        ind = self._indicators  # a sampled step copies the weights before the inner step
         sample = (ind.before_step(measured, pipe.params())  # numerics_every: one cadence for numerics and these
                   if ind is not None and pipe.numerics.sampled(self._step) else None)
         synced = pipe.inner_step(decision, measured)
@@ -506,7 +506,7 @@ def _make_reporter(guard: GuardedOptimizer, ladder: Ladder | None) -> Any:
              if guard.device.type == "cuda" and cfg.track_memory else None)
     # A weak reference: the reporter must not keep its guard alive. With a cycle, `del opt, model` left
     # the model (a DDP model, its reducer and process group) to the cyclic collector, which may run only
-    # at interpreter exit, after dist.destroy_process_group() (issue 15, item 8).
+    # at interpreter exit, after dist.destroy_process_group().
     guard_ref = weakref.ref(guard)
     return Reporter(config=guard.config, rank=guard.backend.rank, world_size=guard.backend.world_size,
                     names=lambda: guard_ref().param_names,  # type: ignore[union-attr]

@@ -1,4 +1,4 @@
-"""Leading indicators (issue 17): per top-level module, the gradient norm and the update-to-weight
+"""Leading indicators: per top-level module, the gradient norm and the update-to-weight
 ratio ``||delta w|| / ||w||``, sampled every ``GuardConfig.numerics_every`` steps on the device.
 
 Loss spikes tend to follow a rise in one part of the model's gradient norms and update sizes;

@@ -265,7 +265,7 @@ MODULE_UPDATE_RATIO = Metric(
     label_values=((),),
 )
 #: Metrics whose ``module`` label takes the run's top-level module names (``RunInfo.modules``, known
-#: when the exporter opens); sampled every ``GuardConfig.numerics_every`` steps (issue 17).
+#: when the exporter opens); sampled every ``GuardConfig.numerics_every`` steps.
 PER_MODULE = (MODULE_GRAD_NORM, MODULE_UPDATE_RATIO)
 RUN_INFO = Metric(
     "ampguard_run_info",

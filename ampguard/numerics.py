@@ -1,4 +1,4 @@
-"""fp16 underflow and headroom, sampled every ``GuardConfig.numerics_every`` steps (issue 17).
+"""fp16 underflow and headroom, sampled every ``GuardConfig.numerics_every`` steps.
 
 On a sampled step, before the gradients are unscaled (or, where somebody unscaled them already,
 from the unscaled ones times the scale), one pass over this rank's gradients measures on device:

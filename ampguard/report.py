@@ -89,7 +89,7 @@ class StepReport:
     """(top-level module, L2 norm of its unscaled gradients) on sampled steps: a leading indicator."""
     module_update_ratios: tuple[tuple[str, float], ...] | None = None
     """(top-level module, ||delta w|| / ||w|| of this step's update) on sampled steps."""
-    # -- issue 17 item 4: the detectors' thresholds (docs/detectors.md) --
+    # -- the detectors' thresholds (docs/detectors.md) --
     spike_threshold: float | None = None
     """The gradient norm above which this step counted as a spike (``grad_spike_factor`` times the
     running average, or the z-score detector's ``mean + spike_zscore * std``); None when no
@@ -98,7 +98,7 @@ class StepReport:
     """ZClip (``GuardConfig.zclip``): the largest gradient norm this step let through: the
     threshold it was clipped to (then ``grad_norm * clip_coef``), else ``mean + zclip_z * std``;
     inf during warm-up. None when ZClip is off."""
-    # -- end of issue 17 item 4 --
+    # -- end of the detectors' thresholds --
 
     @property
     def nonfinite(self) -> bool:

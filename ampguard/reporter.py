@@ -121,7 +121,7 @@ class Reporter:
         self.sentinel: Sentinel | None = None
         """The opt-in sentinel, whose slot of the gathered vector names a block on its own step."""
         self.indicators: Indicators | None = None
-        """The leading indicators (issue 17), whose values follow the norms on sampled steps."""
+        """The leading indicators, whose values follow the norms on sampled steps."""
         self._blocks: dict[int, str] = {}
         self.actions = Actions()
         self._pending: deque[_Pending] = deque()
@@ -164,7 +164,7 @@ class Reporter:
                 pending.event.synchronize()  # that step's copy only; usually done already
             values = pending.buf.tolist()
             extra: list[float] | None = None
-            if pending.indicators and self.indicators is not None:  # issue 17: the payload's last 2 x modules
+            if pending.indicators and self.indicators is not None:  # the payload's last 2 x modules
                 cut = len(values) - 2 * len(self.indicators.modules)
                 values, extra = values[:cut], values[cut:]
             report, anomalies = self.build(pending.step, values, pending.index)

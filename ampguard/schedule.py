@@ -1,4 +1,4 @@
-"""Skip-aware LR schedules and weight EMA, with no host sync (issue 17, item 1).
+"""Skip-aware LR schedules and weight EMA, with no host sync.
 
 A skipped step must not advance an LR schedule or an average of the weights. Learning whether
 a step was skipped costs a host sync on the sync-free path (fused optimizer on CUDA), so:

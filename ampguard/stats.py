@@ -73,7 +73,7 @@ LOCAL_K = len(Loc)
 
 class Dec(enum.IntEnum):
     """Indices into the decision vector (identical on every rank). Values first, then 0/1 flags,
-    then the detectors' thresholds (issue 17), so the vector is assembled with three stacks."""
+    then the detectors' thresholds, so the vector is assembled with three stacks."""
 
     LOSS = 0  # mean loss over ranks
     GRAD_NORM = 1  # global gradient norm

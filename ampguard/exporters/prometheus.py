@@ -192,7 +192,7 @@ class PrometheusExporter:
             (group,): self._m[M.GRAD_ZERO_FRACTION.name].labels(group, *rank)
             for group in ("all", *map(str, range(info.param_groups)))
         }
-        for metric in M.PER_MODULE:  # issue 17: one series per top-level module, NaN until sampled
+        for metric in M.PER_MODULE:  # one series per top-level module, NaN until sampled
             children[metric.name] = {(m,): self._m[metric.name].labels(m, *rank) for m in info.modules}
         self._bound = _Bound(children)
         floor = info.loss_scale_floor
