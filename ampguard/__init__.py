@@ -9,6 +9,7 @@ from __future__ import annotations
 from . import faults
 from ._version import __version__
 from .config import Escalation, GuardConfig
+from .ema import EMA
 from .errors import (
     AmpGuardError,
     BackendError,
@@ -23,8 +24,7 @@ from .guard import GuardedOptimizer
 from .hardware import UnsupportedPrecisionError
 from .integrations._versions import IntegrationVersionError  # imports no framework
 from .preflight import Recommendation, preflight
-from .report import Anomaly, History, RunInfo, StepReport
-from .schedule import EMA
+from .records import Anomaly, History, RunInfo, StepReport
 
 __all__ = [
     "AmpGuardError",

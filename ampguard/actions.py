@@ -12,7 +12,7 @@ import math
 import time
 from typing import Any
 
-from .report import StepReport
+from .records import StepReport
 from .vocab import SkipReason
 
 __all__ = ["carry_out", "export", "rollback_step"]

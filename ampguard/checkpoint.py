@@ -241,7 +241,7 @@ def load(guard: Any, state_dict: Any) -> None:
 
 def _restore_counters(guard: Any, step: int, counts: dict[str, int], emas: dict[str, float],
                       quarantine: list[Any], escalation: dict[str, Any]) -> None:
-    from .report import History
+    from .records import History
 
     rep, pipe = guard._reporter, guard._pipeline
     rep.clear_pending()

@@ -193,7 +193,7 @@ class GuardConfig:
     """Clean steps after which armed forensics hooks are removed again (>= 1)."""
 
     sentinel: str | tuple[str, ...] | None = None
-    """Opt-in coarse sentinel (:mod:`ampguard.sentinel`): ``"top"`` (the model's top-level
+    """Opt-in coarse sentinel (:mod:`ampguard.forensics.sentinel`): ``"top"`` (the model's top-level
     blocks) or module names. One on-device finiteness flag per block output, no host sync, no
     hook inside a block: a non-finite step names its first non-finite block (or the input) in
     its own report, and the forensics hooks then arm inside that block only. None: off (no hook

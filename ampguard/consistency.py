@@ -100,7 +100,7 @@ def check_guard(guard: Any) -> None:
     anomaly on the step just taken, and raises per ``GuardConfig.on_divergence``. collective;
     synchronises the host."""
     from .errors import RankDivergenceError
-    from .report import Anomaly
+    from .records import Anomaly
     from .vocab import AnomalyKind
 
     rep, step = guard._reporter, guard.step_count

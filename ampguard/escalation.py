@@ -1,6 +1,6 @@
 """The escalation ladder past skip and backoff: snapshot, roll back, stop.
 
-Driven only by agreed :class:`~ampguard.report.StepReport` values, at the guard's fixed
+Driven only by agreed :class:`~ampguard.records.StepReport` values, at the guard's fixed
 materialisation points, so every rank climbs the same rung at the same step.
 """
 
@@ -15,7 +15,7 @@ import torch
 
 from .config import Escalation
 from .logs import ADVICE, KIND_OF_REASON
-from .report import Anomaly, StepReport
+from .records import Anomaly, StepReport
 from .vocab import AnomalyKind
 
 __all__ = ["Ladder", "Observed", "consecutive_diagnosis"]

@@ -19,7 +19,7 @@ from .errors import GuardStateError
 from .exporters.base import Exporter
 from .guard import GuardedOptimizer
 from .hardware import check_precision
-from .report import RunInfo
+from .records import RunInfo
 from .scaling import GradScalerAdapter, SharedScaler, f32
 from .vocab import Precision
 

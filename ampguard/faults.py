@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .compiled import compile_safe, named_user_modules, user_module, user_name
+from .forensics.compile import compile_safe, named_user_modules, user_module, user_name
 
 __all__ = ["Fault", "Injection", "backward", "grad", "inject", "loss", "output"]
 

@@ -1,6 +1,6 @@
 """GuardedOptimizer: the façade. The Optimizer surface, ``backward``, ``step``, ``zero_grad``,
 the readers and the state dict; the work is done by the rooms it delegates to
-(:mod:`~ampguard.pipeline`, :mod:`~ampguard.reporter`, :mod:`~ampguard.diagnosis`,
+(:mod:`~ampguard.pipeline`, :mod:`~ampguard.reporter`, :mod:`~ampguard.forensics.arming`,
 :mod:`~ampguard.scaling`, :mod:`~ampguard.backends`). Build it with :func:`ampguard.wrap`.
 """
 
@@ -18,17 +18,18 @@ from torch.utils.hooks import RemovableHandle
 
 from . import actions, checkpoint, consistency
 from .config import GuardConfig
-from .diagnosis import Forensics
+from .ema import EMA
 from .errors import GuardStateError
 from .escalation import Ladder
 from .exporters.base import Exporter, MultiExporter
+from .forensics.arming import Forensics
 from .indicators import Indicators
 from .logs import Voice
 from .optimizer_view import InnerOptimizerView
 from .pipeline import LossMeter, StepPipeline, grad_marks
-from .report import Anomaly, History, RunInfo, StepReport
+from .records import Anomaly, History, RunInfo, StepReport
 from .scaling import GradScalerAdapter
-from .schedule import EMA, Schedules
+from .schedules import Schedules
 from .stats import Dec
 
 __all__ = ["GuardedOptimizer", "Stage"]

@@ -6,7 +6,7 @@ the global gradient norm hides which part. These two numbers, per top-level modu
 ``docs/indicators.md`` teaches to read.
 
 Top-level modules are the direct children of the model given to ``wrap(model=...)``, as the user
-wrote it (:func:`ampguard.compiled.user_module`: without DDP's / FSDP's ``module`` wrapper and
+wrote it (:func:`ampguard.forensics.compile.user_module`: without DDP's / FSDP's ``module`` wrapper and
 ``torch.compile``'s ``OptimizedModule``; names never hold ``_orig_mod``), that own at least one
 parameter, in registration order. A parameter shared by two children (tied weights) belongs to the
 first. Parameters of the optimizer that belong to no child (the root's own, or one the model does
@@ -49,9 +49,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .compiled import user_module, user_name
+from .forensics.compile import user_module, user_name
 from .pipeline import Measured
-from .report import StepReport
+from .records import StepReport
 from .stats import GradGroups, local_tensor, per_tensor_norms
 
 __all__ = ["ROOT", "Indicators", "top_level_owners"]

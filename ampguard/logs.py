@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from .metrics import LOSS
-from .report import Anomaly, RunInfo, StepReport
+from .records import Anomaly, RunInfo, StepReport
 from .vocab import AnomalyKind, SkipReason
 
 __all__ = ["LEVELS", "REPEAT_EVERY", "SKIP_RATE", "SKIP_WINDOW", "Voice", "logger"]

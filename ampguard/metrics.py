@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .report import ANOMALY_KINDS, SKIP_REASONS, RunInfo
+from .records import ANOMALY_KINDS, SKIP_REASONS, RunInfo
 
 __all__ = [
     "ANOMALIES",

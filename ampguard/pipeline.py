@@ -364,7 +364,7 @@ class StepPipeline:
         """This rank's statistics, all-gathered: ``[world_size, LOCAL_K]`` on device. collective:
         every rank gathers, also one whose backward reached no parameter (``no_grads``): the
         decision then skips the step on every rank. ``sentinel``:
-        :meth:`ampguard.sentinel.Sentinel.value` (None: off)."""
+        :meth:`ampguard.forensics.sentinel.Sentinel.value` (None: off)."""
         pack = local_vector_host if self.device.type == "cpu" else local_vector
         vec = pack(loss=loss, tensor_norms=measured.norms, found_inf=measured.found_inf,
                    pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads,

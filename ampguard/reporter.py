@@ -23,15 +23,15 @@ from typing import Any
 import torch
 
 from .config import GuardConfig
-from .diagnosis import annotate
 from .errors import NonFiniteError
 from .escalation import Ladder, consecutive_diagnosis
 from .exporters.base import MultiExporter
-from .forensics import Finding
+from .forensics.arming import annotate
+from .forensics.localizer import Finding
+from .forensics.sentinel import Sentinel
 from .indicators import Indicators
 from .policies import uses_clipping, uses_grad_detector
-from .report import Anomaly, History, StepReport
-from .sentinel import Sentinel
+from .records import Anomaly, History, StepReport
 from .stats import DECISION_K, LOCAL_K, Decision, Loc, origin_ranks
 from .vocab import AnomalyKind, Phase, SkipReason
 

@@ -62,7 +62,7 @@ class Loc(enum.IntEnum):
     """1.0 when no parameter received a gradient on this rank since the last step (a detached output)."""
     SENTINEL = 7
     """The sentinel's first non-finite slot this step (-1: none or off; 0: the model's input;
-    k+1: block k), see :mod:`ampguard.sentinel`."""
+    k+1: block k), see :mod:`ampguard.forensics.sentinel`."""
     HEADROOM = 8
     """This rank's log2(65504 / max|scaled grad|) on a step sampled by ``GuardConfig.numerics_every``
     (fp16), NaN on other steps: the headroom scale policy decides on the minimum over ranks."""

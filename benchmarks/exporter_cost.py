@@ -2,7 +2,7 @@
 """Host cost of one healthy step's export, on the training thread (no model, no device).
 
 What the guard calls once per step is ``MultiExporter.export(report, anomalies)``; this times that
-call (and each exporter alone) for a healthy :class:`~ampguard.report.StepReport` of a 148-tensor
+call (and each exporter alone) for a healthy :class:`~ampguard.records.StepReport` of a 148-tensor
 model (GPT-2's parameter count, ``param_norms`` off as on most steps), best of ``--repeat`` runs of
 ``--n`` calls, in microseconds per call. Arms:
 
@@ -47,7 +47,7 @@ if not os.environ.get("PYTHONPATH"):
 
 import ampguard
 from ampguard.exporters import JsonlExporter, MultiExporter, PrometheusExporter
-from ampguard.report import RunInfo, StepReport
+from ampguard.records import RunInfo, StepReport
 
 
 def _report(step: int) -> StepReport:

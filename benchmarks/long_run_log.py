@@ -27,7 +27,7 @@ if not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ampguard.exporters import JsonlExporter
-from ampguard.report import Anomaly, RunInfo, StepReport
+from ampguard.records import Anomaly, RunInfo, StepReport
 from ampguard.vocab import AnomalyKind, Cause, Phase, SkipReason
 
 LAYERS = 12

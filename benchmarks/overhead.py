@@ -315,7 +315,7 @@ def build_variant(kind: str, fused: bool, ctx: dict[str, Any]) -> Variant:
     if kind == "guard_armed":
         # Forensics hooks armed on every step (as after an anomaly, for forensics_window steps):
         # the cost a run pays only while it is being investigated; healthy runs never arm them.
-        from ampguard.forensics import Localizer
+        from ampguard.forensics.localizer import Localizer
 
         g._forensics.localizer = Localizer(model)
 

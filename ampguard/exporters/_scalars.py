@@ -1,4 +1,4 @@
-"""The per-step numbers the run trackers (W&B, MLflow) log: a :class:`~ampguard.report.StepReport`'s
+"""The per-step numbers the run trackers (W&B, MLflow) log: a :class:`~ampguard.records.StepReport`'s
 own fields, each under ``ampguard/<field>``, the values the JSONL log holds for the same step."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import BackendUnavailableError
-from ..report import Anomaly, RunInfo, StepReport
+from ..records import Anomaly, RunInfo, StepReport
 
 __all__ = ["KEY_PREFIX", "STEP_KEY", "optional_module", "run_params", "step_scalars"]
 

@@ -1,7 +1,7 @@
 """The Exporter protocol, and the Null and Multi exporters.
 
-An exporter sees plain-Python records only (:class:`~ampguard.report.RunInfo`,
-:class:`~ampguard.report.StepReport`, :class:`~ampguard.report.Anomaly`): never a tensor,
+An exporter sees plain-Python records only (:class:`~ampguard.records.RunInfo`,
+:class:`~ampguard.records.StepReport`, :class:`~ampguard.records.Anomaly`): never a tensor,
 an optimizer or a CUDA call. The guard talks to exactly one exporter, a :class:`MultiExporter`
 that fans out and contains failures: an exporter that raises is reported (a warning and a log
 record naming it), set aside and retried with backoff while training goes on; the steps it
@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
 from ..errors import AmpGuardError
-from ..report import Anomaly, RunInfo, StepReport
+from ..records import Anomaly, RunInfo, StepReport
 
 __all__ = ["Exporter", "ExporterHealth", "MultiExporter", "NullExporter"]
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import BackendUnavailableError
-from ..report import Anomaly, RunInfo, StepReport
+from ..records import Anomaly, RunInfo, StepReport
 
 __all__ = ["ConsoleExporter"]
 

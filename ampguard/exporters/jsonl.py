@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..report import Anomaly, RunInfo, StepReport
+from ..records import Anomaly, RunInfo, StepReport
 
 __all__ = ["JsonlExporter", "rank_path", "torn_record", "torn_tail"]
 

@@ -3,7 +3,7 @@
 mlflow is optional (``pip install 'ampguard[mlflow]'``: the ``mlflow-skinny`` client); it is imported
 when the exporter is made, never by ``import ampguard``.
 
-Metrics: ``ampguard/<field>`` for each number of the step's :class:`~ampguard.report.StepReport`
+Metrics: ``ampguard/<field>`` for each number of the step's :class:`~ampguard.records.StepReport`
 (the values its JSONL ``step``/``skipped`` record holds: ``ampguard/loss``, ``ampguard/loss_scale``,
 ``ampguard/grad_norm``, ``ampguard/skipped`` as 0/1, ...; NaN and inf as they are) and
 ``ampguard/anomalies``, each at ``step=`` the guard's step and ``timestamp=`` the report's wall time.
@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..report import Anomaly, RunInfo, StepReport
+from ..records import Anomaly, RunInfo, StepReport
 from ._scalars import STEP_KEY, optional_module, run_params, step_scalars
 from ._sender import QueuedExporter
 

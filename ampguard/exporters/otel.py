@@ -29,7 +29,7 @@ from typing import Any
 
 from .. import metrics as M
 from .._version import __version__
-from ..report import Anomaly, RunInfo, StepReport
+from ..records import Anomaly, RunInfo, StepReport
 from ..vocab import AnomalyKind, Cause, SkipReason
 from ._scalars import optional_module
 from .base import ExporterHealth

@@ -27,7 +27,7 @@ from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 
 from .. import metrics as M
 from ..errors import AmpGuardError
-from ..report import Anomaly, RunInfo, StepReport
+from ..records import Anomaly, RunInfo, StepReport
 from ..vocab import AnomalyKind, Cause, SkipReason
 from .base import ExporterHealth
 

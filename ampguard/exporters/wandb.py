@@ -3,12 +3,12 @@
 wandb is optional (``pip install 'ampguard[wandb]'``); it is imported when the exporter is made,
 never by ``import ampguard``.
 
-Keys: ``ampguard/<field>`` for each number of the step's :class:`~ampguard.report.StepReport` (the
+Keys: ``ampguard/<field>`` for each number of the step's :class:`~ampguard.records.StepReport` (the
 values its JSONL ``step``/``skipped`` record holds: ``ampguard/loss``, ``ampguard/loss_scale``,
 ``ampguard/grad_norm``, ``ampguard/skipped`` as 0/1, ...; NaN and inf as they are) and
 ``ampguard/anomalies`` (anomalies recorded on the step). Every ``ampguard/*`` key is plotted against
 ``ampguard/step``, the guard's step (``define_metric``), so the run's own ``wandb.log`` calls and
-their step counter are left alone. The run's facts (:class:`~ampguard.report.RunInfo`) go to the run's
+their step counter are left alone. The run's facts (:class:`~ampguard.records.RunInfo`) go to the run's
 config under ``ampguard``.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..report import Anomaly, RunInfo, StepReport
+from ..records import Anomaly, RunInfo, StepReport
 from ._scalars import KEY_PREFIX, STEP_KEY, optional_module, run_params, step_scalars
 from ._sender import QueuedExporter
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BackendUnavailableError
-from ..report import SKIP_REASONS, StepReport
+from ..records import SKIP_REASONS, StepReport
 from .reading import LoggedAnomaly, RankLog, Run, decided_steps, origins
 
 __all__ = ["figure", "plot"]

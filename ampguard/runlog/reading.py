@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar, overload
 
 from ..errors import AmpGuardError
-from ..report import Anomaly, StepReport
+from ..records import Anomaly, StepReport
 from ..vocab import SkipReason
-from . import records as R
+from . import fields as R
 
 __all__ = ["LoggedAnomaly", "NoEventsYet", "Progress", "RankLog", "Run", "RunLogError", "load_run"]
 

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ..report import SKIP_REASONS, _jsonable
+from ..records import SKIP_REASONS, _jsonable
 from .reading import LoggedAnomaly, RankLog, Run, decided_steps, origins
 
 __all__ = ["RankSummary", "RunSummary", "format_summary", "rich_summary", "summary"]
@@ -97,7 +97,7 @@ class RunSummary:
 
 
 def _json_tree(value: Any) -> Any:
-    """:func:`~ampguard.report._jsonable` through dicts and lists too (the ``run`` record is free-form)."""
+    """:func:`~ampguard.records._jsonable` through dicts and lists too (the ``run`` record is free-form)."""
     if isinstance(value, Mapping):
         return {str(k): _json_tree(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -26,7 +26,7 @@ from torch._dynamo.backends.registry import lookup_backend
 
 import ampguard
 from ampguard import faults
-from ampguard.forensics import Localizer
+from ampguard.forensics.localizer import Localizer
 
 from ..unit._models import step_once
 

@@ -10,7 +10,7 @@ import torch
 
 import ampguard
 from ampguard.backends import Backend, LocalBackend
-from ampguard.report import ANOMALY_KINDS, SKIP_REASONS, Anomaly, StepReport
+from ampguard.records import ANOMALY_KINDS, SKIP_REASONS, Anomaly, StepReport
 from ampguard.scaling import GradScalerAdapter
 from ampguard.vocab import AnomalyKind, Cause, Phase, SkipReason
 

@@ -32,7 +32,7 @@ import torch
 import ampguard
 from ampguard import cli, dashboards, metrics, stats, vocab
 from ampguard.config import Escalation, GuardConfig
-from ampguard.report import Anomaly, RunInfo, StepReport
+from ampguard.records import Anomaly, RunInfo, StepReport
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]

@@ -26,7 +26,7 @@ from ampguard import faults
 from ampguard import metrics as M
 from ampguard.exporters import JsonlExporter, MultiExporter, PortInUseError, PrometheusExporter
 from ampguard.exporters.jsonl import rank_path
-from ampguard.report import SKIP_REASONS, Anomaly, RunInfo, StepReport
+from ampguard.records import SKIP_REASONS, Anomaly, RunInfo, StepReport
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 

@@ -18,7 +18,7 @@ import ampguard
 from ampguard import metrics as M
 from ampguard.errors import BackendUnavailableError
 from ampguard.exporters import MultiExporter, OtelExporter
-from ampguard.report import RunInfo, StepReport
+from ampguard.records import RunInfo, StepReport
 
 from ._tracked_run import train
 

@@ -15,7 +15,7 @@ import torch
 import ampguard
 from ampguard import faults, runlog
 from ampguard.exporters import JsonlExporter
-from ampguard.report import RunInfo
+from ampguard.records import RunInfo
 from ampguard.runlog import command
 
 from ._models import loss_of, make_data, make_model, make_opt

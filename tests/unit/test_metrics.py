@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ampguard import metrics as M
-from ampguard.report import ANOMALY_KINDS, SKIP_REASONS
+from ampguard.records import ANOMALY_KINDS, SKIP_REASONS
 
 PACKAGE = Path(M.__file__).resolve().parent
 NAME = re.compile(r"^ampguard_[a-z][a-z0-9_]*$")

@@ -8,7 +8,7 @@ import torch
 
 import ampguard
 from ampguard import faults
-from ampguard.sentinel import top_blocks
+from ampguard.forensics.sentinel import top_blocks
 
 from .test_forensics import batches, lm
 from .test_forensics import train as train_lm

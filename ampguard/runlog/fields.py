@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from ..report import StepReport
+from ..records import StepReport
 from ..vocab import AnomalyKind, Cause, Phase, SkipReason
 
 __all__ = ["MAX_DEPTH", "MAX_RANK", "BadRecord", "anomaly_fields", "parse_line", "rank_of", "run_info", "step_report"]

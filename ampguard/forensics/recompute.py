@@ -1,8 +1,8 @@
 """Classification of a forward culprit from evidence: recompute it on its saved inputs in the
-run's precision and in fp32 (see :mod:`ampguard.forensics` for the verdicts).
+run's precision and in fp32 (see :mod:`ampguard.forensics.localizer` for the verdicts).
 
 Each recompute runs on copies that nothing else holds: its tensors cloned (or cast), its stateful
-arguments (a KV cache, kept as it was at the call by :meth:`ampguard.forensics._Call.save`) copied
+arguments (a KV cache, kept as it was at the call by :meth:`ampguard.forensics.calls.Call.save`) copied
 again, its module's buffers cloned. A recompute that appends to a cache or writes in place changes
 nothing of the run, and the second recompute sees what the call saw, not what the first left. A
 saved tensor written in place during or after the call (its version moved) is not recomputed on:
@@ -11,23 +11,22 @@ the cause is then None, and the detail says which input changed."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
-from .forensics import _HALF, FP16_MAX, _copy_tensors, _floats
-from .vocab import Cause
-
-if TYPE_CHECKING:
-    from .forensics import Localizer, _Call
+from ..vocab import Cause
+from .calls import FP16_MAX, HALF, Call, copy_tensors, floats
 
 __all__ = ["classify"]
 
 
 @torch.no_grad()
-def classify(loc: Localizer, call: _Call) -> tuple[Cause | None, str]:
-    """Recompute the culprit on its saved inputs in the run's precision and in fp32."""
-    module = loc.modules[call.idx][1]
+def classify(module: torch.nn.Module, call: Call,
+             quietly: Callable[[], AbstractContextManager[None]]) -> tuple[Cause | None, str]:
+    """Recompute the culprit ``module`` on its saved inputs in the run's precision and in fp32.
+    ``quietly()`` is entered around each recompute (the localizer's hooks ignore what runs inside)."""
     if any(hasattr(p, "placements") for p in module.parameters()):
         return None, "not recomputed: its parameters are sharded (DTensor/FSDP2)"
     unchanged = _unchanged(call)
@@ -36,8 +35,8 @@ def classify(loc: Localizer, call: _Call) -> tuple[Cause | None, str]:
     ac = call.autocast
     run_label = (f"{str(ac[1]).removeprefix('torch.')} autocast" if ac is not None
                  else call.out_dtype.removeprefix("torch."))
-    run, run_err = _recompute(loc, module, call, fp32=False)
-    fp32, fp32_err = _recompute(loc, module, call, fp32=True)
+    run, run_err = _recompute(quietly, module, call, fp32=False)
+    fp32, fp32_err = _recompute(quietly, module, call, fp32=True)
     if run_err is not None or fp32_err is not None:
         said = [f"recomputed in {label} it is {'finite' if res[0] else 'non-finite'}" if err is None
                 else f"the {label} recompute failed ({err})"
@@ -59,7 +58,7 @@ def classify(loc: Localizer, call: _Call) -> tuple[Cause | None, str]:
                                   "recompute does not see)")
 
 
-def _unchanged(call: _Call) -> str | None:
+def _unchanged(call: Call) -> str | None:
     """None where the saved inputs are as the call saw them; else why not (not recomputed)."""
     if call.unsaved is not None:
         return f"not recomputed: {call.unsaved}"
@@ -72,7 +71,7 @@ def _unchanged(call: _Call) -> str | None:
     return None
 
 
-def _recompute(loc: Localizer, module: torch.nn.Module, call: _Call, *,
+def _recompute(quietly: Callable[[], AbstractContextManager[None]], module: torch.nn.Module, call: Call, *,
                fp32: bool) -> tuple[tuple[bool, float], str | None]:
     """(outputs all finite, max |output|), or the error that stopped the recompute. Buffers
     are copies (a BatchNorm's running stats stay as they were); the RNG is forked (a dropout
@@ -80,33 +79,32 @@ def _recompute(loc: Localizer, module: torch.nn.Module, call: _Call, *,
 
     def prep(t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
-        return t.float() if fp32 and t.dtype in _HALF else t
+        return t.float() if fp32 and t.dtype in HALF else t
 
     def own(t: torch.Tensor) -> torch.Tensor:  # a copy of its own: the recompute may write into it
         c = prep(t)
         return c.clone() if c.dtype == t.dtype else c  # (a cast is a copy already)
 
     try:
-        args, kwargs = _copy_tensors((call.args, call.kwargs), own)
+        args, kwargs = copy_tensors((call.args, call.kwargs), own)
     except Exception as exc:  # an object that cannot be copied: say so, guess nothing
         return (True, math.nan), f"its saved inputs could not be copied ({type(exc).__name__}: {str(exc)[:200]})"
     state = {n: prep(b).clone() for n, b in module.named_buffers()}
     if fp32:
-        state.update({n: p.detach().float() for n, p in module.named_parameters() if p.dtype in _HALF})
-    devices = {t.device for t in _floats((args, kwargs, list(state.values())))}
+        state.update({n: p.detach().float() for n, p in module.named_parameters() if p.dtype in HALF})
+    devices = {t.device for t in floats((args, kwargs, list(state.values())))}
     devices |= {p.device for p in module.parameters()}
     device_type = next(iter(devices)).type if devices else "cpu"
     cuda = sorted({d for d in devices if d.type == "cuda"}, key=str)[:1]
     ac = call.autocast
-    loc._recomputing = True
     try:
         # fork_rng: CPU and the module's CUDA device
-        with torch.random.fork_rng(devices=cuda), torch.autocast(
+        with quietly(), torch.random.fork_rng(devices=cuda), torch.autocast(
                 device_type=ac[0] if ac is not None and not fp32 else device_type,
                 dtype=ac[1] if ac is not None and not fp32 else None,
                 enabled=ac is not None and not fp32):
             out = torch.func.functional_call(module, state, args, kwargs, strict=False)
-        outs = list(_floats(out))
+        outs = list(floats(out))
         if not outs:
             return (True, math.nan), "no floating-point output"
         finite = all(bool(torch.isfinite(t).all()) for t in outs)
@@ -115,5 +113,3 @@ def _recompute(loc: Localizer, module: torch.nn.Module, call: _Call, *,
         return (finite, top), None
     except Exception as exc:  # a module that cannot be re-run on its saved inputs: say so, guess nothing
         return (True, math.nan), f"{type(exc).__name__}: {str(exc)[:200]}"
-    finally:
-        loc._recomputing = False

@@ -1,6 +1,6 @@
 """The guard's forensics state: when hooks are armed, what they found, and the replay.
 
-:class:`~ampguard.forensics.Localizer` does the looking; :class:`Forensics` decides when to
+:class:`~ampguard.forensics.localizer.Localizer` does the looking; :class:`Forensics` decides when to
 look and carries what was found to the report of its step. Healthy runs pay nothing: no hook
 exists until a step goes non-finite. Arming and disarming happen only at the guard's fixed
 points (``after_report``), the same step on every rank.
@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from .config import GuardConfig
-from .forensics import Finding, Localizer
-from .report import Anomaly, StepReport
+from ..config import GuardConfig
+from ..records import Anomaly, StepReport
+from ..stats import Dec, Loc, origin_ranks
+from ..vocab import AnomalyKind, Cause, Phase
+from .localizer import Finding, Localizer
 from .sentinel import Sentinel
-from .stats import Dec, Loc, origin_ranks
-from .vocab import AnomalyKind, Cause, Phase
 
 __all__ = ["Forensics", "annotate"]
 

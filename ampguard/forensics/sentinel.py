@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .compiled import named_user_modules, user_module
+from .compile import named_user_modules, user_module
 
 __all__ = ["Sentinel", "top_blocks"]
 

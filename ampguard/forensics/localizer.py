@@ -32,7 +32,7 @@ recomputed on its saved inputs twice, in the run's precision (the autocast state
 and the module's own weights, half precision included) and in fp32 (inputs and a float32 copy
 of its half-precision parameters and buffers). The saved inputs are what the call saw: stateful
 arguments (a KV cache the call and later layers append to) are copied at the call, and each
-recompute runs on copies of its own (:mod:`ampguard.recompute`), so the run's cache is untouched:
+recompute runs on copies of its own (:mod:`ampguard.forensics.recompute`), so the run's cache is untouched:
 
 - non-finite in the run's precision, finite in fp32 -> ``"overflow"`` (also inside the
   module, as attention logits past 65504 in fp16);
@@ -46,7 +46,7 @@ A backward culprit is ``"overflow"`` when its gradient holds inf but no NaN unde
 scaling, else ``"nan"``; the same for a gradient that was non-finite already where the loss's
 backward entered the model. A non-finite model input is ``"nan"`` (bad data).
 
-A replay (``opt.step(closure, replay=True)``, :mod:`ampguard.diagnosis`) then decides
+A replay (``opt.step(closure, replay=True)``, :mod:`ampguard.forensics.arming`) then decides
 persistence: a replay that reproduces keeps the recompute's cause (``persistent=True``); a
 clean replay makes it ``"transient"`` (``persistent=False``).
 
@@ -61,25 +61,21 @@ it is reported, and skipped, but not attributed to a module.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import dataclasses
-import enum
 import math
-import types
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from .compiled import _disarm, _EagerWhileArmed, compile_safe, named_user_modules, user_module, user_name
-from .vocab import Cause, Phase
+from ..vocab import Cause, Phase
+from .calls import Call, all_finite, first_tensor, floats, inputs_finite, map_tensors, outputs_finite
+from .compile import _disarm, _EagerWhileArmed, compile_safe, named_user_modules, user_module
+from .recompute import classify
 
-__all__ = ["FP16_MAX", "Finding", "Localizer", "compile_safe", "named_user_modules", "user_module", "user_name"]
-# (compile_safe, named_user_modules, user_module, user_name live in ampguard.compiled; re-exported here)
-
-FP16_MAX = 65504.0
-_HALF = (torch.float16, torch.bfloat16)
+__all__ = ["Finding", "Localizer"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -108,165 +104,6 @@ class Finding:
     """A replay of the same batch reproduced it (True), was clean (False); None: no replay."""
 
 
-def _first_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            if isinstance(v, torch.Tensor):
-                return v
-    if isinstance(value, dict):
-        for v in value.values():
-            if isinstance(v, torch.Tensor):
-                return v
-    return None
-
-
-def _all_finite(t: torch.Tensor) -> torch.Tensor:
-    if not t.is_floating_point():
-        return torch.ones((), dtype=torch.bool, device=t.device)
-    return torch.isfinite(t).all()
-
-
-def _floats(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
-    """The floating-point tensors in a module's inputs or outputs (tuples, lists, dicts and
-    ``ModelOutput``s, a few levels deep), in order."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            yield value
-    elif depth < 4 and isinstance(value, (tuple, list)):
-        for v in value:
-            yield from _floats(v, depth + 1)
-    elif depth < 4 and isinstance(value, dict):
-        for v in value.values():
-            yield from _floats(v, depth + 1)
-
-
-def _inputs_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The first tensor finite, the others free of NaN and +inf (-inf: attention masks)."""
-    first, *rest = tensors
-    flags = [torch.isfinite(first.detach()).all()]
-    flags += [(torch.isfinite(t.detach()) | (t.detach() == -math.inf)).all() for t in rest]
-    return flags[0] if not rest else torch.stack([f.to(flags[0].device) for f in flags]).all()
-
-
-def _outputs_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    flags = [torch.isfinite(t.detach()).all() for t in tensors]
-    return flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).all()
-
-
-def _map_tensors(value: Any, fn: Any) -> Any:
-    """``value`` with every tensor at its top level (positional args, kwargs values) mapped."""
-    if isinstance(value, tuple):
-        return tuple(fn(v) if isinstance(v, torch.Tensor) else v for v in value)
-    return {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in value.items()}
-
-
-# ---------------------------------------------------------------- what a call saw, kept unchangeable
-_ATOMS = (type(None), bool, int, float, complex, str, bytes, enum.Enum, type, torch.dtype, torch.device,
-          torch.layout, torch.memory_format, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
-
-
-def _plain(value: Any) -> bool:
-    """A value later code cannot change without it showing: a tensor (an in-place write moves its
-    version), an immutable atom, or a tuple of them."""
-    if isinstance(value, tuple):
-        return all(_plain(v) for v in value)
-    return isinstance(value, (torch.Tensor, *_ATOMS))
-
-
-def _reachable(value: Any) -> tuple[list[torch.Tensor], list[Any]]:
-    """The tensors, and the modules (shared, never copied), reachable from ``value`` through
-    containers and object attributes (``__dict__``, ``__slots__``), each once."""
-    tensors: list[torch.Tensor] = []
-    shared: list[Any] = []
-    seen: set[int] = set()
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if id(v) in seen:
-            continue
-        seen.add(id(v))
-        if isinstance(v, torch.Tensor):
-            tensors.append(v)
-        elif isinstance(v, torch.nn.Module):
-            shared.append(v)
-        elif isinstance(v, _ATOMS):
-            continue
-        elif isinstance(v, dict):
-            stack.extend(v.values())
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            stack.extend(v)
-        else:
-            stack.extend(getattr(v, "__dict__", {}).values())
-            for cls in type(v).__mro__:
-                slots = cls.__dict__.get("__slots__", ())
-                for name in (slots,) if isinstance(slots, str) else slots:
-                    if name not in ("__dict__", "__weakref__") and hasattr(v, name):
-                        stack.append(getattr(v, name))
-    return tensors, shared
-
-
-def _copy_tensors(value: Any, fn: Any, reach: tuple[list[torch.Tensor], list[Any]] | None = None) -> Any:
-    """A copy of ``value`` (containers and objects, a KV cache included) in which every tensor
-    ``t`` is ``fn(t)`` and every module is the same module (``reach``: ``_reachable(value)``)."""
-    tensors, shared = _reachable(value) if reach is None else reach
-    memo: dict[int, Any] = {id(t): fn(t) for t in tensors}
-    memo.update((id(m), m) for m in shared)
-    return copy.deepcopy(value, memo)
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # an inference-mode tensor has no version counter (and cannot be written to)
-        return None
-
-
-class _Call:
-    """One forward call of one module, while armed. Flags are indices into ``Localizer._flags``."""
-
-    __slots__ = ("args", "autocast", "copied", "enter", "exit", "grad_nan", "grad_out", "idx", "in_ok", "kwargs",
-                 "out_dtype", "out_ok", "parent", "unsaved", "versions")
-
-    def __init__(self, idx: int, parent: int, enter: int) -> None:
-        self.idx, self.parent, self.enter = idx, parent, enter
-        self.exit = -1
-        self.args: tuple[Any, ...] = ()
-        self.kwargs: dict[str, Any] = {}
-        self.autocast: tuple[str, torch.dtype] | None = None
-        self.in_ok: int | None = None  # flag index: the inputs were all finite (None: no float input)
-        self.out_ok: int | None = None  # flag index: the outputs were all finite (None: no float output)
-        self.out_dtype = ""
-        self.grad_out: list[int] = []  # flag indices: the gradients arriving at the outputs were finite
-        self.grad_nan: list[int] = []  # top-level calls: flag indices: those gradients held a NaN
-        self.copied: tuple[str, ...] = ()  # the stateful arguments kept as copies made at the call
-        self.unsaved: str | None = None  # why the inputs could not be kept as the call saw them
-        self.versions: list[tuple[torch.Tensor, int]] = []  # each saved tensor and its version at the call
-
-    def moved(self) -> list[tuple[torch.Tensor, int]]:
-        """The saved tensors written in place since the call (during it or after), with their
-        version at the call."""
-        return [(t, v) for t, v in self.versions if t._version != v]
-
-    def save(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Keep the call's inputs as the call saw them. Stateful arguments (a KV cache the call and
-        later layers append to, a mutable config) are copied now, their tensors shared (a cache that
-        appends makes new tensors); the version of every tensor kept is noted, so that a tensor
-        written in place afterwards (a static cache, an in-place op) is known to have changed."""
-        stateful = [(f"argument {i}", v) for i, v in enumerate(args) if not _plain(v)]
-        stateful += [(k, v) for k, v in kwargs.items() if not _plain(v)]
-        self.args, self.kwargs = args, kwargs
-        reach = _reachable((args, kwargs))
-        self.versions = [(t, v) for t in reach[0] if (v := _version(t)) is not None]
-        if stateful:
-            self.copied = tuple(f"{k} ({type(v).__name__})" for k, v in stateful)
-            try:
-                self.args, self.kwargs = _copy_tensors((args, kwargs), lambda t: t, reach)
-            except Exception as exc:  # an object that cannot be copied: the recompute will not run on it
-                self.unsaved = (f"its argument(s) {', '.join(self.copied)} could not be copied at the call "
-                                f"({type(exc).__name__}: {str(exc)[:120]})")
-
 
 class Localizer:
     """Hooks on every module of ``model``; one record per module call, flags kept on device."""
@@ -291,7 +128,7 @@ class Localizer:
         self._disarm.atexit = False
 
     def reset(self) -> None:
-        self._calls: list[_Call] = []
+        self._calls: list[Call] = []
         self._stack: list[int] = []  # the calls under way, innermost last
         self._flags: list[torch.Tensor] = []  # 0-dim bool tensors on device, read at collect
         # backward order: (call, flag index: the gradient leaving it through this input was finite,
@@ -308,6 +145,15 @@ class Localizer:
     @property
     def armed(self) -> bool:
         return bool(self._handles)
+
+    @contextlib.contextmanager
+    def _quietly(self) -> Iterator[None]:
+        """The hooks ignore the calls made inside (a recompute's)."""
+        self._recomputing = True
+        try:
+            yield
+        finally:
+            self._recomputing = False
 
     # ------------------------------------------------------------------ hooks
     def _flag(self, t: torch.Tensor) -> int:
@@ -331,13 +177,13 @@ class Localizer:
         return hook
 
     def _enter(self, idx: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        call = _Call(idx, self._stack[-1] if self._stack else -1, self._seq)
+        call = Call(idx, self._stack[-1] if self._stack else -1, self._seq)
         self._seq += 1
         self.observed = True
-        floats = list(_floats((args, kwargs)))
-        if floats:
-            call.in_ok = self._flag(_inputs_finite(floats))
-            device = floats[0].device.type
+        ins = list(floats((args, kwargs)))
+        if ins:
+            call.in_ok = self._flag(inputs_finite(ins))
+            device = ins[0].device.type
             if torch.is_autocast_enabled(device):
                 call.autocast = (device, torch.get_autocast_dtype(device))
         # Each module sees its inputs through views of its own: the gradient reaching a view is this
@@ -352,7 +198,7 @@ class Localizer:
                 v.register_hook(self._in_grad_hook(len(self._calls)))
             return views[id(t)]
 
-        args, kwargs = _map_tensors(args, own), _map_tensors(kwargs, own)
+        args, kwargs = map_tensors(args, own), map_tensors(kwargs, own)
         call.save(args, kwargs)
         self._stack.append(len(self._calls))
         self._calls.append(call)
@@ -380,10 +226,10 @@ class Localizer:
         call = self._calls[c]
         call.exit = self._seq
         self._seq += 1
-        outs = list(_floats(out))
+        outs = list(floats(out))
         if not outs:
             return
-        call.out_ok = self._flag(_outputs_finite(outs))
+        call.out_ok = self._flag(outputs_finite(outs))
         call.out_dtype = str(outs[0].dtype)
         for t in outs:
             if t.requires_grad:
@@ -396,7 +242,7 @@ class Localizer:
         def hook(g: torch.Tensor | None) -> None:
             if g is not None:
                 call = self._calls[c]
-                call.grad_out.append(self._flag(_all_finite(g)))
+                call.grad_out.append(self._flag(all_finite(g)))
                 if call.parent == -1:  # the gradient the loss's backward sent into the model
                     call.grad_nan.append(self._flag(torch.isnan(g).any()))
 
@@ -406,7 +252,7 @@ class Localizer:
         @compile_safe
         def hook(g: torch.Tensor | None) -> None:
             if g is not None:
-                self._grad_in.append((c, self._flag(_all_finite(g)), self._flag(torch.isnan(g).any()), str(g.dtype)))
+                self._grad_in.append((c, self._flag(all_finite(g)), self._flag(torch.isnan(g).any()), str(g.dtype)))
 
         return hook
 
@@ -451,7 +297,7 @@ class Localizer:
         return finding
 
     @staticmethod
-    def _loss_backward(ok: list[bool], top: list[_Call], fp16_scaling: bool) -> Finding:
+    def _loss_backward(ok: list[bool], top: list[Call], fp16_scaling: bool) -> Finding:
         """The gradient arriving at the model's output was non-finite: the loss's backward made it.
         Its cause by the backward rule (inf without NaN under fp16 loss scaling: overflow)."""
         nan = any(ok[f] for c in top for f in c.grad_nan)
@@ -485,7 +331,7 @@ class Localizer:
         _, c, phase = min(events)
         call = self._calls[c]
         name = self.modules[call.idx][0]
-        x = _first_tensor(list(_floats((call.args, call.kwargs))))
+        x = first_tensor(list(floats((call.args, call.kwargs))))
         in_max = float(x.detach().abs().max()) if x is not None and x.numel() and not call.moved() else math.nan
         if phase == Phase.INPUT:
             what = "NaN" if x is not None and bool(torch.isnan(x).any()) else "inf"
@@ -546,9 +392,7 @@ class Localizer:
         return None
 
     # ------------------------------------------------------------------ classification
-    def _classify_forward(self, call: _Call) -> tuple[Cause | None, str]:
+    def _classify_forward(self, call: Call) -> tuple[Cause | None, str]:
         """Recompute the culprit on its saved inputs in the run's precision and in fp32
-        (:func:`ampguard.recompute.classify`)."""
-        from .recompute import classify
-
-        return classify(self, call)
+        (:func:`ampguard.forensics.recompute.classify`)."""
+        return classify(self.modules[call.idx][1], call, self._quietly)
