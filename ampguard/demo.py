@@ -159,7 +159,8 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, run_dir: str, in
                 batch = torch.randint(0, len(chars), batch.shape, generator=g)  # noise: the loss jumps
             batch = batch.to(device)
 
-            def closure(batch: torch.Tensor = batch, step: int = step, opt: Any = opt, ddp: Any = ddp) -> None:
+            def closure(batch: torch.Tensor = batch, step: int = step, opt: ampguard.GuardedOptimizer = opt,
+                        ddp: Any = ddp) -> None:
                 opt.zero_grad(set_to_none=True)
                 with opt.autocast():
                     logits = ddp(batch[:, :-1])

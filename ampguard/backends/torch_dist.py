@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendError
-from .base import GatherHandle, LocalBackend
+from .base import AttachedGuard, GatherHandle, LocalBackend
 
 __all__ = ["FlaggingCommHook", "TorchDistBackend", "compose_comm_hook"]
 
@@ -217,7 +217,7 @@ class TorchDistBackend(LocalBackend):
         return out
 
     # ------------------------------------------------------------------ hooks
-    def attach(self, guard: Any) -> None:
+    def attach(self, guard: AttachedGuard) -> None:
         """Detect sharded gradients (FSDP2) and install the pre-reduction check."""
         params = [p for group in guard.optimizer.param_groups for p in group["params"]]
         self.grads_sharded = any(_is_dtensor(p) for p in params) or _is_sharded_fsdp1(guard.model)
@@ -225,7 +225,7 @@ class TorchDistBackend(LocalBackend):
         self._flag = torch.zeros((), dtype=torch.float32, device=device)
         if not self._want_pre_reduction:
             return
-        model = guard.model
+        model: Any = guard.model  # DDP, FSDP or a plain module: told apart below
         if _is_ddp(model):
             hook = _find_comm_hook(model)
             if hook is None and not getattr(model, "_comm_hooks", None):
