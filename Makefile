@@ -10,7 +10,7 @@ PY         := $(VENV)/bin/python
 PIP        := $(PY) -m pip
 STAMP      := $(VENV)/.ampguard-installed
 
-.PHONY: install horovod prometheus demo test test-fast lint clean
+.PHONY: install horovod prometheus demo dashboards test test-fast lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ prometheus:
 
 demo: install
 	$(VENV)/bin/ampguard demo
+
+# Regenerate the committed dashboards/ (Grafana JSON, Prometheus rules, promtool tests) from the
+# metric catalogue; tests/unit/test_dashboards.py checks they equal the generator's output.
+dashboards: install
+	$(PY) -m ampguard.dashboards dashboards
 
 test: install horovod prometheus
 	$(PY) -m ruff check ampguard tests examples benchmarks

@@ -6,14 +6,22 @@ Exit codes: 0 success, 1 the command ran and failed, 2 bad usage or bad input.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
+import json
+import logging
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from . import __version__, dashboards, runlog
+from .errors import AmpGuardError
+from .preflight import WARN_AFTER_S, Progress, preflight
+from .preflight import log as preflight_log
 
 __all__ = ["build_parser", "main"]
 
@@ -35,12 +43,6 @@ def _demo(args: argparse.Namespace, argv: list[str]) -> int:
     from . import demo
 
     return demo.main(argv)
-
-
-def _preflight(args: argparse.Namespace, argv: list[str]) -> int:
-    from .preflight import preflight_main
-
-    return preflight_main(argv)
 
 
 def _report(args: argparse.Namespace, argv: list[str]) -> int:
@@ -128,6 +130,109 @@ def _dashboards_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--test-job", default=None,
                    help="job label of the synthetic series in the rule tests; must match --job-selector (default: "
                    f"the selector's job=\"...\" value, else {dashboards.DEFAULT_TEST_JOB})")
+
+
+@contextlib.contextmanager
+def _preflight_script(spec: str) -> Iterator[Callable[[], dict[str, Any]]]:
+    """``FILE.py:FUNCTION``'s function, with FILE's directory first on ``sys.path`` while the preflight
+    runs (process-wide, as ``python FILE.py`` would have it: the script's own imports of its sibling
+    modules work, also inside its factories); taken off again on exit."""
+    path, _, name = spec.partition(":")
+    if not name:
+        raise ValueError(f"--script {spec!r}: expected FILE.py:FUNCTION")
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"--script: no such file {path!r}")
+    module_spec = importlib.util.spec_from_file_location(file.stem, file)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    where = str(file.parent.resolve())
+    sys.path.insert(0, where)
+    try:
+        module_spec.loader.exec_module(module)
+        fn = getattr(module, name, None)
+        if not callable(fn):
+            raise ValueError(f"--script: {path} has no function {name!r}")
+        yield fn
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.path.remove(where)
+
+
+def _preflight(_: argparse.Namespace, argv: list[str]) -> int:
+    """``ampguard preflight --script train.py:make_preflight [--steps N] [--precision fp16,bf16]``: parses
+    its own arguments (``argv``, the strings after the command word)."""
+    p = argparse.ArgumentParser(
+        prog="ampguard preflight",
+        description="Try a short run on one device for each precision and recommend precision, initial loss "
+        "scale and config. FUNCTION() returns a dict with model_fn, batch_fn, optimizer_fn (and optionally "
+        "loss_fn) as taken by ampguard.preflight().",
+    )
+    p.add_argument("--script", required=True, help="FILE.py:FUNCTION")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--precision", default="fp16,bf16", help="comma-separated candidates (default: fp16,bf16)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", action="store_true", help="print the recommendation as JSON")
+    p.add_argument("--warn-after", type=float, default=WARN_AFTER_S, metavar="S",
+                   help="warn as soon as the first trial step says the preflight will take longer than S seconds "
+                   f"(default: {WARN_AFTER_S:g})")
+    args = p.parse_args(argv)
+    handler = _StderrLines()
+    # the slow-step warning, in the command's words, above the progress bar (on the process-wide
+    # "ampguard.preflight" logger while the command runs; removed again below)
+    preflight_log.addHandler(handler)
+    try:
+        with _preflight_script(args.script) as make:
+            factories = make()
+            with _progress_bar() as progress:
+                rec = preflight(factories["model_fn"], factories["batch_fn"], factories["optimizer_fn"],
+                                loss_fn=factories.get("loss_fn"), steps=args.steps,
+                                precision=tuple(s.strip() for s in args.precision.split(",") if s.strip()),
+                                device=args.device, warn_after_s=args.warn_after, progress=progress)
+    except (ValueError, KeyError, AmpGuardError) as exc:
+        print(f"ampguard preflight: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        preflight_log.removeHandler(handler)
+    print(json.dumps(rec.to_dict(), indent=2, default=str) if args.json else rec)
+    return 0
+
+
+class _StderrLines(logging.Handler):
+    """``ampguard preflight: warning: ...`` on the stderr of the moment (rich's progress bar swaps it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"ampguard preflight: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _progress_bar(console: Any = None) -> Iterator[Progress]:
+    """A progress bar with the time left on stderr (rich, on a terminal); elsewhere a line as each
+    candidate's trial starts."""
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+        from rich.progress import Progress as Bar
+    except ImportError:
+        console = None
+    else:
+        console = console if console is not None else Console(stderr=True)
+    if console is None or not console.is_terminal:
+        started: set[str] = set()
+
+        def lines(done: int, total: int, precision: str) -> None:
+            if precision not in started:
+                started.add(precision)
+                print(f"ampguard preflight: {precision} trial ({done}/{total} trial steps done)", file=sys.stderr,
+                      flush=True)
+
+        yield lines
+        return
+    bar = Bar(TextColumn("preflight: {task.description} trial"), BarColumn(), MofNCompleteColumn(),
+              TextColumn("steps, eta"), TimeRemainingColumn(), console=console, transient=True, redirect_stderr=True)
+    with bar:
+        task = bar.add_task("...", total=None)
+        yield lambda done, total, precision: bar.update(task, completed=done, total=total, description=precision)
 
 
 # ---------------------------------------------------------------------------------- parser

@@ -104,8 +104,9 @@ def fault_plan(steps: int) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------- one rank
 # Long (~70 lines): one rank of the demo, set-up to teardown, in the order a reader follows it.
-def _rank_main(rank: int, world: int, args: argparse.Namespace, run_dir: str, init_file: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+def _rank_main(rank: int, world: int, args: argparse.Namespace, run_dir: str, init_file: str, run_id: str) -> None:
+    # A rank's own (spawned) process: its environment says who it is and which run it is part of.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), AMPGUARD_RUN_ID=run_id)
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -158,7 +159,8 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, run_dir: str, in
                 batch = torch.randint(0, len(chars), batch.shape, generator=g)  # noise: the loss jumps
             batch = batch.to(device)
 
-            def closure(batch: torch.Tensor = batch, step: int = step, opt: Any = opt, ddp: Any = ddp) -> None:
+            def closure(batch: torch.Tensor = batch, step: int = step, opt: ampguard.GuardedOptimizer = opt,
+                        ddp: Any = ddp) -> None:
                 opt.zero_grad(set_to_none=True)
                 with opt.autocast():
                     logits = ddp(batch[:, :-1])
@@ -204,7 +206,6 @@ def main(argv: list[str] | None = None) -> int:
     run_id = time.strftime("%Y%m%d-%H%M%S")
     run_dir = Path(args.out) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
-    os.environ["AMPGUARD_RUN_ID"] = run_id
     print(f"ampguard demo: {world} rank(s) ({'NCCL' if args.gpus else 'gloo, CPU'}), {args.precision}, "
           f"{args.steps} steps, faults {'off' if args.no_faults else 'on: ' + str(fault_plan(args.steps))}")
     print(f"  event logs + TensorBoard: {run_dir}/")
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  Prometheus, rank {r}: http://127.0.0.1:{args.port + r}/metrics")
     started = time.time()
     init_file = tempfile.mktemp(prefix="ampguard-demo-")  # file:// rendezvous; must not exist yet
-    procs = mp.start_processes(_rank_main, args=(world, args, str(run_dir), init_file), nprocs=world,
+    procs = mp.start_processes(_rank_main, args=(world, args, str(run_dir), init_file, run_id), nprocs=world,
                                join=False, start_method="spawn")
     try:
         _wait(procs)

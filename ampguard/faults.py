@@ -28,11 +28,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .forensics.compile import compile_safe, named_user_modules, user_module, user_name
+from .forensics.compile import Retrace, compile_safe, named_user_modules, retrace, user_module, user_name
+
+if TYPE_CHECKING:
+    from .guard import GuardedOptimizer
 
 __all__ = ["Fault", "Injection", "backward", "grad", "inject", "loss", "output"]
 
@@ -134,32 +137,6 @@ def backward(module: str, value: float | str = "nan", *, steps: Iterable[int] | 
     return Fault("backward", _value(value), _set(steps), _set(ranks), target=module, transient=transient)
 
 
-_MARKED: dict[type, type] = {}
-
-
-def _marked(cls: type) -> type:
-    """A subclass of ``cls`` that adds nothing: a module of it behaves the same, but torch.compile's
-    guards on the module's type fail, so compiled code that inlined the module is traced again."""
-    if cls not in _MARKED:
-        _MARKED[cls] = type(cls.__name__, (cls,), {"__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
-    return _MARKED[cls]
-
-
-def _mark(module: torch.nn.Module) -> Any:
-    """Make torch.compile trace ``module``'s call again, now with its new hook: dynamo does not guard on
-    an empty hook dict, so code compiled before (or on another instance of the same class) would
-    never call the hook; it does guard on the type. Returns what :func:`_unmark` needs."""
-    previous = type(module)
-    module.__class__ = _marked(previous)
-    return module, previous
-
-
-def _unmark(mark: Any) -> None:
-    module, previous = mark
-    if type(module) is _marked(previous):  # not changed since: code cached for the plain class fits again
-        module.__class__ = previous
-
-
 class _CorruptGrad(torch.autograd.Function):
     """Identity forward; backward puts ``value`` into the first element of the gradient."""
 
@@ -223,13 +200,13 @@ def _device_of(*modules: torch.nn.Module | None) -> torch.device:
 class Injection:
     """Active faults; remove them with :meth:`remove` (or leave the ``with`` block)."""
 
-    def __init__(self, opt: Any, model: torch.nn.Module | None, faults: Iterable[Fault]) -> None:
+    def __init__(self, opt: GuardedOptimizer, model: torch.nn.Module | None, faults: Iterable[Fault]) -> None:
         self.opt = opt
         self.faults = list(faults)
         self.fired: list[tuple[int, int, Fault]] = []
         self._fired_once: set[tuple[int, int]] = set()
         self._handles: list[Any] = []
-        self._marks: list[Any] = []
+        self._marks: list[Retrace] = []
         self._switches: list[tuple[Fault, _Switch]] = []
 
         model = model if model is not None else getattr(opt, "model", None)
@@ -254,7 +231,7 @@ class Injection:
                     self._handles.append(module.register_forward_hook(self._output_hook(f, switch)))
                 else:
                     self._handles.append(module.register_forward_pre_hook(self._backward_hook(f, switch)))
-                self._marks.append(_mark(module))
+                self._marks.append(retrace(module))
             else:
                 raise ValueError(f"unknown fault location {f.where!r}")
         if self._switches:
@@ -386,7 +363,7 @@ class Injection:
             h.remove()
         self._handles.clear()
         for mark in reversed(self._marks):
-            _unmark(mark)
+            mark.undo()
         self._marks.clear()
 
     def __enter__(self) -> Injection:
@@ -396,14 +373,17 @@ class Injection:
         self.remove()
 
 
-def inject(opt: Any, model: torch.nn.Module | Fault | None = None, *faults: Fault) -> Injection:
+def inject(opt: torch.optim.Optimizer, model: torch.nn.Module | Fault | None = None, *faults: Fault) -> Injection:
     """Install ``faults`` on a guarded optimizer (and its model: by default ``wrap(model=...)``'s).
-    Returns the :class:`Injection`."""
+    ``opt`` is the optimizer ``ampguard.wrap()`` returned, or a framework's wrapper of it whose
+    ``.guard`` is that optimizer (accelerate's). Returns the :class:`Injection`."""
+    from .guard import GuardedOptimizer
+
     guard = getattr(opt, "guard", None)  # a framework's wrapper around the guard (accelerate's)
-    opt = guard if guard is not None and hasattr(guard, "register_loss_hook") else opt
-    if not hasattr(opt, "register_loss_hook"):
+    guarded = guard if isinstance(guard, GuardedOptimizer) else opt
+    if not isinstance(guarded, GuardedOptimizer):
         raise TypeError("inject() needs the optimizer returned by ampguard.wrap()")
     if isinstance(model, Fault):
         faults = (model, *faults)
         model = None
-    return Injection(opt, model, faults)
+    return Injection(guarded, model, faults)

@@ -11,17 +11,12 @@ optimizer are never touched: everything is built fresh by the factories.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib.util
-import json
 import logging
 import math
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -30,7 +25,7 @@ from .config import GuardConfig
 from .errors import AmpGuardError
 from .hardware import UnsupportedPrecisionError, check_precision
 
-__all__ = ["Recommendation", "Trial", "preflight", "preflight_main"]
+__all__ = ["Recommendation", "Trial", "preflight"]
 
 _PROBE_SCALE = 2.0**24  # start high: the backoffs in the first steps find the usable scale
 WARN_AFTER_S = 120.0
@@ -211,6 +206,9 @@ def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], An
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
+        # Process-wide: the device's peak-memory counter is the only measure of a trial's peak, so it is
+        # reset here, and a caller's own max_memory_allocated() reading before the preflight is lost (it
+        # cannot be restored). Preflight is a trial run of its own; the guard never resets it.
         torch.cuda.reset_peak_memory_stats(device)
     model = model_fn().to(device)
     inner = optimizer_fn(model.parameters())
@@ -312,7 +310,9 @@ def preflight(
       (``ampguard preflight`` draws its progress bar from it).
 
     Runs on one device (default: CUDA if available, else CPU); synchronises freely: it is a
-    trial, not a training run. Also runs an fp32 trial on CUDA to measure the memory saved.
+    trial, not a training run. Also runs an fp32 trial on CUDA to measure the memory saved; on CUDA
+    it resets the device's peak-memory statistics (``torch.cuda.reset_peak_memory_stats``) before
+    each trial.
     """
     if isinstance(precision, str):
         precision = (precision,)
@@ -362,95 +362,3 @@ def preflight(
         reason += f"; init_scale {init_scale:g} = largest clean scale {largest:g} / 2**{margin}"
     config = GuardConfig(hysteresis=2 if choice.precision == "fp16" else 1)
     return Recommendation(choice.precision, init_scale, interval, config, tuple(trials), fp32_peak, reason)
-
-
-def _load(spec: str) -> Callable[[], dict[str, Any]]:
-    path, _, name = spec.partition(":")
-    if not name:
-        raise ValueError(f"--script {spec!r}: expected FILE.py:FUNCTION")
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"--script: no such file {path!r}")
-    module_spec = importlib.util.spec_from_file_location(file.stem, file)
-    assert module_spec is not None and module_spec.loader is not None
-    module = importlib.util.module_from_spec(module_spec)
-    sys.path.insert(0, str(file.parent.resolve()))
-    module_spec.loader.exec_module(module)
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ValueError(f"--script: {path} has no function {name!r}")
-    return fn  # type: ignore[no-any-return]
-
-
-def preflight_main(argv: list[str]) -> int:
-    """``ampguard preflight --script train.py:make_preflight [--steps N] [--precision fp16,bf16]``."""
-    import argparse
-
-    p = argparse.ArgumentParser(
-        prog="ampguard preflight",
-        description="Try a short run on one device for each precision and recommend precision, initial loss "
-        "scale and config. FUNCTION() returns a dict with model_fn, batch_fn, optimizer_fn (and optionally "
-        "loss_fn) as taken by ampguard.preflight().",
-    )
-    p.add_argument("--script", required=True, help="FILE.py:FUNCTION")
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--precision", default="fp16,bf16", help="comma-separated candidates (default: fp16,bf16)")
-    p.add_argument("--device", default=None)
-    p.add_argument("--json", action="store_true", help="print the recommendation as JSON")
-    p.add_argument("--warn-after", type=float, default=WARN_AFTER_S, metavar="S",
-                   help="warn as soon as the first trial step says the preflight will take longer than S seconds "
-                   f"(default: {WARN_AFTER_S:g})")
-    args = p.parse_args(argv)
-    handler = _StderrLines()
-    log.addHandler(handler)  # the slow-step warning, in the command's words, above the progress bar
-    try:
-        factories = _load(args.script)()
-        with _progress_bar() as progress:
-            rec = preflight(factories["model_fn"], factories["batch_fn"], factories["optimizer_fn"],
-                            loss_fn=factories.get("loss_fn"), steps=args.steps,
-                            precision=tuple(s.strip() for s in args.precision.split(",") if s.strip()),
-                            device=args.device, warn_after_s=args.warn_after, progress=progress)
-    except (ValueError, KeyError, AmpGuardError) as exc:
-        print(f"ampguard preflight: error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        log.removeHandler(handler)
-    print(json.dumps(rec.to_dict(), indent=2, default=str) if args.json else rec)
-    return 0
-
-
-class _StderrLines(logging.Handler):
-    """``ampguard preflight: warning: ...`` on the stderr of the moment (rich's progress bar swaps it)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        print(f"ampguard preflight: {record.levelname.lower()}: {record.getMessage()}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def _progress_bar(console: Any = None) -> Iterator[Progress]:
-    """A progress bar with the time left on stderr (rich, on a terminal); elsewhere a line as each
-    candidate's trial starts."""
-    try:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
-        from rich.progress import Progress as Bar
-    except ImportError:
-        console = None
-    else:
-        console = console if console is not None else Console(stderr=True)
-    if console is None or not console.is_terminal:
-        started: set[str] = set()
-
-        def lines(done: int, total: int, precision: str) -> None:
-            if precision not in started:
-                started.add(precision)
-                print(f"ampguard preflight: {precision} trial ({done}/{total} trial steps done)", file=sys.stderr,
-                      flush=True)
-
-        yield lines
-        return
-    bar = Bar(TextColumn("preflight: {task.description} trial"), BarColumn(), MofNCompleteColumn(),
-              TextColumn("steps, eta"), TimeRemainingColumn(), console=console, transient=True, redirect_stderr=True)
-    with bar:
-        task = bar.add_task("...", total=None)
-        yield lambda done, total, precision: bar.update(task, completed=done, total=total, description=precision)

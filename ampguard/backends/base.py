@@ -14,7 +14,23 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Backend", "Collective", "GatherHandle", "LocalBackend", "ReadyHandle"]
+__all__ = ["AttachedGuard", "Backend", "Collective", "GatherHandle", "LocalBackend", "ReadyHandle"]
+
+
+class AttachedGuard(Protocol):
+    """What a backend reads of the guard ``wrap()`` attaches it to (the ``GuardedOptimizer``)."""
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def model(self) -> torch.nn.Module | None: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def precision(self) -> str: ...
 
 
 @runtime_checkable
@@ -65,7 +81,7 @@ class Backend(Protocol):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's picklable ``obj``, in rank order (forensics on non-finite steps only: blocks)."""
 
-    def attach(self, guard: Any) -> None:
+    def attach(self, guard: AttachedGuard) -> None:
         """Called once by ``wrap()`` with the guard (reads ``guard.optimizer``, ``guard.model``,
         ``guard.device``, ``guard.precision``), to install what attribution needs."""
 
@@ -119,7 +135,7 @@ class LocalBackend:
         """Every rank's ``obj`` in rank order (set-up and forensics only: blocks)."""
         return [obj]
 
-    def attach(self, guard: Any) -> None:
+    def attach(self, guard: AttachedGuard) -> None:
         """Called once by ``wrap()`` with the guard (to install hooks that count non-finite
         gradients before reduction, for attribution)."""
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..errors import BackendError, BackendUnavailableError
-from .base import GatherHandle, LocalBackend
+from .base import AttachedGuard, GatherHandle, LocalBackend
 
 __all__ = ["HorovodBackend", "broadcast_guard_state"]
 
@@ -81,7 +81,7 @@ class _FlaggingCompression:
         return self.inner.decompress(tensor, ctx)
 
 
-def _is_adasum(optimizer: Any) -> bool:
+def _is_adasum(optimizer: torch.optim.Optimizer) -> bool:
     try:
         from horovod.torch.optimizer import _DistributedAdasumOptimizer
     except ImportError:  # pragma: no cover - layout changed
@@ -133,8 +133,8 @@ class HorovodBackend(LocalBackend):
         return list(self._hvd.allgather_object(obj, name=f"ampguard.gather.{self._calls}"))
 
     # ------------------------------------------------------------------ ordering
-    def attach(self, guard: Any) -> None:
-        opt = guard.optimizer
+    def attach(self, guard: AttachedGuard) -> None:
+        opt: Any = guard.optimizer  # a hvd.DistributedOptimizer: checked below
         if _is_adasum(opt):
             raise ValueError(
                 "hvd.DistributedOptimizer(op=hvd.Adasum) cannot be guarded: Adasum applies the update "
@@ -192,7 +192,7 @@ class HorovodBackend(LocalBackend):
             self._optimizer = None
 
 
-def broadcast_guard_state(opt: Any, root_rank: int = 0) -> None:
+def broadcast_guard_state(opt: torch.optim.Optimizer, root_rank: int = 0) -> None:
     """Give every rank ``root_rank``'s guard state: inner optimizer, loss scale and growth
     tracker, step and skip counts, running averages (``opt.state_dict()``). Call it after
     ``wrap()`` when resuming (load the checkpoint on ``root_rank``) or after an elastic reset,

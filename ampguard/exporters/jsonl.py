@@ -207,6 +207,9 @@ class JsonlExporter:
         self._writer.start()
         ref = weakref.ref(self)
 
+        # Process-wide: an interpreter-exit hook, while the writer thread runs. The thread is a daemon
+        # (a run that never calls close() must still exit), so without the hook its queued steps would
+        # be lost at exit. It holds the exporter weakly and is unregistered by close() (_stop_writer).
         def at_exit() -> None:  # a run that never called close(): write what is queued before exiting
             exporter = ref()
             if exporter is not None and exporter._writer is not None:

@@ -5,5 +5,5 @@
 - :mod:`.calls`: a module call as saved (copies of its stateful arguments);
 - :mod:`.recompute`: the cause, by recomputing the culprit in the run's precision and in fp32;
 - :mod:`.sentinel`: the coarse per-block check that runs before anything is armed;
-- :mod:`.compile`: ``torch.compile`` awareness (user module names, eager while armed).
+- :mod:`.compile`: ``torch.compile`` awareness (user module names, eager while armed, re-tracing a hooked module).
 """

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["compile_safe", "named_user_modules", "user_module", "user_name"]
+__all__ = ["Retrace", "compile_safe", "named_user_modules", "retrace", "user_module", "user_name"]
 
 
 # ---------------------------------------------------------------- torch.compile
@@ -39,9 +39,50 @@ def compile_safe(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compiler.disable(fn, recursive=True)
 
 
+# Process-wide: one marked subclass per module class, created on first use and kept for the process
+# (bounded by the module classes ever marked). Every mark of a class gives the same subclass, so code
+# compiled for a marked module is reused by the next injection on that class instead of counting
+# towards dynamo's recompile limit. Nothing is undone: the subclass adds nothing, and a module is
+# re-classed back by Retrace.undo().
+_MARKED: dict[type, type] = {}
+
+
+def _marked(cls: type) -> type:
+    """A subclass of ``cls`` that adds nothing: a module of it behaves the same, but torch.compile's
+    guards on the module's type fail, so compiled code that inlined the module is traced again."""
+    if cls not in _MARKED:
+        _MARKED[cls] = type(cls.__name__, (cls,), {"__qualname__": cls.__qualname__, "__doc__": cls.__doc__})
+    return _MARKED[cls]
+
+
+class Retrace:
+    """A module re-classed by :func:`retrace`; :meth:`undo` puts its class back."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module, self.previous = module, type(module)
+        module.__class__ = _marked(self.previous)
+
+    def undo(self) -> None:
+        if type(self.module) is _marked(self.previous):  # not changed since: code cached for the plain class fits
+            self.module.__class__ = self.previous
+
+
+def retrace(module: torch.nn.Module) -> Retrace:
+    """Make torch.compile trace ``module``'s call again, now with its new hook (how ``ampguard.faults``
+    gets its hooks traced into compiled code): dynamo does not guard on an empty hook dict, so code
+    compiled before (or on another instance of the same class) would never call the hook; it does
+    guard on the type. Undo it with the returned :meth:`Retrace.undo`."""
+    return Retrace(module)
+
+
 class _EagerWhileArmed:
     """``torch.compiler.set_stance("force_eager")`` while any Localizer is armed (counted: several
-    guarded optimizers may arm at once); the stance from before put back when the last disarms."""
+    guarded optimizers may arm at once); the stance from before put back when the last disarms.
+
+    Process-wide, necessarily: dynamo's stance is one setting of the process, and so is this count
+    (class attributes, not per guard). Only touched once something was compiled in the process;
+    undone by the last :func:`_disarm` (a Localizer's ``remove()`` or its finalizer), unless the
+    stance was changed by someone else since (theirs is left as it is)."""
 
     armed = 0
     stance: Any = None

@@ -7,8 +7,8 @@ input) checks the block's output on device: one float32 sum of it (a NaN or inf 
 the sum non-finite), written into the block's slot of one preallocated buffer until the step
 reads it, no host sync, no hook inside a block. One reduction kernel per block output and
 nothing written the size of the activation:
-``isfinite(out).all()`` cost a full-size boolean write and five more launches per block, 15 %
-of a GPT-2 124M step on an H200 (benchmarks/RESULTS.md). A sum can also overflow float32 on
+``isfinite(out).all()`` costs a full-size boolean write and five more launches per block (what
+each costs on a GPT-2 step: benchmarks/RESULTS.md). A sum can also overflow float32 on
 finite values (a bf16/fp32 activation summing past 3.4e38): that block is then named on a step
 that is non-finite for another reason, which such activations make all but certain.
 :meth:`Sentinel.value` packs which came first into one float of the step's all-gathered

@@ -11,7 +11,8 @@ an ampguard event log at all (a missing path, an empty directory, a file whose f
 not a JSON object with an ``"event"`` key) raises :class:`RunLogError`.
 
 Modules: :mod:`.reading` (the logs into :class:`Run`), :mod:`.summary` (:class:`RunSummary` and its
-tables), :mod:`.plotting` (the picture), :mod:`.command` (the command line).
+tables), :mod:`.plotting` (the picture), :mod:`.notes` (its anomaly strip), :mod:`.command` (the command
+line).
 
 Command line::
 

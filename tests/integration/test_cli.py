@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -221,3 +222,17 @@ def test_preflight_says_early_when_its_trials_will_be_slow(tmp_path):
     assert lines[1].startswith("ampguard preflight: warning: a bf16 trial step ")
     assert " on cpu" in lines[1] and ": 5 steps x 1 candidate(s) will take " in lines[1]
     assert "preflight recommendation: precision=bf16" in out.stdout
+
+
+def test_demo_leaves_the_callers_environment_as_it_was(tmp_path, monkeypatch, capsys):
+    # The run id reaches the ranks through their own (spawned) environments, not the caller's.
+    from ampguard import demo
+
+    monkeypatch.delenv("AMPGUARD_RUN_ID", raising=False)
+    before = dict(os.environ)
+    assert demo.main(["--steps", "20", "--ranks", "1", "--no-faults", "--port", "0", "--plain",
+                      "--out", str(tmp_path)]) == 0
+    assert dict(os.environ) == before
+    (run_dir,) = tmp_path.iterdir()
+    first = json.loads((run_dir / "events-rank0.jsonl").read_text().splitlines()[0])
+    assert run_dir.name in json.dumps(first), first  # the ranks still logged the run's id

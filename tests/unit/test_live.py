@@ -251,7 +251,7 @@ def test_preflight_is_quiet_when_its_trials_are_quick(caplog):
 
 
 def test_preflight_progress_bar_shows_the_time_left():
-    from ampguard.preflight import _progress_bar
+    from ampguard.cli import _progress_bar
 
     console, buf = _console()
     with _progress_bar(console) as progress:

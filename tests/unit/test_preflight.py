@@ -95,3 +95,30 @@ def test_preflight_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "ampguard.cli", "preflight", "--script", f"{script}:nope"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "no function 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_preflight_command_takes_the_script_directory_off_sys_path_again(tmp_path, capsys):
+    # The script's directory is on sys.path while its factories run (a sibling import works), and only then.
+    (tmp_path / "sibling.py").write_text("import torch\nMODEL = lambda: torch.nn.Linear(4, 2)\n")
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        def make_preflight():
+            def model_fn():
+                import sibling
+                torch.manual_seed(0)
+                return sibling.MODEL()
+            return {"model_fn": model_fn, "batch_fn": lambda i: (torch.randn(8, 4), torch.randn(8, 2)),
+                    "optimizer_fn": lambda p: torch.optim.SGD(p, lr=0.01)}
+    """))
+    from ampguard import cli
+
+    before = list(sys.path)
+    try:
+        rc = cli.main(["preflight", "--script", f"{tmp_path / 'train.py'}:make_preflight", "--steps", "5",
+                       "--precision", "bf16", "--device", "cpu"])
+        assert rc == 0, capsys.readouterr().err
+        assert "preflight recommendation: precision=bf16" in capsys.readouterr().out
+        assert sys.path == before
+    finally:
+        sys.path[:] = before
+        sys.modules.pop("sibling", None)
