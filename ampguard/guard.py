@@ -26,11 +26,11 @@ from .forensics.arming import Forensics
 from .indicators import Indicators
 from .logs import Voice
 from .optimizer_view import InnerOptimizerView
-from .pipeline import LossMeter, StepPipeline, grad_marks
+from .pipeline import StepPipeline, grad_marks
 from .records import Anomaly, History, RunInfo, StepReport
 from .scaling import GradScalerAdapter
 from .schedules import Schedules
-from .stats import Dec
+from .stats import Dec, LossMeter
 
 __all__ = ["GuardedOptimizer", "Stage"]
 

@@ -1,118 +1,54 @@
 """One guarded step as named stages, each a method of :class:`StepPipeline`.
 
-``measure`` → ``gather`` → ``decide`` → ``clip`` → ``inner_step`` → ``update_scale``: the
-data a step carries from one to the next is a :class:`Measured` (the first and only read of
-the gradients) and the decision vector (:class:`~ampguard.stats.Dec`), both on device. Where
-the host waits for the device (the only places it does):
+``measure`` → ``gather`` → ``decide`` → ``clip`` → ``inner_step`` → ``update_scale`` →
+``payload``: a step carries a :class:`Measured` (the first and only read of the gradients) and a
+:class:`Decision` (the decision vector, and the path it was taken on). Where the host waits for
+the device (the only places it does; ``docs/design.md``, "One step, and where the host waits"):
 
-1. ``backend.before_unscale``  Horovod: ``synchronize()`` (its own wait on the all-reduce).
-2. unscale                    GradScaler's fused unscale + non-finite check. No sync.
-3. per-tensor norms           one ``torch._foreach_norm`` per (device, dtype) group (CPU float32:
-                              ``sqrt(dot(g, g))``, :func:`ampguard.stats.cpu_norms`). No sync.
-4. gather                     one collective of ``LOCAL_K`` floats per rank. NCCL: no host sync
-                              (the stream waits); gloo/CPU: blocking, as every CPU op is.
-5. decide                     fused optimizers off the CPU: tensor ops on device
-                              (:func:`ampguard.policies.decide`), replayed from a CUDA graph on
-                              CUDA. No sync. On CPU (no device to wait for), and for non-fused
-                              optimizers (whose step must know the skip on the host anyway): the
-                              same rule on host floats (:func:`ampguard.policies.decide_host`),
-                              bit for bit the same decision, from one copy of the gathered
-                              statistics (:class:`HostCopy`): off the CPU, that copy is the
-                              step's one sync, where GradScaler's ``found_inf.item()`` was.
-6. clip                       ``_foreach_mul_`` by the decided coefficient. No sync.
-7. inner step or skip         the skip is folded into GradScaler's ``found_inf``:
-                              - fused optimizers (``_step_supports_amp_scaling``) read it on
-                                device: no sync;
-                              - other optimizers: ``inner.step()`` unless the host decision
-                                skips (``found_inf`` filled in for GradScaler's records). No sync
-                                beyond stage 5's copy.
-8. scale update               ``GradScaler.update(new_scale=tensor)`` (a host float after a host
-                              decision). No sync.
+1. ``backend.before_unscale``: Horovod's ``synchronize()`` (its own wait on the all-reduce).
+2. unscale (GradScaler's fused unscale + check), per-tensor norms (one ``torch._foreach_norm``
+   per (device, dtype) group; CPU float32: :func:`ampguard.stats.cpu_norms`). No sync.
+3. gather: one collective of ``LOCAL_K`` floats per rank. NCCL: no host sync; gloo/CPU: blocking.
+4. decide, on one of two paths picked once per step (:attr:`StepPipeline.host_decision`):
+   the tensor path (fused optimizers off the CPU: :func:`ampguard.policies.decide` on device,
+   replayed from a CUDA graph on CUDA; no sync) or the host path (the CPU, and non-fused
+   optimizers, whose step must know the skip on the host anyway: the same rule on host floats,
+   :func:`ampguard.policies.decide_host`, bit for bit the same decision, from one copy of the
+   statistics, :class:`ampguard.payload.HostCopy`; off the CPU that copy is the step's one sync,
+   where GradScaler's ``found_inf.item()`` was).
+5. clip (``_foreach_mul_``), inner step or skip (the skip folded into GradScaler's ``found_inf``;
+   fused optimizers read it on device), scale update. No sync beyond stage 4's copy.
 
-The fused fast path (``GuardConfig.fused_fast_path``, on by default; see :meth:`StepPipeline.fast_path`
-for when it is taken: a GradScaler, a fused optimizer, nobody unscaled this iteration) replaces
-stages 2, 3, 6 and 7:
-
-2+3. per-tensor norms         of the **still-scaled** gradients (the one read), times ``1/scale``
-                              on device (exact for a power-of-two scale: the norms and the total
-                              stay bitwise ``clip_grad_norm_``'s on unscaled gradients, barring
-                              float32 over/underflow); ``found_inf`` := some norm is non-finite,
-                              recorded as GradScaler's own (a norm that overflows float32 on finite
-                              scaled values counts too: skipped and backed off, conservatively;
-                              torch's norm kernels sum squares in float32, so that is a scaled
-                              norm above ~1.8e19, an unscaled one above 1.8e19/scale). No sync.
-6+7. clip + inner step        no pass of their own: the fused optimizer gets ``grad_scale = scale``
-                              (``scale / clip_coef`` when clipping) and ``found_inf = skip``, as
-                              GradScaler.step hands them to such optimizers, and unscales, clips
-                              and updates in its kernel, or skips there. No sync.
-
-Passes over the gradients: today's path reads+writes (unscale), reads (norms), reads+writes (clip,
-when clipping) before the optimizer's own pass; the fast path reads once. Given a ``grad_scale``,
-torch's fused kernels (Adam/AdamW/SGD/Adagrad) also write the unscaled (and clipped) gradients
-back as they update, as in the plain fused GradScaler loop, and leave them untouched, scaled, on
-a skipped step: ``.grad`` afterwards is the plain fused loop's.
+The fused fast path (``GuardConfig.fused_fast_path``; :meth:`StepPipeline.fast_path` says when)
+reads the **still-scaled** gradients once: per-tensor norms times ``1/scale`` on device (exact for
+a power-of-two scale; a norm that overflows float32, a scaled norm above ~1.8e19, counts as
+non-finite: skipped and backed off, conservatively), ``found_inf`` := some norm is non-finite,
+recorded as GradScaler's own; the fused optimizer gets ``grad_scale = scale`` (``scale /
+clip_coef`` when clipping) and ``found_inf = skip``, as ``GradScaler.step`` hands them, and
+unscales, clips and updates in its kernel, or skips there: one read of the gradients before the
+optimizer's pass instead of three, and ``.grad`` afterwards is the plain fused loop's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import inspect
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from .backends.base import Backend
 from .config import GuardConfig
-from .errors import GuardStateError
+from .decision_graph import DecisionGraph
 from .numerics import Numerics
 from .payload import HostCopy, Packed, host_tensor, pack
 from .policies import SpikeState, decide, decide_host, uses_clipping
 from .scaling import GradScalerAdapter, ScalerView, ScaleState
 from .stats import Dec, GradGroups, grads_by_device_and_dtype, local_vector, per_tensor_norms, sparse_values
 
-__all__ = ["Decision", "DecisionGraph", "LossMeter", "Measured", "StepPipeline", "grad_marks"]
-
-
-class LossMeter:
-    """The loss of the optimizer step being prepared, summed on device over its micro-batches.
-
-    ``reduction="mean"`` (``opt.backward(loss)``: each micro-batch's loss is a full loss) reports
-    the mean; ``"sum"`` (a framework that divides each micro-batch's loss by the accumulation steps
-    before backward) reports the sum, which is then the loss of the whole batch. No sync.
-    """
-
-    __slots__ = ("count", "reduction", "total")
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.total: torch.Tensor | None = None
-        self.count = 0
-        self.reduction: str | None = None
-
-    def check(self, reduction: str) -> None:
-        """Raise, changing nothing, when ``reduction`` differs from this step's earlier losses'."""
-        if self.reduction is not None and reduction != self.reduction:
-            raise GuardStateError(
-                f"this step's losses were given with reduction={self.reduction!r} and now {reduction!r}: give every "
-                "micro-batch loss of one step the same way (opt.backward(loss) means 'mean'). Nothing was changed."
-            )
-
-    def add(self, loss: torch.Tensor, reduction: str) -> None:
-        self.check(reduction)
-        detached = loss.detach().float().reshape(())
-        self.total = detached if self.total is None else self.total + detached
-        self.count += 1
-        self.reduction = reduction
-
-    def value(self) -> torch.Tensor | None:
-        if self.total is None or self.count == 1 or self.reduction == "sum":
-            return self.total
-        return self.total / self.count
+__all__ = ["Decision", "Measured", "StepPipeline", "grad_marks"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -156,52 +92,6 @@ class Decision:
         return None if self.host is None else self.host[Dec.SKIP] > 0
 
 
-class DecisionGraph:
-    """The decision, replayed from a CUDA graph on CUDA (``GuardConfig.cuda_graph``): ~70 tiny
-    kernels become one launch. The first decision of the process runs eagerly (lazy init);
-    capture happens on the next one. A failed capture falls back to eager, with one warning."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self._graph: tuple[Any, Any, torch.Tensor, Any] | None = None
-        self._failed = False
-        self._ran_eagerly = False
-
-    def run(self, fn: Callable[[torch.Tensor], Any], gathered: torch.Tensor, key: Any) -> Any:
-        if gathered.device.type != "cuda" or not self.enabled or self._failed:
-            return fn(gathered)
-        key = (tuple(gathered.shape), key)
-        if self._graph is None or self._graph[0] != key:
-            if not self._ran_eagerly:
-                self._ran_eagerly = True
-                return fn(gathered)
-            gc_was_on = gc.isenabled()
-            try:
-                static_in = gathered.clone()
-                graph = torch.cuda.CUDAGraph()
-                # No garbage collection inside the capture: a collection there frees whatever cyclic
-                # garbage is about, and a destructor that calls CUDA invalidates the capture (seen on
-                # an H200, torch 2.11, tests/gpu/test_gpu.py: "operation failed due to a previous
-                # error during capture" with the collector on, a clean capture with it off).
-                gc.disable()
-                with torch.cuda.graph(graph):  # records (does not run) the kernels; one-time sync
-                    static_out = fn(static_in)
-                self._graph = (key, graph, static_in, static_out)
-            except Exception as exc:  # capture is an optimisation: never fail a step over it
-                self._failed = True
-                warnings.warn(f"ampguard: CUDA graph capture of the step decision failed ({exc}); running it "
-                              "eagerly (set GuardConfig(cuda_graph=False) to silence this)", RuntimeWarning,
-                              stacklevel=4)
-                return fn(gathered)
-            finally:
-                if gc_was_on:
-                    gc.enable()
-        _, graph, static_in, static_out = self._graph
-        static_in.copy_(gathered)
-        graph.replay()
-        return static_out
-
-
 class StepPipeline:
     """The stages of one guarded step. Holds the on-device state the decision carries from
     step to step (spike averages, hysteresis run); nothing here reads a value to the host
@@ -212,7 +102,7 @@ class StepPipeline:
         *,
         optimizer: torch.optim.Optimizer,
         adapter: GradScalerAdapter | None,
-        backend: Any,
+        backend: Backend,
         config: GuardConfig,
         device: torch.device,
     ) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .errors import GuardStateError
 from .vocab import SkipReason
 
 try:  # the helper clip_grad_norm_ itself uses; private, hence the fallback
@@ -35,6 +36,7 @@ __all__ = [
     "Dec",
     "GradGroups",
     "Loc",
+    "LossMeter",
     "cpu_norms",
     "grads_by_device_and_dtype",
     "local_tensor",
@@ -347,6 +349,45 @@ def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.
             torch.full((), v, dtype=torch.float32, device=device) for v in (0.0, 1.0, math.nan, -1.0)
         )
     return c  # type: ignore[return-value]
+
+
+class LossMeter:
+    """The loss of the optimizer step being prepared, summed on device over its micro-batches.
+
+    ``reduction="mean"`` (``opt.backward(loss)``: each micro-batch's loss is a full loss) reports
+    the mean; ``"sum"`` (a framework that divides each micro-batch's loss by the accumulation steps
+    before backward) reports the sum, which is then the loss of the whole batch. No sync.
+    """
+
+    __slots__ = ("count", "reduction", "total")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.total: torch.Tensor | None = None
+        self.count = 0
+        self.reduction: str | None = None
+
+    def check(self, reduction: str) -> None:
+        """Raise, changing nothing, when ``reduction`` differs from this step's earlier losses'."""
+        if self.reduction is not None and reduction != self.reduction:
+            raise GuardStateError(
+                f"this step's losses were given with reduction={self.reduction!r} and now {reduction!r}: give every "
+                "micro-batch loss of one step the same way (opt.backward(loss) means 'mean'). Nothing was changed."
+            )
+
+    def add(self, loss: torch.Tensor, reduction: str) -> None:
+        self.check(reduction)
+        detached = loss.detach().float().reshape(())
+        self.total = detached if self.total is None else self.total + detached
+        self.count += 1
+        self.reduction = reduction
+
+    def value(self) -> torch.Tensor | None:
+        if self.total is None or self.count == 1 or self.reduction == "sum":
+            return self.total
+        return self.total / self.count
 
 
 def origin_ranks(rows: Sequence[Sequence[float]]) -> tuple[int, ...]:
