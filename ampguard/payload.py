@@ -142,14 +142,14 @@ class HostCopy:
     """The scaler's view, its scale and growth tracker as CPU tensors (None without a scaler)."""
 
     @classmethod
-    def read(cls, gathered: torch.Tensor, measured: Measured | None, view: ScalerView | None,
+    def read(cls, gathered: torch.Tensor, measured: Measured, view: ScalerView | None,
              device: torch.device, *, copy: bool | None = None) -> HostCopy:
-        """``copy``: bring the values over in one copy (default: unless they are on the CPU already;
-        a test forces it on CPU tensors to run the path CUDA takes)."""
+        """``measured``: the step's norms and sampled numerics. ``copy``: bring the values over in
+        one copy (default: unless they are on the CPU already; a test forces it on CPU tensors to
+        run the path CUDA takes)."""
         if not (gathered.device.type != "cpu" if copy is None else copy):
             return cls(gathered, None, view)
-        parts = (_statistics(gathered, measured.norms, measured.numerics) if measured is not None
-                 else [gathered.reshape(-1).float()])
+        parts = _statistics(gathered, measured.norms, measured.numerics)
         n = sum(p.numel() for p in parts)
         # The growth tracker (< growth_interval) rides as a float32, exact up to 2**24; a larger
         # interval (not a realistic one) reads it on its own.

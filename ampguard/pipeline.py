@@ -240,7 +240,7 @@ class StepPipeline:
                            sentinel=sentinel, headroom=None if measured.numerics is None else measured.numerics[1])
         return self.backend.all_gather(vec).wait()  # type: ignore[no-any-return]
 
-    def decide(self, gathered: torch.Tensor, measured: Measured | None = None) -> Decision:
+    def decide(self, gathered: torch.Tensor, measured: Measured) -> Decision:
         """The step's :class:`Decision`, on the path :attr:`host_decision` picks. ``measured``: the
         step's measurement, whose norms (and sampled numerics) the host decision copies to the
         host with the gathered matrix."""
