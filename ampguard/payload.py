@@ -23,7 +23,7 @@ from __future__ import annotations
 import array
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -36,9 +36,9 @@ if TYPE_CHECKING:
 __all__ = ["HostCopy", "Layout", "Packed", "Unpacked", "host_tensor", "pack"]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Layout:
-    """The header of one step's payload: how many floats each part holds (see the module docstring)."""
+class Layout(NamedTuple):
+    """The header of one step's payload: how many floats each part holds (see the module docstring).
+    (Named tuples, here and below: built every step, and a tuple is built in C.)"""
 
     world: int
     """Ranks in the gathered matrix."""
@@ -76,8 +76,7 @@ class Layout:
                         values[indicators_at:])
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Unpacked:
+class Unpacked(NamedTuple):
     """One step's payload on the host, cut by its :class:`Layout`."""
 
     decision: Sequence[float]
@@ -92,8 +91,7 @@ class Unpacked:
     """``[module grad norms..., module update ratios...]``, or empty."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Packed:
+class Packed(NamedTuple):
     """A step's payload: the vector (on device, or on the host after a host decision) and its header."""
 
     vector: torch.Tensor

@@ -3,8 +3,9 @@
 ``ampguard`` against an older tree's package imported under another name (every import inside
 the package is relative, so a copy of its ``ampguard/`` directory named ``ampguard_old`` imports
 side by side). Each round steps both guards once on the same batch (order alternating per
-round); only ``opt.step()`` is timed (on the CPU the report is decoded inside it). Prints
-p25/median/p75 in microseconds per step, per optimizer.
+round); only ``opt.step()`` is timed (on the CPU the report is decoded inside it). Then the
+report's construction alone, on the same payload values: ``Reporter.build`` (plus, in the old
+tree, the indicators' ``attach``), interleaved likewise. Prints p25/median/p75 in microseconds.
 
     git worktree add /tmp/old 4a6c9d3 && mkdir -p /tmp/oldpkg && cp -r /tmp/old/ampguard /tmp/oldpkg/ampguard_old
     PYTHONPATH=$PWD:/tmp/oldpkg python benchmarks/step_ab.py [--rounds 400] [--width 32]
@@ -64,8 +65,35 @@ def main() -> None:
             q = statistics.quantiles(ts, n=4)
             print(f"{kind:8s} {name:4s} p25 {q[0] / 1e3:7.1f}  median {q[1] / 1e3:7.1f}  p75 {q[2] / 1e3:7.1f} us"
                   f"   (parameters bitwise equal: {same})")
+        if kind == "fused":
+            build_cost(runs, args.rounds * 4)
         for _, opt in runs.values():
             opt.close()  # type: ignore[attr-defined]
+
+
+def build_cost(runs: dict[str, tuple[torch.nn.Module, object]], rounds: int) -> None:
+    """The report built from one step's payload values, on each tree's own reporter."""
+    from ampguard.payload import Layout
+    from ampguard.stats import DECISION_K, LOCAL_K
+
+    n = len(runs["new"][1].param_names)  # type: ignore[attr-defined]
+    values = [float(i % 7) for i in range(DECISION_K + LOCAL_K + n)]
+    values[6:18] = [0.0] * 12  # a healthy step: no reason, no flag (Dec.REASON .. Dec.ZCLIP_REBASELINE)
+    index = list(range(n))
+    old, new = runs["old"][1]._reporter, runs["new"][1]._reporter  # type: ignore[attr-defined]
+    layout = Layout(world=1, norms=n)
+    fns = {"old": lambda: old.build(0, values, index),
+           "new": lambda: new.build(0, layout.unpack(values), index)}
+    times: dict[str, list[int]] = {k: [] for k in fns}
+    order = list(fns.items())
+    for r in range(rounds):
+        for name, fn in order if r % 2 else order[::-1]:
+            t = time.perf_counter_ns()
+            fn()
+            times[name].append(time.perf_counter_ns() - t)
+    for name, ts in times.items():
+        q = statistics.quantiles(ts, n=4)
+        print(f"build    {name:4s} p25 {q[0] / 1e3:7.1f}  median {q[1] / 1e3:7.1f}  p75 {q[2] / 1e3:7.1f} us")
 
 
 if __name__ == "__main__":
