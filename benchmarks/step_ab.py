@@ -7,7 +7,8 @@ round); only ``opt.step()`` is timed (on the CPU the report is decoded inside it
 report's construction alone, on the same payload values: ``Reporter.build`` (plus, in the old
 tree, the indicators' ``attach``), interleaved likewise. Prints p25/median/p75 in microseconds.
 
-    mkdir -p /tmp/oldpkg && git archive 4a6c9d3 ampguard | tar -x -C /tmp/oldpkg && mv /tmp/oldpkg/ampguard /tmp/oldpkg/ampguard_old
+    mkdir -p /tmp/oldpkg && git archive 4a6c9d3 ampguard | tar -x -C /tmp/oldpkg
+    mv /tmp/oldpkg/ampguard /tmp/oldpkg/ampguard_old
     PYTHONPATH=$PWD:/tmp/oldpkg python benchmarks/step_ab.py [--rounds 400] [--width 32]
 """
 
