@@ -11,10 +11,12 @@ GradScaler's found_inf). Prints p25/median/p75 in microseconds per call.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -50,17 +52,23 @@ def main() -> None:
               pre_reduction=None, device=torch.device("cpu"), no_grads=False, sentinel=None, headroom=None)
     ref = repr(fns["old host"](**kw).tolist())  # type: ignore[operator]
     assert all(repr(f(**kw).tolist()) == ref for f in fns.values())  # type: ignore[operator]
+    interleaved({name: functools.partial(fn, **kw) for name, fn in fns.items()}, args.rounds)  # type: ignore[arg-type]
+
+
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 200, label: str = "") -> None:
+    """Time each of ``fns`` once per round, in an order alternating per round, after ``warmup``
+    rounds; print p25/median/p75 per function in microseconds."""
     times: dict[str, list[int]] = {k: [] for k in fns}
     order = list(fns.items())
-    for r in range(200 + args.rounds):
+    for r in range(warmup + rounds):
         for name, fn in order if r % 2 else order[::-1]:
             t = time.perf_counter_ns()
-            fn(**kw)  # type: ignore[operator]
-            if r >= 200:
+            fn()
+            if r >= warmup:
                 times[name].append(time.perf_counter_ns() - t)
     for name, ts in times.items():
         q = statistics.quantiles(ts, n=4)
-        print(f"{name:10s} p25 {q[0] / 1e3:6.1f}  median {q[1] / 1e3:6.1f}  p75 {q[2] / 1e3:6.1f} us")
+        print(f"{label}{name:10s} p25 {q[0] / 1e3:7.1f}  median {q[1] / 1e3:7.1f}  p75 {q[2] / 1e3:7.1f} us")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from pack_cost import interleaved
 
 
 def build(pkg: object, kind: str, width: int) -> tuple[torch.nn.Module, object]:
@@ -85,16 +86,7 @@ def build_cost(runs: dict[str, tuple[torch.nn.Module, object]], rounds: int) -> 
     layout = Layout(world=1, norms=n)
     fns = {"old": lambda: old.build(0, values, index),
            "new": lambda: new.build(0, layout.unpack(values), index)}
-    times: dict[str, list[int]] = {k: [] for k in fns}
-    order = list(fns.items())
-    for r in range(rounds):
-        for name, fn in order if r % 2 else order[::-1]:
-            t = time.perf_counter_ns()
-            fn()
-            times[name].append(time.perf_counter_ns() - t)
-    for name, ts in times.items():
-        q = statistics.quantiles(ts, n=4)
-        print(f"build    {name:4s} p25 {q[0] / 1e3:7.1f}  median {q[1] / 1e3:7.1f}  p75 {q[2] / 1e3:7.1f} us")
+    interleaved(fns, rounds, label="build    ")
 
 
 if __name__ == "__main__":
