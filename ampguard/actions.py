@@ -46,8 +46,7 @@ def export(guard: Any) -> None:
     """Hand the decoded records to the ``ampguard`` logger (:class:`ampguard.logs.Voice`, which
     also keeps what the run's summary needs) and to the exporters."""
     rep = guard._reporter
-    guard._voice.hear(rep._unexported)
-    rep.export_pending()
+    rep.export_pending(guard._voice.hear)
 
 
 def rollback_step(guard: Any) -> None:

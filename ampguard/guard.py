@@ -26,11 +26,11 @@ from .forensics.arming import Forensics
 from .indicators import Indicators
 from .logs import Voice
 from .optimizer_view import InnerOptimizerView
-from .pipeline import LossMeter, StepPipeline, grad_marks
+from .pipeline import StepPipeline, grad_marks
 from .records import Anomaly, History, RunInfo, StepReport
 from .scaling import GradScalerAdapter
 from .schedules import Schedules
-from .stats import Dec
+from .stats import Dec, LossMeter
 
 __all__ = ["GuardedOptimizer", "Stage"]
 
@@ -223,24 +223,24 @@ class GuardedOptimizer(InnerOptimizerView):
         sentinel = self._forensics.sentinel
         gathered = pipe.gather(measured, self._loss.value(), no_grads=not fresh,
                                sentinel=sentinel.value() if sentinel is not None else None)
-        decision, tracker = pipe.decide(gathered, measured)
+        decided = pipe.decide(gathered, measured)  # the decision, and the path it was taken on
+        decision = decided.vector
         if self._forensics.armed:  # armed only after an anomaly
             self._forensics.collect(self._step, decision, gathered)
-        pipe.clip(measured, decision)
+        pipe.clip(measured, decided)
         ind = self._indicators  # a sampled step copies the weights before the inner step
         sample = (ind.before_step(measured, pipe.params())  # numerics_every: one cadence for numerics and these
                   if ind is not None and pipe.numerics.sampled(self._step) else None)
-        synced = pipe.inner_step(decision, measured)
+        synced = pipe.inner_step(decided, measured)
         tail = ind.after_step(sample) if sample is not None else None  # type: ignore[union-attr]
         if self._schedules.emas:  # on device: torch.where on the skip flag (a host bool on CPU)
-            host = pipe.host_values(decision)
-            self._schedules.update_emas(decision[Dec.SKIP], None if host is None else host[Dec.SKIP] > 0)
-        pipe.update_scale(decision, tracker)
+            self._schedules.update_emas(decision[Dec.SKIP], decided.skipped)
+        pipe.update_scale(decided)
         if replay and closure is not None and self._forensics.enabled and _nonfinite(decision):  # SYNC
             self._forensics.replay(self._step, closure, scale=self._replay_scale(decision), gathered=gathered,
                                    optimizer=self.optimizer)
-        self._reporter.enqueue(self._step, pipe.payload(decision, gathered, measured, tail),
-                               measured.groups.index, self._batch_ids, indicators=tail is not None)
+        self._reporter.enqueue(self._step, pipe.payload(decided, gathered, measured, tail),
+                               measured.groups.index, self._batch_ids)
         self._end_step()
         every = self.config.consistency_every
         if every is not None and self.backend.world_size > 1 and self._step % every == 0:

@@ -34,9 +34,9 @@ On a sampled step, with no host sync:
   transient copy of those parameters on sampled steps only (the caching allocator keeps the
   blocks reserved for the next sample); nothing on other steps.
 
-The values are appended to the step's payload after the per-tensor norms
-(:func:`ampguard.pipeline.payload`): one ``non_blocking`` copy with the decision, decoded with the
-step's report (on CUDA a step later, as every report). They are **rank-local**: this rank's
+The values end the step's payload (:mod:`ampguard.payload`): one ``non_blocking`` copy with the
+decision, decoded with the step's report (on CUDA a step later, as every report), named by
+:attr:`Indicators.modules`. They are **rank-local**: this rank's
 gradients and parameters (with DDP the gradients are the same on every rank after the all-reduce;
 with sharded gradients, FSDP, they are this rank's shard). Steps that are not sampled cost one
 integer compare.
@@ -44,14 +44,12 @@ integer compare.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 from .forensics.compile import user_module, user_name
 from .pipeline import Measured
-from .records import StepReport
 from .stats import GradGroups, local_tensor, per_tensor_norms
 
 __all__ = ["ROOT", "Indicators", "top_level_owners"]
@@ -161,18 +159,6 @@ class Indicators:
     def _norms(self, groups: GradGroups, tensors: list[list[torch.Tensor]]) -> torch.Tensor:
         """Per-tensor norms of ``tensors`` (grouped as ``groups``' gradients), on the guard's device."""
         return per_tensor_norms(GradGroups(dict(zip(groups.tensors, tensors)), groups.index), self.device)
-
-    # ------------------------------------------------------------------ on the host
-    def attach(self, report: StepReport, tail: Sequence[float]) -> StepReport:
-        """``report`` with this step's values, decoded from the payload's tail."""
-        m = len(self.modules)
-        if len(tail) < 2 * m:  # internal: the payload always carries them on a sampled step
-            return report
-        return dataclasses.replace(
-            report,
-            module_grad_norms=tuple(zip(self.modules, (float(v) for v in tail[:m]))),
-            module_update_ratios=tuple(zip(self.modules, (float(v) for v in tail[m : 2 * m]))),
-        )
 
 
 def _params_like(groups: GradGroups, params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -9,7 +9,7 @@ from the unscaled ones times the scale), one pass over this rank's gradients mea
 - the largest magnitude of a scaled gradient (``torch._foreach_norm(grads, inf)``), as the headroom
   ``log2(65504 / max|scaled grad|)``: how many doublings of the loss scale fp16 has left.
 
-The values ride the step's payload (:func:`ampguard.pipeline.payload`) to the host; the headroom
+The values ride the step's payload (:mod:`ampguard.payload`) to the host; the headroom
 also rides this rank's local vector (``stats.Loc.HEADROOM``), so the opt-in headroom scale policy
 decides on the minimum over ranks, agreed through the step's one collective. Non-sampled steps
 cost an int compare. Values are rank-local: this rank's gradients (frozen parameters, which have

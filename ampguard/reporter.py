@@ -2,9 +2,9 @@
 
 :meth:`Reporter.enqueue` copies a step's payload off the device without waiting for it.
 :meth:`Reporter.decode` turns every payload that has arrived into records, in step order: it
-decodes the decision once into a typed :class:`~ampguard.stats.Decision`, builds the report and
-the anomalies, and keeps counters, history, quarantine and the escalation ladder's window up to
-date. Decoding has no effect outside this object: it is what the guard's *readers*
+cuts each payload once by its header (:class:`~ampguard.payload.Layout`), builds the report
+once from its parts, then the anomalies, and keeps counters, history, quarantine and the
+escalation ladder's window up to date. Decoding has no effect outside this object: it is what the guard's *readers*
 (``last_report``, ``history``, ...) run, so a rank that reads early changes nothing. What a
 report asks the guard to *do* (arm forensics, snapshot, roll back, stop, export) is queued as
 :class:`Actions` and carried out by the guard at fixed points inside ``step()``, at the same
@@ -30,9 +30,10 @@ from .forensics.arming import annotate
 from .forensics.localizer import Finding
 from .forensics.sentinel import Sentinel
 from .indicators import Indicators
+from .payload import Layout, Packed, Unpacked
 from .policies import uses_clipping, uses_grad_detector
 from .records import Anomaly, History, StepReport
-from .stats import DECISION_K, LOCAL_K, Decision, Loc, origin_ranks
+from .stats import REASONS, Dec, Loc, origin_ranks
 from .vocab import AnomalyKind, Phase, SkipReason
 
 __all__ = ["Actions", "Reporter"]
@@ -61,12 +62,12 @@ class MemoryPeaks:
 
 
 class _Pending:
-    __slots__ = ("batch_ids", "buf", "event", "index", "indicators", "memory", "step")
+    __slots__ = ("batch_ids", "buf", "event", "index", "layout", "memory", "step")
 
-    def __init__(self, step: int, buf: torch.Tensor, event: Any, memory: tuple[int, int] | None,
-                 index: list[int], batch_ids: list[Any], indicators: bool = False) -> None:
-        self.step, self.buf, self.event, self.memory = step, buf, event, memory
-        self.index, self.batch_ids, self.indicators = index, batch_ids, indicators
+    def __init__(self, step: int, buf: torch.Tensor, layout: Layout, event: Any, memory: tuple[int, int] | None,
+                 index: list[int], batch_ids: list[Any]) -> None:
+        self.step, self.buf, self.layout, self.event, self.memory = step, buf, layout, event, memory
+        self.index, self.batch_ids = index, batch_ids
 
 
 @dataclasses.dataclass(slots=True)
@@ -121,17 +122,17 @@ class Reporter:
         self.sentinel: Sentinel | None = None
         """The opt-in sentinel, whose slot of the gathered vector names a block on its own step."""
         self.indicators: Indicators | None = None
-        """The leading indicators, whose values follow the norms on sampled steps."""
+        """The leading indicators, whose values end the payload on sampled steps."""
         self._blocks: dict[int, str] = {}
         self.actions = Actions()
         self._pending: deque[_Pending] = deque()
         self._unexported: list[tuple[StepReport, list[Anomaly]]] = []
 
     # ------------------------------------------------------------------ device -> host
-    def enqueue(self, step: int, payload: torch.Tensor, index: list[int], batch_ids: list[Any], *,
-                indicators: bool = False) -> None:
-        """Start copying ``payload`` to the host (non_blocking into pinned memory on CUDA).
-        ``indicators``: the payload ends with the step's leading indicators (a sampled step)."""
+    def enqueue(self, step: int, packed: Packed, index: list[int], batch_ids: list[Any]) -> None:
+        """Start copying the step's payload to the host (non_blocking into pinned memory on CUDA).
+        ``index``: the parameter of each per-tensor norm (``GradGroups.index``)."""
+        payload = packed.vector
         if payload.device.type == "cuda":
             buf = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
             buf.copy_(payload, non_blocking=True)
@@ -140,7 +141,7 @@ class Reporter:
         else:  # a host payload is the step's own fresh tensor (cat): no copy needed
             buf, event = payload.cpu(), None
         memory = self.track_memory.read() if self.track_memory is not None else None
-        self._pending.append(_Pending(step, buf, event, memory, index, batch_ids, indicators))
+        self._pending.append(_Pending(step, buf, packed.layout, event, memory, index, batch_ids))
 
     @property
     def pending(self) -> bool:
@@ -162,18 +163,8 @@ class Reporter:
             pending = self._pending.popleft()
             if pending.event is not None:
                 pending.event.synchronize()  # that step's copy only; usually done already
-            values = pending.buf.tolist()
-            extra: list[float] | None = None
-            if pending.indicators and self.indicators is not None:  # the payload's last 2 x modules
-                cut = len(values) - 2 * len(self.indicators.modules)
-                values, extra = values[:cut], values[cut:]
-            report, anomalies = self.build(pending.step, values, pending.index)
-            if extra is not None and self.indicators is not None:
-                report = self.indicators.attach(report, extra)
-            if pending.memory is not None:
-                report = dataclasses.replace(
-                    report, memory_allocated_peak=pending.memory[0], memory_reserved_peak=pending.memory[1]
-                )
+            payload = pending.layout.unpack(pending.buf.tolist())  # the one read of the payload
+            report, anomalies = self.build(pending.step, payload, pending.index, pending.memory)
             self.record(report, anomalies, pending.batch_ids)
 
     def record(self, report: StepReport, anomalies: list[Anomaly], batch_ids: Sequence[Any] = (), *,
@@ -215,51 +206,61 @@ class Reporter:
         actions, self.actions = self.actions, Actions()
         return actions
 
-    def export_pending(self) -> None:
-        """Hand every decoded record to the exporters (local I/O only)."""
+    def export_pending(self, hear: Callable[[Sequence[tuple[StepReport, list[Anomaly]]]], None] | None = None) -> None:
+        """Hand every decoded record not handed out yet, once and in step order, to ``hear`` (the
+        ``ampguard`` logger: :meth:`ampguard.logs.Voice.hear`), then to the exporters (local I/O only)."""
+        if hear is not None:
+            hear(self._unexported)
         for report, anomalies in self._unexported:
             self.exporter.export(report, anomalies)
         self._unexported.clear()
 
     # ------------------------------------------------------------------ building
-    def build(self, step: int, values: list[float], index: list[int]) -> tuple[StepReport, list[Anomaly]]:
-        d = Decision.decode(values[:DECISION_K])
-        world = self.world_size
-        g = values[DECISION_K : DECISION_K + world * LOCAL_K]
-        rows = [g[r * LOCAL_K : (r + 1) * LOCAL_K] for r in range(world)]
+    def build(self, step: int, payload: Unpacked, index: list[int],
+              memory: tuple[int, int] | None = None) -> tuple[StepReport, list[Anomaly]]:
+        """The step's report, built once from its unpacked payload, and its anomalies.
+        ``memory``: the allocator's peaks read when the step was enqueued."""
+        d, rows, world, config = payload.decision, payload.rows, self.world_size, self.config
         names = self.names()
         # Attribution by construction: the k-th norm belongs to parameter index[k].
         norms = [math.nan] * len(names)
-        tail = DECISION_K + world * LOCAL_K
-        for i, n in zip(index, values[tail:]):
+        for i, n in zip(index, payload.norms):
             norms[i] = n
-        numerics = values[tail + len(index) :]  # a sampled step's [zero fraction, headroom, per group...]
         bad_params = tuple(names[i] for i in sorted(index) if not math.isfinite(norms[i]))
         ranks = origin_ranks(rows) if world > 1 else ()
-        every = self.config.param_norms_every
-        want_norms = d.grad_nonfinite or (every is not None and step % every == 0)
-        unknown = math.isnan(d.loss) and not d.loss_nonfinite  # NaN without the flag: no loss was given
+        every = config.param_norms_every
+        want_norms = d[Dec.GRAD_NONFINITE] > 0 or (every is not None and step % every == 0)
+        loss_nonfinite = d[Dec.LOSS_NONFINITE] > 0
+        unknown = math.isnan(d[Dec.LOSS]) and not loss_nonfinite  # NaN without the flag: no loss was given
+        numerics = payload.numerics  # a sampled step's [zero fraction, headroom, per group...]
+        modules = self.indicators.modules if self.indicators is not None else ()
+        tail = payload.indicators if len(payload.indicators) == 2 * len(modules) else ()
         report = StepReport(
-            step=step, skipped=d.skip, reason=d.reason, loss=None if unknown else d.loss, loss_scale=d.scale,
-            next_loss_scale=d.next_scale, grad_norm=d.grad_norm, nonfinite_grads=d.nonfinite_tensors,
-            nonfinite_loss=d.loss_nonfinite, nonfinite_ranks=ranks,
-            clip_coef=d.clip_coef if uses_clipping(self.config) else 1.0,
-            grad_spike=d.grad_spike, loss_spike=d.loss_spike, world_size=world, rank=self.rank,
+            step=step, skipped=d[Dec.SKIP] > 0, reason=REASONS[int(d[Dec.REASON])],
+            loss=None if unknown else d[Dec.LOSS], loss_scale=d[Dec.SCALE], next_loss_scale=d[Dec.NEXT_SCALE],
+            grad_norm=d[Dec.GRAD_NORM],
+            nonfinite_grads=int(d[Dec.NONFINITE_TENSORS]), nonfinite_loss=loss_nonfinite, nonfinite_ranks=ranks,
+            clip_coef=d[Dec.CLIP_COEF] if uses_clipping(config) else 1.0,
+            grad_spike=d[Dec.GRAD_SPIKE] > 0, loss_spike=d[Dec.LOSS_SPIKE] > 0, world_size=world, rank=self.rank,
             param_norms=tuple(norms) if want_norms else None, wall_time=time.time(),
-            scale_backoff=d.backoff, scale_growth=d.growth,
-            spike_threshold=d.spike_threshold if uses_grad_detector(self.config) else None,
-            clip_threshold=d.clip_threshold if self.config.zclip else None,
+            memory_allocated_peak=None if memory is None else memory[0],
+            memory_reserved_peak=None if memory is None else memory[1],
+            scale_backoff=d[Dec.BACKOFF] > 0, scale_growth=d[Dec.GROWTH] > 0,
+            grad_zero_fraction=numerics[0] if numerics else None,
+            group_zero_fractions=tuple(numerics[2:]) if numerics else None,
+            headroom_log2=numerics[1] if numerics and self.scaled else None,
+            module_grad_norms=tuple(zip(modules, tail[: len(modules)])) if tail else None,
+            module_update_ratios=tuple(zip(modules, tail[len(modules) :])) if tail else None,
+            spike_threshold=d[Dec.SPIKE_THRESHOLD] if uses_grad_detector(config) else None,
+            clip_threshold=d[Dec.CLIP_THRESHOLD] if config.zclip else None,
         )
-        if numerics:
-            report = dataclasses.replace(
-                report, grad_zero_fraction=numerics[0], group_zero_fractions=tuple(numerics[2:]),
-                headroom_log2=numerics[1] if self.scaled else None)
         anomalies = self._anomalies(report, d, ranks, bad_params, rows)
         if self.sentinel is not None and anomalies and report.nonfinite:
             anomalies[0] = self._sentinel_named(step, anomalies[0], rows, ranks)
         return report, anomalies
 
-    def _sentinel_named(self, step: int, first: Anomaly, rows: list[list[float]], ranks: tuple[int, ...]) -> Anomaly:
+    def _sentinel_named(self, step: int, first: Anomaly, rows: list[Sequence[float]],
+                        ranks: tuple[int, ...]) -> Anomaly:
         """The first non-finite anomaly of a step, with the block (or input) the sentinel flagged
         first on the first rank where the values originated (every rank decodes the same rows)."""
         assert self.sentinel is not None  # internal: called when on
@@ -277,29 +278,31 @@ class Reporter:
             f"{first.detail}. Sentinel{where}: {name} is the first watched block whose output was non-finite "
             "(forensics hooks arm inside it)"))
 
-    def _anomalies(self, report: StepReport, d: Decision, ranks: tuple[int, ...],
-                   bad_params: tuple[str, ...], rows: list[list[float]]) -> list[Anomaly]:
-        step, out = report.step, []
+    def _anomalies(self, report: StepReport, d: Sequence[float], ranks: tuple[int, ...],
+                   bad_params: tuple[str, ...], rows: list[Sequence[float]]) -> list[Anomaly]:
+        """``d``: the decision (:class:`~ampguard.stats.Dec`), for what the report does not hold."""
+        step, out, scale = report.step, [], report.loss_scale
+        grad_nonfinite = d[Dec.GRAD_NONFINITE] > 0  # non-finite tensors, or GradScaler's found_inf
         scale_txt = ""
         if self.scaled:
-            if d.backoff:
-                scale_txt = f"; loss scale backed off {d.scale:g} -> {d.next_scale:g}"
-            elif d.grad_nonfinite:
-                scale_txt = f"; loss scale kept at {d.scale:g} (hysteresis={self.config.hysteresis})"
-            elif d.skip:
-                scale_txt = f"; loss scale held at {d.scale:g} (the gradients were finite)"
+            if report.scale_backoff:
+                scale_txt = f"; loss scale backed off {scale:g} -> {report.next_loss_scale:g}"
+            elif grad_nonfinite:
+                scale_txt = f"; loss scale kept at {scale:g} (hysteresis={self.config.hysteresis})"
+            elif report.skipped:
+                scale_txt = f"; loss scale held at {scale:g} (the gradients were finite)"
         where = f" on rank(s) {list(ranks)}" if ranks else ""
-        if d.loss_nonfinite:
-            out.append(Anomaly(step, AnomalyKind.NONFINITE_LOSS, f"loss was {d.loss}{where}; step skipped{scale_txt}",
-                               ranks, bad_params[:8]))  # phase: None until forensics or the sentinel shows one
-        elif d.grad_nonfinite:
+        if report.nonfinite_loss:
+            out.append(Anomaly(step, AnomalyKind.NONFINITE_LOSS, f"loss was {report.loss}{where}; step skipped"
+                               f"{scale_txt}", ranks, bad_params[:8]))  # phase: None until forensics or the sentinel
+        elif grad_nonfinite:
             kind = AnomalyKind.OVERFLOW if self.scaled else AnomalyKind.NONFINITE_GRAD
-            what = f"{d.nonfinite_tensors} gradient tensor(s) non-finite"
+            what = f"{report.nonfinite_grads} gradient tensor(s) non-finite"
             if kind == AnomalyKind.OVERFLOW:
-                what += f" at loss scale {d.scale:g}"
+                what += f" at loss scale {scale:g}"
             first = f" (first: {', '.join(bad_params[:3])})" if bad_params else ""
             out.append(Anomaly(step, kind, f"{what}{first}{where}; step skipped{scale_txt}", ranks, bad_params[:8]))
-        if d.no_grads:
+        if d[Dec.NO_GRADS] > 0:
             idle = tuple(r for r, row in enumerate(rows) if row[Loc.NO_GRADS] > 0) if self.world_size > 1 else ()
             on = f" (rank(s) {list(idle)})" if idle else ""
             held = "; loss scale held" if self.scaled else ""
@@ -308,7 +311,7 @@ class Reporter:
         act = "skipped" if report.skipped else "taken (on_spike='warn')"
         if report.grad_spike:
             if self.config.spike_detector == "zscore":
-                what = (f"mean + {self.config.spike_zscore:g} std = {d.spike_threshold:.4g} of the last "
+                what = (f"mean + {self.config.spike_zscore:g} std = {d[Dec.SPIKE_THRESHOLD]:.4g} of the last "
                         f"~{self.config.spike_window} healthy steps")
             else:
                 what = f"{self.config.grad_spike_factor}x its running average"
@@ -318,13 +321,13 @@ class Reporter:
             out.append(Anomaly(step, AnomalyKind.LOSS_SPIKE, f"loss {report.loss:.4g} exceeded "
                                f"{self.config.loss_spike_factor}x its running average; step {act}", ranks))
         k = self.config.spike_warmup
-        for flagged, who, did in ((d.rebaseline, "the spike detectors", "flagged"),
-                                  (d.zclip_rebaseline, "ZClip", "clipped")):
+        for flagged, who, did in ((d[Dec.REBASELINE] > 0, "the spike detectors", "flagged"),
+                                  (d[Dec.ZCLIP_REBASELINE] > 0, "ZClip", "clipped")):
             if flagged:
                 out.append(Anomaly(step, AnomalyKind.REBASELINE, f"{who} {did} {k} steps in a row (spike_warmup): "
                                    "the level moved, so their statistics were re-based on those steps and the next "
                                    "steps are judged against that level"))
-        if d.floor:
+        if d[Dec.FLOOR] > 0:
             out.append(Anomaly(step, AnomalyKind.SCALE_FLOOR, f"loss scale reached the floor min_scale="
                                f"{self.config.min_scale:g}: fp16 overflows persist at the smallest allowed "
                                "scale, the model likely needs bf16/fp32 or a fix", ranks))

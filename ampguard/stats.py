@@ -1,7 +1,8 @@
 """Device-side statistics of one step, and the layout of the vectors that carry them.
 
-Everything here runs on the gradients' device with foreach kernels and never reads a
-value back to the host: no ``.item()``, no ``bool(tensor)``, no data-dependent Python branch.
+Off the CPU everything here runs on the gradients' device with foreach kernels and never reads
+a value back to the host: no ``.item()``, no ``bool(tensor)``, no data-dependent Python branch.
+On the CPU (no device to wait for) :func:`local_vector` reads its 0-d inputs as host floats.
 
 Per rank, one *local vector* of ``LOCAL_K`` floats is all-gathered each step (the one
 collective per step). Every rank then derives the same *decision vector* from the
@@ -10,14 +11,17 @@ gathered ``[world_size, LOCAL_K]`` matrix, so every rank takes the same decision
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import enum
 import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 
+from .errors import GuardStateError
 from .vocab import SkipReason
 
 try:  # the helper clip_grad_norm_ itself uses; private, hence the fallback
@@ -30,9 +34,9 @@ __all__ = [
     "LOCAL_K",
     "REASONS",
     "Dec",
-    "Decision",
     "GradGroups",
     "Loc",
+    "LossMeter",
     "cpu_norms",
     "grads_by_device_and_dtype",
     "local_tensor",
@@ -104,45 +108,6 @@ REASONS: tuple[SkipReason | None, ...] = (
     None, SkipReason.NONFINITE_LOSS, SkipReason.NONFINITE_GRAD, SkipReason.GRAD_SPIKE, SkipReason.LOSS_SPIKE,
     SkipReason.NO_GRADIENTS,
 )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Decision:
-    """The decision vector, decoded once on the host (every rank holds the same one)."""
-
-    loss: float
-    grad_norm: float
-    nonfinite_tensors: int
-    clip_coef: float
-    scale: float
-    next_scale: float
-    reason: SkipReason | None
-    skip: bool
-    loss_nonfinite: bool
-    grad_nonfinite: bool
-    grad_spike: bool
-    loss_spike: bool
-    backoff: bool
-    growth: bool
-    floor: bool
-    no_grads: bool
-    spike_threshold: float = math.nan
-    clip_threshold: float = math.nan
-    rebaseline: bool = False
-    zclip_rebaseline: bool = False
-
-    @classmethod
-    def decode(cls, d: Sequence[float]) -> Decision:
-        return cls(
-            loss=d[Dec.LOSS], grad_norm=d[Dec.GRAD_NORM], nonfinite_tensors=int(d[Dec.NONFINITE_TENSORS]),
-            clip_coef=d[Dec.CLIP_COEF], scale=d[Dec.SCALE], next_scale=d[Dec.NEXT_SCALE],
-            reason=REASONS[int(d[Dec.REASON])], skip=d[Dec.SKIP] > 0, loss_nonfinite=d[Dec.LOSS_NONFINITE] > 0,
-            grad_nonfinite=d[Dec.GRAD_NONFINITE] > 0, grad_spike=d[Dec.GRAD_SPIKE] > 0,
-            loss_spike=d[Dec.LOSS_SPIKE] > 0, backoff=d[Dec.BACKOFF] > 0, growth=d[Dec.GROWTH] > 0,
-            floor=d[Dec.FLOOR] > 0, no_grads=d[Dec.NO_GRADS] > 0, spike_threshold=d[Dec.SPIKE_THRESHOLD],
-            clip_threshold=d[Dec.CLIP_THRESHOLD], rebaseline=d[Dec.REBASELINE] > 0,
-            zclip_rebaseline=d[Dec.ZCLIP_REBASELINE] > 0,
-        )
 
 
 @dataclasses.dataclass(slots=True)
@@ -273,44 +238,156 @@ def local_vector(
     no_grads: bool = False,
     sentinel: torch.Tensor | None = None,
     headroom: torch.Tensor | None = None,
+    host: bool | None = None,
 ) -> torch.Tensor:
     """Pack this rank's statistics into the ``LOCAL_K`` vector (:class:`Loc`). ``loss``: this
     step's loss on device (None: no loss was given for this step). ``no_grads``: no parameter
     received a gradient on this rank (known on the host, from the gradients' version counters).
-    ``headroom``: this rank's sampled headroom (None: not sampled, NaN)."""
-    if tensor_norms.numel():
-        total = torch.linalg.vector_norm(tensor_norms, 2.0)
-    else:
-        total = torch.zeros((), dtype=torch.float32, device=device)
-    nonfinite = (~torch.isfinite(tensor_norms)).sum()
-    zero, one, nan, minus_one = _constants(device)
-    vec = torch.stack(
-        [
-            nan if loss is None else loss,
-            zero if loss is None else ~torch.isfinite(loss),
-            total,
-            nonfinite,
-            zero if found_inf is None else found_inf.to(device).reshape(()),  # ShardedGradScaler: [1]
-            zero if pre_reduction is None else pre_reduction.to(device),
-            one if no_grads else zero,
-            minus_one if sentinel is None else sentinel.to(device),
-            nan if headroom is None else headroom.to(device).reshape(()),
-        ]
-    ).float()
-    return vec
+    ``headroom``: this rank's sampled headroom (None: not sampled, NaN).
+
+    The layout is written once, here; ``host`` picks how its values are made: on the CPU
+    (default there) read as host floats and packed by one buffer (a 0-d tensor read costs
+    nothing there, and each tiny tensor op microseconds), elsewhere stacked on device (no sync).
+    Both give the same float32 values; the total norm is the same torch reduction either way
+    (bitwise ``clip_grad_norm_``'s)."""
+    x: _PackOps = _HOST if (device.type == "cpu" if host is None else host) else _DeviceOps(device)
+    total = torch.linalg.vector_norm(tensor_norms, 2.0) if tensor_norms.numel() else None
+    value = x.value(loss, math.nan)
+    grad_norm = x.value(total, 0.0)
+    return x.pack([
+        value,  # Loc.LOSS
+        x.const(0.0) if loss is None else x.nonfinite(value),  # Loc.LOSS_NONFINITE
+        grad_norm,  # Loc.GRAD_NORM
+        x.count_nonfinite(tensor_norms, grad_norm),  # Loc.NONFINITE_TENSORS
+        x.value(found_inf, 0.0),  # Loc.FOUND_INF
+        x.value(pre_reduction, 0.0),  # Loc.PRE_REDUCTION
+        x.const(1.0 if no_grads else 0.0),  # Loc.NO_GRADS
+        x.value(sentinel, -1.0),  # Loc.SENTINEL
+        x.value(headroom, math.nan),  # Loc.HEADROOM
+    ])
+
+
+class _PackOps(Protocol):
+    """How :func:`local_vector` makes its values: each is a host float (:class:`_HostOps`) or a 0-d
+    tensor on the device (:class:`_DeviceOps`), one kind per execution."""
+
+    def value(self, t: torch.Tensor | None, default: float) -> Any: ...
+    def const(self, v: float) -> Any: ...
+    def nonfinite(self, v: Any) -> Any: ...
+    def count_nonfinite(self, norms: torch.Tensor, total: Any) -> Any: ...
+    def pack(self, values: list[Any]) -> torch.Tensor: ...
+
+
+class _HostOps:
+    """:func:`local_vector`'s values as host floats, packed by one float32 buffer."""
+
+    @staticmethod
+    def value(t: torch.Tensor | None, default: float) -> float:
+        return default if t is None else t.item()  # type: ignore[no-any-return]
+
+    @staticmethod
+    def const(v: float) -> float:
+        return v
+
+    @staticmethod
+    def nonfinite(v: float) -> float:
+        return 0.0 if math.isfinite(v) else 1.0
+
+    @staticmethod
+    def count_nonfinite(norms: torch.Tensor, total: float) -> float:
+        # A non-finite tensor norm makes the total non-finite: only then are they counted.
+        return 0.0 if math.isfinite(total) else float(sum(not math.isfinite(n) for n in norms.tolist()))
+
+    @staticmethod
+    def pack(values: list[float]) -> torch.Tensor:
+        # array("f") rounds each value to float32 (to nearest, as a float32 cast): the device's values
+        return torch.frombuffer(array.array("f", values), dtype=torch.float32)
+
+
+_HOST = _HostOps()
+
+
+class _DeviceOps:
+    """:func:`local_vector`'s values as 0-d tensors on ``device``, stacked: no sync."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def value(self, t: torch.Tensor | None, default: float) -> torch.Tensor:
+        # ShardedGradScaler's found_inf is [1]: every value is made 0-d
+        return self.const(default) if t is None else t.to(self.device).reshape(())
+
+    def const(self, v: float) -> torch.Tensor:
+        zero, one, nan, minus_one = _constants(self.device)
+        return nan if math.isnan(v) else {0.0: zero, 1.0: one, -1.0: minus_one}[v]
+
+    @staticmethod
+    def nonfinite(v: torch.Tensor) -> torch.Tensor:
+        return ~torch.isfinite(v)
+
+    @staticmethod
+    def count_nonfinite(norms: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        return (~torch.isfinite(norms)).sum()
+
+    @staticmethod
+    def pack(values: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(values).float()
 
 
 _CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+"""0, 1, NaN and -1 as float32 0-d tensors per device, made once: fills a step fewer on the
+device path. Process-wide, and safe so: a few bytes per device, never written (only ever read by
+``torch.stack``), never captured (the CUDA graph holds the decision, not this pack)."""
 
 
 def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """0, 1, NaN and -1 as float32 0-d tensors on ``device``, made once (only ever read)."""
     c = _CONSTANTS.get(device)
     if c is None:
         c = _CONSTANTS[device] = tuple(  # type: ignore[assignment]
             torch.full((), v, dtype=torch.float32, device=device) for v in (0.0, 1.0, math.nan, -1.0)
         )
     return c  # type: ignore[return-value]
+
+
+class LossMeter:
+    """The loss of the optimizer step being prepared, summed on device over its micro-batches.
+
+    ``reduction="mean"`` (``opt.backward(loss)``: each micro-batch's loss is a full loss) reports
+    the mean; ``"sum"`` (a framework that divides each micro-batch's loss by the accumulation steps
+    before backward) reports the sum, which is then the loss of the whole batch. No sync.
+    """
+
+    __slots__ = ("count", "reduction", "total")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.total: torch.Tensor | None = None
+        self.count = 0
+        self.reduction: str | None = None
+
+    def check(self, reduction: str) -> None:
+        """Raise, changing nothing, when ``reduction`` differs from this step's earlier losses'."""
+        if self.reduction is not None and reduction != self.reduction:
+            raise GuardStateError(
+                f"this step's losses were given with reduction={self.reduction!r} and now {reduction!r}: give every "
+                "micro-batch loss of one step the same way (opt.backward(loss) means 'mean'). Nothing was changed."
+            )
+
+    def add(self, loss: torch.Tensor, reduction: str) -> None:
+        self.check(reduction)
+        detached = loss.detach().float().reshape(())
+        self.total = detached if self.total is None else self.total + detached
+        self.count += 1
+        self.reduction = reduction
+
+    def value(self) -> torch.Tensor | None:
+        if self.total is None or self.count == 1 or self.reduction == "sum":
+            return self.total
+        return self.total / self.count
 
 
 def origin_ranks(rows: Sequence[Sequence[float]]) -> tuple[int, ...]:

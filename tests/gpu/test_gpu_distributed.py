@@ -51,7 +51,7 @@ def _run(rank: int, world: int, fused: bool, device: str = "cuda") -> dict[str, 
         "scales": [r.loss_scale for r in opt.history],
         "params": [p.detach().cpu() for p in model.parameters()],
         "graph": opt._pipeline.graph._graph is not None,
-        "host": opt._pipeline.host_decision and opt._pipeline._host is not None,
+        "host": opt._pipeline.host_decision,
     }
 
 

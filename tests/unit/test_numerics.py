@@ -405,7 +405,6 @@ def test_a_guarded_run_under_the_headroom_policy_is_the_same_on_both_paths(kind)
 
 
 def test_the_headroom_rides_the_local_vector_on_both_paths():
-    from ampguard.pipeline import local_vector_host
     from ampguard.stats import local_vector
 
     from .test_host_decision import bits
@@ -413,7 +412,7 @@ def test_the_headroom_rides_the_local_vector_on_both_paths():
     for h in (None, 3.25, -math.inf, math.inf, math.nan, 1e-3):
         kw = dict(loss=torch.tensor(1.5), tensor_norms=torch.tensor([1.0, 2.0]), found_inf=None, pre_reduction=None,
                   device=torch.device("cpu"), headroom=None if h is None else torch.tensor(h))
-        a, b = local_vector(**kw).tolist(), local_vector_host(**kw).tolist()
+        a, b = local_vector(**kw, host=False).tolist(), local_vector(**kw, host=True).tolist()
         assert [bits(x) for x in a] == [bits(x) for x in b]
         want = math.nan if h is None else torch.tensor(h).item()  # float32
         assert bits(a[Loc.HEADROOM]) == bits(want)

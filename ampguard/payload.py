@@ -1,0 +1,169 @@
+"""The one layout of a step's report vector: :func:`pack` on the device, :meth:`Layout.unpack`
+once on the host.
+
+Everything the host report needs from one step travels as ONE float32 vector (one copy)::
+
+    decision (DECISION_K) | gathered (world x LOCAL_K) | norms (n) | numerics (0 or 2+G) | indicators (0 or 2M)
+
+- ``decision``: :class:`~ampguard.stats.Dec`, the same on every rank;
+- ``gathered``: every rank's local vector (:class:`~ampguard.stats.Loc`), the step's one collective;
+- ``norms``: this rank's per-tensor gradient norms, in ``GradGroups.index`` order;
+- ``numerics``: a step sampled by ``GuardConfig.numerics_every``: :meth:`ampguard.numerics.Numerics.measure`;
+- ``indicators``: a sampled step's leading indicators (:meth:`ampguard.indicators.Indicators.after_step`).
+
+:class:`Layout` is the header: the counts of each part, known on the host from shapes (nothing
+extra rides the vector, no sync to learn them), kept beside the vector until it is decoded.
+Every reader takes its slice from it: the report (:class:`Unpacked`) and the host decision's
+one copy (:class:`HostCopy`, which brings the statistics section to the host before the decision
+exists, so a host decision's payload is built from that copy, with nothing to copy again).
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from .scaling import ScalerView
+from .stats import DECISION_K, LOCAL_K
+
+if TYPE_CHECKING:
+    from .pipeline import Measured
+
+__all__ = ["HostCopy", "Layout", "Packed", "Unpacked", "host_tensor", "pack"]
+
+
+class Layout(NamedTuple):
+    """The header of one step's payload: how many floats each part holds (see the module docstring).
+    (Named tuples, here and below: built every step, and a tuple is built in C.)"""
+
+    world: int
+    """Ranks in the gathered matrix."""
+    norms: int
+    """Per-tensor norms (gradients this rank held)."""
+    numerics: int = 0
+    """The sampled numerics (0: not sampled)."""
+    indicators: int = 0
+    """The leading indicators (0: not sampled, or off)."""
+
+    @classmethod
+    def of(cls, gathered: torch.Tensor, norms: torch.Tensor, numerics: torch.Tensor | None = None,
+           indicators: torch.Tensor | None = None) -> Layout:
+        return cls(gathered.shape[0], norms.numel(), 0 if numerics is None else numerics.numel(),
+                   0 if indicators is None else indicators.numel())
+
+    @property
+    def statistics(self) -> slice:
+        """The section after the decision and before the indicators: what a host decision copies."""
+        return slice(DECISION_K, DECISION_K + self.world * LOCAL_K + self.norms + self.numerics)
+
+    @property
+    def size(self) -> int:
+        return self.statistics.stop + self.indicators
+
+    def unpack(self, values: Sequence[float]) -> Unpacked:
+        """Cut ``values`` (the whole vector, as host floats) into its parts, once."""
+        if len(values) != self.size:  # internal: packed by pack() with this very header
+            raise ValueError(f"payload of {len(values)} floats, its layout {self} says {self.size}")
+        at = DECISION_K + self.world * LOCAL_K
+        rows = [values[k : k + LOCAL_K] for k in range(DECISION_K, at, LOCAL_K)]
+        numerics_at = at + self.norms
+        indicators_at = numerics_at + self.numerics
+        return Unpacked(values[:DECISION_K], rows, values[at:numerics_at], values[numerics_at:indicators_at],
+                        values[indicators_at:])
+
+
+class Unpacked(NamedTuple):
+    """One step's payload on the host, cut by its :class:`Layout`."""
+
+    decision: Sequence[float]
+    """Indexed by :class:`~ampguard.stats.Dec`."""
+    rows: list[Sequence[float]]
+    """Every rank's local vector, indexed by :class:`~ampguard.stats.Loc`."""
+    norms: Sequence[float]
+    """This rank's per-tensor norms: the k-th is parameter ``GradGroups.index[k]``'s."""
+    numerics: Sequence[float]
+    """``[zero fraction, headroom, zero fraction per param group...]``, or empty."""
+    indicators: Sequence[float]
+    """``[module grad norms..., module update ratios...]``, or empty."""
+
+
+class Packed(NamedTuple):
+    """A step's payload: the vector (on device, or on the host after a host decision) and its header."""
+
+    vector: torch.Tensor
+    layout: Layout
+
+
+def pack(decision: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor, numerics: torch.Tensor | None = None,
+         indicators: torch.Tensor | None = None, *, copied: HostCopy | None = None) -> Packed:
+    """The step's payload: one ``torch.cat`` of its parts, in :class:`Layout` order (no sync).
+    ``copied``: a host decision's copy, whose statistics section is already on the host: the
+    payload is then built there from it and the host ``decision`` (nothing copied twice, nothing
+    to wait for); a sampled step's indicators, computed after the inner step, are then copied
+    to the host (off the CPU: a wait for the inner step, on sampled steps only)."""
+    layout = Layout.of(gathered, norms, numerics, indicators)
+    if copied is None or copied.statistics is None:
+        parts = [decision, *_statistics(gathered, norms, numerics)]
+    else:
+        parts = [decision, copied.statistics]
+        indicators = None if indicators is None else indicators.float().cpu()
+    if indicators is not None:
+        parts.append(indicators)
+    return Packed(torch.cat(parts), layout)
+
+
+def _statistics(gathered: torch.Tensor, norms: torch.Tensor, numerics: torch.Tensor | None) -> list[torch.Tensor]:
+    """The statistics section's parts, in :class:`Layout` order (:func:`pack` and :class:`HostCopy`)."""
+    parts = [gathered.reshape(-1).float(), norms]
+    if numerics is not None:
+        parts.append(numerics.to(norms.device))
+    return parts
+
+
+@dataclasses.dataclass(slots=True)
+class HostCopy:
+    """What a host decision reads, brought to the host in one copy (off the CPU: the step's one
+    sync): the payload's statistics section (gathered matrix, this rank's norms and sampled
+    numerics, :attr:`Layout.statistics`), and the scaler's scale and growth tracker (so the
+    decision reads no device tensor one value at a time)."""
+
+    gathered: torch.Tensor
+    """``[world_size, LOCAL_K]`` float32, on the CPU."""
+    statistics: torch.Tensor | None
+    """The payload's statistics section, on the CPU (None where nothing was copied: the CPU,
+    where :func:`pack` lays it out from the tensors themselves)."""
+    view: ScalerView | None
+    """The scaler's view, its scale and growth tracker as CPU tensors (None without a scaler)."""
+
+    @classmethod
+    def read(cls, gathered: torch.Tensor, measured: Measured, view: ScalerView | None,
+             device: torch.device, *, copy: bool | None = None) -> HostCopy:
+        """``measured``: the step's norms and sampled numerics. ``copy``: bring the values over in
+        one copy (default: unless they are on the CPU already; a test forces it on CPU tensors to
+        run the path CUDA takes)."""
+        if not (gathered.device.type != "cpu" if copy is None else copy):
+            return cls(gathered, None, view)
+        parts = _statistics(gathered, measured.norms, measured.numerics)
+        n = sum(p.numel() for p in parts)
+        # The growth tracker (< growth_interval) rides as a float32, exact up to 2**24; a larger
+        # interval (not a realistic one) reads it on its own.
+        exact = view is not None and view.growth_interval <= 2**24
+        if view is not None:
+            parts.append(view.scale.reshape(1).float())
+            if exact:
+                parts.append(view.growth_tracker.reshape(1).float())
+        flat = torch.cat([p.to(device, non_blocking=True) for p in parts]).cpu()  # SYNC off the CPU: the one
+        if view is not None:
+            tracker = flat[n + 1 :].int() if exact else view.growth_tracker.reshape(1).cpu()
+            view = ScalerView(flat[n : n + 1], tracker, view.growth_factor, view.backoff_factor, view.growth_interval)
+        return cls(flat[: gathered.numel()].view(gathered.shape), flat[:n], view)
+
+
+def host_tensor(values: Sequence[float]) -> torch.Tensor:
+    """A float32 CPU tensor of ``values`` (each rounded to float32), over a fresh array of its own:
+    ``torch.frombuffer`` costs about half of ``torch.tensor`` parsing a list."""
+    return torch.frombuffer(array.array("f", values), dtype=torch.float32)
