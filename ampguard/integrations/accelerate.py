@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -243,7 +243,7 @@ class _AcceleratorHooks:
                     guard.observe_loss(micro, reduction="sum")
             return result
 
-        def unscale_gradients(optimizer: Any = None) -> Any:
+        def unscale_gradients(optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None) -> Any:
             if accelerator.sync_gradients:
                 chosen = accelerator._optimizers if optimizer is None else optimizer
                 chosen = chosen if isinstance(chosen, (list, tuple)) else [chosen]

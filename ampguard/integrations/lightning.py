@@ -268,8 +268,8 @@ class AmpGuardPrecision(MixedPrecision):
             self.guard.observe_loss(tensor, reduction="sum" if module.automatic_optimization else "mean")
         return super().pre_backward(tensor, module)
 
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],  # type: ignore[override]
-                       **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, model: Any,  # type: ignore[override]
+                       closure: Callable[[], Any], **kwargs: Any) -> Any:
         """Lightning's fp16 order in both precisions, with the guard in GradScaler's place: the
         closure, ``guard.unscale_()`` (unscale in fp16, and measure), the hooks and clipping
         (``_after_closure``), ``guard.step()``, which also sets the next loss scale (Lightning's
@@ -299,7 +299,7 @@ class AmpGuardPrecision(MixedPrecision):
                             ("skipped", float(report.skipped))):
             model.log(f"ampguard/{name}", value, on_step=True, on_epoch=False, batch_size=1)
 
-    def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: int | float = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         """Lightning's clipping, on gradients the guard unscaled and measured first (also in
         manual optimization, where Lightning's own fp16 path would clip scaled gradients)."""
