@@ -73,7 +73,7 @@ class InnerOptimizerView(torch.optim.Optimizer):
             "accelerator.prepare() was given an optimizer that ampguard.wrap() already guarded: accelerate would "
             "step it with its own GradScaler calls and never see a skipped step. Prepare first, then guard: "
             "`optimizer = ampguard.wrap(accelerator.prepare(optimizer), accelerator=accelerator, model=model)` "
-            "(wrap the plain optimizer: opt.optimizer). Nothing was changed.")
+            "(wrap the plain optimizer: opt.optimizer). The optimizer was not prepared.")
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: forward to the inner optimizer (e.g. Horovod's

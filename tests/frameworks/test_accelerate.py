@@ -198,6 +198,26 @@ def test_a_scheduler_prepared_after_wrap_holds_the_lr_too():
     assert acc.prepare(opt) is opt and acc._optimizers == [opt]  # prepare() hands the guarded one back as it is
 
 
+def test_two_guards_on_one_accelerator_each_take_their_place_and_the_last_close_hands_backward_back():
+    acc = _accelerator("bf16")
+    model = make_model(0)
+    first, second = list(model.parameters())[:2], list(model.parameters())[2:]
+    model, opt1, opt2 = acc.prepare(model, torch.optim.AdamW(first, lr=1e-2), torch.optim.SGD(second, lr=0.1))
+    opt1 = ampguard.wrap(opt1, accelerator=acc, model=model)
+    opt2 = ampguard.wrap(opt2, accelerator=acc, model=model)
+    assert acc._optimizers == [opt1, opt2]
+    x, y = make_data(1)[0]
+    loss = loss_of(model, x, y)
+    acc.backward(loss)
+    opt1.step()
+    opt2.step()
+    assert opt1.last_report.loss == opt2.last_report.loss == pytest.approx(loss.item())  # both saw the backward
+    opt1.close()
+    assert "backward" in acc.__dict__  # opt2 still observes it
+    opt2.close()
+    assert "backward" not in acc.__dict__ and "unscale_gradients" not in acc.__dict__
+
+
 @pytest.mark.parametrize(("accelerator_precision", "guard_kwargs"), [
     ("fp16", {"scaler": "accelerator's"}),  # even the right scaler and precision: guard after prepare
     ("bf16", {"precision": "bf16"}),
