@@ -19,25 +19,14 @@ from .errors import GuardStateError
 from .exporters.base import Exporter
 from .guard import GuardedOptimizer
 from .hardware import check_precision
+from .optimizer_view import param_names
 from .records import RunInfo
 from .scaling import GradScalerAdapter, SharedScaler, f32
 from .vocab import Precision
 
-__all__ = ["param_names", "wrap"]
+__all__ = ["wrap"]
 
 _PRECISIONS = ("auto", "fp16", "bf16", "fp32")
-
-
-def param_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> tuple[str, ...]:
-    """Parameter names in ``param_groups`` order, as the user wrote them (no DDP ``module.``, no
-    ``torch.compile`` ``_orig_mod.``); ``group{g}.param{i}`` where the model does not name one."""
-    known: dict[int, str] = {}
-    if model is not None:
-        inner_model = getattr(model, "module", model)  # DDP / DataParallel wrappers
-        for name, p in inner_model.named_parameters():
-            known.setdefault(id(p), name.replace("_fsdp_wrapped_module.", "").replace("_orig_mod.", ""))
-    return tuple(known.get(id(p), f"group{gi}.param{pi}")
-                 for gi, group in enumerate(optimizer.param_groups) for pi, p in enumerate(group["params"]))
 
 
 def _resolve_precision(precision: str, scaler: torch.amp.GradScaler | None,
@@ -108,13 +97,9 @@ def _check_exporter_instances(exporters: Any) -> None:
                             f"{e.__name__}(...), e.g. exporters=[ampguard.JsonlExporter('events-{{rank}}.jsonl')]")
 
 
-def _framework_adopter(optimizer: torch.optim.Optimizer) -> Callable[..., Any] | None:
-    """A framework's optimizer wrapper that ``wrap()`` hands to its integration instead."""
-    if any(cls.__module__.startswith("accelerate.") for cls in type(optimizer).__mro__):
-        from .integrations.accelerate import wrap_prepared
-
-        return wrap_prepared
-    return None
+def _is_accelerated(optimizer: torch.optim.Optimizer) -> bool:
+    """An accelerate ``AcceleratedOptimizer`` (told by its class's module: accelerate need not be installed)."""
+    return any(cls.__module__.startswith("accelerate.") for cls in type(optimizer).__mro__)
 
 
 # Long (~80 lines) because of its docstring, the user-facing contract; the body is the checks in order.
@@ -130,6 +115,7 @@ def wrap(
     on_rollback: Callable[[Any, int], None] | None = None,
     on_abort: Callable[[Any, str], None] | None = None,
     collective: Any = None,
+    accelerator: object | None = None,
 ) -> Any:
     """Wrap ``optimizer`` so every step is checked, agreed across ranks, and reported.
 
@@ -153,8 +139,10 @@ def wrap(
       environment (a Horovod ``DistributedOptimizer`` -> Horovod; an initialised
       torch.distributed -> torch.distributed; else one process). ``collective=`` is its
       deprecated name.
-    - An accelerate ``AcceleratedOptimizer`` (after ``accelerator.prepare``) is guarded in place:
-      see :mod:`ampguard.integrations.accelerate`.
+    - ``accelerator``: the accelerate ``Accelerator`` that prepared ``optimizer``, for
+      ``ampguard.wrap(accelerator.prepare(optimizer), accelerator=accelerator)``: the guard shares
+      its GradScaler and precision, and the returned ``GuardedAcceleratedOptimizer`` takes the
+      prepared optimizer's place in it (see :mod:`ampguard.integrations.accelerate`).
 
     collective: in a distributed run every rank must call ``wrap()`` (it agrees on a run id).
     Raises ``TypeError``/``ValueError``/``GuardStateError``/
@@ -175,10 +163,12 @@ def wrap(
         raise TypeError(f"wrap(model=...) expects the torch.nn.Module being trained (or None), got "
                         f"{type(model).__name__} {model!r:.60}")
     _check_exporter_instances(exporters)
-    adopt = _framework_adopter(optimizer)
-    if adopt is not None:
-        return adopt(optimizer, model=model, scaler=scaler, precision=precision, config=config,
-                     exporters=exporters, backend=backend, on_rollback=on_rollback, on_abort=on_abort)
+    prepared = None
+    if accelerator is not None or _is_accelerated(optimizer):
+        from .integrations import accelerate  # the one integration wrap() knows: it imports no factory
+
+        prepared = optimizer
+        optimizer, scaler, precision = accelerate.resolve(prepared, accelerator, scaler=scaler, precision=precision)
     if config is None:
         config = GuardConfig()
     elif isinstance(config, dict):
@@ -204,6 +194,9 @@ def wrap(
         backend = select_backend(optimizer)
     if scaler is not None:
         GradScalerAdapter(scaler).ensure_initialized(device)  # so the state is complete before step 0
-    return GuardedOptimizer(optimizer, precision=resolved, scaler=scaler, config=config, model=model,
-                            exporters=exporters, backend=backend, device=device,
-                            run_info=_run_info(resolved, device), on_rollback=on_rollback, on_abort=on_abort)
+    guard = GuardedOptimizer(optimizer, precision=resolved, scaler=scaler, config=config, model=model,
+                             exporters=exporters, backend=backend, device=device,
+                             run_info=_run_info(resolved, device), on_rollback=on_rollback, on_abort=on_abort)
+    if prepared is None:
+        return guard
+    return accelerate.attach(prepared, guard, accelerator)  # type: ignore[arg-type]

@@ -7,7 +7,6 @@ the readers and the state dict; the work is done by the rooms it delegates to
 from __future__ import annotations
 
 import enum
-import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -25,7 +24,7 @@ from .exporters.base import Exporter, MultiExporter
 from .forensics.arming import Forensics
 from .indicators import Indicators
 from .logs import Voice
-from .optimizer_view import InnerOptimizerView
+from .optimizer_view import InnerOptimizerView, param_names
 from .pipeline import StepPipeline, grad_marks
 from .records import Anomaly, History, RunInfo, StepReport
 from .scaling import GradScalerAdapter
@@ -115,17 +114,6 @@ class GuardedOptimizer(InnerOptimizerView):
 
     def __repr__(self) -> str:
         return f"GuardedOptimizer(precision={self.precision!r}, backend={self.backend.name!r}, {self.optimizer!r})"
-
-    @property
-    def _is_accelerate_prepared(self) -> bool:
-        # accelerate's prepare_optimizer() reads this of every optimizer it is given, before it
-        # builds anything: there the accelerate integration adopts a guard made before prepare,
-        # or refuses it (ampguard.integrations.accelerate.on_prepare).
-        if "accelerate" in sys.modules:
-            from .integrations.accelerate import on_prepare
-
-            on_prepare(self, sys._getframe(1))
-        return False
 
     # ------------------------------------------------------------------ the loop
     def autocast(self, enabled: bool = True) -> torch.autocast:
@@ -341,8 +329,6 @@ class GuardedOptimizer(InnerOptimizerView):
     def param_names(self) -> tuple[str, ...]:
         """Parameter names in ``param_groups`` order: the order of ``StepReport.param_norms``."""
         if not self._names:
-            from .factory import param_names
-
             self._names = param_names(self.optimizer, self.model)
         return self._names
 

@@ -4,6 +4,7 @@
 and ``defaults`` are the inner optimizer's own objects, so LR schedulers, ``isinstance`` checks
 and code that edits ``param_groups[i]["lr"]`` see the optimizer they already had. It also runs
 the state-dict hooks users register on it, as ``torch.optim.Optimizer`` does.
+:func:`param_names` names the parameters of an optimizer, in ``param_groups`` order.
 """
 
 from __future__ import annotations
@@ -14,7 +15,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["InnerOptimizerView"]
+from .errors import GuardStateError
+
+__all__ = ["InnerOptimizerView", "param_names"]
+
+
+def param_names(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> tuple[str, ...]:
+    """Parameter names in ``param_groups`` order, as the user wrote them (no DDP ``module.``, no
+    ``torch.compile`` ``_orig_mod.``); ``group{g}.param{i}`` where the model does not name one."""
+    known: dict[int, str] = {}
+    if model is not None:
+        inner_model = getattr(model, "module", model)  # DDP / DataParallel wrappers
+        for name, p in inner_model.named_parameters():
+            known.setdefault(id(p), name.replace("_fsdp_wrapped_module.", "").replace("_orig_mod.", ""))
+    return tuple(known.get(id(p), f"group{gi}.param{pi}")
+                 for gi, group in enumerate(optimizer.param_groups) for pi, p in enumerate(group["params"]))
 
 
 class InnerOptimizerView(torch.optim.Optimizer):
@@ -49,6 +64,16 @@ class InnerOptimizerView(torch.optim.Optimizer):
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
+
+    @property
+    def _is_accelerate_prepared(self) -> bool:
+        # accelerate's prepare_optimizer() reads this of every optimizer it is given, before it
+        # builds anything: the one moment a guard handed to accelerator.prepare() can be refused.
+        raise GuardStateError(
+            "accelerator.prepare() was given an optimizer that ampguard.wrap() already guarded: accelerate would "
+            "step it with its own GradScaler calls and never see a skipped step. Prepare first, then guard: "
+            "`optimizer = ampguard.wrap(accelerator.prepare(optimizer), accelerator=accelerator, model=model)` "
+            "(wrap the plain optimizer: opt.optimizer). The optimizer was not prepared.")
 
     def __getattr__(self, name: str) -> Any:
         # Only reached when normal lookup fails: forward to the inner optimizer (e.g. Horovod's

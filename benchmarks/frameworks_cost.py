@@ -9,7 +9,7 @@ framework permits it):
   accelerate_plain    ``Accelerator(mixed_precision="fp16")``; ``prepare(model, optimizer, scheduler)``;
                       the documented loop: forward, ``accelerator.backward``, ``accelerator.clip_grad_norm_(1.0)``,
                       ``optimizer.step()``, ``scheduler.step()``, ``optimizer.zero_grad()``. Fused AdamW.
-  accelerate_guarded  + ``optimizer = ampguard.wrap(optimizer, model=model)``.
+  accelerate_guarded  + ``optimizer = ampguard.wrap(optimizer, accelerator=accelerator, model=model)``.
   trainer_plain       transformers ``Trainer``, its own ``train()`` loop: ``TrainingArguments(fp16=True,
                       optim="adamw_torch_fused", max_grad_norm=1.0)``, its linear scheduler; no logging, no saving.
   trainer_guarded     ``GuardedTrainer``, the same arguments.
@@ -222,7 +222,7 @@ def build_accelerate(arm: Arm, model: torch.nn.Module, ctx: dict[str, Any], *, s
     model, opt = prepared[0], prepared[1]
     sched = prepared[2] if scheduler else None
     if arm.guarded:
-        opt = ampguard.wrap(opt, model=model)
+        opt = ampguard.wrap(opt, accelerator=acc, model=model)
         arm.info["guard"] = opt.guard
     arm.info["scaler"] = acc.scaler
     loader = DataLoader(ctx["dataset"], batch_size=ctx["size"]["batch"], pin_memory=device.type == "cuda")

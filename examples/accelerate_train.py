@@ -42,7 +42,7 @@ def main() -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
     model, optimizer, dataloader, scheduler = accelerator.prepare(model, optimizer, dataloader, scheduler)
-    optimizer = ampguard.wrap(optimizer, model=model)  # the one added line
+    optimizer = ampguard.wrap(optimizer, accelerator=accelerator, model=model)  # the one added line
 
     injection = faults.inject(optimizer, model, faults.output("0", "nan", steps=[args.fault_step]))
     skipped = []

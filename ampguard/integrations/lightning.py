@@ -11,11 +11,10 @@ The plugin is Lightning's own :class:`~lightning.pytorch.plugins.precision.Mixed
   optimizer state is restored) wraps the optimizer with :func:`ampguard.wrap`, sharing the
   plugin's GradScaler. Lightning's optimizers are then ``[guard]``: the checkpoint's optimizer
   state is ``guard.state_dict()`` (inner optimizer, scaler, guard counters).
-- fp16 runs Lightning's GradScaler code unchanged: ``scaler.scale(loss)`` in ``pre_backward``,
-  ``scaler.unscale_(opt)`` (the guard's :meth:`~ampguard.guard.GuardedOptimizer.unscale_`), the
-  hooks and clipping, ``scaler.step(opt)`` (routed to the guarded step), ``scaler.update()`` (a
-  no-op: the guard updated the scale). bf16 runs the same order: closure, ``guard.unscale_()``,
-  hooks and clipping, ``guard.step()``.
+- A step runs Lightning's fp16 order with the guard in GradScaler's place, in both precisions:
+  ``scaler.scale(loss)`` in ``pre_backward`` (fp16), the closure, ``guard.unscale_()`` (unscale
+  in fp16, and measure), the hooks and clipping, ``guard.step()`` (which also sets the next loss
+  scale: Lightning's ``scaler.step``/``scaler.update`` are not called).
 - Clipping (``Trainer(gradient_clip_val=...)``, norm or value, or ``self.clip_gradients`` in
   manual optimization) is Lightning's own, on gradients the guard has already unscaled and
   measured: reports show the norm before clipping.
@@ -124,6 +123,14 @@ def _sync_free(config: Any, automatic: bool, optimizer: torch.optim.Optimizer) -
             and not getattr(type(scheduler), "_ampguard_scheduled", False))
 
 
+def _trainer_of(model: Any) -> Any:
+    """The Trainer a LightningModule (or a strategy's wrapper of one) is attached to; None if none."""
+    try:
+        return getattr(model, "module", model).trainer
+    except (AttributeError, RuntimeError):  # not a LightningModule, or not attached to a Trainer
+        return None
+
+
 class AmpGuardPrecision(MixedPrecision):
     """Lightning's ``MixedPrecision`` with the optimizer guarded by ampguard.
 
@@ -186,7 +193,6 @@ class AmpGuardPrecision(MixedPrecision):
         self.log_stats = log
         self.guard: GuardedOptimizer | None = None
         self._device_given = device is not None
-        self._backward_ran = False
 
     # ------------------------------------------------------------------ setup
     def connect(self, model: torch.nn.Module, optimizers: list[torch.optim.Optimizer],
@@ -207,8 +213,6 @@ class AmpGuardPrecision(MixedPrecision):
         guard = wrap(optimizer, model=model, scaler=self.scaler, precision=_PRECISIONS[self.precision],  # type: ignore[arg-type]
                      config=self.config, exporters=self.exporters, backend=self.backend,
                      on_rollback=self.on_rollback, on_abort=self.on_abort)
-        if guard._scaler is not None:
-            guard._scaler.route_steps = True  # Lightning's scaler.step(opt) is the guarded step
         guard.register_load_state_dict_pre_hook(self._adopt_plain_state)
         self.guard = guard
         held = [dataclasses.replace(c, scheduler=HeldScheduler(c.scheduler, guard, sync_free=f))
@@ -230,8 +234,7 @@ class AmpGuardPrecision(MixedPrecision):
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("AmpGuardPrecision cannot guard LBFGS: its step re-evaluates the closure, and the guard "
                              "checks one backward per step. Use another optimizer, or train without the plugin.")
-        module = getattr(model, "module", model)  # DDP-style wrappers
-        trainer = getattr(module, "_trainer", None)
+        trainer = _trainer_of(model)
         if trainer is not None and trainer.gradient_clip_val and self.config.clip_grad_norm is not None:
             raise ValueError(
                 f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) and GuardConfig(clip_grad_norm="
@@ -251,7 +254,7 @@ class AmpGuardPrecision(MixedPrecision):
         if not isinstance(state_dict, dict) or "ampguard" in state_dict or "param_groups" not in state_dict:
             return state_dict
         fresh = guard.state_dict()
-        trainer = getattr(getattr(guard.model, "module", guard.model), "_trainer", None)
+        trainer = _trainer_of(guard.model)
         if trainer is not None:
             fresh["ampguard"]["step"] = trainer.global_step
         return {**fresh, "optimizer": state_dict}
@@ -265,30 +268,26 @@ class AmpGuardPrecision(MixedPrecision):
             self.guard.observe_loss(tensor, reduction="sum" if module.automatic_optimization else "mean")
         return super().pre_backward(tensor, module)
 
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],  # type: ignore[override]
-                       **kwargs: Any) -> Any:
-        """fp16: Lightning's GradScaler path. bf16: the same order: closure, unscale_/measure,
-        hooks and clipping, guarded step. A ``training_step`` that returned None (automatic
-        optimization) runs no backward and no step, as in Lightning's fp16 path."""
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, model: Any,  # type: ignore[override]
+                       closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Lightning's fp16 order in both precisions, with the guard in GradScaler's place: the
+        closure, ``guard.unscale_()`` (unscale in fp16, and measure), the hooks and clipping
+        (``_after_closure``), ``guard.step()``, which also sets the next loss scale (Lightning's
+        ``scaler.step``/``scaler.update`` are not called). A ``training_step`` that returned None
+        (automatic optimization) runs no backward and no step, as in Lightning's fp16 path."""
         guard = self.guard
         if guard is None or optimizer is not guard:
             raise GuardStateError(f"AmpGuardPrecision was asked to step {type(optimizer).__name__}, which it did not "
                                   "guard: step the optimizer configure_optimizers returned (self.optimizers()).")
-
-        def run_closure() -> Any:
-            result = closure()
-            self._backward_ran = not (result is None and model.automatic_optimization)
-            return result
-
-        if self.scaler is not None:
-            result = super().optimizer_step(guard, model=model, closure=run_closure, **kwargs)
-        else:
-            result = run_closure()
-            self._after_closure(model, guard)
-            if self._backward_ran:
-                guard.step(**kwargs)
-        if self.log_stats and self._backward_ran:
-            self._log(model, guard)
+        result = closure()
+        backward_ran = not (result is None and model.automatic_optimization)
+        if backward_ran:
+            guard.unscale_()  # measure before the hooks and clipping change the gradients
+        self._after_closure(model, guard)
+        if backward_ran:
+            guard.step(**kwargs)
+            if self.log_stats:
+                self._log(model, guard)
         return result
 
     @staticmethod
@@ -300,12 +299,7 @@ class AmpGuardPrecision(MixedPrecision):
                             ("skipped", float(report.skipped))):
             model.log(f"ampguard/{name}", value, on_step=True, on_epoch=False, batch_size=1)
 
-    def _after_closure(self, model: Any, optimizer: Any) -> None:
-        if self._backward_ran and self.guard is not None:
-            self.guard.unscale_()  # measure before the hooks and clipping change the gradients (idempotent)
-        super()._after_closure(model, optimizer)
-
-    def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: int | float = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         """Lightning's clipping, on gradients the guard unscaled and measured first (also in
         manual optimization, where Lightning's own fp16 path would clip scaled gradients)."""

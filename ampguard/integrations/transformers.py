@@ -7,10 +7,12 @@
 
 What changes against the plain ``Trainer`` (everything else is the Trainer's own code):
 
-- The guard is put inside the optimizer that accelerate prepared
-  (:func:`ampguard.integrations.accelerate.wrap_prepared`), right after ``accelerator.prepare``
-  and before the LR scheduler is built and before any optimizer state is loaded on
-  ``resume_from_checkpoint``. ``trainer.guard`` is the :class:`~ampguard.GuardedOptimizer`
+- The optimizer that accelerate prepared is guarded
+  (``ampguard.wrap(trainer.optimizer, accelerator=trainer.accelerator)``, see
+  :mod:`ampguard.integrations.accelerate`) right after ``accelerator.prepare``, before the LR
+  scheduler is built on it and before any optimizer state is loaded on
+  ``resume_from_checkpoint``: ``trainer.optimizer`` is then the
+  ``GuardedAcceleratedOptimizer``, and ``trainer.guard`` the :class:`~ampguard.GuardedOptimizer`
   (None until ``train()`` prepared the optimizer).
 - Precision follows ``TrainingArguments`` as the Accelerator resolved it: ``fp16`` with the
   Accelerator's ``GradScaler`` (shared: ``accelerator.backward`` scales with it), ``bf16``, or
@@ -18,8 +20,8 @@ What changes against the plain ``Trainer`` (everything else is the Trainer's own
 - A non-finite step is skipped on device; ``accelerator.optimizer_step_was_skipped`` is the
   guard's decision, so the Trainer holds the LR scheduler on that step.
 - ``max_grad_norm``: the Trainer still clips (``accelerator.clip_grad_norm_``); the guard
-  measures the gradients first (the accelerate integration's ``unscale_gradients`` hook), so its
-  ``grad_norm`` is the norm before clipping.
+  measures the gradients first (through ``accelerator.unscale_gradients``, see the accelerate
+  integration), so its ``grad_norm`` is the norm before clipping.
 - Loss: the report's loss is the loss of the optimizer step: the sum of the micro-batch losses
   as the Trainer back-propagates them through ``accelerator.backward`` (each already divided by
   the accumulation steps, or normalised by the items of the whole accumulated batch), observed by
@@ -34,8 +36,9 @@ Overridden ``Trainer`` methods (kept few on purpose):
 - ``__init__``: checks the guard's arguments before the Trainer builds anything.
 - ``create_scheduler``: ``Trainer._prepare_for_training`` calls it right after
   ``accelerator.prepare`` wrapped the optimizer, and before it loads ``optimizer.pt`` on resume:
-  the one public method that runs there. The guard goes in first, so the scheduler is built on
-  the guarded optimizer and the checkpoint's guard state is loaded into the guard.
+  the one public method that runs there. The guard goes in first (``self.optimizer`` becomes the
+  guarded one), so the scheduler is built on it and the checkpoint's guard state is loaded into
+  the guard.
 - ``log``: adds ``loss_scale`` and ``skipped_steps``.
 
 A subclass of ``GuardedTrainer`` that overrides one of these should call ``super()``.
@@ -52,6 +55,7 @@ import torch
 from ..config import GuardConfig
 from ..errors import GuardStateError
 from ..exporters.base import Exporter, MultiExporter
+from ..factory import wrap
 from ..guard import GuardedOptimizer
 from ._versions import require
 
@@ -59,8 +63,6 @@ require("transformers")
 
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402  (after the version check)
 from transformers import Trainer  # noqa: E402
-
-from .accelerate import wrap_prepared  # noqa: E402
 
 __all__ = ["GuardedTrainer"]
 
@@ -149,8 +151,9 @@ class GuardedTrainer(Trainer):
             return
         # The accelerator's scaler and precision; the loss of every accelerator.backward is observed and
         # accelerator.clip_grad_norm_ measures before it clips (see ampguard.integrations.accelerate).
-        self.guard = wrap_prepared(opt, model=self.model, config=self._guard_config,
-                                   exporters=self._guard_exporters).guard
+        guarded = wrap(opt, accelerator=self.accelerator, model=self.model, config=self._guard_config,
+                       exporters=self._guard_exporters)
+        self.optimizer, self.guard = guarded, guarded.guard
 
     # ------------------------------------------------------------------ logs
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -31,7 +31,7 @@ from ..unit._models import assert_same, loss_of, make_data, make_model, snapshot
 
 pytestmark = pytest.mark.frameworks
 
-ORDER = "ampguard.wrap(accelerator.prepare(optimizer), model=model)"
+ORDER = "ampguard.wrap(accelerator.prepare(optimizer), accelerator=accelerator, model=model)"
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +89,7 @@ def _train(acc, model, opt, sched, batches, *, clip: float | None = None):
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_nan_steps_are_skipped_and_the_scheduler_holds_the_lr(precision):
     acc, model, opt, sched = _prepared(precision)
-    opt = ampguard.wrap(opt, model=model)
+    opt = ampguard.wrap(opt, accelerator=acc, model=model)
     assert isinstance(opt, GuardedAcceleratedOptimizer) and acc._optimizers == [opt]
     injection = faults.inject(opt, model, faults.output("0", "nan", steps=[2, 4]))
     steps = _train(acc, model, opt, sched, make_data(6))
@@ -127,7 +127,7 @@ def test_accumulation_and_clipping_match_accelerates_own_loop(precision):
     expected_scale = acc.scaler.get_scale() if acc.scaler is not None else None
 
     acc, model, opt, sched = _prepared(precision, grad_accum=2)
-    opt = ampguard.wrap(opt, model=model)
+    opt = ampguard.wrap(opt, accelerator=acc, model=model)
     guarded = _train(acc, model, opt, sched, batches, clip=0.5)
     assert_same(snapshot(model, opt), expected)  # bitwise
     if expected_scale is not None:
@@ -152,7 +152,7 @@ def test_fp16_prepare_then_wrap_updates_by_exactly_the_unguarded_amount():
     expected = snapshot(model, opt)
 
     acc, model, opt, sched = _prepared("fp16", kind="sgd")
-    opt = ampguard.wrap(opt, model=model)
+    opt = ampguard.wrap(opt, accelerator=acc, model=model)
     _train(acc, model, opt, sched, batches)
     got = snapshot(model, opt)
     assert_same(got, expected)
@@ -164,7 +164,7 @@ def test_save_state_load_state_resumes_bit_for_bit(tmp_path):
     batches = make_data(6)
     fault = faults.output("0", "nan", steps=[1, 4])
     acc, model, opt, sched = _prepared("fp16")
-    opt = ampguard.wrap(opt, model=model)
+    opt = ampguard.wrap(opt, accelerator=acc, model=model)
     faults.inject(opt, model, fault)
     _train(acc, model, opt, sched, batches[:3])
     acc.save_state(str(tmp_path / "ckpt"))
@@ -173,7 +173,7 @@ def test_save_state_load_state_resumes_bit_for_bit(tmp_path):
                 [opt.history[s].skipped for s in (3, 4, 5)], rest)
 
     acc, model, opt, sched = _prepared("fp16", seed=7)  # other weights: the checkpoint must bring them back
-    opt = ampguard.wrap(opt, model=model)
+    opt = ampguard.wrap(opt, accelerator=acc, model=model)
     faults.inject(opt, model, fault)
     acc.load_state(str(tmp_path / "ckpt"))
     assert (opt.step_count, opt.skipped_steps) == (3, 1)
@@ -185,68 +185,89 @@ def test_save_state_load_state_resumes_bit_for_bit(tmp_path):
     assert got[3] == 2 and got[4] == [False, True, False]
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_wrap_before_prepare_with_the_accelerators_scaler_is_adopted(precision):
-    """wrap() then prepare(): adopted before the first decision (a NaN at step 0 holds the LR)."""
-    batches = make_data(4)
-    fault = faults.output("0", "nan", steps=[0, 2])
-    acc, model, opt, sched = _prepared(precision)
-    opt = ampguard.wrap(opt, model=model)
-    faults.inject(opt, model, fault)
-    expected = (_train(acc, model, opt, sched, batches), snapshot(model, opt))
-
-    acc = _accelerator(precision)
+def test_a_scheduler_prepared_after_wrap_holds_the_lr_too():
+    acc = _accelerator("bf16")
     model = make_model(0)
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    guard = ampguard.wrap(inner, model=model, scaler=acc.scaler)  # acc.scaler: None in bf16
-    sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda k: 0.9**k)
-    model, opt, sched = acc.prepare(model, guard, sched)
-    assert type(opt) is AcceleratedOptimizer and opt.optimizer is guard
-    faults.inject(guard, model, fault)
-    got = (_train(acc, model, opt, sched, batches), snapshot(model, opt))
-    assert isinstance(opt, GuardedAcceleratedOptimizer) and opt.guard is guard
-    assert got[0] == expected[0]  # skips, LRs, losses
-    assert_same(got[1], expected[1])
-    assert [r.skipped for r in guard.history] == [True, False, True, False]
-    assert not math.isnan(guard.last_report.loss)  # accelerator.backward is observed
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    opt = ampguard.wrap(opt, accelerator=acc, model=model)
+    sched = acc.prepare(torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.9**k))
+    faults.inject(opt, model, faults.output("0", "nan", steps=[1]))
+    steps = _train(acc, model, opt, sched, make_data(3))
+    assert [skipped for skipped, *_ in steps] == [False, True, False]
+    assert [lr for _, lr, _, _ in steps] == pytest.approx([1e-2 * 0.9, 1e-2 * 0.9, 1e-2 * 0.9**2], rel=1e-12)
+    assert acc.prepare(opt) is opt and acc._optimizers == [opt]  # prepare() hands the guarded one back as it is
+
+
+def test_two_guards_on_one_accelerator_each_take_their_place_and_the_last_close_hands_backward_back():
+    acc = _accelerator("bf16")
+    model = make_model(0)
+    first, second = list(model.parameters())[:2], list(model.parameters())[2:]
+    model, opt1, opt2 = acc.prepare(model, torch.optim.AdamW(first, lr=1e-2), torch.optim.SGD(second, lr=0.1))
+    opt1 = ampguard.wrap(opt1, accelerator=acc, model=model)
+    opt2 = ampguard.wrap(opt2, accelerator=acc, model=model)
+    assert acc._optimizers == [opt1, opt2]
+    x, y = make_data(1)[0]
+    loss = loss_of(model, x, y)
+    acc.backward(loss)
+    opt1.step()
+    opt2.step()
+    assert opt1.last_report.loss == opt2.last_report.loss == pytest.approx(loss.item())  # both saw the backward
+    opt1.close()
+    assert "backward" in acc.__dict__  # opt2 still observes it
+    opt2.close()
+    assert "backward" not in acc.__dict__ and "unscale_gradients" not in acc.__dict__
 
 
 @pytest.mark.parametrize(("accelerator_precision", "guard_kwargs"), [
+    ("fp16", {"scaler": "accelerator's"}),  # even the right scaler and precision: guard after prepare
+    ("bf16", {"precision": "bf16"}),
     ("fp16", {"scaler": "own"}),  # another GradScaler: backward scales with accelerate's
     ("fp16", {}),  # the guard picks bf16 on CPU, the accelerator runs fp16 with a scaler
     ("bf16", {"scaler": "own"}),
     ("no", {}),  # the guard picks bf16, the accelerator runs fp32
 ])
-def test_wrap_before_prepare_that_cannot_be_right_is_refused_at_prepare(accelerator_precision, guard_kwargs):
+def test_wrap_before_prepare_is_refused_at_prepare_naming_the_order(accelerator_precision, guard_kwargs):
     acc = _accelerator(accelerator_precision)
     model = make_model(0)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    if guard_kwargs.get("scaler") == "own":
-        guard_kwargs = {"scaler": torch.amp.GradScaler("cpu")}
+    if "scaler" in guard_kwargs:
+        guard_kwargs = {"scaler": acc.scaler if guard_kwargs["scaler"] != "own" else torch.amp.GradScaler("cpu")}
     guard = ampguard.wrap(inner, model=model, **guard_kwargs)
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda k: 0.9**k)
     before = snapshot(model, inner)
-    with pytest.raises(ampguard.GuardStateError, match=r"Guard after prepare") as err:
-        acc.prepare(guard)
+    with pytest.raises(ampguard.GuardStateError, match=r"Prepare first, then guard") as err:
+        acc.prepare(guard, sched)
     assert ORDER in str(err.value)
-    assert acc._optimizers == [] and "backward" not in acc.__dict__
-    assert acc.scaler is None or "step" not in acc.scaler.__dict__
+    assert acc._optimizers == [] and acc._schedulers == [] and "backward" not in acc.__dict__
     assert_same(snapshot(model, inner), before)
 
 
-@pytest.mark.parametrize("case", ["twice", "wrapped_before_and_after", "other_scaler", "other_precision",
-                                  "accelerate_version"])
+@pytest.mark.parametrize("case", ["twice", "inner_guarded", "no_accelerator", "other_accelerator", "not_prepared",
+                                  "not_an_accelerator", "other_scaler", "other_precision", "accelerate_version"])
 def test_bad_input_is_refused_before_anything_changes(case, monkeypatch):
     acc, model, opt, _ = _prepared("fp16")
-    kwargs: dict = {"model": model}
+    kwargs: dict = {"model": model, "accelerator": acc}
     error: type[Exception] = ValueError
     if case == "twice":
-        opt = ampguard.wrap(opt, model=model)
+        opt = ampguard.wrap(opt, **kwargs)
         error, match = ampguard.GuardStateError, "already guarded: ampguard.wrap"
-    elif case == "wrapped_before_and_after":
-        acc = _accelerator("bf16")
-        model = make_model(0)
-        opt = acc.prepare(ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model))
+    elif case == "inner_guarded":  # an AcceleratedOptimizer built by hand around a guard
+        opt = AcceleratedOptimizer(ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), scaler=acc.scaler),
+                                   scaler=acc.scaler)
         error, match = ampguard.GuardStateError, "inside this AcceleratedOptimizer is already guarded"
+        del kwargs["accelerator"]
+    elif case == "no_accelerator":
+        del kwargs["accelerator"]
+        error, match = TypeError, r"needs the Accelerator too"
+    elif case == "other_accelerator":
+        kwargs["accelerator"] = _accelerator("fp16")
+        match = "not prepared by that Accelerator"
+    elif case == "not_prepared":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        error, match = TypeError, r"prepare first, then guard"
+    elif case == "not_an_accelerator":
+        kwargs["accelerator"] = acc.state
+        error, match = TypeError, "expects an accelerate.Accelerator"
     elif case == "other_scaler":
         kwargs["scaler"] = torch.amp.GradScaler("cpu")
         match = "not the accelerator's GradScaler"
@@ -258,17 +279,18 @@ def test_bad_input_is_refused_before_anything_changes(case, monkeypatch):
 
         monkeypatch.setattr(accelerate, "__version__", "1.14.0")
         error, match = IntegrationVersionError, r"accelerate >=1.15,<1.17"
-    cls, inner, patched = type(opt), opt.optimizer, dict(acc.__dict__)
+    cls, inner, listed, patched = type(opt), getattr(opt, "optimizer", None), list(acc._optimizers), dict(acc.__dict__)
     with pytest.raises(error, match=match):
         ampguard.wrap(opt, **kwargs)
-    assert type(opt) is cls and opt.optimizer is inner and dict(acc.__dict__) == patched
-    if case != "twice":
+    assert type(opt) is cls and getattr(opt, "optimizer", None) is inner
+    assert acc._optimizers == listed and dict(acc.__dict__) == patched
+    if case not in ("twice", "inner_guarded"):
         assert acc.scaler is None or "step" not in acc.scaler.__dict__
 
 
 def test_clipping_on_a_micro_step_that_does_not_step_is_refused():
     acc, model, opt, _ = _prepared("fp16", grad_accum=2)
-    opt = ampguard.wrap(opt, model=model)
+    opt = ampguard.wrap(opt, accelerator=acc, model=model)
     x, y = make_data(1)[0]
     with acc.accumulate(model):
         acc.backward(loss_of(model, x, y))
@@ -280,11 +302,11 @@ def test_clipping_on_a_micro_step_that_does_not_step_is_refused():
         assert torch.equal(g, p.grad)  # still scaled, as they were
 
 
-def test_without_an_accelerator_holding_it_the_loss_is_given_by_hand():
+def test_a_hand_built_accelerated_optimizer_without_an_accelerator_takes_the_loss_by_hand():
     _accelerator("bf16")
     model = make_model(0)
     opt = AcceleratedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))  # built by hand, not prepared
-    with pytest.warns(RuntimeWarning, match="no Accelerator holds this optimizer"):
+    with pytest.warns(RuntimeWarning, match="no accelerator= given"):
         opt = ampguard.wrap(opt, model=model)
     x, y = make_data(1)[0]
     loss = loss_of(model, x, y)

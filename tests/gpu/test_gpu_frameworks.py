@@ -1,7 +1,8 @@
 """On CUDA: the three framework integrations, each through the framework's OWN fp16 and bf16 path.
 
 - accelerate: ``Accelerator(mixed_precision="fp16" | "bf16")`` (for fp16 it builds its CUDA
-  GradScaler and autocast itself), ``ampguard.wrap(accelerator.prepare(optimizer), model=model)``.
+  GradScaler and autocast itself),
+  ``ampguard.wrap(accelerator.prepare(optimizer), accelerator=accelerator, model=model)``.
 - transformers: ``GuardedTrainer`` with ``TrainingArguments(fp16=True | bf16=True)``.
 - Lightning: ``Trainer(accelerator="gpu", plugins=[AmpGuardPrecision("16-mixed" | "bf16-mixed")])``.
 
@@ -226,7 +227,7 @@ def _run_accelerate(precision: str, guarded: bool, tmp_path: Path) -> Run:
     step = 0
     ref_steps: StepHooks | None = None
     if guarded:
-        opt = ampguard.wrap(opt, model=model)
+        opt = ampguard.wrap(opt, accelerator=acc, model=model)
         run.guard = opt.guard
         run.injection = faults.inject(opt, model, _fault())
     elif precision == "fp16":
