@@ -94,26 +94,28 @@ def next_scale(
     max_scale] (None: ``HEADROOM_MAX_SCALE``). Overflows back off as without it. ``backoff`` and
     ``growth`` then also say which way the policy moved the scale.
     """
+    lo, hi = f32(min_scale), None if max_scale is None else f32(max_scale)  # as torch rounds them
     run = o.where(overflow, o.imin(overflow_run + 1, hysteresis), overflow_run)
     backoff = overflow & (run >= hysteresis)
     backed = o.mul(scale, f32(backoff_factor))
-    floor_hit = backoff & (backed <= f32(min_scale))
+    floor_hit = backoff & (backed <= lo)
     if headroom is not None:  # the headroom policy: no growth timer; a taken sampled step sets the scale
         apply = o.isfinite(headroom) & o.not_(overflow | held)
-        shift = o.clamp(o.sub(o.floor(headroom), margin), -_SHIFT_MAX, _SHIFT_MAX)
-        target = o.clamp(o.mul(scale, o.exp2(shift)), min_scale,
-                          HEADROOM_MAX_SCALE if max_scale is None else max_scale)
-        new = o.clamp(o.where(backoff, backed, o.where(apply, target, scale)), min_scale, max_scale)
+        target = scale  # taken only where apply: the host skips it on other steps
+        if o.may(apply):
+            shift = o.clamp(o.sub(o.floor(headroom), margin), -_SHIFT_MAX, _SHIFT_MAX)
+            target = o.clamp(o.mul(scale, o.exp2(shift)), lo, HEADROOM_MAX_SCALE if hi is None else hi)
+        new = o.clamp(o.first([(backoff, backed), (apply, target)], scale), lo, hi)
         moved_down, moved_up = apply & (new < scale), apply & (new > scale)
         return (new, o.zeros_like(growth_tracker), backoff | moved_down, moved_up, floor_hit,
                 o.where(moved_up, 0, run))  # a growth refills the allowance
 
-    tracker = o.where(overflow, 0, o.where(held, growth_tracker, growth_tracker + 1))
+    tracker = o.first([(overflow, 0), (held, growth_tracker)], growth_tracker + 1)
     grown = o.mul(scale, f32(growth_factor))
     reached = (tracker >= growth_interval) & o.not_(overflow | held)
     growth = reached & o.isfinite(grown)
     tracker = o.where(reached, 0, tracker)
-    new = o.clamp(o.where(backoff, backed, o.where(growth, grown, scale)), min_scale, max_scale)
-    if max_scale is not None:
-        growth = growth & (grown <= f32(max_scale))
+    new = o.clamp(o.first([(backoff, backed), (growth, grown)], scale), lo, hi)
+    if hi is not None:
+        growth = growth & (grown <= hi)
     return new, tracker, backoff, growth, floor_hit, o.where(growth, 0, run)  # only a growth refills

@@ -15,14 +15,14 @@ operations ``o``: arithmetic (``add``, ``sub``, ``mul``, ``div``, ``recip``), ``
 Rules of the namespace (what keeps the two executions equal):
 
 - a Python scalar that meets a float32 value is rounded to float32 first, as torch does: the rules
-  pass constants through :func:`f32`;
+  pass constants (``clamp``'s bounds too) through :func:`f32`;
 - ``c / t`` is written ``mul(recip(t), c)``, what ``Tensor.__rtruediv__`` computes;
 - ``where(c, a, b)`` evaluates both branches on both executions (torch must), and host values that
   are not taken are discarded; inside ``if o.may(c):`` every result is taken only through
   ``where(c, ...)``, so the host may skip the block when ``c`` is false;
-- the carried state is read through ``o.read(state)`` (on the host: each field read once, on first
-  use) and written with ``o.put(view, name, value)``, after the last read of that field (on the
-  host: only when the value is not the one read).
+- a carried tensor is read with ``o.value(t)`` (on the host: ``.item()``) and written with
+  ``o.store(t, new, old)`` after the last use of ``old`` (on tensors ``old`` is ``t`` itself; on the
+  host nothing is written when ``new`` is ``old``, passed through a ``where``).
 """
 
 from __future__ import annotations
@@ -34,28 +34,29 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["HOST", "HostOps", "HostRead", "Ops", "TensorOps", "clamp_f32", "f32"]
+__all__ = ["HOST", "HostOps", "Ops", "TensorOps", "f32"]
 
 Value = Any
 """A value of a rule: a tensor (:class:`TensorOps`), or a host float, int or bool (:class:`HostOps`)."""
 
 _F32 = struct.Struct("f")
+_pack, _unpack = _F32.pack, _F32.unpack
 
 
 def f32(x: float) -> float:
     """``x`` rounded to float32 (to nearest, ties to even; overflow to inf; NaN stays NaN), as a
     Python float. One float32 operation is the exact result of its float32 operands rounded
     once (53 >= 2*24 + 2 bits: computing it in double first does not change the rounding)."""
-    return _F32.unpack(_F32.pack(x))[0]  # type: ignore[no-any-return]
+    return _unpack(_pack(x))[0]  # type: ignore[no-any-return]
 
 
-def clamp_f32(x: float, lo: float | None, hi: float | None) -> float:
-    """``torch.clamp`` of a float32 value with Python-scalar bounds: the bounds are rounded to
-    float32, ``min`` is applied before ``max``, NaN propagates (both comparisons are false)."""
-    if lo is not None and x < f32(lo):
-        x = f32(lo)
-    if hi is not None and x > f32(hi):
-        x = f32(hi)
+def _clamp(x: float, lo: float | None, hi: float | None) -> float:
+    """``torch.clamp`` of a float32 value with float32 bounds: ``min`` is applied before ``max``,
+    NaN propagates (both comparisons are false)."""
+    if lo is not None and x < lo:
+        x = lo
+    if hi is not None and x > hi:
+        x = hi
     return x
 
 
@@ -63,7 +64,7 @@ def _div(a: float, b: float) -> float:
     """float32 ``a / b`` of float32 values, as torch divides (IEEE: x/0 is +-inf, 0/0 NaN)."""
     if b == 0:
         return math.nan if a == 0 or math.isnan(a) else math.copysign(math.inf, a) * math.copysign(1.0, b)
-    return f32(a / b)
+    return _unpack(_pack(a / b))[0]  # type: ignore[no-any-return]
 
 
 
@@ -73,6 +74,8 @@ class Ops(Protocol):
 
     @property
     def false(self) -> Value: ...
+    @property
+    def one(self) -> Value: ...
     @property
     def nan(self) -> Value: ...
     @property
@@ -92,65 +95,51 @@ class Ops(Protocol):
     def exp2(self, x: Value, /) -> Value: ...
     def where(self, c: Value, a: Value, b: Value, /) -> Value: ...
     def may(self, c: Value, /) -> bool: ...
-    def first(self, cases: list[tuple[Value, float]], default: float, /) -> Value:
+    def first(self, cases: list[tuple[Value, Value]], default: Value, /) -> Value:
         """The value of the first true condition (``default`` if none): nested ``where``."""
-    def full(self, value: float, /) -> Value: ...
     def zeros_like(self, x: Value, /) -> Value: ...
-    def read(self, state: Any, /) -> Any: ...
-    def put(self, view: Any, name: str, value: Value, /) -> None: ...
-    def sqrt_of(self, view: Any, name: str, /) -> Value: ...
+    def value(self, t: torch.Tensor, /) -> Value: ...
+    def store(self, t: torch.Tensor, value: Value, old: Value, /) -> None: ...
+    def sqrt_of(self, t: torch.Tensor, /) -> Value: ...
     def columns(self, g: torch.Tensor, /) -> tuple[Any, Any]: ...
     def rank_min(self, g: torch.Tensor, col: int, cmax: Any, /) -> Value: ...
     def norm(self, x: torch.Tensor, /) -> Value: ...
     def vector(self, values: list[Any], flags: list[Any], tail: list[Any], /) -> Any: ...
 
 
-class HostRead:
-    """Carried state (a dataclass of 0-d CPU tensors, or :class:`~ampguard.loss_scale.ScalerView`)
-    as host values: each field is read (``.item()``) on its first use and kept."""
-
-    def __init__(self, source: object) -> None:
-        self._source = source
-
-    def __getattr__(self, name: str) -> Value:
-        value = getattr(self._source, name)
-        if isinstance(value, torch.Tensor):
-            value = value.item()
-        self.__dict__[name] = value
-        return value
-
-
 class HostOps:
     """The rules' operations on host values, float32 emulated (see the module docstring)."""
 
     false = False
+    one = 1.0
     nan = math.nan
     inf = math.inf
 
+    # f32 written out in the arithmetic: a call less per operation on the host path
     @staticmethod
     def add(a: float, b: float) -> float:
-        return f32(a + b)
+        return _unpack(_pack(a + b))[0]  # type: ignore[no-any-return]
 
     @staticmethod
     def sub(a: float, b: float) -> float:
-        return f32(a - b)
+        return _unpack(_pack(a - b))[0]  # type: ignore[no-any-return]
 
     @staticmethod
     def mul(a: float, b: float) -> float:
-        return f32(a * b)
+        return _unpack(_pack(a * b))[0]  # type: ignore[no-any-return]
 
     div = staticmethod(_div)
 
     @staticmethod
     def recip(x: float) -> float:
         """``torch.reciprocal`` (1/0 is inf, not an exception)."""
-        return f32(1.0 / x) if x != 0 else math.copysign(math.inf, x)
+        return _unpack(_pack(1.0 / x))[0] if x != 0 else math.copysign(math.inf, x)  # type: ignore[no-any-return]
 
     @staticmethod
     def to_float(n: int) -> float:
         return f32(float(n))
 
-    clamp = staticmethod(clamp_f32)
+    clamp = staticmethod(_clamp)
     imin = staticmethod(min)
     isfinite = staticmethod(math.isfinite)
     isnan = staticmethod(math.isnan)
@@ -174,31 +163,29 @@ class HostOps:
         return bool(c)
 
     @staticmethod
-    def first(cases: list[tuple[bool, float]], default: float) -> float:
-        return next((v for c, v in cases if c), default)
-
-    @staticmethod
-    def full(value: float) -> float:
-        return value
+    def first(cases: list[tuple[bool, Value]], default: Value) -> Value:
+        for c, v in cases:
+            if c:
+                return v
+        return default
 
     @staticmethod
     def zeros_like(x: int) -> int:
         return 0
 
-    @staticmethod
-    def read(state: object) -> HostRead:
-        return HostRead(state)
+    value = staticmethod(torch.Tensor.item)
+    """A carried 0-d tensor's value (or the scaler's 1-element scale): ``.item()``, free on the CPU."""
 
     @staticmethod
-    def put(view: HostRead, name: str, value: Value) -> None:
-        if value is not view.__dict__.get(name):  # the value read, passed through: nothing to write
-            getattr(view._source, name).fill_(value)
+    def store(t: torch.Tensor, value: Value, old: Value) -> None:
+        if value is not old:  # the value read, passed through: nothing to write
+            t.fill_(value)
 
     @staticmethod
-    def sqrt_of(view: HostRead, name: str) -> float:
-        """``torch.sqrt`` of a carried float32 field: torch's own kernel, not ``math.sqrt`` (on
+    def sqrt_of(t: torch.Tensor) -> float:
+        """``torch.sqrt`` of a carried float32 tensor: torch's own kernel, not ``math.sqrt`` (on
         CPU it is not always correctly rounded: 1 ulp off on about 1 value in 6, torch 2.13)."""
-        return float(torch.sqrt(getattr(view._source, name)).item())
+        return float(torch.sqrt(t).item())
 
     @staticmethod
     def columns(g: torch.Tensor) -> tuple[list[float], list[float]]:
@@ -245,14 +232,15 @@ class TensorOps:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.false = torch.zeros((), dtype=torch.bool, device=device)
-        self.nan = self.full(math.nan)
+        self.nan = torch.full((), math.nan, dtype=torch.float32, device=device)
+
+    @property
+    def one(self) -> torch.Tensor:
+        return torch.ones((), dtype=torch.float32, device=self.device)
 
     @property
     def inf(self) -> torch.Tensor:
-        return self.full(math.inf)
-
-    def full(self, value: float) -> torch.Tensor:
-        return torch.full((), value, dtype=torch.float32, device=self.device)
+        return torch.full((), math.inf, dtype=torch.float32, device=self.device)
 
     @staticmethod
     def to_float(n: torch.Tensor) -> torch.Tensor:
@@ -267,7 +255,7 @@ class TensorOps:
         return torch.clamp(x, min=lo, max=hi)
 
     @staticmethod
-    def first(cases: list[tuple[torch.Tensor, float]], default: float) -> torch.Tensor:
+    def first(cases: list[tuple[torch.Tensor, Value]], default: Value) -> torch.Tensor:
         out: Any = default
         for c, v in reversed(cases):
             out = torch.where(c, v, out)
@@ -282,16 +270,14 @@ class TensorOps:
         return True  # the device decides; the host never looks
 
     @staticmethod
-    def read(state: Any) -> Any:
-        return state
+    def value(t: torch.Tensor) -> torch.Tensor:
+        return t
 
     @staticmethod
-    def put(state: object, name: str, value: torch.Tensor) -> None:
-        getattr(state, name).copy_(value)
+    def store(t: torch.Tensor, value: torch.Tensor, old: torch.Tensor) -> None:
+        t.copy_(value)
 
-    @staticmethod
-    def sqrt_of(state: object, name: str) -> torch.Tensor:
-        return torch.sqrt(getattr(state, name))
+    sqrt_of = staticmethod(torch.sqrt)
 
     @staticmethod
     def columns(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

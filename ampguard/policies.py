@@ -16,7 +16,6 @@ on either execution of :mod:`ampguard.ops`:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 
@@ -96,37 +95,37 @@ def _zscore_floor(config: GuardConfig) -> float:
     return 2.0 / (config.spike_window + 1)
 
 
-def _flag_run(o: Ops, s: Any, run_name: str, stats: list[tuple[str, str | None, Value]], flagged: Value,
-              ends: Value, k: int) -> tuple[Value, list[tuple[Value, Value]]]:
+def _flag_run(o: Ops, run_t: torch.Tensor, stats: list[tuple[torch.Tensor, torch.Tensor | None, Value]],
+              flagged: Value, ends: Value, k: int) -> tuple[Value, list[tuple[Value, Value]]]:
     """One step of a run of consecutive flagged steps, and the re-baseline it may trigger; stores
-    the run (``s.<run_name>``) and its statistics (``s.<mean>``, ``s.<var>``).
+    the run (``run_t``, carried) and its statistics (each a carried mean and variance tensor).
 
     A flagged step extends the run and folds each statistic's ``x`` into the run's mean and
     population variance (weight ``1/n``: exact over the run; the first flag starts them at ``x``
     and 0); a step that ``ends`` the run (finite, not flagged) sets it to 0; any other step
     (non-finite, no gradients) leaves it as it is. When a flagged step brings the run to ``k``,
     ``rebase`` is true: the caller replaces its statistics with the run's mean and variance, and
-    the run starts again from 0. ``stats``: ``(mean_name, var_name, x)`` per statistic (``var_name``
-    None: its mean only). Returns ``(rebase, [(mean, var)])``: the run's statistics after this step
+    the run starts again from 0. ``stats``: ``(mean_t, var_t, x)`` per statistic (``var_t`` None:
+    its mean only). Returns ``(rebase, [(mean, var)])``: the run's statistics after this step
     (None on the host for a step not flagged: ``rebase`` is then false, and they are not taken)."""
-    run = getattr(s, run_name)
+    run = o.value(run_t)
     n = o.where(flagged, run + 1, o.where(ends, 0, run))
     rebase = flagged & (n >= k)
     out: list[tuple[Value, Value]] = [(None, None)] * len(stats)
     if o.may(flagged):  # unflagged, every statistic stays as it is
         w = o.recip(o.to_float(n))
         first = run == 0
-        for i, (mean_name, var_name, x) in enumerate(stats):
-            mean = getattr(s, mean_name)
-            var = None if var_name is None else getattr(s, var_name)
+        for i, (mean_t, var_t, x) in enumerate(stats):
+            mean = o.value(mean_t)
+            var = None if var_t is None else o.value(var_t)
             m, v = _fold(o, mean, var, x, w)
             m = o.where(flagged, o.where(first, x, m), mean)
-            o.put(s, mean_name, m)
-            if var_name is not None:
+            o.store(mean_t, m, mean)
+            if var_t is not None:
                 v = o.where(flagged, o.where(first, 0.0, v), var)
-                o.put(s, var_name, v)
+                o.store(var_t, v, var)
             out[i] = (m, v)
-    o.put(s, run_name, o.where(rebase, 0, n))  # last: on tensors ``run`` is the carried tensor itself
+    o.store(run_t, o.where(rebase, 0, n), run)  # last: on tensors ``run`` is the carried tensor itself
     return rebase, out
 
 
@@ -163,16 +162,17 @@ def rule(
     zscore = config.spike_detector == "zscore"
     spikes_on = uses_grad_detector(config) or config.loss_spike_factor is not None
     if spikes_on:
-        s = o.read(spikes)
-        warm = (s.count >= config.spike_warmup) & o.not_(blocked)
+        count, grad_ema, loss_ema = o.value(spikes.count), o.value(spikes.grad_ema), o.value(spikes.loss_ema)
+        warm = (count >= config.spike_warmup) & o.not_(blocked)
         if config.grad_spike_factor is not None:
-            spike_threshold = o.mul(f32(config.grad_spike_factor), s.grad_ema)
+            spike_threshold = o.mul(f32(config.grad_spike_factor), grad_ema)
         elif zscore:  # mean + k * std over the window of healthy steps
-            spike_threshold = o.add(s.z_mean, o.mul(f32(config.spike_zscore), o.sqrt_of(s, "z_var")))
+            z_mean, z_var = o.value(spikes.z_mean), o.value(spikes.z_var)
+            spike_threshold = o.add(z_mean, o.mul(f32(config.spike_zscore), o.sqrt_of(spikes.z_var)))
         if uses_grad_detector(config):
             grad_spike = warm & (grad_norm > spike_threshold)
         if config.loss_spike_factor is not None:
-            loss_spike = warm & (loss > o.mul(f32(config.loss_spike_factor), s.loss_ema))
+            loss_spike = warm & (loss > o.mul(f32(config.loss_spike_factor), loss_ema))
     spike = grad_spike | loss_spike
     skip = (blocked | spike) if config.on_spike == "skip" else blocked
 
@@ -184,24 +184,24 @@ def rule(
         healthy = o.not_(blocked | spike)
         # A NaN loss on a step that is not loss_bad is a loss nobody gave (StepReport.loss None): the
         # loss statistics keep their value instead of turning NaN for ever (and unloadable).
-        known_loss = o.where(o.isnan(loss), s.loss_ema, loss)
-        d, e, first = f32(config.spike_ema_decay), f32(1 - config.spike_ema_decay), s.count == 0
-        grad_avg = o.where(healthy, o.where(first, grad_norm, o.add(o.mul(d, s.grad_ema), o.mul(e, grad_norm))),
-                           s.grad_ema)
-        loss_avg = o.where(healthy, o.where(first, known_loss, o.add(o.mul(d, s.loss_ema), o.mul(e, known_loss))),
-                           s.loss_ema)
+        known_loss = o.where(o.isnan(loss), loss_ema, loss)
+        d, e, first = f32(config.spike_ema_decay), f32(1 - config.spike_ema_decay), count == 0
+        grad_avg = o.where(healthy, o.where(first, grad_norm, o.add(o.mul(d, grad_ema), o.mul(e, grad_norm))),
+                           grad_ema)
+        loss_avg = o.where(healthy, o.where(first, known_loss, o.add(o.mul(d, loss_ema), o.mul(e, known_loss))),
+                           loss_ema)
         # No lock-out: spike_warmup flags in a row re-base the statistics on those steps.
         rebase, ((norm_mean, norm_var), (loss_mean, _)) = _flag_run(
-            o, s, "flag_run", [("flag_norm_mean", "flag_norm_var", grad_norm), ("flag_loss_mean", None, known_loss)],
-            spike, healthy, config.spike_warmup)
+            o, spikes.flag_run, [(spikes.flag_norm_mean, spikes.flag_norm_var, grad_norm),
+                                 (spikes.flag_loss_mean, None, known_loss)], spike, healthy, config.spike_warmup)
         if zscore and (o.may(healthy) or o.may(rebase)):  # neither: mean and variance stay
-            w = o.clamp(o.recip(o.to_float(s.count + 1)), _zscore_floor(config), None)
-            mean, var = _fold(o, s.z_mean, s.z_var, grad_norm, w)
-            o.put(s, "z_mean", o.where(rebase, norm_mean, o.where(healthy, mean, s.z_mean)))
-            o.put(s, "z_var", o.where(rebase, norm_var, o.where(healthy, var, s.z_var)))
-        o.put(s, "grad_ema", o.where(rebase, norm_mean, grad_avg))
-        o.put(s, "loss_ema", o.where(rebase, loss_mean, loss_avg))
-        o.put(s, "count", o.where(healthy, s.count + 1, s.count))
+            w = o.clamp(o.recip(o.to_float(count + 1)), f32(_zscore_floor(config)), None)
+            mean, var = _fold(o, z_mean, z_var, grad_norm, w)
+            o.store(spikes.z_mean, o.where(rebase, norm_mean, o.where(healthy, mean, z_mean)), z_mean)
+            o.store(spikes.z_var, o.where(rebase, norm_var, o.where(healthy, var, z_var)), z_var)
+        o.store(spikes.grad_ema, o.where(rebase, norm_mean, grad_avg), grad_ema)
+        o.store(spikes.loss_ema, o.where(rebase, loss_mean, loss_avg), loss_ema)
+        o.store(spikes.count, o.where(healthy, count + 1, count), count)
 
     if config.clip_grad_norm is not None:
         # The expression of torch.nn.utils.clip_grad_norm_ (c / t is t.reciprocal() * c), so the
@@ -210,21 +210,21 @@ def rule(
     elif config.zclip:
         clip_coef, clip_threshold, clip_rebase = _zclip(o, grad_norm, blocked, config, spikes)
     else:
-        clip_coef = o.full(1.0)
+        clip_coef = o.one
 
     new_tracker = None
     if scaler is not None:
-        view, state = o.read(scaler), o.read(scale_state)
-        scale = view.scale
+        scale, run = o.value(scaler.scale), o.value(scale_state.overflow_run)
         new_scale, new_tracker, backoff, growth, floor_hit, new_run = next_scale(
-            o, scale=scale, growth_tracker=view.growth_tracker, overflow=grad_bad, held=skip & o.not_(grad_bad),
-            overflow_run=state.overflow_run, growth_factor=scaler.growth_factor, backoff_factor=scaler.backoff_factor,
-            growth_interval=scaler.growth_interval, hysteresis=config.hysteresis, min_scale=config.min_scale,
-            max_scale=config.max_scale, margin=config.headroom_margin_log2,
+            o, scale=scale, growth_tracker=o.value(scaler.growth_tracker), overflow=grad_bad,
+            held=skip & o.not_(grad_bad), overflow_run=run, growth_factor=scaler.growth_factor,
+            backoff_factor=scaler.backoff_factor, growth_interval=scaler.growth_interval,
+            hysteresis=config.hysteresis, min_scale=config.min_scale, max_scale=config.max_scale,
+            margin=config.headroom_margin_log2,
             headroom=o.rank_min(g, Loc.HEADROOM, cmax) if config.scale_policy == "headroom" else None)  # NaN: unsampled
-        o.put(state, "overflow_run", new_run)
+        o.store(scale_state.overflow_run, new_run, run)
     else:
-        scale = new_scale = o.full(1.0)
+        scale = new_scale = o.one
         backoff = growth = floor_hit = o.false
 
     out = o.vector([loss, grad_norm, nonfinite_tensors, clip_coef, scale, new_scale, reason],
@@ -255,20 +255,21 @@ def _zclip(o: Ops, grad_norm: Value, bad: Value, config: GuardConfig,
     Returns ``(clip_coef, ceiling, rebase)``: ``ceiling`` is the largest norm this step let through
     (the threshold when clipped, ``mean + zclip_z * (std + eps)`` otherwise, inf during warm-up);
     ``rebase``: the statistics were re-based this step."""
-    s = o.read(spikes)
-    mean, var, count = s.clip_mean, s.clip_var, s.clip_count
+    mean, var, count = o.value(spikes.clip_mean), o.value(spikes.clip_var), o.value(spikes.clip_count)
     zt = f32(config.zclip_z)
-    std = o.sqrt_of(s, "clip_var")
+    std = o.sqrt_of(spikes.clip_var)
     spread = o.add(std, f32(ZCLIP_EPS))
     z = o.div(o.sub(grad_norm, mean), spread)
     warm = count >= config.spike_warmup
     ok = o.not_(bad)
     outlier = warm & ok & (z > zt)
-    threshold = o.add(mean, o.div(o.mul(f32(config.zclip_z * config.zclip_z), std), z))
-    coef = o.where(outlier, o.clamp(o.div(threshold, o.add(grad_norm, f32(1e-6))), None, 1.0), 1.0)
+    threshold = coef = 1.0  # the threshold is taken only where outlier: the host skips it on other steps
+    if o.may(outlier):
+        threshold = o.add(mean, o.div(o.mul(f32(config.zclip_z * config.zclip_z), std), z))
+        coef = o.where(outlier, o.clamp(o.div(threshold, o.add(grad_norm, f32(1e-6))), None, 1.0), 1.0)
     ceiling = o.where(warm, o.where(outlier, threshold, o.add(mean, o.mul(zt, spread))), o.inf)
-    rebase, ((run_mean, run_var),) = _flag_run(o, s, "clip_run", [("clip_flag_mean", "clip_flag_var", grad_norm)],
-                                               outlier, ok, config.spike_warmup)
+    rebase, ((run_mean, run_var),) = _flag_run(o, spikes.clip_run, [(spikes.clip_flag_mean, spikes.clip_flag_var,
+                                                                      grad_norm)], outlier, ok, config.spike_warmup)
     if o.may(ok):  # bad: nothing is folded, nothing counted
         # The paper's update after warm-up: mean = a*mean + (1-a)*x, var = a*var + (1-a)*(x - mean)^2
         # with the new mean; during warm-up the exact running mean and population variance (weight 1/n).
@@ -277,9 +278,9 @@ def _zclip(o: Ops, grad_norm: Value, bad: Value, config: GuardConfig,
         new_mean, warmup_var = _fold(o, mean, var, x, w)
         e = o.sub(x, new_mean)
         new_var = o.where(warm, o.add(o.mul(o.sub(1.0, w), var), o.mul(w, o.mul(e, e))), warmup_var)
-        o.put(s, "clip_mean", o.where(rebase, run_mean, o.where(bad, mean, new_mean)))
-        o.put(s, "clip_var", o.where(rebase, run_var, o.where(bad, var, new_var)))
-        o.put(s, "clip_count", o.where(bad, count, count + 1))
+        o.store(spikes.clip_mean, o.where(rebase, run_mean, o.where(bad, mean, new_mean)), mean)
+        o.store(spikes.clip_var, o.where(rebase, run_var, o.where(bad, var, new_var)), var)
+        o.store(spikes.clip_count, o.where(bad, count, count + 1), count)
     return coef, ceiling, rebase
 
 

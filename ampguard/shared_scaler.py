@@ -198,11 +198,11 @@ class SharedScaler:
             o, run = TensorOps(dev), torch.zeros((), dtype=torch.int32, device=dev)
             overflow = torch.stack([_on(f, dev) for f, _ in flags]).any()
             held = torch.stack([_on(f, dev) for _, f in flags]).any() & ~overflow
-        v = o.read(view)
         new, tracker, *_ = next_scale(
-            o, scale=v.scale, growth_tracker=v.growth_tracker, overflow=overflow, held=held, overflow_run=run,
-            growth_factor=v.growth_factor, backoff_factor=v.backoff_factor, growth_interval=v.growth_interval,
-            hysteresis=1, min_scale=config.min_scale, max_scale=config.max_scale)
+            o, scale=o.value(view.scale), growth_tracker=o.value(view.growth_tracker), overflow=overflow, held=held,
+            overflow_run=run, growth_factor=view.growth_factor, backoff_factor=view.backoff_factor,
+            growth_interval=view.growth_interval, hysteresis=1, min_scale=config.min_scale,
+            max_scale=config.max_scale)
         first._apply(new, tracker)
         self.updated = True
 

@@ -16,6 +16,9 @@ one rule (``policies.rule``) over ``ampguard.ops``' two executions. The base's `
 2. **Tensor decision** (the CUDA graph's content): the ops ``decide`` dispatches on CPU tensors,
    counted with a ``TorchDispatchMode``, view ops (no kernel) left out: about the kernels a
    captured graph replays. Also its CPU time (median, microseconds: not a path CPU runs).
+3. **CUDA** (when a GPU is there): ``decide`` captured as a CUDA graph, as ``pipeline.DecisionGraph``
+   captures it; one replay's device time (CUDA events over blocks of 200 replays, old and new blocks
+   interleaved), median over the blocks.
 
     python benchmarks/decide_cost.py                 # two runs, the tables
     python benchmarks/decide_cost.py --runs 1 --steps 2000
@@ -178,6 +181,46 @@ def tensor_ops(module: ModuleType, config: GuardConfig, g: torch.Tensor) -> tupl
     return len(c.ops), reads, statistics.median(times) / 1e3
 
 
+def cuda_graph(module: ModuleType, config: GuardConfig, g: torch.Tensor) -> Any:
+    """``decide`` captured as one CUDA graph (as ``pipeline.DecisionGraph`` captures it), after one eager run."""
+    dev = torch.device("cuda")
+    scaling = sys.modules[module.__name__.rsplit(".", 1)[0] + ".scaling"] if module is not new else None
+    view = (scaling.ScalerView if scaling else ScalerView)(torch.full((), 2.0**16, device=dev),
+                                                          torch.zeros((), dtype=torch.int32, device=dev), 2.0, 0.5, 20)
+    kw = dict(config=config, spikes=module.SpikeState.fresh(dev),
+              scale_state=(scaling.ScaleState if scaling else ScaleState).fresh(dev), scaler=view, grads_sharded=False)
+    static = g.to(dev)
+    module.decide(static, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        module.decide(static, **kw)
+    return graph
+
+
+def cuda_table(old: ModuleType, reps: int = 200, blocks: int = 15) -> None:
+    """Replay time of the captured decision, old and new, interleaved blocks of ``reps`` replays."""
+    print("\n## Tensor decision on CUDA: one replay of the captured graph, microseconds (median of blocks)\n")
+    print(f"| {'config':<17} | {'old':>8} | {'new':>8} | {'change':>8} |")
+    print(f"|{'-' * 19}|{'-' * 10}|{'-' * 10}|{'-' * 10}|")
+    g = steps(1)[0]
+    for name, kw in CONFIGS.items():
+        config = GuardConfig(**kw)
+        graphs = [cuda_graph(old, config, g), cuda_graph(new, config, g)]
+        times: list[list[float]] = [[], []]
+        for b in range(blocks):
+            for i in ((0, 1) if b % 2 == 0 else (1, 0)):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    graphs[i].replay()
+                end.record()
+                end.synchronize()
+                times[i].append(start.elapsed_time(end) * 1e3 / reps)
+        a, b_ = statistics.median(times[0]), statistics.median(times[1])
+        print(f"| {name:<17} | {a:>8.2f} | {b_:>8.2f} | {b_ - a:>+8.2f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base", default="4a6c9d3", help="the commit whose policies.py/scaling.py are 'old'")
@@ -206,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         na, ra, ta = tensor_ops(old, config, g)
         nb, rb, tb = tensor_ops(new, config, g)
         print(f"| {name:<17} | {na:>7} | {nb:>7} | {f'{ra}/{rb}':>10} | {ta:>10.0f} | {tb:>10.0f} |")
+    if torch.cuda.is_available():
+        cuda_table(old)
     return 0
 
 
