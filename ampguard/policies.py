@@ -163,11 +163,12 @@ def rule(
     spikes_on = uses_grad_detector(config) or config.loss_spike_factor is not None
     if spikes_on:
         count, grad_ema, loss_ema = o.value(spikes.count), o.value(spikes.grad_ema), o.value(spikes.loss_ema)
+        if zscore:
+            z_mean, z_var = o.value(spikes.z_mean), o.value(spikes.z_var)
         warm = (count >= config.spike_warmup) & o.not_(blocked)
         if config.grad_spike_factor is not None:
             spike_threshold = o.mul(f32(config.grad_spike_factor), grad_ema)
         elif zscore:  # mean + k * std over the window of healthy steps
-            z_mean, z_var = o.value(spikes.z_mean), o.value(spikes.z_var)
             spike_threshold = o.add(z_mean, o.mul(f32(config.spike_zscore), o.sqrt_of(spikes.z_var)))
         if uses_grad_detector(config):
             grad_spike = warm & (grad_norm > spike_threshold)
