@@ -1,29 +1,30 @@
-"""Detectors and the step decision, computed from the gathered statistics.
+"""Detectors and the step decision, computed from the gathered statistics: the rule, written once.
 
-:func:`decide` turns the ``[world_size, LOCAL_K]`` matrix every rank gathered into the
-decision vector (:class:`~ampguard.stats.Dec`). It is a pure function of that matrix and
-of state every rank holds identically, so every rank takes the same decision without
-talking again, and without the host reading a single value.
+:func:`rule` turns the ``[world_size, LOCAL_K]`` matrix every rank gathered into the decision
+vector (:class:`~ampguard.stats.Dec`). It is a pure function of that matrix and of state every
+rank holds identically, so every rank takes the same decision without talking again. It runs
+on either execution of :mod:`ampguard.ops`:
 
-:func:`decide_host` is the same rule on host floats, for the CPU, where reading the matrix
-costs nothing and ~60 tiny tensor ops cost more than the rule itself. Every float32 operation
-of :func:`decide` is reproduced with one float32 rounding (:func:`ampguard.scaling.f32`), so
-both give the same decision vector, bit for bit, and leave the same carried state
-(``tests/unit/test_host_decision.py`` runs both on the same inputs).
+- :func:`decide`: on device tensors (fused optimizers off the CPU), without the host reading a
+  single value; on CUDA, replayed from a CUDA graph.
+- :func:`decide_host`: on host floats, for the CPU (where reading the matrix costs nothing and
+  ~60 tiny tensor ops cost far more than the rule) and for non-fused optimizers after one host copy.
+  Every float32 operation is rounded once as torch rounds it, so both give the same decision
+  vector, bit for bit, and leave the same carried state (``tests/unit/test_host_decision.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
 from .config import GuardConfig
-from .scaling import ScalerView, ScaleState, clamp_f32, f32, next_scale, next_scale_host
+from .loss_scale import ScalerView, ScaleState, next_scale
+from .ops import HOST, Ops, TensorOps, Value, f32
 from .stats import DECISION_K, Loc
 
-__all__ = ["ScalerView", "SpikeState", "decide", "decide_host", "uses_clipping", "uses_grad_detector"]
+__all__ = ["ScalerView", "SpikeState", "decide", "decide_host", "rule", "uses_clipping", "uses_grad_detector"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -35,7 +36,10 @@ class SpikeState:
     No statistic locks itself out: the ``flag_*`` fields follow the current run of consecutive
     flagged steps (the spike detectors') and the ``clip_flag_*`` fields the current run of ZClip's
     outliers, their mean and population variance over the run. After ``spike_warmup`` consecutive
-    flags, the statistics are re-based on that run (:func:`_flag_run`)."""
+    flags, the statistics are re-based on that run (:func:`_flag_run`).
+
+    The factor detector's averages keep the field names ``grad_ema``/``loss_ema`` (the
+    checkpoint's keys); they are exponentially weighted running means of healthy steps."""
 
     grad_ema: torch.Tensor
     loss_ema: torch.Tensor
@@ -77,71 +81,58 @@ def uses_clipping(config: GuardConfig) -> bool:
     return config.clip_grad_norm is not None or config.zclip
 
 
-def _window_weight(count: torch.Tensor, floor: float) -> torch.Tensor:
-    """The weight of the newest sample: ``1/(n+1)`` (an exact running mean and variance) until
-    it falls to ``floor``, the EMA's ``1 - decay``."""
-    return torch.clamp(torch.reciprocal((count + 1).float()), min=floor)
-
-
-def _fold(mean: torch.Tensor, var: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fold(o: Ops, mean: Value, var: Value | None, x: Value, w: Value) -> tuple[Value, Value]:
     """One sample into an exponentially weighted mean and variance (West 1979 / Finch 2009):
     ``mean += w*d``, ``var = (1-w)*(var + w*d*d)``, ``d = x - mean``. With ``w = 1/n`` this is the
-    exact running mean and population variance of the n samples so far."""
-    d = x - mean
-    return mean + w * d, (1 - w) * (var + w * d * d)
-
-
-def _fold_host(mean: float, var: float, x: float, w: float) -> tuple[float, float]:
-    """:func:`_fold` on float32 host values, one rounding per operation."""
-    d = f32(x - mean)
-    wd = f32(w * d)
-    return f32(mean + wd), f32(f32(1.0 - w) * f32(var + f32(wd * d)))
-
-
-def _window_weight_host(count: int, floor: float) -> float:
-    return clamp_f32(_reciprocal(f32(float(count + 1))), floor, None)
+    exact running mean and population variance of the n samples so far. ``var`` None: the mean only."""
+    d = o.sub(x, mean)
+    wd = o.mul(w, d)
+    new_var = None if var is None else o.mul(o.sub(1.0, w), o.add(var, o.mul(wd, d)))
+    return o.add(mean, wd), new_var
 
 
 def _zscore_floor(config: GuardConfig) -> float:
     return 2.0 / (config.spike_window + 1)
 
 
-def _flag_run(run: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, x: torch.Tensor, flagged: torch.Tensor,
-              ends: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One step of a run of consecutive flagged steps, and the re-baseline it may trigger.
+def _flag_run(o: Ops, run_t: torch.Tensor, stats: list[tuple[torch.Tensor, torch.Tensor | None, Value]],
+              flagged: Value, ends: Value, k: int) -> tuple[Value, list[tuple[Value, Value]]]:
+    """One step of a run of consecutive flagged steps, and the re-baseline it may trigger; stores
+    the run (``run_t``, carried) and its statistics (each a carried mean and variance tensor).
 
-    A flagged step extends the run and folds ``x`` into the run's mean and population variance
-    (weight ``1/n``: exact over the run; the first flag starts them at ``x`` and 0); a step that
-    ``ends`` the run (finite, not flagged) sets it to 0; any other step (non-finite, no gradients)
-    leaves it as it is. When a flagged step brings the run to ``k``, ``rebase`` is true: the caller
-    replaces its statistics with the run's mean and variance, and the run starts again from 0.
-    ``mean``, ``var`` and ``x`` may be stacked (one run, several statistics). Returns
-    ``(run, mean, var, rebase)``, the state after this step; nothing is written."""
-    n = torch.where(flagged, run + 1, torch.where(ends, torch.zeros_like(run), run))
-    m, v = _fold(mean, var, x, torch.reciprocal(n.float()))
-    first = run == 0
-    m = torch.where(flagged, torch.where(first, x, m), mean)
-    v = torch.where(flagged, torch.where(first, torch.zeros_like(v), v), var)
+    A flagged step extends the run and folds each statistic's ``x`` into the run's mean and
+    population variance (weight ``1/n``: exact over the run; the first flag starts them at ``x``
+    and 0); a step that ``ends`` the run (finite, not flagged) sets it to 0; any other step
+    (non-finite, no gradients) leaves it as it is. When a flagged step brings the run to ``k``,
+    ``rebase`` is true: the caller replaces its statistics with the run's mean and variance, and
+    the run starts again from 0. ``stats``: ``(mean_t, var_t, x)`` per statistic (``var_t`` None:
+    its mean only). Returns ``(rebase, [(mean, var)])``: the run's statistics after this step
+    (None on the host for a step not flagged: ``rebase`` is then false, and they are not taken)."""
+    run = o.value(run_t)
+    n = o.where(flagged, run + 1, o.where(ends, 0, run))
     rebase = flagged & (n >= k)
-    return torch.where(rebase, torch.zeros_like(n), n), m, v, rebase
+    out: list[tuple[Value, Value]] = [(None, None)] * len(stats)
+    if o.may(flagged):  # unflagged, every statistic stays as it is
+        w = o.recip(o.to_float(n))
+        first = run == 0
+        for i, (mean_t, var_t, x) in enumerate(stats):
+            mean = o.value(mean_t)
+            var = None if var_t is None else o.value(var_t)
+            m, v = _fold(o, mean, var, x, w)
+            m = o.where(flagged, o.where(first, x, m), mean)
+            o.store(mean_t, m, mean)
+            if var_t is not None:
+                v = o.where(flagged, o.where(first, 0.0, v), var)
+                o.store(var_t, v, var)
+            out[i] = (m, v)
+    o.store(run_t, o.where(rebase, 0, n), run)  # last: on tensors ``run`` is the carried tensor itself
+    return rebase, out
 
 
-def _flag_run_host(run: int, mean: list[float], var: list[float], x: list[float],
-                   k: int) -> tuple[int, list[float], list[float], bool]:
-    """:func:`_flag_run` of a flagged step, on float32 host values (one list entry per stacked
-    statistic). The caller sets the run to 0 on a step that ends it and leaves it on any other."""
-    n = run + 1
-    if run == 0:
-        mean, var = list(x), [0.0] * len(x)
-    else:
-        w = _reciprocal(f32(float(n)))
-        mean, var = (list(t) for t in zip(*(_fold_host(m, v, xi, w) for m, v, xi in zip(mean, var, x))))
-    return (0 if n >= k else n), mean, var, n >= k
-
-
-# Long (~90 lines) on purpose: the whole decision is one device-side expression graph, captured as
-# one CUDA graph and read top to bottom as the rule; split up, it reads worse and captures the same.
-def decide(
+# Long (~100 lines) on purpose: the whole decision is one expression graph, captured as one CUDA
+# graph and read top to bottom as the rule; split up, it reads worse and captures the same.
+def rule(
+    o: Ops,
     gathered: torch.Tensor,
     *,
     config: GuardConfig,
@@ -149,124 +140,105 @@ def decide(
     scale_state: ScaleState,
     scaler: ScalerView | None,
     grads_sharded: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Decision vector from the gathered local vectors; updates ``spikes`` and ``scale_state``
-    in place. Returns ``(decision, new_growth_tracker)`` (the tracker is None without a scaler)."""
+) -> tuple[Value, Value | None]:
+    """Decision vector from the gathered local vectors, on tensors or host values (``o``); stores
+    the new ``spikes`` and ``scale_state`` in place. Returns ``(decision, new_growth_tracker)``
+    (the tracker is None without a scaler)."""
     g = gathered
-    dev = g.device
     world = g.shape[0]
-    cmax = g.amax(0) if world > 1 else g[0]  # NaN propagates: a NaN norm on any rank is NaN here
-    csum = g.sum(0) if world > 1 else g[0]
+    cmax, csum = o.columns(g)
     loss_bad = cmax[Loc.LOSS_NONFINITE] > 0
-    loss = csum[Loc.LOSS] / world
-    if grads_sharded and world > 1:  # each rank holds a shard: the global norm adds the squares
-        grad_norm = torch.linalg.vector_norm(g[:, Loc.GRAD_NORM], 2.0)
-    else:  # one rank, or replicated gradients: equal everywhere when healthy, NaN/inf if any rank's is
-        grad_norm = cmax[Loc.GRAD_NORM]
+    loss = o.div(csum[Loc.LOSS], world)
+    # Sharded gradients on several ranks: the global norm adds the squares. One rank, or replicated
+    # gradients: equal everywhere when healthy, NaN/inf if any rank's is.
+    grad_norm = o.norm(g[:, Loc.GRAD_NORM]) if grads_sharded and world > 1 else cmax[Loc.GRAD_NORM]
     nonfinite_tensors = csum[Loc.NONFINITE_TENSORS]
-    grad_bad = (nonfinite_tensors > 0) | (cmax[Loc.FOUND_INF] > 0) | ~torch.isfinite(grad_norm)
-    nonfinite = loss_bad | grad_bad
+    grad_bad = (nonfinite_tensors > 0) | (cmax[Loc.FOUND_INF] > 0) | o.not_(o.isfinite(grad_norm))
     no_grads = cmax[Loc.NO_GRADS] > 0  # on any rank: the step is skipped everywhere
+    blocked = loss_bad | grad_bad | no_grads  # skipped whatever the detectors say
 
-    false = torch.zeros((), dtype=torch.bool, device=dev)
-    nan = torch.full((), math.nan, dtype=torch.float32, device=dev)
-    grad_spike = loss_spike = rebase = clip_rebase = false
-    spike_threshold = clip_threshold = nan
+    grad_spike = loss_spike = rebase = clip_rebase = o.false
+    spike_threshold = clip_threshold = o.nan
     zscore = config.spike_detector == "zscore"
     spikes_on = uses_grad_detector(config) or config.loss_spike_factor is not None
     if spikes_on:
-        warm = (spikes.count >= config.spike_warmup) & ~nonfinite & ~no_grads
+        count, grad_ema, loss_ema = o.value(spikes.count), o.value(spikes.grad_ema), o.value(spikes.loss_ema)
+        if zscore:
+            z_mean, z_var = o.value(spikes.z_mean), o.value(spikes.z_var)
+        warm = (count >= config.spike_warmup) & o.not_(blocked)
         if config.grad_spike_factor is not None:
-            spike_threshold = config.grad_spike_factor * spikes.grad_ema
+            spike_threshold = o.mul(f32(config.grad_spike_factor), grad_ema)
         elif zscore:  # mean + k * std over the window of healthy steps
-            spike_threshold = spikes.z_mean + config.spike_zscore * torch.sqrt(spikes.z_var)
+            spike_threshold = o.add(z_mean, o.mul(f32(config.spike_zscore), o.sqrt_of(spikes.z_var)))
         if uses_grad_detector(config):
             grad_spike = warm & (grad_norm > spike_threshold)
         if config.loss_spike_factor is not None:
-            loss_spike = warm & (loss > config.loss_spike_factor * spikes.loss_ema)
+            loss_spike = warm & (loss > o.mul(f32(config.loss_spike_factor), loss_ema))
     spike = grad_spike | loss_spike
-    skip = (nonfinite | no_grads | spike) if config.on_spike == "skip" else (nonfinite | no_grads)
+    skip = (blocked | spike) if config.on_spike == "skip" else blocked
 
     # Indices into stats.REASONS, in order of precedence.
-    reason = torch.where(
-        loss_bad,
-        1.0,
-        torch.where(grad_bad, 2.0, torch.where(no_grads, 5.0, torch.where(
-            skip & grad_spike, 3.0, torch.where(skip & loss_spike, 4.0, 0.0)))),
-    )
+    reason = o.first([(loss_bad, 1.0), (grad_bad, 2.0), (no_grads, 5.0), (skip & grad_spike, 3.0),
+                      (skip & loss_spike, 4.0)], 0.0)
 
     if spikes_on:  # running averages of healthy steps (only kept when a detector needs them)
-        healthy = ~nonfinite & ~no_grads & ~spike
-        d = config.spike_ema_decay
+        healthy = o.not_(blocked | spike)
         # A NaN loss on a step that is not loss_bad is a loss nobody gave (StepReport.loss None): the
         # loss statistics keep their value instead of turning NaN for ever (and unloadable).
-        pair = torch.stack([grad_norm, torch.where(torch.isnan(loss), spikes.loss_ema, loss)])
-        ema = torch.stack([spikes.grad_ema, spikes.loss_ema])
-        new = torch.where(spikes.count == 0, pair, d * ema + (1 - d) * pair)
-        new = torch.where(healthy, new, ema)
+        known_loss = o.where(o.isnan(loss), loss_ema, loss)
+        d, e, first = f32(config.spike_ema_decay), f32(1 - config.spike_ema_decay), count == 0
+        grad_avg = o.where(healthy, o.where(first, grad_norm, o.add(o.mul(d, grad_ema), o.mul(e, grad_norm))),
+                           grad_ema)
+        loss_avg = o.where(healthy, o.where(first, known_loss, o.add(o.mul(d, loss_ema), o.mul(e, known_loss))),
+                           loss_ema)
         # No lock-out: spike_warmup flags in a row re-base the statistics on those steps.
-        run, run_mean, run_var, rebase = _flag_run(
-            spikes.flag_run, torch.stack([spikes.flag_norm_mean, spikes.flag_loss_mean]),
-            torch.stack([spikes.flag_norm_var, torch.zeros_like(spikes.flag_norm_var)]), pair, spike, healthy,
-            config.spike_warmup)
-        new = torch.where(rebase, run_mean, new)
-        spikes.grad_ema.copy_(new[0])
-        spikes.loss_ema.copy_(new[1])
-        if zscore:
-            w = _window_weight(spikes.count, _zscore_floor(config))
-            mean, var = _fold(spikes.z_mean, spikes.z_var, grad_norm, w)
-            spikes.z_mean.copy_(torch.where(rebase, run_mean[0], torch.where(healthy, mean, spikes.z_mean)))
-            spikes.z_var.copy_(torch.where(rebase, run_var[0], torch.where(healthy, var, spikes.z_var)))
-        spikes.count.add_(healthy.int())
-        spikes.flag_run.copy_(run)
-        spikes.flag_norm_mean.copy_(run_mean[0])
-        spikes.flag_loss_mean.copy_(run_mean[1])
-        spikes.flag_norm_var.copy_(run_var[0])
+        rebase, ((norm_mean, norm_var), (loss_mean, _)) = _flag_run(
+            o, spikes.flag_run, [(spikes.flag_norm_mean, spikes.flag_norm_var, grad_norm),
+                                 (spikes.flag_loss_mean, None, known_loss)], spike, healthy, config.spike_warmup)
+        if zscore and (o.may(healthy) or o.may(rebase)):  # neither: mean and variance stay
+            w = o.clamp(o.recip(o.to_float(count + 1)), f32(_zscore_floor(config)), None)
+            mean, var = _fold(o, z_mean, z_var, grad_norm, w)
+            o.store(spikes.z_mean, o.where(rebase, norm_mean, o.where(healthy, mean, z_mean)), z_mean)
+            o.store(spikes.z_var, o.where(rebase, norm_var, o.where(healthy, var, z_var)), z_var)
+        o.store(spikes.grad_ema, o.where(rebase, norm_mean, grad_avg), grad_ema)
+        o.store(spikes.loss_ema, o.where(rebase, loss_mean, loss_avg), loss_ema)
+        o.store(spikes.count, o.where(healthy, count + 1, count), count)
 
     if config.clip_grad_norm is not None:
-        # The expression of torch.nn.utils.clip_grad_norm_, so the coefficient is bitwise its.
-        clip_coef = torch.clamp(config.clip_grad_norm / (grad_norm + 1e-6), max=1.0)
+        # The expression of torch.nn.utils.clip_grad_norm_ (c / t is t.reciprocal() * c), so the
+        # coefficient is bitwise its.
+        clip_coef = o.clamp(o.mul(o.recip(o.add(grad_norm, f32(1e-6))), f32(config.clip_grad_norm)), None, 1.0)
     elif config.zclip:
-        clip_coef, clip_threshold, clip_rebase = _zclip(grad_norm, nonfinite | no_grads, config, spikes)
+        clip_coef, clip_threshold, clip_rebase = _zclip(o, grad_norm, blocked, config, spikes)
     else:
-        clip_coef = torch.ones((), dtype=torch.float32, device=dev)
+        clip_coef = o.one
 
     new_tracker = None
     if scaler is not None:
-        scale = scaler.scale
-        new_scale, new_tracker, backoff, growth, floor_hit = next_scale(
-            scale=scale,
-            growth_tracker=scaler.growth_tracker,
-            overflow=grad_bad,
-            held=skip & ~grad_bad,
-            state=scale_state,
-            growth_factor=scaler.growth_factor,
-            backoff_factor=scaler.backoff_factor,
-            growth_interval=scaler.growth_interval,
-            hysteresis=config.hysteresis,
-            min_scale=config.min_scale,
-            max_scale=config.max_scale,
-            headroom=(g[:, Loc.HEADROOM].amin(0) if world > 1 else g[0, Loc.HEADROOM])  # NaN: not sampled
-            if config.scale_policy == "headroom" else None,
+        scale, run = o.value(scaler.scale), o.value(scale_state.overflow_run)
+        new_scale, new_tracker, backoff, growth, floor_hit, new_run = next_scale(
+            o, scale=scale, growth_tracker=o.value(scaler.growth_tracker), overflow=grad_bad,
+            held=skip & o.not_(grad_bad), overflow_run=run, growth_factor=scaler.growth_factor,
+            backoff_factor=scaler.backoff_factor, growth_interval=scaler.growth_interval,
+            hysteresis=config.hysteresis, min_scale=config.min_scale, max_scale=config.max_scale,
             margin=config.headroom_margin_log2,
-        )
+            headroom=o.rank_min(g, Loc.HEADROOM, cmax) if config.scale_policy == "headroom" else None)  # NaN: unsampled
+        o.store(scale_state.overflow_run, new_run, run)
     else:
-        scale = new_scale = torch.ones((), dtype=torch.float32, device=dev)
-        backoff = growth = floor_hit = false
+        scale = new_scale = o.one
+        backoff = growth = floor_hit = o.false
 
-    values = torch.stack([loss, grad_norm, nonfinite_tensors, clip_coef, scale.reshape(()), new_scale.reshape(()),
-                          reason])
-    flags = torch.stack([skip, loss_bad, grad_bad, grad_spike, loss_spike, backoff, growth, floor_hit, no_grads,
-                         rebase, clip_rebase])
-    thresholds = torch.stack([spike_threshold.reshape(()), clip_threshold.reshape(())])
-    out = torch.cat([values.float(), flags.float(), thresholds.float()])
-    if out.shape[0] != DECISION_K:  # pragma: no cover - layout invariant (see stats.Dec)
+    out = o.vector([loss, grad_norm, nonfinite_tensors, clip_coef, scale, new_scale, reason],
+                   [skip, loss_bad, grad_bad, grad_spike, loss_spike, backoff, growth, floor_hit, no_grads, rebase,
+                    clip_rebase],
+                   [spike_threshold, clip_threshold])
+    if len(out) != DECISION_K:  # pragma: no cover - layout invariant (see stats.Dec)
         raise AssertionError("decision vector layout out of date")
     return out, new_tracker
 
 
-def _zclip(grad_norm: torch.Tensor, bad: torch.Tensor, config: GuardConfig,
-           spikes: SpikeState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _zclip(o: Ops, grad_norm: Value, bad: Value, config: GuardConfig,
+           spikes: SpikeState) -> tuple[Value, Value, Value]:
     """ZClip (Kumar et al. 2025, "ZClip: Adaptive Spike Mitigation for LLM Pre-Training",
     arXiv:2504.02507; the reference code's default ``mode="zscore"``,
     ``clip_option="adaptive_scaling"``): once ``spike_warmup`` finite steps are folded in, a norm
@@ -284,206 +256,46 @@ def _zclip(grad_norm: torch.Tensor, bad: torch.Tensor, config: GuardConfig,
     Returns ``(clip_coef, ceiling, rebase)``: ``ceiling`` is the largest norm this step let through
     (the threshold when clipped, ``mean + zclip_z * (std + eps)`` otherwise, inf during warm-up);
     ``rebase``: the statistics were re-based this step."""
-    mean, var, count = spikes.clip_mean, spikes.clip_var, spikes.clip_count
-    zt = config.zclip_z
-    std = torch.sqrt(var)
-    spread = std + ZCLIP_EPS
-    z = (grad_norm - mean) / spread
-    warm = count >= config.spike_warmup
-    outlier = warm & ~bad & (z > zt)
-    threshold = mean + (zt * zt) * std / z
-    coef = torch.where(outlier, torch.clamp(threshold / (grad_norm + 1e-6), max=1.0), 1.0)
-    inf = torch.full((), math.inf, dtype=torch.float32, device=grad_norm.device)
-    ceiling = torch.where(warm, torch.where(outlier, threshold, mean + zt * spread), inf)
-    # The paper's update after warm-up: mean = a*mean + (1-a)*x, var = a*var + (1-a)*(x - mean)^2 with
-    # the new mean; during warm-up the exact running mean and population variance (weight 1/n).
-    x = torch.where(outlier, threshold, grad_norm)
-    w = torch.where(warm, 1 - config.zclip_alpha, torch.reciprocal((count + 1).float()))
-    new_mean, warmup_var = _fold(mean, var, x, w)
-    e = x - new_mean
-    new_var = torch.where(warm, (1 - w) * var + w * (e * e), warmup_var)
-    run, run_mean, run_var, rebase = _flag_run(spikes.clip_run, spikes.clip_flag_mean, spikes.clip_flag_var,
-                                               grad_norm, outlier, ~bad, config.spike_warmup)
-    mean.copy_(torch.where(rebase, run_mean, torch.where(bad, mean, new_mean)))
-    var.copy_(torch.where(rebase, run_var, torch.where(bad, var, new_var)))
-    count.add_((~bad).int())
-    spikes.clip_run.copy_(run)
-    spikes.clip_flag_mean.copy_(run_mean)
-    spikes.clip_flag_var.copy_(run_var)
-    return coef, ceiling, rebase
-
-
-def _zclip_host(grad_norm: float, bad: bool, config: GuardConfig,
-                spikes: SpikeState) -> tuple[float, float, bool]:
-    """:func:`_zclip` on float32 host values."""
-    mean, var, count = spikes.clip_mean.item(), spikes.clip_var.item(), int(spikes.clip_count.item())
+    mean, var, count = o.value(spikes.clip_mean), o.value(spikes.clip_var), o.value(spikes.clip_count)
     zt = f32(config.zclip_z)
-    rebase = False
-    std = _sqrt(spikes.clip_var)
-    spread = f32(std + f32(ZCLIP_EPS))
-    z = _div(f32(grad_norm - mean), spread)
+    std = o.sqrt_of(spikes.clip_var)
+    spread = o.add(std, f32(ZCLIP_EPS))
+    z = o.div(o.sub(grad_norm, mean), spread)
     warm = count >= config.spike_warmup
-    outlier = warm and not bad and z > zt
-    threshold = f32(mean + _div(f32(f32(config.zclip_z * config.zclip_z) * std), z))
-    coef = clamp_f32(_div(threshold, f32(grad_norm + f32(1e-6))), None, 1.0) if outlier else 1.0
-    ceiling = (threshold if outlier else f32(mean + f32(zt * spread))) if warm else math.inf
-    if not bad:
-        x = threshold if outlier else grad_norm
-        w = f32(1 - config.zclip_alpha) if warm else _reciprocal(f32(float(count + 1)))
-        new_mean, new_var = _fold_host(mean, var, x, w)
-        if warm:
-            e = f32(x - new_mean)
-            new_var = f32(f32(f32(1.0 - w) * var) + f32(w * f32(e * e)))
-        run = int(spikes.clip_run.item())
-        if outlier:
-            flags = _flag_run_host(run, [spikes.clip_flag_mean.item()], [spikes.clip_flag_var.item()], [grad_norm],
-                                   config.spike_warmup)
-            run, rebase = flags[0], flags[3]
-            spikes.clip_flag_mean.fill_(flags[1][0])
-            spikes.clip_flag_var.fill_(flags[2][0])
-            if rebase:
-                new_mean, new_var = flags[1][0], flags[2][0]
-            spikes.clip_run.fill_(run)
-        elif run:
-            spikes.clip_run.fill_(0)
-        spikes.clip_mean.fill_(new_mean)
-        spikes.clip_var.fill_(new_var)
-        spikes.clip_count.fill_(count + 1)
+    ok = o.not_(bad)
+    outlier = warm & ok & (z > zt)
+    threshold = coef = 1.0  # the threshold is taken only where outlier: the host skips it on other steps
+    if o.may(outlier):
+        threshold = o.add(mean, o.div(o.mul(f32(config.zclip_z * config.zclip_z), std), z))
+        coef = o.where(outlier, o.clamp(o.div(threshold, o.add(grad_norm, f32(1e-6))), None, 1.0), 1.0)
+    ceiling = o.where(warm, o.where(outlier, threshold, o.add(mean, o.mul(zt, spread))), o.inf)
+    rebase, ((run_mean, run_var),) = _flag_run(o, spikes.clip_run, [(spikes.clip_flag_mean, spikes.clip_flag_var,
+                                                                      grad_norm)], outlier, ok, config.spike_warmup)
+    if o.may(ok):  # bad: nothing is folded, nothing counted
+        # The paper's update after warm-up: mean = a*mean + (1-a)*x, var = a*var + (1-a)*(x - mean)^2
+        # with the new mean; during warm-up the exact running mean and population variance (weight 1/n).
+        x = o.where(outlier, threshold, grad_norm)
+        w = o.where(warm, f32(1 - config.zclip_alpha), o.recip(o.to_float(count + 1)))
+        new_mean, warmup_var = _fold(o, mean, var, x, w)
+        e = o.sub(x, new_mean)
+        new_var = o.where(warm, o.add(o.mul(o.sub(1.0, w), var), o.mul(w, o.mul(e, e))), warmup_var)
+        o.store(spikes.clip_mean, o.where(rebase, run_mean, o.where(bad, mean, new_mean)), mean)
+        o.store(spikes.clip_var, o.where(rebase, run_var, o.where(bad, var, new_var)), var)
+        o.store(spikes.clip_count, o.where(bad, count, count + 1), count)
     return coef, ceiling, rebase
+
+
+def decide(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeState, scale_state: ScaleState,
+           scaler: ScalerView | None, grads_sharded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`rule` on device tensors (``gathered``'s device). No sync."""
+    return rule(TensorOps(gathered.device), gathered, config=config, spikes=spikes,
+                scale_state=scale_state, scaler=scaler, grads_sharded=grads_sharded)
 
 
 def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeState, scale_state: ScaleState,
                 scaler: ScalerView | None, grads_sharded: bool) -> tuple[list[float], int | None]:
-    """:func:`decide` on host floats, line for line: the same decision vector (as a list of
-    floats, each a float32 value) and the same updates of ``spikes`` and ``scale_state``.
-    Returns ``(decision, new_growth_tracker)``. For CPU tensors: it reads the gathered matrix and
-    the carried state to the host (``.tolist()``/``.item()``, free on CPU, a sync elsewhere).
-
-    Float32 arithmetic is reproduced by rounding after every operation (:func:`f32`), with the
-    operands torch would use: a Python scalar next to a float32 tensor is rounded to float32
-    first, ``c / t`` is ``t.reciprocal() * c`` (``Tensor.__rtruediv__``). The reductions across
-    ranks (world > 1) stay torch's, so their summation order is the one :func:`decide` uses."""
-    g = gathered
-    world = g.shape[0]
-    if world > 1:
-        cmax, csum = g.amax(0).tolist(), g.sum(0).tolist()
-    else:
-        cmax = csum = g.tolist()[0]
-    loss_bad = cmax[Loc.LOSS_NONFINITE] > 0
-    loss = f32(csum[Loc.LOSS] / world)
-    if grads_sharded and world > 1:
-        grad_norm = torch.linalg.vector_norm(g[:, Loc.GRAD_NORM], 2.0).item()
-    else:
-        grad_norm = cmax[Loc.GRAD_NORM]
-    nonfinite_tensors = csum[Loc.NONFINITE_TENSORS]
-    grad_bad = nonfinite_tensors > 0 or cmax[Loc.FOUND_INF] > 0 or not math.isfinite(grad_norm)
-    nonfinite = loss_bad or grad_bad
-    no_grads = cmax[Loc.NO_GRADS] > 0
-
-    grad_spike = loss_spike = False
-    spike_threshold = clip_threshold = math.nan
-    zscore = config.spike_detector == "zscore"
-    spikes_on = uses_grad_detector(config) or config.loss_spike_factor is not None
-    if spikes_on:
-        count = int(spikes.count.item())
-        grad_ema, loss_ema = spikes.grad_ema.item(), spikes.loss_ema.item()
-        known_loss = loss_ema if math.isnan(loss) else loss  # as decide(): a loss nobody gave moves nothing
-        warm = count >= config.spike_warmup and not nonfinite and not no_grads
-        if config.grad_spike_factor is not None:
-            spike_threshold = f32(f32(config.grad_spike_factor) * grad_ema)
-        elif zscore:
-            z_mean, z_var = spikes.z_mean.item(), spikes.z_var.item()
-            spike_threshold = f32(z_mean + f32(f32(config.spike_zscore) * _sqrt(spikes.z_var)))
-        if uses_grad_detector(config):
-            grad_spike = warm and grad_norm > spike_threshold
-        if config.loss_spike_factor is not None:
-            loss_spike = warm and loss > f32(f32(config.loss_spike_factor) * loss_ema)
-    spike = grad_spike or loss_spike
-    skip = nonfinite or no_grads or spike if config.on_spike == "skip" else nonfinite or no_grads
-
-    reason = (1.0 if loss_bad else 2.0 if grad_bad else 5.0 if no_grads else 3.0 if skip and grad_spike
-              else 4.0 if skip and loss_spike else 0.0)
-
-    rebase = clip_rebase = False
-    healthy = not nonfinite and not no_grads and not spike
-    if spikes_on and healthy:  # fold it into the averages
-        if count == 0:
-            grad_ema, loss_ema = grad_norm, known_loss
-        else:
-            d, e = f32(config.spike_ema_decay), f32(1 - config.spike_ema_decay)
-            grad_ema = f32(f32(d * grad_ema) + f32(e * grad_norm))
-            loss_ema = f32(f32(d * loss_ema) + f32(e * known_loss))
-        spikes.grad_ema.fill_(grad_ema)
-        spikes.loss_ema.fill_(loss_ema)
-        if zscore:
-            z_mean, z_var = _fold_host(z_mean, z_var, grad_norm, _window_weight_host(count, _zscore_floor(config)))
-            spikes.z_mean.fill_(z_mean)
-            spikes.z_var.fill_(z_var)
-        spikes.count.fill_(count + 1)
-    if spikes_on:  # no lock-out: spike_warmup flags in a row re-base the statistics on those steps
-        run = int(spikes.flag_run.item())
-        if spike:
-            run, mean, var, rebase = _flag_run_host(
-                run, [spikes.flag_norm_mean.item(), spikes.flag_loss_mean.item()], [spikes.flag_norm_var.item(), 0.0],
-                [grad_norm, known_loss], config.spike_warmup)
-            spikes.flag_norm_mean.fill_(mean[0])
-            spikes.flag_loss_mean.fill_(mean[1])
-            spikes.flag_norm_var.fill_(var[0])
-            spikes.flag_run.fill_(run)
-            if rebase:
-                spikes.grad_ema.fill_(mean[0])
-                spikes.loss_ema.fill_(mean[1])
-                if zscore:
-                    spikes.z_mean.fill_(mean[0])
-                    spikes.z_var.fill_(var[0])
-        elif healthy and run:
-            spikes.flag_run.fill_(0)
-
-    if config.clip_grad_norm is not None:
-        # clip_grad_norm_'s ``max_norm / (total_norm + 1e-6)``, clamped at 1 (NaN stays NaN)
-        clip_coef = clamp_f32(f32(_reciprocal(f32(grad_norm + f32(1e-6))) * f32(config.clip_grad_norm)), None, 1.0)
-    elif config.zclip:
-        clip_coef, clip_threshold, clip_rebase = _zclip_host(grad_norm, nonfinite or no_grads, config, spikes)
-    else:
-        clip_coef = 1.0
-
-    new_tracker = None
-    if scaler is not None:
-        scale, tracker = scaler.scale.item(), int(scaler.growth_tracker.item())
-        run = int(scale_state.overflow_run.item())
-        headroom = None
-        if config.scale_policy == "headroom":  # the minimum over ranks, NaN-propagating as amin
-            headroom = g[:, Loc.HEADROOM].amin(0).item() if world > 1 else cmax[Loc.HEADROOM]
-        new_scale, new_tracker, backoff, growth, floor_hit, new_run = next_scale_host(
-            scale, tracker, grad_bad, skip and not grad_bad, run, scaler=scaler, config=config, headroom=headroom)
-        if new_run != run:
-            scale_state.overflow_run.fill_(new_run)
-    else:
-        scale = new_scale = 1.0
-        backoff = growth = floor_hit = False
-
-    values = [loss, grad_norm, nonfinite_tensors, clip_coef, scale, new_scale, reason]
-    flags = [skip, loss_bad, grad_bad, grad_spike, loss_spike, backoff, growth, floor_hit, no_grads, rebase,
-             clip_rebase]
-    out = values + [1.0 if f else 0.0 for f in flags] + [spike_threshold, clip_threshold]
-    if len(out) != DECISION_K:  # pragma: no cover - layout invariant (see stats.Dec)
-        raise AssertionError("decision vector layout out of date")
-    return out, new_tracker
-
-
-def _sqrt(x: torch.Tensor) -> float:
-    """``torch.sqrt`` of a float32 0-d tensor, read to the host. torch's own kernel, not
-    ``math.sqrt``: on CPU it is not always correctly rounded (1 ulp off seen, torch 2.13)."""
-    return float(torch.sqrt(x).item())
-
-
-def _div(a: float, b: float) -> float:
-    """float32 ``a / b`` of float32 values, as torch divides (IEEE: x/0 is +-inf, 0/0 NaN)."""
-    if b == 0:
-        return math.nan if a == 0 or math.isnan(a) else math.copysign(math.inf, a) * math.copysign(1.0, b)
-    return f32(a / b)
-
-
-def _reciprocal(x: float) -> float:
-    """``torch.reciprocal`` of a float32 value, in float32 (1/0 is inf, not an exception)."""
-    return f32(1.0 / x) if x != 0 else math.copysign(math.inf, x)
+    """:func:`rule` on host floats: the decision vector as a list of float32 values, the new growth
+    tracker an int. Reads ``gathered``, the carried state and the scaler's tensors to the host
+    (``.tolist()``/``.item()``: free on CPU tensors, a sync elsewhere)."""
+    return rule(HOST, gathered, config=config, spikes=spikes,
+                scale_state=scale_state, scaler=scaler, grads_sharded=grads_sharded)

@@ -1,54 +1,39 @@
-"""Loss scaling: the one adapter to ``torch.amp.GradScaler``, and the scale rule on device.
+"""Loss scaling: the one adapter to ``torch.amp.GradScaler``.
 
 :class:`GradScalerAdapter` is the only place in ampguard that touches GradScaler's private
 state (``_scale``, ``_growth_tracker``, ``_per_optimizer_states``, ``_device``,
 ``_lazy_init_scale_growth_tracker``): a torch upgrade that moves them breaks here, and only
 here. It also decides what the *public* GradScaler calls mean on a guarded optimizer
-(``scaler.step(opt)``, ``scaler.unscale_(opt)``, ``scaler.update()``): see :meth:`attach`.
+(``scaler.step(opt)``, ``scaler.unscale_(opt)``, ``scaler.update()``): see :meth:`attach`, and
+:mod:`ampguard.shared_scaler` for several guards on one scaler.
 
-GradScaler's own rule (``torch._amp_update_scale_``) backs off on every overflowing step and
-grows after ``growth_interval`` clean ones. :func:`next_scale` computes the same rule with
-plain tensor ops, plus hysteresis (an allowance of ``hysteresis - 1`` overflows that do not back
-off, refilled only when the scale grows, as DeepSpeed and Megatron-LM refill theirs) and a
-[min, max] clamp, and hands the result to ``GradScaler.update(new_scale=...)``. With
-hysteresis 1 and a scale inside [min, max] the result is bitwise GradScaler's.
-:func:`next_scale_host` is the same rule on host floats (the CPU decision), float32 op for op.
+The scale rule (GradScaler's, with hysteresis, floor, ceiling and the headroom policy) is
+:func:`ampguard.loss_scale.next_scale`; the adapter only reads the scaler for it
+(:meth:`GradScalerAdapter.view`) and writes its result (:meth:`GradScalerAdapter.update`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
-import struct
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import GuardStateError
+from .loss_scale import ScalerView, ScaleState
+from .ops import f32
+from .shared_scaler import SharedScaler
 
 if TYPE_CHECKING:
     from .config import GuardConfig
 
-__all__ = ["GradScalerAdapter", "ScaleState", "ScalerView", "SharedScaler", "clamp_f32", "f32", "next_scale",
-           "next_scale_host"]
+__all__ = ["GradScalerAdapter", "ScaleState", "ScalerView", "SharedScaler", "f32"]
 
 # GradScaler's per-optimizer stages (torch.amp.grad_scaler.OptState), compared by name so a
 # torch that moves the enum keeps working.
 _READY, _UNSCALED = "READY", "UNSCALED"
-
-
-@dataclasses.dataclass(slots=True)
-class ScalerView:
-    """What the decision needs of a GradScaler (None when there is no loss scaling)."""
-
-    scale: torch.Tensor
-    growth_tracker: torch.Tensor
-    growth_factor: float
-    backoff_factor: float
-    growth_interval: int
 
 
 class GradScalerAdapter:
@@ -270,358 +255,7 @@ class GradScalerAdapter:
         self._targets = ()
 
 
-_PATCHED = ("step", "unscale_", "update", "scale", "__getstate__")
-"""The GradScaler methods the guards patch onto a scaler instance (nothing global)."""
-
-
-class SharedScaler:
-    """The guards on one ``GradScaler``, and the scaler's public calls while any is on it.
-
-    Patched onto the scaler instance as bound methods of this object (``scaler.step`` is
-    :meth:`step`, ...); ``scaler.__getstate__`` hands pickle and ``copy`` the scaler's own state
-    without them, so a copy is a plain GradScaler, as the scaler was before the guard.
-
-    Several guards on one scaler (torch's ``scaler.step(opt0); scaler.step(opt1); scaler.update()``):
-    each decides, and skips, on its own gradients, unscaled with the iteration's scale; the scale
-    is updated once per iteration, after every guard on the scaler stepped: backed off when any of
-    them overflowed, grown by GradScaler's timer otherwise (held when one skipped for another
-    reason), within [min_scale, max_scale]. An iteration in which not every guard steps is ended by
-    ``scaler.update()``; a guard that steps twice in one iteration is refused.
-    """
-
-    def __init__(self, scaler: torch.amp.GradScaler) -> None:
-        self.scaler = scaler
-        self.members: list[GradScalerAdapter] = []
-        self.pending: dict[int, tuple[torch.Tensor | bool, torch.Tensor | bool]] = {}
-        """This iteration's (overflow, skip) of each member that stepped, by ``id(member)``."""
-        self.updated = False
-        """The guards updated the scale since the last ``scaler.update()`` call."""
-        self.saved: dict[str, Any] = {name: scaler.__dict__.get(name) for name in _PATCHED}
-        patches = {"step": self.step, "unscale_": self.unscale_, "update": self.update, "scale": self.scale,
-                   "__getstate__": self._getstate}
-        for name in _PATCHED:
-            setattr(scaler, name, patches[name])
-
-    @staticmethod
-    def of(scaler: torch.amp.GradScaler) -> SharedScaler | None:
-        """The hub the guards on ``scaler`` share (None: no guard on it)."""
-        owner = getattr(scaler.__dict__.get("__getstate__"), "__self__", None)
-        return owner if isinstance(owner, SharedScaler) else None
-
-    @staticmethod
-    def check_join(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, config: GuardConfig) -> None:
-        """Before a guard is built on ``scaler``: may it join the guards already there? Raises
-        ``GuardStateError``/``ValueError`` naming the fix; changes nothing."""
-        hub = SharedScaler.of(scaler)
-        if hub is None or not hub.members:
-            return
-        if any(id(optimizer) in m._targets for m in hub.members):
-            raise GuardStateError("this optimizer is already guarded on this GradScaler; wrap each optimizer once "
-                                  "(opt.optimizer is the inner one). Nothing was changed.")
-        configs = [config, *(m.config for m in hub.members if m.config is not None)]
-        odd = [f"{name}={[getattr(c, name) for c in configs]}" for name in ("min_scale", "max_scale")
-               if len({getattr(c, name) for c in configs}) > 1]
-        if any(c.hysteresis != 1 for c in configs):
-            odd.append(f"hysteresis={[c.hysteresis for c in configs]} (allowed: 1)")
-        if any(c.scale_policy != "default" for c in configs):
-            odd.append(f"scale_policy={[c.scale_policy for c in configs]} (allowed: 'default')")
-        if odd:
-            raise ValueError(
-                f"this GradScaler is already shared by {len(hub.members)} guard(s), and guards on one scaler update "
-                "its scale once per iteration with one rule: GradScaler's, within one [min_scale, max_scale]. Their "
-                f"configs disagree or need a scale of their own: {'; '.join(odd)}. Give every guard on the scaler "
-                "the same min_scale/max_scale with hysteresis=1 and scale_policy='default', or give this optimizer "
-                "a GradScaler of its own (scaler=torch.amp.GradScaler(...)). Nothing was changed.")
-
-    def join(self, member: GradScalerAdapter) -> None:
-        self.members.append(member)
-
-    def leave(self, member: GradScalerAdapter) -> None:
-        """A guard closes: the last one restores the scaler's methods; otherwise an iteration that
-        only waited for it is complete now."""
-        if member in self.members:
-            self.members.remove(member)
-        if not self.members:
-            self.pending.clear()
-            for name, previous in self.saved.items():
-                if previous is None:
-                    self.scaler.__dict__.pop(name, None)
-                else:
-                    setattr(self.scaler, name, previous)
-        elif self.pending and all(id(m) in self.pending for m in self.members):
-            self.flush()
-
-    def _member(self, optimizer: Any) -> GradScalerAdapter | None:
-        return next((m for m in self.members if id(optimizer) in m._targets), None)
-
-    def _own(self, name: str) -> Callable[..., Any]:
-        """The scaler's own method ``name`` (or the instance patch that was there before the guards)."""
-        return self.saved.get(name) or getattr(type(self.scaler), name).__get__(self.scaler)
-
-    def _refuse_unguarded(self, call: str) -> GuardStateError:
-        return GuardStateError(
-            f"scaler.{call}(optimizer) on an optimizer no guard wraps, with a GradScaler a guard shares: the guarded "
-            "steps update this scaler's scale, so this optimizer's overflows would never back it off. Guard it too, "
-            "on the same scaler: `opt1 = ampguard.wrap(opt1, scaler=scaler)` and call opt1.step() (the guards on one "
-            "GradScaler update its scale once per iteration, after the last of them). Nothing was changed.")
-
-    # the scaler's public calls, while guards are on it
-    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-        member = self._member(optimizer)
-        if member is None:
-            raise self._refuse_unguarded("step")
-        if member.route_steps:
-            return member.guard.step(*args, **kwargs)
-        member.forget(optimizer)
-        raise GuardStateError(
-            "scaler.step(opt) was called on a guarded optimizer: the guard already unscales, checks and "
-            "steps. Replace `scaler.step(opt); scaler.update()` with `opt.step()`. Nothing was changed."
-        )
-
-    def unscale_(self, optimizer: Any) -> None:
-        member = self._member(optimizer)
-        if member is None:
-            raise self._refuse_unguarded("unscale_")
-        member.guard.unscale_()
-
-    def update(self, new_scale: Any = None) -> None:
-        if new_scale is None and self.pending:  # ends an iteration in which not every guard stepped
-            self.flush()
-            self.updated = False
-            return None
-        if self.updated and new_scale is None:
-            if any(m.route_steps for m in self.members):
-                self.updated = False
-                return None
-            raise GuardStateError(
-                "scaler.update() after opt.step(): the guarded step already updated the loss scale (guards sharing "
-                "a GradScaler update it once per iteration, after the last of them). Remove the scaler.update() "
-                "call. Nothing was changed."
-            )
-        return self._own("update")(new_scale)  # type: ignore[no-any-return]
-
-    def scale(self, outputs: Any) -> Any:
-        for m in self.members:
-            m.scaled_since_step = True
-        return self._own("scale")(outputs)
-
-    def _getstate(self) -> dict[str, Any]:
-        """``scaler.__getstate__``: the scaler's own state, without the guards' patches."""
-        state: dict[str, Any] = self._own("__getstate__")()
-        for name, previous in self.saved.items():
-            if previous is None:
-                state.pop(name, None)
-            else:
-                state[name] = previous
-        return state
-
-    # one scale update per iteration
-    def check_iteration(self, member: GradScalerAdapter) -> None:
-        if id(member) in self.pending:
-            raise GuardStateError(
-                f"this guard already stepped in this iteration of a GradScaler shared by {len(self.members)} guards, "
-                "whose scale is updated after every one of them stepped. Where only some of them step in an "
-                "iteration, end it with scaler.update() after their steps (before the next backward). Nothing "
-                "was changed.")
-
-    def contribute(self, member: GradScalerAdapter, overflow: torch.Tensor | bool, skip: torch.Tensor | bool) -> None:
-        self.pending[id(member)] = (overflow, skip)
-        if all(id(m) in self.pending for m in self.members):
-            self.flush()
-
-    def flush(self) -> None:
-        """The iteration's one scale update: GradScaler's rule on the flags of the guards that stepped
-        (overflow: any; held: a skip without overflow), within the guards' [min_scale, max_scale]."""
-        flags = list(self.pending.values())
-        self.pending.clear()
-        first = self.members[0]
-        view, config = first.view(), first.config
-        assert config is not None  # internal: members are attached
-        if all(isinstance(o, bool) and isinstance(s, bool) for o, s in flags):
-            overflow = any(o for o, _ in flags)
-            held = not overflow and any(s for _, s in flags)
-            scale = f32(float(view.scale.item()))
-            new_host, tracker_host, *_ = next_scale_host(scale, int(view.growth_tracker.item()), overflow, held, 0,
-                                                         scaler=view, config=config)
-            first._apply(new_host, tracker_host)
-        else:
-            dev = view.scale.device
-            o = torch.stack([_on(f, dev) for f, _ in flags]).any()
-            s = torch.stack([_on(f, dev) for _, f in flags]).any()
-            new, tracker, *_ = next_scale(
-                scale=view.scale, growth_tracker=view.growth_tracker, overflow=o, held=s & ~o,
-                state=ScaleState.fresh(dev), growth_factor=view.growth_factor, backoff_factor=view.backoff_factor,
-                growth_interval=view.growth_interval, hysteresis=1, min_scale=config.min_scale,
-                max_scale=config.max_scale)
-            first._apply(new, tracker)
-        self.updated = True
-
-
-def _on(flag: torch.Tensor | bool, device: torch.device) -> torch.Tensor:
-    """A skip/overflow flag as a 0-d bool tensor on ``device`` (a host bool by a fill: no copy, no sync)."""
-    if isinstance(flag, bool):
-        return torch.full((), flag, dtype=torch.bool, device=device)
-    return flag.to(device, non_blocking=True).reshape(()).bool()
-
-
 def _unscales_as_grad_scaler(cls: type) -> bool:
     """``cls`` (a GradScaler class) checks and unscales gradients with GradScaler's own code."""
     base = torch.amp.GradScaler
     return all(getattr(cls, name, None) is getattr(base, name) for name in ("unscale_", "_unscale_grads_"))
-
-
-@dataclasses.dataclass(slots=True)
-class ScaleState:
-    """Device tensors the scale rule carries from step to step."""
-
-    overflow_run: torch.Tensor
-    """int32: overflowing steps since the scale last grew (or since the start), at most
-    ``hysteresis``: the hysteresis allowance spent (Megatron-LM's ``hysteresis_tracker`` is
-    ``hysteresis - overflow_run``). An overflow backs off once it reaches ``hysteresis``; only a
-    growth of the scale sets it back to 0."""
-
-    @classmethod
-    def fresh(cls, device: torch.device) -> ScaleState:
-        return cls(overflow_run=torch.zeros((), dtype=torch.int32, device=device))
-
-
-HEADROOM_MAX_SCALE = 2.0**24
-"""The headroom policy's ceiling when ``GuardConfig.max_scale`` is None."""
-
-
-_SHIFT_MAX = 126.0
-"""The policy's largest step, in doublings (headroom of a tiny gradient can exceed float32's range)."""
-
-
-def next_scale(
-    *,
-    scale: torch.Tensor,
-    growth_tracker: torch.Tensor,
-    overflow: torch.Tensor,
-    held: torch.Tensor,
-    state: ScaleState,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int,
-    min_scale: float,
-    max_scale: float | None,
-    headroom: torch.Tensor | None = None,
-    margin: int = 2,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The scale for the next step, without a host sync.
-
-    Hysteresis: an overflow backs the scale off when it brings the overflows counted since the
-    scale last grew (``state.overflow_run``, capped at ``hysteresis``) to ``hysteresis``; clean
-    steps do not refill the allowance, a growth does. So the first ``hysteresis - 1`` overflows
-    after a growth are skipped without a backoff and every later one backs off (DeepSpeed's
-    ``DynamicLossScaler`` with ``consecutive_hysteresis=False``, Megatron-LM's
-    ``DynamicGradScaler``); intermittent overflows back the scale off as consecutive ones do.
-    With ``hysteresis=1`` every overflow backs off: GradScaler's rule.
-
-    ``overflow`` (bool, 0-d): the gradients were non-finite on some rank. ``held`` (bool): the
-    step was skipped for another reason (a spike, a non-finite loss with finite gradients):
-    the scale and the growth count stay as they are. Updates ``state`` in place; ``growth_tracker``
-    is only read (the new tracker is returned). Returns ``(new_scale, new_tracker, backoff, growth,
-    floor_hit)``; the last three are bool tensors for the report.
-
-    ``headroom`` (the headroom scale policy, ``GuardConfig.scale_policy="headroom"``): the headroom
-    agreed across ranks (NaN on a step not sampled). The growth timer is then off (tracker 0, no
-    growth by it); on a sampled step that was taken the scale becomes ``scale * 2**(floor(headroom)
-    - margin)`` (:func:`headroom_target_host`). Overflows back off as without it. ``backoff`` and
-    ``growth`` then also say which way the policy moved the scale.
-    """
-    run = torch.where(overflow, torch.clamp(state.overflow_run + 1, max=hysteresis), state.overflow_run)
-    backoff = overflow & (run >= hysteresis)
-    backed = scale * backoff_factor
-    floor_hit = backoff & (backed <= min_scale)
-    if headroom is not None:  # the headroom policy: no growth timer; a taken sampled step sets the scale
-        apply = torch.isfinite(headroom) & ~overflow & ~held
-        shift = torch.clamp(torch.floor(headroom) - margin, min=-_SHIFT_MAX, max=_SHIFT_MAX)
-        target = torch.clamp(scale * torch.exp2(shift), min=min_scale,
-                             max=HEADROOM_MAX_SCALE if max_scale is None else max_scale)
-        new = torch.clamp(torch.where(backoff, backed, torch.where(apply, target, scale)), min=min_scale, max=max_scale)
-        moved_down, moved_up = apply & (new < scale), apply & (new > scale)
-        state.overflow_run.copy_(torch.where(moved_up, torch.zeros_like(run), run))  # growth refills
-        return new, torch.zeros_like(growth_tracker), backoff | moved_down, moved_up, floor_hit
-
-    tracker = torch.where(
-        overflow,
-        torch.zeros_like(growth_tracker),
-        torch.where(held, growth_tracker, growth_tracker + 1),
-    )
-    grown = scale * growth_factor
-    reached = (tracker >= growth_interval) & ~overflow & ~held
-    growth = reached & torch.isfinite(grown)
-    tracker = torch.where(reached, torch.zeros_like(tracker), tracker)
-
-    new = torch.where(backoff, backed, torch.where(growth, grown, scale))
-    new = torch.clamp(new, min=min_scale, max=max_scale)
-    if max_scale is not None:
-        growth = growth & (grown <= max_scale)
-    state.overflow_run.copy_(torch.where(growth, torch.zeros_like(run), run))  # only a growth refills
-    return new, tracker, backoff, growth, floor_hit
-
-
-def headroom_target_host(scale: float, headroom: float, margin: int, min_scale: float,
-                         max_scale: float | None) -> float:
-    """The headroom policy's next scale on host values (``scale``, ``headroom`` float32 values):
-    ``scale * 2**(floor(headroom) - margin)`` (the step bounded to +-126 doublings), clamped to
-    [min_scale, max_scale] (None: ``HEADROOM_MAX_SCALE``). Exact: a power-of-two step."""
-    shift = min(max(float(math.floor(headroom) - margin), -_SHIFT_MAX), _SHIFT_MAX)
-    return clamp_f32(f32(scale * 2.0**shift), min_scale, HEADROOM_MAX_SCALE if max_scale is None else max_scale)
-
-
-_F32 = struct.Struct("f")
-
-
-def f32(x: float) -> float:
-    """``x`` rounded to float32 (to nearest, ties to even; overflow to inf; NaN stays NaN), as a
-    Python float. One float32 operation is the exact result of its float32 operands rounded
-    once (53 >= 2*24 + 2 bits: computing it in double first does not change the rounding)."""
-    return _F32.unpack(_F32.pack(x))[0]  # type: ignore[no-any-return]
-
-
-def clamp_f32(x: float, lo: float | None, hi: float | None) -> float:
-    """``torch.clamp`` of a float32 value with Python-scalar bounds: the bounds are rounded to
-    float32, ``min`` is applied before ``max``, NaN propagates (both comparisons are false)."""
-    if lo is not None and x < f32(lo):
-        x = f32(lo)
-    if hi is not None and x > f32(hi):
-        x = f32(hi)
-    return x
-
-
-def next_scale_host(scale: float, growth_tracker: int, overflow: bool, held: bool, overflow_run: int, *,
-                    scaler: ScalerView, config: GuardConfig,
-                    headroom: float | None = None) -> tuple[float, int, bool, bool, bool, int]:
-    """:func:`next_scale` on host values (``scale`` a float32 value), with the scaler's factors
-    and interval and the config's hysteresis, floor and ceiling: the same rule, float32 op for op.
-    ``headroom``: as for :func:`next_scale` (the headroom policy; None: off).
-    Returns ``(new_scale, new_tracker, backoff, growth, floor_hit, new_overflow_run)``."""
-    min_scale, max_scale = config.min_scale, config.max_scale
-    run = min(overflow_run + 1, config.hysteresis) if overflow else overflow_run
-    backoff = overflow and run >= config.hysteresis
-    backed = f32(scale * f32(scaler.backoff_factor))
-    floor_hit = backoff and backed <= f32(min_scale)
-    if headroom is not None:
-        apply = math.isfinite(headroom) and not overflow and not held
-        new = backed if backoff else (
-            headroom_target_host(scale, headroom, config.headroom_margin_log2, min_scale, max_scale) if apply
-            else scale)
-        new = clamp_f32(new, min_scale, max_scale)
-        up = apply and new > scale
-        return new, 0, backoff or (apply and new < scale), up, floor_hit, 0 if up else run
-
-    tracker = 0 if overflow else growth_tracker if held else growth_tracker + 1
-    grown = f32(scale * f32(scaler.growth_factor))
-    reached = tracker >= scaler.growth_interval and not overflow and not held
-    growth = reached and math.isfinite(grown)
-    if reached:
-        tracker = 0
-
-    new = backed if backoff else grown if growth else scale
-    new = clamp_f32(new, min_scale, max_scale)
-    if max_scale is not None:
-        growth = growth and grown <= f32(max_scale)
-    return new, tracker, backoff, growth, floor_hit, 0 if growth else run

@@ -6,9 +6,8 @@ sets after every step is recorded. The rules:
 
 - ``torch``: ``torch.amp.GradScaler``'s own update (``torch._amp_update_scale_``, run for real):
   every overflow backs off; ``growth_interval`` clean steps in a row grow the scale.
-- ``ampguard``: ampguard's real rule, :func:`ampguard.scaling.next_scale_host` (the CPU decision;
-  ``tests/unit/test_host_decision.py`` holds it bit for bit equal to the device rule
-  :func:`ampguard.scaling.next_scale`, which this script also runs and compares step by step).
+- ``ampguard``: ampguard's real rule, :func:`ampguard.loss_scale.next_scale`, run on host values
+  (the CPU decision) and on tensors (the device decision), compared step by step.
 - ``ampguard-old``: the rule ampguard had before (a reimplementation): back off after
   ``hysteresis`` *consecutive* overflows, every clean step resets the count.
 - ``megatron``: a reimplementation of Megatron-LM's ``DynamicGradScaler.update``
@@ -37,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from ampguard.config import GuardConfig
-from ampguard.scaling import ScalerView, ScaleState, next_scale, next_scale_host
+from ampguard.loss_scale import next_scale
+from ampguard.ops import HOST, TensorOps
 
 INIT = 2.0**16
 BACKOFF, GROWTH = 0.5, 2.0
@@ -50,20 +49,18 @@ Trajectory = list[float]
 def ampguard_trajectory(pattern: Sequence[int], *, hysteresis: int, growth_interval: int,
                         init: float = INIT) -> Trajectory:
     """ampguard's rule, host and device, checked equal at every step; the scale after each step."""
-    config = GuardConfig(hysteresis=hysteresis, min_scale=MIN_SCALE)
+    kw = dict(growth_factor=GROWTH, backoff_factor=BACKOFF, growth_interval=growth_interval, hysteresis=hysteresis,
+              min_scale=MIN_SCALE, max_scale=None)
     scale, tracker, run, out = init, 0, 0, []
-    state = ScaleState(torch.zeros((), dtype=torch.int32))
     for bad in pattern:
-        view = ScalerView(torch.tensor(scale), torch.tensor(tracker, dtype=torch.int32), GROWTH, BACKOFF,
-                          growth_interval)
-        new, new_tracker, _, _, _, run = next_scale_host(scale, tracker, bool(bad), False, run, scaler=view,
-                                                         config=config)
-        t = next_scale(scale=view.scale, growth_tracker=view.growth_tracker, overflow=torch.tensor(bool(bad)),
-                       held=torch.tensor(False), state=state, growth_factor=GROWTH, backoff_factor=BACKOFF,
-                       growth_interval=growth_interval, hysteresis=hysteresis, min_scale=MIN_SCALE, max_scale=None)
-        if (float(t[0]), int(t[1]), int(state.overflow_run)) != (new, new_tracker, run):
-            raise AssertionError("next_scale and next_scale_host disagree")
-        scale, tracker = new, new_tracker
+        new, new_tracker, _, _, _, new_run = next_scale(HOST, scale=scale, growth_tracker=tracker, overflow=bool(bad),
+                                                        held=False, overflow_run=run, **kw)
+        t = next_scale(TensorOps(torch.device("cpu")), scale=torch.tensor(scale),
+                       growth_tracker=torch.tensor(tracker, dtype=torch.int32), overflow=torch.tensor(bool(bad)),
+                       held=torch.tensor(False), overflow_run=torch.tensor(run, dtype=torch.int32), **kw)
+        if (float(t[0]), int(t[1]), int(t[5])) != (new, new_tracker, new_run):
+            raise AssertionError("the scale rule on tensors and on host values disagree")
+        scale, tracker, run = new, new_tracker, new_run
         out.append(scale)
     return out
 

@@ -24,9 +24,10 @@ import ampguard
 from ampguard import faults
 from ampguard.backends import LocalBackend
 from ampguard.config import GuardConfig
+from ampguard.loss_scale import ScalerView, ScaleState, next_scale
+from ampguard.ops import HOST, TensorOps, f32
 from ampguard.pipeline import StepPipeline
 from ampguard.policies import SpikeState, decide, decide_host
-from ampguard.scaling import ScalerView, ScaleState, f32, next_scale, next_scale_host
 from ampguard.stats import DECISION_K, LOCAL_K, Dec, Loc, local_vector
 
 from ._models import assert_same, guarded_steps, loss_of, make_data, make_model, make_opt, snapshot
@@ -151,6 +152,7 @@ def rand_row(rng: random.Random, p_bad: float) -> list[float]:
     row[Loc.FOUND_INF] = float(rng.random() < p_bad / 2)
     row[Loc.PRE_REDUCTION] = float(rng.random() < p_bad / 4)
     row[Loc.NO_GRADS] = float(rng.random() < p_bad / 4)
+    row[Loc.HEADROOM] = rng.choice([math.nan, math.nan, rng.uniform(-3, 40), rng.uniform(-300, 300)])
     if rng.random() < p_bad / 3:  # anything in any column, inconsistent flags included
         row[rng.randrange(LOCAL_K)] = rng.choice([*SPECIAL, rand_value(rng)])
     return row
@@ -176,6 +178,8 @@ def rand_config(rng: random.Random) -> GuardConfig:
         hysteresis=rng.choice([1, 1, 2, 3]),
         min_scale=min_scale,
         max_scale=rng.choice([None, None, min_scale, min_scale * 1000.3, 2.0**24, 65536.0]),
+        **rng.choice([{}, {}, {"scale_policy": "headroom", "numerics_every": 3,
+                               "headroom_margin_log2": rng.choice([0, 2, 7])}]),
     )
 
 
@@ -319,27 +323,31 @@ def test_hysteresis_allowance_refills_only_on_growth():
 
 
 def test_sequences_match_the_scale_rule_step_by_step():
-    """next_scale_host against next_scale directly, over long random runs of overflow/held/clean."""
+    """The scale rule on host values against the same rule on tensors, over long random runs of
+    overflow/held/clean (and of sampled headroom, for the headroom policy)."""
     rng = random.Random(7)
-    for _ in range(30):
-        hysteresis = rng.choice([1, 2, 3])
-        min_scale, max_scale = rng.choice([(1.0, None), (0.1, 1000.3), (2.0**-10, 2.0**16)])
-        gf, bf, interval = rng.choice([2.0, 1.5, 3.3]), rng.choice([0.5, 0.3, 0.77]), rng.choice([1, 2, 3, 7])
+    cpu = TensorOps(torch.device("cpu"))
+    for _ in range(40):
+        kw = dict(hysteresis=rng.choice([1, 2, 3]), growth_factor=rng.choice([2.0, 1.5, 3.3]),
+                  backoff_factor=rng.choice([0.5, 0.3, 0.77]), growth_interval=rng.choice([1, 2, 3, 7]),
+                  margin=rng.choice([0, 2, 5]))
+        kw["min_scale"], kw["max_scale"] = rng.choice([(1.0, None), (0.1, 1000.3), (2.0**-10, 2.0**16)])
+        headroom_policy = rng.random() < 0.3
         scale, tracker, run = f32(rng.choice([1.0, 512.0, 0.7, 999.9])), 0, 0
-        state = ScaleState(torch.tensor(0, dtype=torch.int32))
         for _ in range(60):
             overflow = rng.random() < 0.3
             held = not overflow and rng.random() < 0.1
-            t = next_scale(scale=torch.tensor(scale), growth_tracker=torch.tensor(tracker, dtype=torch.int32),
-                           overflow=torch.tensor(overflow), held=torch.tensor(held), state=state, growth_factor=gf,
-                           backoff_factor=bf, growth_interval=interval, hysteresis=hysteresis, min_scale=min_scale,
-                           max_scale=max_scale)
-            view = ScalerView(torch.tensor(scale), torch.tensor(tracker, dtype=torch.int32), gf, bf, interval)
-            config = GuardConfig(hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale)
-            h = next_scale_host(scale, tracker, overflow, held, run, scaler=view, config=config)
+            headroom = None
+            if headroom_policy:
+                headroom = f32(rng.choice([math.nan, math.inf, rng.uniform(-200, 200), rng.uniform(0, 12)]))
+            t = next_scale(cpu, scale=torch.tensor(scale), growth_tracker=torch.tensor(tracker, dtype=torch.int32),
+                           overflow=torch.tensor(overflow), held=torch.tensor(held),
+                           overflow_run=torch.tensor(run, dtype=torch.int32),
+                           headroom=None if headroom is None else torch.tensor(headroom), **kw)
+            h = next_scale(HOST, scale=scale, growth_tracker=tracker, overflow=overflow, held=held, overflow_run=run,
+                           headroom=headroom, **kw)
             assert bits(h[0]) == bits(t[0].item())
-            assert (h[1], h[2], h[3], h[4], h[5]) == (int(t[1]), bool(t[2]), bool(t[3]), bool(t[4]),
-                                                       int(state.overflow_run))
+            assert tuple(h[1:]) == (int(t[1]), bool(t[2]), bool(t[3]), bool(t[4]), int(t[5]))
             scale, tracker, run = h[0], h[1], h[5]
 
 
@@ -617,3 +625,25 @@ def test_a_loss_nobody_gave_leaves_the_loss_statistics_as_they_are_on_both_paths
     other = make_model()
     again = make(other)
     again.load_state_dict(state)  # raised "loss_ema is nan; expected a finite number" before
+
+
+def test_each_rule_is_written_once():
+    """One decision rule and one scale rule, each run on either execution of ``ampguard.ops``:
+    no host twin of a rule (``*_host``) is left beside it. (Before: ``decide_host``,
+    ``_zclip_host``, ``_fold_host``, ``_flag_run_host``, ``_window_weight_host`` beside the tensor
+    rule, and ``next_scale_host``/``headroom_target_host`` beside ``next_scale``.)"""
+    import ast
+    import inspect
+    import textwrap
+
+    from ampguard import loss_scale, policies, scaling, shared_scaler
+
+    twins = [f"{m.__name__}.{name}" for m in (policies, loss_scale, scaling, shared_scaler)
+             for name, fn in vars(m).items() if name.endswith("_host") and inspect.isfunction(fn)
+             and name != "decide_host"]
+    assert twins == []
+    # decide_host and decide are entry points into the one rule, nothing more
+    for entry in (policies.decide, policies.decide_host):
+        body = ast.parse(textwrap.dedent(inspect.getsource(entry))).body[0].body  # type: ignore[attr-defined]
+        call = body[-1].value
+        assert len(body) == 2 and isinstance(call, ast.Call) and call.func.id == "rule", entry

@@ -256,3 +256,42 @@ def test_sparse_gradients_with_a_fused_optimizer_raise_torchs_own_error() -> Non
             _one_step(api == "guard", opt, scaler, loss)
         messages.append(str(err.value))
     assert "does not support sparse" in messages[0] and messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_iterations_one_update_runs_where_the_scale_lives(device: str) -> None:
+    """``SharedScaler.flush`` after host decisions (bool flags): on a CPU scaler the rule runs on
+    host values; on any other device it runs on the scale's own tensors, reading nothing to the
+    host (before, it read the scale and growth tracker with ``.item()``: a wait on CUDA; the meta
+    device stands in for CUDA here, where ``.item()`` raises)."""
+    from ampguard.config import GuardConfig
+    from ampguard.loss_scale import ScalerView
+    from ampguard.shared_scaler import SharedScaler
+
+    applied: list[tuple[Any, Any]] = []
+
+    class Member:
+        config = GuardConfig(min_scale=1.0)
+
+        @staticmethod
+        def view() -> ScalerView:
+            tracker = torch.full((), 1, dtype=torch.int32, device=device)
+            return ScalerView(torch.full((), 1024.0, device=device), tracker, 2.0, 0.5, 2)
+
+        @staticmethod
+        def _apply(scale: Any, tracker: Any) -> None:
+            applied.append((scale, tracker))
+
+    hub = SharedScaler(torch.amp.GradScaler("cpu"))
+    hub.members = [Member(), Member()]  # type: ignore[list-item]
+    hub.pending = {1: (False, False), 2: (False, True)}  # held: one guard skipped without an overflow
+    hub.flush()
+    hub.pending = {1: (False, False), 2: (False, False)}  # clean: the tracker reaches the interval
+    hub.flush()
+    hub.pending = {1: (True, True), 2: (False, False)}  # an overflow backs off
+    hub.flush()
+    if device == "cpu":
+        assert applied == [(1024.0, 1), (2048.0, 0), (512.0, 0)]
+    else:
+        assert all(s.device.type == t.device.type == device for s, t in applied)
+        assert [s.shape for s, _ in applied] == [torch.Size([])] * 3

@@ -1,0 +1,298 @@
+"""The two executions of the step's rules: on tensors, and on host floats.
+
+The decision rule (:func:`ampguard.policies.decide`) and the scale rule
+(:func:`ampguard.loss_scale.next_scale`) are each written once, over a small namespace of
+operations ``o``: arithmetic (``add``, ``sub``, ``mul``, ``div``, ``recip``), ``where``,
+``clamp``, ``isfinite``, ``not_`` and a few more, plus how the carried state is read and stored.
+
+- :class:`TensorOps`: each operation is torch's, on device tensors: no host sync; on CUDA the
+  whole rule is captured once as a CUDA graph (``pipeline.DecisionGraph``).
+- :class:`HostOps` (:data:`HOST`): the same operations on host values (Python floats holding
+  float32 values, ints, bools), each float32 operation rounded once (:func:`f32`) with the
+  operands torch uses, so both give the same bits. This is the CPU path, where reading a tensor
+  costs nothing and each tiny tensor op costs microseconds.
+
+Rules of the namespace (what keeps the two executions equal):
+
+- a Python scalar that meets a float32 value is rounded to float32 first, as torch does: the rules
+  pass constants (``clamp``'s bounds too) through :func:`f32`;
+- ``c / t`` is written ``mul(recip(t), c)``, what ``Tensor.__rtruediv__`` computes;
+- ``where(c, a, b)`` evaluates both branches on both executions (torch must), and host values that
+  are not taken are discarded; inside ``if o.may(c):`` every result is taken only through
+  ``where(c, ...)``, so the host may skip the block when ``c`` is false;
+- a carried tensor is read with ``o.value(t)`` (on the host: ``.item()``) and written with
+  ``o.store(t, new, old)`` after the last use of ``old`` (on tensors ``old`` is ``t`` itself; on the
+  host nothing is written when ``new`` is ``old``, passed through a ``where``).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import struct
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["HOST", "HostOps", "Ops", "TensorOps", "f32"]
+
+Value = Any
+"""A value of a rule: a tensor (:class:`TensorOps`), or a host float, int or bool (:class:`HostOps`)."""
+
+_F32 = struct.Struct("f")
+_pack, _unpack = _F32.pack, _F32.unpack
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to float32 (to nearest, ties to even; overflow to inf; NaN stays NaN), as a
+    Python float. One float32 operation is the exact result of its float32 operands rounded
+    once (53 >= 2*24 + 2 bits: computing it in double first does not change the rounding)."""
+    return _unpack(_pack(x))[0]  # type: ignore[no-any-return]
+
+
+def _clamp(x: float, lo: float | None, hi: float | None) -> float:
+    """``torch.clamp`` of a float32 value with float32 bounds: ``min`` is applied before ``max``,
+    NaN propagates (both comparisons are false)."""
+    if lo is not None and x < lo:
+        x = lo
+    if hi is not None and x > hi:
+        x = hi
+    return x
+
+
+def _div(a: float, b: float) -> float:
+    """float32 ``a / b`` of float32 values, as torch divides (IEEE: x/0 is +-inf, 0/0 NaN)."""
+    if b == 0:
+        return math.nan if a == 0 or math.isnan(a) else math.copysign(math.inf, a) * math.copysign(1.0, b)
+    return _unpack(_pack(a / b))[0]  # type: ignore[no-any-return]
+
+
+
+class Ops(Protocol):
+    """What a rule takes as ``o``: :class:`TensorOps` or :class:`HostOps`. ``Value``: a tensor, or
+    a host float32 value / int / bool."""
+
+    @property
+    def false(self) -> Value: ...
+    @property
+    def one(self) -> Value: ...
+    @property
+    def nan(self) -> Value: ...
+    @property
+    def inf(self) -> Value: ...
+    def add(self, a: Value, b: Value, /) -> Value: ...
+    def sub(self, a: Value, b: Value, /) -> Value: ...
+    def mul(self, a: Value, b: Value, /) -> Value: ...
+    def div(self, a: Value, b: Value, /) -> Value: ...
+    def recip(self, x: Value, /) -> Value: ...
+    def to_float(self, n: Value, /) -> Value: ...
+    def clamp(self, x: Value, lo: float | None, hi: float | None, /) -> Value: ...
+    def imin(self, x: Value, k: int, /) -> Value: ...
+    def isfinite(self, x: Value, /) -> Value: ...
+    def isnan(self, x: Value, /) -> Value: ...
+    def not_(self, x: Value, /) -> Value: ...
+    def floor(self, x: Value, /) -> Value: ...
+    def exp2(self, x: Value, /) -> Value: ...
+    def where(self, c: Value, a: Value, b: Value, /) -> Value: ...
+    def may(self, c: Value, /) -> bool: ...
+    def first(self, cases: list[tuple[Value, Value]], default: Value, /) -> Value:
+        """The value of the first true condition (``default`` if none): nested ``where``."""
+    def zeros_like(self, x: Value, /) -> Value: ...
+    def value(self, t: torch.Tensor, /) -> Value: ...
+    def store(self, t: torch.Tensor, value: Value, old: Value, /) -> None: ...
+    def sqrt_of(self, t: torch.Tensor, /) -> Value: ...
+    def columns(self, g: torch.Tensor, /) -> tuple[Any, Any]: ...
+    def rank_min(self, g: torch.Tensor, col: int, cmax: Any, /) -> Value: ...
+    def norm(self, x: torch.Tensor, /) -> Value: ...
+    def vector(self, values: list[Any], flags: list[Any], tail: list[Any], /) -> Any: ...
+
+
+class HostOps:
+    """The rules' operations on host values, float32 emulated (see the module docstring)."""
+
+    false = False
+    one = 1.0
+    nan = math.nan
+    inf = math.inf
+
+    # f32 written out in the arithmetic: a call less per operation on the host path
+    @staticmethod
+    def add(a: float, b: float) -> float:
+        return _unpack(_pack(a + b))[0]  # type: ignore[no-any-return]
+
+    @staticmethod
+    def sub(a: float, b: float) -> float:
+        return _unpack(_pack(a - b))[0]  # type: ignore[no-any-return]
+
+    @staticmethod
+    def mul(a: float, b: float) -> float:
+        return _unpack(_pack(a * b))[0]  # type: ignore[no-any-return]
+
+    div = staticmethod(_div)
+
+    @staticmethod
+    def recip(x: float) -> float:
+        """``torch.reciprocal`` (1/0 is inf, not an exception)."""
+        return _unpack(_pack(1.0 / x))[0] if x != 0 else math.copysign(math.inf, x)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def to_float(n: int) -> float:
+        return f32(float(n))
+
+    clamp = staticmethod(_clamp)
+    imin = staticmethod(min)
+    isfinite = staticmethod(math.isfinite)
+    isnan = staticmethod(math.isnan)
+    not_ = staticmethod(operator.not_)
+
+    @staticmethod
+    def floor(x: float) -> float:
+        return float(math.floor(x)) if math.isfinite(x) else x
+
+    @staticmethod
+    def exp2(x: float) -> float:
+        """``torch.exp2`` of a float32 integer value (the rules use it so: exact)."""
+        return f32(2.0**x) if x < 128 else math.inf
+
+    @staticmethod
+    def where(c: bool, a: Value, b: Value) -> Value:
+        return a if c else b
+
+    @staticmethod
+    def may(c: bool) -> bool:
+        return bool(c)
+
+    @staticmethod
+    def first(cases: list[tuple[bool, Value]], default: Value) -> Value:
+        for c, v in cases:
+            if c:
+                return v
+        return default
+
+    @staticmethod
+    def zeros_like(x: int) -> int:
+        return 0
+
+    value = staticmethod(torch.Tensor.item)
+    """A carried 0-d tensor's value (or the scaler's 1-element scale): ``.item()``, free on the CPU."""
+
+    @staticmethod
+    def store(t: torch.Tensor, value: Value, old: Value) -> None:
+        if value is not old:  # the value read, passed through: nothing to write
+            t.fill_(value)
+
+    @staticmethod
+    def sqrt_of(t: torch.Tensor) -> float:
+        """``torch.sqrt`` of a carried float32 tensor: torch's own kernel, not ``math.sqrt`` (on
+        CPU it is not always correctly rounded: 1 ulp off on about 1 value in 6, torch 2.13)."""
+        return float(torch.sqrt(t).item())
+
+    @staticmethod
+    def columns(g: torch.Tensor) -> tuple[list[float], list[float]]:
+        """The gathered matrix's maximum and sum over ranks (torch's reductions: its summation order)."""
+        if g.shape[0] > 1:
+            return g.amax(0).tolist(), g.sum(0).tolist()
+        row = g.tolist()[0]
+        return row, row
+
+    @staticmethod
+    def rank_min(g: torch.Tensor, col: int, cmax: list[float]) -> float:
+        return g[:, col].amin(0).item() if g.shape[0] > 1 else cmax[col]
+
+    @staticmethod
+    def norm(x: torch.Tensor) -> float:
+        return float(torch.linalg.vector_norm(x, 2.0).item())
+
+    @staticmethod
+    def vector(values: list[float], flags: list[bool], tail: list[float]) -> list[float]:
+        return values + [1.0 if f else 0.0 for f in flags] + tail
+
+
+HOST = HostOps()
+"""The host execution (stateless: one for the process)."""
+HOST.__dict__.update({name: getattr(HostOps, name) for name, v in vars(HostOps).items() if isinstance(v, staticmethod)})
+# (each op an attribute of the instance: one dict lookup per op on the host path, not a descriptor call)
+
+
+class TensorOps:
+    """The rules' operations on tensors of one device: torch's own ops, no host sync."""
+
+    add = staticmethod(operator.add)
+    sub = staticmethod(operator.sub)
+    mul = staticmethod(operator.mul)
+    div = staticmethod(operator.truediv)
+    recip = staticmethod(torch.reciprocal)
+    isfinite = staticmethod(torch.isfinite)
+    isnan = staticmethod(torch.isnan)
+    not_ = staticmethod(operator.invert)
+    floor = staticmethod(torch.floor)
+    exp2 = staticmethod(torch.exp2)
+    zeros_like = staticmethod(torch.zeros_like)
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.false = torch.zeros((), dtype=torch.bool, device=device)
+        self.nan = torch.full((), math.nan, dtype=torch.float32, device=device)
+
+    @property
+    def one(self) -> torch.Tensor:
+        return torch.ones((), dtype=torch.float32, device=self.device)
+
+    @property
+    def inf(self) -> torch.Tensor:
+        return torch.full((), math.inf, dtype=torch.float32, device=self.device)
+
+    @staticmethod
+    def to_float(n: torch.Tensor) -> torch.Tensor:
+        return n.float()
+
+    @staticmethod
+    def where(c: torch.Tensor, a: Value, b: Value) -> torch.Tensor:
+        return torch.where(c, a, b)
+
+    @staticmethod
+    def clamp(x: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
+        return torch.clamp(x, min=lo, max=hi)
+
+    @staticmethod
+    def first(cases: list[tuple[torch.Tensor, Value]], default: Value) -> torch.Tensor:
+        out: Any = default
+        for c, v in reversed(cases):
+            out = torch.where(c, v, out)
+        return out  # type: ignore[no-any-return]
+
+    @staticmethod
+    def imin(x: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.clamp(x, max=k)
+
+    @staticmethod
+    def may(c: torch.Tensor) -> bool:
+        return True  # the device decides; the host never looks
+
+    @staticmethod
+    def value(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @staticmethod
+    def store(t: torch.Tensor, value: torch.Tensor, old: torch.Tensor) -> None:
+        t.copy_(value)
+
+    sqrt_of = staticmethod(torch.sqrt)
+
+    @staticmethod
+    def columns(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # NaN propagates through amax: a NaN norm on any rank is NaN here
+        return (g.amax(0), g.sum(0)) if g.shape[0] > 1 else (g[0], g[0])
+
+    @staticmethod
+    def rank_min(g: torch.Tensor, col: int, cmax: torch.Tensor) -> torch.Tensor:
+        return g[:, col].amin(0) if g.shape[0] > 1 else g[0, col]
+
+    @staticmethod
+    def norm(x: torch.Tensor) -> torch.Tensor:
+        return torch.linalg.vector_norm(x, 2.0)
+
+    @staticmethod
+    def vector(values: list[torch.Tensor], flags: list[torch.Tensor], tail: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([torch.stack([v.reshape(()) for v in values]).float(), torch.stack(flags).float(),
+                          torch.stack([t.reshape(()) for t in tail]).float()])
