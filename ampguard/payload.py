@@ -23,15 +23,12 @@ from __future__ import annotations
 import array
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from .scaling import ScalerView
 from .stats import DECISION_K, LOCAL_K
-
-if TYPE_CHECKING:
-    from .pipeline import Measured
 
 __all__ = ["HostCopy", "Layout", "Packed", "Unpacked", "host_tensor", "pack"]
 
@@ -140,14 +137,15 @@ class HostCopy:
     """The scaler's view, its scale and growth tracker as CPU tensors (None without a scaler)."""
 
     @classmethod
-    def read(cls, gathered: torch.Tensor, measured: Measured, view: ScalerView | None,
-             device: torch.device, *, copy: bool | None = None) -> HostCopy:
-        """``measured``: the step's norms and sampled numerics. ``copy``: bring the values over in
+    def read(cls, gathered: torch.Tensor, norms: torch.Tensor, numerics: torch.Tensor | None,
+             view: ScalerView | None, device: torch.device, *, copy: bool | None = None) -> HostCopy:
+        """``norms``, ``numerics``: the step's per-tensor norms and sampled numerics (None: not
+        sampled). ``copy``: bring the values over in
         one copy (default: unless they are on the CPU already; a test forces it on CPU tensors to
         run the path CUDA takes)."""
         if not (gathered.device.type != "cpu" if copy is None else copy):
             return cls(gathered, None, view)
-        parts = _statistics(gathered, measured.norms, measured.numerics)
+        parts = _statistics(gathered, norms, numerics)
         n = sum(p.numel() for p in parts)
         # The growth tracker (< growth_interval) rides as a float32, exact up to 2**24; a larger
         # interval (not a realistic one) reads it on its own.

@@ -246,7 +246,8 @@ class StepPipeline:
         host with the gathered matrix."""
         view: ScalerView | None = self.adapter.view() if self.adapter is not None else None
         if self.host_decision:
-            copied = HostCopy.read(gathered, measured, view, self.device)  # off the CPU: the step's one sync
+            # off the CPU: the step's one sync
+            copied = HostCopy.read(gathered, measured.norms, measured.numerics, view, self.device)
             values, tracker = decide_host(copied.gathered, config=self.config, spikes=self.spikes,
                                           scale_state=self.scale_state, scaler=copied.view,
                                           grads_sharded=self.backend.grads_sharded)

@@ -51,11 +51,10 @@ class GradScalerAdapter:
     - ``scaler.unscale_(opt)`` (or of ``opt.optimizer``): the guard's :meth:`GuardedOptimizer.unscale_`,
       which unscales once and measures the gradients before the caller clips them.
     - ``scaler.step(opt)``: refused with :class:`GuardStateError` before anything changes (the guard
-      steps itself: the habit from the plain loop is a mistake), unless :attr:`route_steps` is set
-      (framework integrations, whose own code calls ``scaler.step``): then it is ``opt.step()``.
-    - ``scaler.update()`` after a guarded step: the guard already updated the scale; refused, or a
-      no-op with :attr:`route_steps`. With several guards on the scaler, an iteration in which not
-      all of them stepped is ended by it (:class:`SharedScaler`).
+      steps itself: the habit from the plain loop is a mistake).
+    - ``scaler.update()`` after a guarded step: the guard already updated the scale; refused. With
+      several guards on the scaler, an iteration in which not all of them stepped is ended by it
+      (:class:`SharedScaler`).
     - ``scaler.step(other)`` / ``scaler.unscale_(other)`` for an optimizer no guard wraps: refused
       before anything changes (its overflows would never reach the guarded scale update): guard it
       too, on the same scaler.
@@ -66,8 +65,6 @@ class GradScalerAdapter:
 
     def __init__(self, scaler: torch.amp.GradScaler) -> None:
         self.scaler = scaler
-        self.route_steps = False
-        """Framework integrations set this: ``scaler.step(opt)`` runs the guarded step."""
         self.scaled_since_step = False
         """``scaler.scale()`` ran since the last guarded step (fp16: the gradients are scaled)."""
         self._targets: tuple[int, ...] = ()

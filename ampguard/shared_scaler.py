@@ -4,19 +4,37 @@ on it, and the iteration's one scale update (:class:`SharedScaler`)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .errors import GuardStateError
-from .loss_scale import next_scale
+from .loss_scale import ScalerView, next_scale
 from .ops import HOST, Ops, TensorOps
 
 if TYPE_CHECKING:
     from .config import GuardConfig
-    from .scaling import GradScalerAdapter
 
 __all__ = ["SharedScaler"]
+
+
+class _Guard(Protocol):
+    def unscale_(self) -> None: ...
+
+
+class Member(Protocol):
+    """What the shared scaler needs of each guard's scaler adapter (:class:`~ampguard.scaling.GradScalerAdapter`)."""
+
+    config: GuardConfig | None
+    guard: _Guard
+    scaled_since_step: bool
+    _targets: tuple[int, ...]
+
+    def forget(self, optimizer: Any) -> None: ...
+
+    def view(self) -> ScalerView: ...
+
+    def _apply(self, new_scale: torch.Tensor | float, tracker: torch.Tensor | int | None) -> None: ...
 
 _PATCHED = ("step", "unscale_", "update", "scale", "__getstate__")
 """The GradScaler methods the guards patch onto a scaler instance (nothing global)."""
@@ -39,7 +57,7 @@ class SharedScaler:
 
     def __init__(self, scaler: torch.amp.GradScaler) -> None:
         self.scaler = scaler
-        self.members: list[GradScalerAdapter] = []
+        self.members: list[Member] = []
         self.pending: dict[int, tuple[torch.Tensor | bool, torch.Tensor | bool]] = {}
         """This iteration's (overflow, skip) of each member that stepped, by ``id(member)``."""
         self.updated = False
@@ -81,10 +99,10 @@ class SharedScaler:
                 "the same min_scale/max_scale with hysteresis=1 and scale_policy='default', or give this optimizer "
                 "a GradScaler of its own (scaler=torch.amp.GradScaler(...)). Nothing was changed.")
 
-    def join(self, member: GradScalerAdapter) -> None:
+    def join(self, member: Member) -> None:
         self.members.append(member)
 
-    def leave(self, member: GradScalerAdapter) -> None:
+    def leave(self, member: Member) -> None:
         """A guard closes: the last one restores the scaler's methods; otherwise an iteration that
         only waited for it is complete now."""
         if member in self.members:
@@ -99,7 +117,7 @@ class SharedScaler:
         elif self.pending and all(id(m) in self.pending for m in self.members):
             self.flush()
 
-    def _member(self, optimizer: Any) -> GradScalerAdapter | None:
+    def _member(self, optimizer: Any) -> Member | None:
         return next((m for m in self.members if id(optimizer) in m._targets), None)
 
     def _own(self, name: str) -> Callable[..., Any]:
@@ -118,8 +136,6 @@ class SharedScaler:
         member = self._member(optimizer)
         if member is None:
             raise self._refuse_unguarded("step")
-        if member.route_steps:
-            return member.guard.step(*args, **kwargs)
         member.forget(optimizer)
         raise GuardStateError(
             "scaler.step(opt) was called on a guarded optimizer: the guard already unscales, checks and "
@@ -138,9 +154,6 @@ class SharedScaler:
             self.updated = False
             return None
         if self.updated and new_scale is None:
-            if any(m.route_steps for m in self.members):
-                self.updated = False
-                return None
             raise GuardStateError(
                 "scaler.update() after opt.step(): the guarded step already updated the loss scale (guards sharing "
                 "a GradScaler update it once per iteration, after the last of them). Remove the scaler.update() "
@@ -164,7 +177,7 @@ class SharedScaler:
         return state
 
     # one scale update per iteration
-    def check_iteration(self, member: GradScalerAdapter) -> None:
+    def check_iteration(self, member: Member) -> None:
         if id(member) in self.pending:
             raise GuardStateError(
                 f"this guard already stepped in this iteration of a GradScaler shared by {len(self.members)} guards, "
@@ -172,7 +185,7 @@ class SharedScaler:
                 "iteration, end it with scaler.update() after their steps (before the next backward). Nothing "
                 "was changed.")
 
-    def contribute(self, member: GradScalerAdapter, overflow: torch.Tensor | bool, skip: torch.Tensor | bool) -> None:
+    def contribute(self, member: Member, overflow: torch.Tensor | bool, skip: torch.Tensor | bool) -> None:
         self.pending[id(member)] = (overflow, skip)
         if all(id(m) in self.pending for m in self.members):
             self.flush()

@@ -42,8 +42,7 @@ def test_pack_then_unpack_gives_every_part_back(world, norms, numerics, indicato
     assert list(out.numerics) == ([] if num is None else num.tolist())
     assert list(out.indicators) == ([] if ind is None else ind.tolist())
     # The host decision's one copy is the payload's statistics section, by the same header.
-    measured = type("M", (), {"norms": n, "numerics": num})()
-    copied = HostCopy.read(gathered, measured, None, torch.device("cpu"), copy=True)  # type: ignore[arg-type]
+    copied = HostCopy.read(gathered, n, num, None, torch.device("cpu"), copy=True)
     assert copied.statistics is not None
     assert copied.statistics.tolist() == packed.vector[packed.layout.statistics].tolist()
     assert copied.gathered.tolist() == gathered.tolist()
