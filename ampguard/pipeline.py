@@ -29,7 +29,7 @@ the host waits for the device (the only places it does):
 8. scale update               ``GradScaler.update(new_scale=tensor)`` (a host float after a host
                               decision). No sync.
 
-The fused fast path (``GuardConfig.fused_fast_path``, on by default; see :meth:`StepPipeline.fast_path`
+The fused fast path (on; ``AMPGUARD_FUSED_FAST_PATH=0`` off, tests only; see :meth:`StepPipeline.fast_path`
 for when it is taken: a GradScaler, a fused optimizer, nobody unscaled this iteration) replaces
 stages 2, 3, 6 and 7:
 
@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from .config import GuardConfig
+from .config import GuardConfig, implementation_switches
 from .errors import GuardStateError
 from .numerics import Numerics
 from .policies import SpikeState, decide, decide_host, uses_clipping
@@ -175,7 +175,7 @@ class HostCopy:
 
 
 class DecisionGraph:
-    """The decision, replayed from a CUDA graph on CUDA (``GuardConfig.cuda_graph``): ~70 tiny
+    """The decision, replayed from a CUDA graph on CUDA (``AMPGUARD_CUDA_GRAPH=0``: eager): ~70 tiny
     kernels become one launch. The first decision of the process runs eagerly (lazy init);
     capture happens on the next one. A failed capture falls back to eager, with one warning."""
 
@@ -208,7 +208,7 @@ class DecisionGraph:
             except Exception as exc:  # capture is an optimisation: never fail a step over it
                 self._failed = True
                 warnings.warn(f"ampguard: CUDA graph capture of the step decision failed ({exc}); running it "
-                              "eagerly (set GuardConfig(cuda_graph=False) to silence this)", RuntimeWarning,
+                              "eagerly (set AMPGUARD_CUDA_GRAPH=0 to silence this)", RuntimeWarning,
                               stacklevel=4)
                 return fn(gathered)
             finally:
@@ -242,7 +242,8 @@ class StepPipeline:
         self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._takes_grad_scaler = self.fused and _takes_grad_scaler(optimizer)
         """A fused optimizer of GradScaler's older protocol (``step(grad_scaler=...)``)."""
-        self.fast_capable = (config.fused_fast_path and adapter is not None and self.fused
+        switches = implementation_switches()  # AMPGUARD_* environment variables, read once per wrap
+        self.fast_capable = (switches.fused_fast_path and adapter is not None and self.fused
                              and not self._takes_grad_scaler and getattr(backend, "name", None) in _FAST_BACKENDS
                              and adapter.fast_path_capable())
         """The fused fast path may be taken (each step also asks :meth:`fast_path`)."""
@@ -257,7 +258,7 @@ class StepPipeline:
         self.spikes = SpikeState.fresh(state_device)
         self.scale_state = ScaleState.fresh(state_device)
         """The decision's carried state lives where the decision is taken (host: no sync to read it)."""
-        self.graph = DecisionGraph(config.cuda_graph)
+        self.graph = DecisionGraph(switches.cuda_graph)
         self._host: tuple[torch.Tensor, list[float], HostCopy] | None = None
         """The last host decision: the tensor handed out, its values, and the step's host copy."""
         self.numerics = Numerics(config.numerics_every, device=device,
@@ -270,7 +271,7 @@ class StepPipeline:
     def fast_path(self, guard: object) -> bool:
         """Whether this step takes the fused fast path: a GradScaler (GradScaler's own unscaling,
         not a subclass's) with a fused optimizer of the current protocol, on a local or
-        torch.distributed backend with unsharded gradients, ``GuardConfig.fused_fast_path`` on,
+        torch.distributed backend with unsharded gradients, the fast path not switched off,
         and nobody has unscaled this iteration."""
         return (self.fast_capable and not self.backend.grads_sharded
                 and self.adapter.fast_path_ok(guard, self.optimizer))  # type: ignore[union-attr]

@@ -34,8 +34,8 @@ class SpikeState:
 
     No statistic locks itself out: the ``flag_*`` fields follow the current run of consecutive
     flagged steps (the spike detectors') and the ``clip_flag_*`` fields the current run of ZClip's
-    outliers, their mean and population variance over the run. After ``spike_warmup`` consecutive
-    flags, the statistics are re-based on that run (:func:`_flag_run`)."""
+    outliers, their mean and population variance over the run. After ``Spikes.warmup`` consecutive
+    flags (ZClip: ``ZClip.warmup``), the statistics are re-based on that run (:func:`_flag_run`)."""
 
     grad_ema: torch.Tensor
     loss_ema: torch.Tensor
@@ -68,13 +68,13 @@ ZCLIP_EPS = 1e-6
 
 
 def uses_grad_detector(config: GuardConfig) -> bool:
-    """Whether a gradient-norm spike detector runs: the factor (``grad_spike_factor``) or the z-score."""
-    return config.grad_spike_factor is not None or config.spike_detector == "zscore"
+    """Whether a gradient-norm spike detector runs: the factor (``Spikes.grad_factor``) or the z-score."""
+    return config.spikes.grad_factor is not None or config.spikes.grad_zscore is not None
 
 
 def uses_clipping(config: GuardConfig) -> bool:
     """Whether the decision's clip coefficient is applied: a fixed ``clip_grad_norm`` or ZClip."""
-    return config.clip_grad_norm is not None or config.zclip
+    return config.clip_grad_norm is not None or config.zclip is not None
 
 
 def _window_weight(count: torch.Tensor, floor: float) -> torch.Tensor:
@@ -103,7 +103,7 @@ def _window_weight_host(count: int, floor: float) -> float:
 
 
 def _zscore_floor(config: GuardConfig) -> float:
-    return 2.0 / (config.spike_window + 1)
+    return 2.0 / (config.spikes.window + 1)
 
 
 def _flag_run(run: torch.Tensor, mean: torch.Tensor, var: torch.Tensor, x: torch.Tensor, flagged: torch.Tensor,
@@ -172,20 +172,20 @@ def decide(
     nan = torch.full((), math.nan, dtype=torch.float32, device=dev)
     grad_spike = loss_spike = rebase = clip_rebase = false
     spike_threshold = clip_threshold = nan
-    zscore = config.spike_detector == "zscore"
-    spikes_on = uses_grad_detector(config) or config.loss_spike_factor is not None
+    zscore = config.spikes.grad_zscore  # the z-score detector's threshold (None: off)
+    spikes_on = uses_grad_detector(config) or config.spikes.loss_factor is not None
     if spikes_on:
-        warm = (spikes.count >= config.spike_warmup) & ~nonfinite & ~no_grads
-        if config.grad_spike_factor is not None:
-            spike_threshold = config.grad_spike_factor * spikes.grad_ema
+        warm = (spikes.count >= config.spikes.warmup) & ~nonfinite & ~no_grads
+        if config.spikes.grad_factor is not None:
+            spike_threshold = config.spikes.grad_factor * spikes.grad_ema
         elif zscore:  # mean + k * std over the window of healthy steps
-            spike_threshold = spikes.z_mean + config.spike_zscore * torch.sqrt(spikes.z_var)
+            spike_threshold = spikes.z_mean + zscore * torch.sqrt(spikes.z_var)
         if uses_grad_detector(config):
             grad_spike = warm & (grad_norm > spike_threshold)
-        if config.loss_spike_factor is not None:
-            loss_spike = warm & (loss > config.loss_spike_factor * spikes.loss_ema)
+        if config.spikes.loss_factor is not None:
+            loss_spike = warm & (loss > config.spikes.loss_factor * spikes.loss_ema)
     spike = grad_spike | loss_spike
-    skip = (nonfinite | no_grads | spike) if config.on_spike == "skip" else (nonfinite | no_grads)
+    skip = (nonfinite | no_grads | spike) if config.spikes.action == "skip" else (nonfinite | no_grads)
 
     # Indices into stats.REASONS, in order of precedence.
     reason = torch.where(
@@ -197,18 +197,18 @@ def decide(
 
     if spikes_on:  # running averages of healthy steps (only kept when a detector needs them)
         healthy = ~nonfinite & ~no_grads & ~spike
-        d = config.spike_ema_decay
+        d = config.spikes.decay
         # A NaN loss on a step that is not loss_bad is a loss nobody gave (StepReport.loss None): the
         # loss statistics keep their value instead of turning NaN for ever (and unloadable).
         pair = torch.stack([grad_norm, torch.where(torch.isnan(loss), spikes.loss_ema, loss)])
         ema = torch.stack([spikes.grad_ema, spikes.loss_ema])
         new = torch.where(spikes.count == 0, pair, d * ema + (1 - d) * pair)
         new = torch.where(healthy, new, ema)
-        # No lock-out: spike_warmup flags in a row re-base the statistics on those steps.
+        # No lock-out: Spikes.warmup flags in a row re-base the statistics on those steps.
         run, run_mean, run_var, rebase = _flag_run(
             spikes.flag_run, torch.stack([spikes.flag_norm_mean, spikes.flag_loss_mean]),
             torch.stack([spikes.flag_norm_var, torch.zeros_like(spikes.flag_norm_var)]), pair, spike, healthy,
-            config.spike_warmup)
+            config.spikes.warmup)
         new = torch.where(rebase, run_mean, new)
         spikes.grad_ema.copy_(new[0])
         spikes.loss_ema.copy_(new[1])
@@ -226,7 +226,7 @@ def decide(
     if config.clip_grad_norm is not None:
         # The expression of torch.nn.utils.clip_grad_norm_, so the coefficient is bitwise its.
         clip_coef = torch.clamp(config.clip_grad_norm / (grad_norm + 1e-6), max=1.0)
-    elif config.zclip:
+    elif config.zclip is not None:
         clip_coef, clip_threshold, clip_rebase = _zclip(grad_norm, nonfinite | no_grads, config, spikes)
     else:
         clip_coef = torch.ones((), dtype=torch.float32, device=dev)
@@ -269,27 +269,29 @@ def _zclip(grad_norm: torch.Tensor, bad: torch.Tensor, config: GuardConfig,
            spikes: SpikeState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ZClip (Kumar et al. 2025, "ZClip: Adaptive Spike Mitigation for LLM Pre-Training",
     arXiv:2504.02507; the reference code's default ``mode="zscore"``,
-    ``clip_option="adaptive_scaling"``): once ``spike_warmup`` finite steps are folded in, a norm
-    whose z-score ``z = (norm - mean) / (std + eps)`` exceeds ``zclip_z`` is clipped to
-    ``mean + zclip_z**2 * std / z`` (the paper's reciprocal: the larger the outlier, the harder it
+    ``clip_option="adaptive_scaling"``): once ``ZClip.warmup`` finite steps are folded in, a norm
+    whose z-score ``z = (norm - mean) / (std + eps)`` exceeds ``ZClip.z`` is clipped to
+    ``mean + ZClip.z**2 * std / z`` (the paper's reciprocal: the larger the outlier, the harder it
     is clipped); the norm the step let through (the threshold when clipped) is then folded into the
-    EMA mean and variance (``zclip_alpha``), as the paper updates them. Warm-up folds with weight
+    EMA mean and variance (``ZClip.alpha``), as the paper updates them. Warm-up folds with weight
     ``1/n`` instead of keeping a buffer: at its end mean and variance are the warm-up norms' mean
     and population variance, as the paper's buffer gives them (up to float32 rounding).
     ``bad``: non-finite or gradient-less steps, which neither clip nor touch the statistics.
-    Unlike the paper, the statistics cannot lock themselves out: after ``spike_warmup`` clipped
+    Unlike the paper, the statistics cannot lock themselves out: after ``ZClip.warmup`` clipped
     steps in a row (a lasting shift of the norm's level: folding the thresholds would follow it
-    only by ``zclip_z**2 * std / z`` a step), mean and variance are re-based on the raw norms of
+    only by ``ZClip.z**2 * std / z`` a step), mean and variance are re-based on the raw norms of
     that run (:func:`_flag_run`); that step is still clipped.
     Returns ``(clip_coef, ceiling, rebase)``: ``ceiling`` is the largest norm this step let through
-    (the threshold when clipped, ``mean + zclip_z * (std + eps)`` otherwise, inf during warm-up);
+    (the threshold when clipped, ``mean + ZClip.z * (std + eps)`` otherwise, inf during warm-up);
     ``rebase``: the statistics were re-based this step."""
     mean, var, count = spikes.clip_mean, spikes.clip_var, spikes.clip_count
-    zt = config.zclip_z
+    zc = config.zclip
+    assert zc is not None  # internal: called with ZClip on
+    zt = zc.z
     std = torch.sqrt(var)
     spread = std + ZCLIP_EPS
     z = (grad_norm - mean) / spread
-    warm = count >= config.spike_warmup
+    warm = count >= zc.warmup
     outlier = warm & ~bad & (z > zt)
     threshold = mean + (zt * zt) * std / z
     coef = torch.where(outlier, torch.clamp(threshold / (grad_norm + 1e-6), max=1.0), 1.0)
@@ -298,12 +300,12 @@ def _zclip(grad_norm: torch.Tensor, bad: torch.Tensor, config: GuardConfig,
     # The paper's update after warm-up: mean = a*mean + (1-a)*x, var = a*var + (1-a)*(x - mean)^2 with
     # the new mean; during warm-up the exact running mean and population variance (weight 1/n).
     x = torch.where(outlier, threshold, grad_norm)
-    w = torch.where(warm, 1 - config.zclip_alpha, torch.reciprocal((count + 1).float()))
+    w = torch.where(warm, 1 - zc.alpha, torch.reciprocal((count + 1).float()))
     new_mean, warmup_var = _fold(mean, var, x, w)
     e = x - new_mean
     new_var = torch.where(warm, (1 - w) * var + w * (e * e), warmup_var)
     run, run_mean, run_var, rebase = _flag_run(spikes.clip_run, spikes.clip_flag_mean, spikes.clip_flag_var,
-                                               grad_norm, outlier, ~bad, config.spike_warmup)
+                                               grad_norm, outlier, ~bad, zc.warmup)
     mean.copy_(torch.where(rebase, run_mean, torch.where(bad, mean, new_mean)))
     var.copy_(torch.where(rebase, run_var, torch.where(bad, var, new_var)))
     count.add_((~bad).int())
@@ -317,19 +319,21 @@ def _zclip_host(grad_norm: float, bad: bool, config: GuardConfig,
                 spikes: SpikeState) -> tuple[float, float, bool]:
     """:func:`_zclip` on float32 host values."""
     mean, var, count = spikes.clip_mean.item(), spikes.clip_var.item(), int(spikes.clip_count.item())
-    zt = f32(config.zclip_z)
+    zc = config.zclip
+    assert zc is not None  # internal: called with ZClip on
+    zt = f32(zc.z)
     rebase = False
     std = _sqrt(spikes.clip_var)
     spread = f32(std + f32(ZCLIP_EPS))
     z = _div(f32(grad_norm - mean), spread)
-    warm = count >= config.spike_warmup
+    warm = count >= zc.warmup
     outlier = warm and not bad and z > zt
-    threshold = f32(mean + _div(f32(f32(config.zclip_z * config.zclip_z) * std), z))
+    threshold = f32(mean + _div(f32(f32(zc.z * zc.z) * std), z))
     coef = clamp_f32(_div(threshold, f32(grad_norm + f32(1e-6))), None, 1.0) if outlier else 1.0
     ceiling = (threshold if outlier else f32(mean + f32(zt * spread))) if warm else math.inf
     if not bad:
         x = threshold if outlier else grad_norm
-        w = f32(1 - config.zclip_alpha) if warm else _reciprocal(f32(float(count + 1)))
+        w = f32(1 - zc.alpha) if warm else _reciprocal(f32(float(count + 1)))
         new_mean, new_var = _fold_host(mean, var, x, w)
         if warm:
             e = f32(x - new_mean)
@@ -337,7 +341,7 @@ def _zclip_host(grad_norm: float, bad: bool, config: GuardConfig,
         run = int(spikes.clip_run.item())
         if outlier:
             flags = _flag_run_host(run, [spikes.clip_flag_mean.item()], [spikes.clip_flag_var.item()], [grad_norm],
-                                   config.spike_warmup)
+                                   zc.warmup)
             run, rebase = flags[0], flags[3]
             spikes.clip_flag_mean.fill_(flags[1][0])
             spikes.clip_flag_var.fill_(flags[2][0])
@@ -382,24 +386,24 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
 
     grad_spike = loss_spike = False
     spike_threshold = clip_threshold = math.nan
-    zscore = config.spike_detector == "zscore"
-    spikes_on = uses_grad_detector(config) or config.loss_spike_factor is not None
+    zscore = config.spikes.grad_zscore  # the z-score detector's threshold (None: off)
+    spikes_on = uses_grad_detector(config) or config.spikes.loss_factor is not None
     if spikes_on:
         count = int(spikes.count.item())
         grad_ema, loss_ema = spikes.grad_ema.item(), spikes.loss_ema.item()
         known_loss = loss_ema if math.isnan(loss) else loss  # as decide(): a loss nobody gave moves nothing
-        warm = count >= config.spike_warmup and not nonfinite and not no_grads
-        if config.grad_spike_factor is not None:
-            spike_threshold = f32(f32(config.grad_spike_factor) * grad_ema)
+        warm = count >= config.spikes.warmup and not nonfinite and not no_grads
+        if config.spikes.grad_factor is not None:
+            spike_threshold = f32(f32(config.spikes.grad_factor) * grad_ema)
         elif zscore:
             z_mean, z_var = spikes.z_mean.item(), spikes.z_var.item()
-            spike_threshold = f32(z_mean + f32(f32(config.spike_zscore) * _sqrt(spikes.z_var)))
+            spike_threshold = f32(z_mean + f32(f32(zscore) * _sqrt(spikes.z_var)))
         if uses_grad_detector(config):
             grad_spike = warm and grad_norm > spike_threshold
-        if config.loss_spike_factor is not None:
-            loss_spike = warm and loss > f32(f32(config.loss_spike_factor) * loss_ema)
+        if config.spikes.loss_factor is not None:
+            loss_spike = warm and loss > f32(f32(config.spikes.loss_factor) * loss_ema)
     spike = grad_spike or loss_spike
-    skip = nonfinite or no_grads or spike if config.on_spike == "skip" else nonfinite or no_grads
+    skip = nonfinite or no_grads or spike if config.spikes.action == "skip" else nonfinite or no_grads
 
     reason = (1.0 if loss_bad else 2.0 if grad_bad else 5.0 if no_grads else 3.0 if skip and grad_spike
               else 4.0 if skip and loss_spike else 0.0)
@@ -410,7 +414,7 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
         if count == 0:
             grad_ema, loss_ema = grad_norm, known_loss
         else:
-            d, e = f32(config.spike_ema_decay), f32(1 - config.spike_ema_decay)
+            d, e = f32(config.spikes.decay), f32(1 - config.spikes.decay)
             grad_ema = f32(f32(d * grad_ema) + f32(e * grad_norm))
             loss_ema = f32(f32(d * loss_ema) + f32(e * known_loss))
         spikes.grad_ema.fill_(grad_ema)
@@ -420,12 +424,12 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
             spikes.z_mean.fill_(z_mean)
             spikes.z_var.fill_(z_var)
         spikes.count.fill_(count + 1)
-    if spikes_on:  # no lock-out: spike_warmup flags in a row re-base the statistics on those steps
+    if spikes_on:  # no lock-out: Spikes.warmup flags in a row re-base the statistics on those steps
         run = int(spikes.flag_run.item())
         if spike:
             run, mean, var, rebase = _flag_run_host(
                 run, [spikes.flag_norm_mean.item(), spikes.flag_loss_mean.item()], [spikes.flag_norm_var.item(), 0.0],
-                [grad_norm, known_loss], config.spike_warmup)
+                [grad_norm, known_loss], config.spikes.warmup)
             spikes.flag_norm_mean.fill_(mean[0])
             spikes.flag_loss_mean.fill_(mean[1])
             spikes.flag_norm_var.fill_(var[0])
@@ -442,7 +446,7 @@ def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeSta
     if config.clip_grad_norm is not None:
         # clip_grad_norm_'s ``max_norm / (total_norm + 1e-6)``, clamped at 1 (NaN stays NaN)
         clip_coef = clamp_f32(f32(_reciprocal(f32(grad_norm + f32(1e-6))) * f32(config.clip_grad_norm)), None, 1.0)
-    elif config.zclip:
+    elif config.zclip is not None:
         clip_coef, clip_threshold, clip_rebase = _zclip_host(grad_norm, nonfinite or no_grads, config, spikes)
     else:
         clip_coef = 1.0

@@ -247,7 +247,7 @@ class RunInfo:
     """Number of the optimizer's param groups at ``wrap()`` (the ``group`` label values of the
     sampled zero fraction: "all", "0", "1", ...)."""
     modules: tuple[str, ...] = ()
-    """Top-level modules whose leading indicators are sampled (``GuardConfig.numerics_every`` with
+    """Top-level modules whose leading indicators are sampled (``GuardConfig.indicators_every`` with
     ``wrap(model=...)``), in the order of ``StepReport.module_grad_norms``; ``()`` when off."""
 
     def to_dict(self) -> dict[str, Any]:

@@ -248,7 +248,7 @@ class Reporter:
             param_norms=tuple(norms) if want_norms else None, wall_time=time.time(),
             scale_backoff=d.backoff, scale_growth=d.growth,
             spike_threshold=d.spike_threshold if uses_grad_detector(self.config) else None,
-            clip_threshold=d.clip_threshold if self.config.zclip else None,
+            clip_threshold=d.clip_threshold if self.config.zclip is not None else None,
         )
         if numerics:
             report = dataclasses.replace(
@@ -305,23 +305,25 @@ class Reporter:
             held = "; loss scale held" if self.scaled else ""
             out.append(Anomaly(step, AnomalyKind.NO_GRADIENTS, "no parameter received a gradient: is the model's "
                                f"output detached?{on} Step skipped on every rank{held}", idle))
-        act = "skipped" if report.skipped else "taken (on_spike='warn')"
+        act = "skipped" if report.skipped else "taken (Spikes.action='warn')"
         if report.grad_spike:
-            if self.config.spike_detector == "zscore":
-                what = (f"mean + {self.config.spike_zscore:g} std = {d.spike_threshold:.4g} of the last "
-                        f"~{self.config.spike_window} healthy steps")
+            sp = self.config.spikes
+            if sp.grad_zscore is not None:
+                what = (f"mean + {sp.grad_zscore:g} std = {d.spike_threshold:.4g} of the last "
+                        f"~{sp.window} healthy steps")
             else:
-                what = f"{self.config.grad_spike_factor}x its running average"
+                what = f"{sp.grad_factor}x its running average"
             out.append(Anomaly(step, AnomalyKind.GRAD_SPIKE, f"gradient norm {report.grad_norm:.4g} exceeded "
                                f"{what}; step {act}", ranks))
         if report.loss_spike:
             out.append(Anomaly(step, AnomalyKind.LOSS_SPIKE, f"loss {report.loss:.4g} exceeded "
-                               f"{self.config.loss_spike_factor}x its running average; step {act}", ranks))
-        k = self.config.spike_warmup
-        for flagged, who, did in ((d.rebaseline, "the spike detectors", "flagged"),
-                                  (d.zclip_rebaseline, "ZClip", "clipped")):
+                               f"{self.config.spikes.loss_factor}x its running average; step {act}", ranks))
+        zc = self.config.zclip
+        for flagged, who, did, k, knob in (
+                (d.rebaseline, "the spike detectors", "flagged", self.config.spikes.warmup, "Spikes.warmup"),
+                (d.zclip_rebaseline, "ZClip", "clipped", zc.warmup if zc is not None else 0, "ZClip.warmup")):
             if flagged:
-                out.append(Anomaly(step, AnomalyKind.REBASELINE, f"{who} {did} {k} steps in a row (spike_warmup): "
+                out.append(Anomaly(step, AnomalyKind.REBASELINE, f"{who} {did} {k} steps in a row ({knob}): "
                                    "the level moved, so their statistics were re-based on those steps and the next "
                                    "steps are judged against that level"))
         if d.floor:

@@ -16,7 +16,7 @@ from .test_gpu import _adamw, _batches, _model, _Plain, _syncs_of_one_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-CONFIG = {"spike_detector": "zscore", "spike_warmup": 5, "on_spike": "skip", "zclip": True}
+CONFIG = {"spikes": {"grad_zscore": 4.0, "warmup": 5, "action": "skip"}, "zclip": {"warmup": 5}}
 
 
 class _Guarded:

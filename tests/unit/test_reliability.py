@@ -31,8 +31,8 @@ def _fp16_guard(growth_interval: int) -> tuple[Any, torch.nn.Module]:
     model = make_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=2048.0, growth_interval=growth_interval)
     opt = ampguard.wrap(make_opt(model), model=model, precision="fp16", scaler=scaler,
-                        config={"grad_spike_factor": 10.0, "spike_warmup": 1, "escalation": {"snapshot_every": None},
-                                "zclip": True})
+                        config={"spikes": {"grad_factor": 10.0, "warmup": 1}, "zclip": {"warmup": 1},
+                                "escalation": {"snapshot_every": None}})
     return opt, model
 
 
@@ -387,7 +387,7 @@ def test_a_step_without_gradients_is_skipped_with_an_anomaly_and_the_guard_stays
     model = make_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if precision == "fp16" else None  # no natural overflow
     opt = ampguard.wrap(make_opt(model, kind), model=model, precision=precision, scaler=scaler,
-                        config={"clip_grad_norm": 1.0, "grad_spike_factor": 5.0, "spike_warmup": 1})
+                        config={"clip_grad_norm": 1.0, "spikes": {"grad_factor": 5.0, "warmup": 1}})
     data = make_data(5)
     guarded_steps(opt, model, data[:2])
     before = [p.detach().clone() for p in model.parameters()]
