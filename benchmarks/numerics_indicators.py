@@ -42,8 +42,8 @@ import ampguard  # overhead.py put the repository on sys.path
 
 #: variant name -> the GuardConfig fields it sets (``{every}``: the --every value)
 VARIANTS: dict[str, dict[str, Any]] = {
-    "off": {"numerics_every": None},
-    "indicators": {"numerics_every": "{every}"},
+    "off": {"numerics_every": None, "indicators_every": None},
+    "indicators": {"numerics_every": "{every}", "indicators_every": "{every}"},
 }
 
 

@@ -278,7 +278,8 @@ def test_thresholds_travel_through_the_event_log(tmp_path):
 
     model = make_model()
     opt = ampguard.wrap(make_opt(model), model=model, precision="bf16", exporters=[JsonlExporter(tmp_path, True)],
-                        config={"zclip": {**ZCLIP_CFG["zclip"], "warmup": 3}, "spikes": {"grad_zscore": 4.0, "warmup": 3}})
+                        config={"zclip": {**ZCLIP_CFG["zclip"], "warmup": 3},
+                                "spikes": {"grad_zscore": 4.0, "warmup": 3}})
     guarded_steps(opt, model, make_data(6))
     opt.close()
     logged = runlog.load_run(tmp_path).ranks[0].reports

@@ -501,7 +501,7 @@ def test_zscore_and_zclip_sequences_agree(seed):
 _CONFIGS = {
     "default": {},
     "clip+zscore": {"clip_grad_norm": 0.05, "spikes": {"grad_zscore": 4.0, "warmup": 3}},
-    "numerics+indicators+headroom": {"numerics_every": 3, "scale_policy": "headroom"},
+    "numerics+indicators+headroom": {"numerics_every": 3, "indicators_every": 3, "scale_policy": "headroom"},
     "huge-growth-interval": {},
     # thresholds low enough that runs of flags re-base the detectors' and ZClip's statistics
     "rebaseline": {"spikes": {"grad_zscore": 0.1, "warmup": 2, "action": "skip"}, "zclip": {"warmup": 2, "z": 0.1}},

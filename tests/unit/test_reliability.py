@@ -333,8 +333,8 @@ def test_no_field_of_any_record_can_make_the_reader_raise(tmp_path, good_log):
 
 
 # ---------------------------------------------------------------------------------- 4. settings
-@pytest.mark.parametrize(("field", "value"), [("forensics", "no"), ("cuda_graph", "false"), ("track_memory", "off"),
-                                              ("forensics", 0), ("track_memory", None)])
+@pytest.mark.parametrize(("field", "value"), [("forensics", "no"), ("forensics", "false"), ("forensics", 0),
+                                              ("forensics", None)])
 def test_config_booleans_are_validated(field, value):
     with pytest.raises(ValueError, match=rf"GuardConfig\.{field}={value!r}; allowed: True \| False"):
         ampguard.GuardConfig(**{field: value})
@@ -521,11 +521,11 @@ def test_memory_peaks_leave_the_users_peak_alone_unless_per_step_is_asked_for(pe
 
 
 def test_memory_tracking_settings():
-    assert not ampguard.GuardConfig().memory_peak_per_step  # opt-in: it resets process-global counters
-    with pytest.raises(ValueError, match=r"memory_peak_per_step=True with track_memory=False"):
-        ampguard.GuardConfig(track_memory=False, memory_peak_per_step=True)
+    for old in ("track_memory", "memory_peak_per_step"):  # no knob: a read-only high-water mark on CUDA
+        with pytest.raises(TypeError, match=rf"GuardConfig has no field '{old}' any more"):
+            ampguard.GuardConfig(**{old: True})
     model = make_model()
-    opt = ampguard.wrap(make_opt(model), model=model, config={"memory_peak_per_step": True})
+    opt = ampguard.wrap(make_opt(model), model=model)
     assert opt._reporter.track_memory is None  # off CUDA nothing is read, nothing reset
     guarded_steps(opt, model, make_data(1))
     assert opt.last_report.memory_allocated_peak is None
