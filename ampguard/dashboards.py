@@ -403,7 +403,7 @@ def build_rules(
             f"The median gradient norm of module {{{{ $labels.module }}}} on rank {{{{ $labels.rank }}}} over the "
             f"last {window} is {{{{ $value | printf \"%.1f\" }}}} times its median over the {window} before "
             f"(threshold {factor:g}x): a leading sign of divergence or of coming overflows. The per-module norms "
-            "(sampled every GuardConfig.numerics_every steps) show where it started.",
+            "(sampled every GuardConfig.indicators_every steps) show where it started.",
         ),
     ]
     if fors:
@@ -811,8 +811,8 @@ def build_dashboard() -> dict[str, Any]:
         ),
         _panel(
             16, "timeseries", "Device memory peak per rank", "Peak CUDA memory, allocated and reserved by the "
-            "caching allocator: its high-water mark, or each step's own peak with GuardConfig(memory_peak_per_step="
-            "True) (empty for CPU runs). Half of why one trains in mixed precision.",
+            "caching allocator: its high-water mark, read by the exporter (empty for CPU runs). Half of why one "
+            "trains in mixed precision.",
             "bytes",
             [_target(f"max by (rank, kind) ({_q(M.DEVICE_MEMORY_PEAK)})", "rank {{rank}} {{kind}}")],
             (0, 37, 12, 8),
@@ -1027,7 +1027,7 @@ def _indicator_panels(pid: int, y: int) -> list[dict[str, Any]]:
                                 "rising by orders of magnitude means its updates outgrow its weights (LR too high "
                                 "for it)."),
     }
-    row = _panel(pid, "row", "Leading indicators", "Per top-level module, sampled every GuardConfig.numerics_every "
+    row = _panel(pid, "row", "Leading indicators", "Per top-level module, sampled every GuardConfig.indicators_every "
                  "steps: a module whose gradient norm or update ratio climbs away from its own past leads a loss "
                  "spike (docs/indicators.md).", "none", [], (0, y, 24, 1), collapsed=False)
     return [row, *(

@@ -501,9 +501,8 @@ def _nonfinite(decision: torch.Tensor) -> bool:
 
 
 def _make_reporter(guard: GuardedOptimizer, ladder: Ladder | None) -> Any:
-    from .reporter import MemoryPeaks, Reporter
+    from .reporter import Reporter
 
-    track = MemoryPeaks(guard.device, per_step=False) if guard.device.type == "cuda" else None
     # A weak reference: the reporter must not keep its guard alive. With a cycle, `del opt, model` left
     # the model (a DDP model, its reducer and process group) to the cyclic collector, which may run only
     # at interpreter exit, after dist.destroy_process_group().
@@ -511,4 +510,4 @@ def _make_reporter(guard: GuardedOptimizer, ladder: Ladder | None) -> Any:
     return Reporter(config=guard.config, rank=guard.backend.rank, world_size=guard.backend.world_size,
                     names=lambda: guard_ref().param_names,  # type: ignore[union-attr]
                     exporter=guard._exporter, scaled=guard.scaler is not None,
-                    ladder=ladder, can_snapshot=guard.model is not None, track_memory=track)
+                    ladder=ladder, can_snapshot=guard.model is not None)

@@ -38,34 +38,12 @@ from .vocab import AnomalyKind, Phase, SkipReason
 __all__ = ["Actions", "Reporter"]
 
 
-class MemoryPeaks:
-    """Peak allocated/reserved bytes of one CUDA device, from the caching allocator's host-side
-    counters (no device sync). ``per_step=False`` only reads: the high-water mark, and the user's
-    own ``torch.cuda.max_memory_allocated()`` untouched. ``per_step=True`` resets the peaks after
-    each read (process-global: see ``GuardConfig.memory_peak_per_step``). ``stats``/``reset``:
-    torch's functions (a test can hand in an allocator of its own)."""
-
-    def __init__(self, device: Any, *, per_step: bool, stats: Callable[[Any], dict[str, Any]] | None = None,
-                 reset: Callable[[Any], None] | None = None) -> None:
-        self.device, self.per_step = device, per_step
-        # One nested-stats call (torch.cuda.max_memory_allocated flattens and sorts every statistic).
-        self._stats = stats or torch.cuda.memory_stats_as_nested_dict
-        self._reset = reset or torch.cuda.reset_peak_memory_stats
-
-    def read(self) -> tuple[int, int]:
-        stats = self._stats(self.device)
-        peaks = (int(stats["allocated_bytes"]["all"]["peak"]), int(stats["reserved_bytes"]["all"]["peak"]))
-        if self.per_step:
-            self._reset(self.device)
-        return peaks
-
-
 class _Pending:
-    __slots__ = ("batch_ids", "buf", "event", "index", "indicators", "memory", "step")
+    __slots__ = ("batch_ids", "buf", "event", "index", "indicators", "step")
 
-    def __init__(self, step: int, buf: torch.Tensor, event: Any, memory: tuple[int, int] | None,
-                 index: list[int], batch_ids: list[Any], indicators: bool = False) -> None:
-        self.step, self.buf, self.event, self.memory = step, buf, event, memory
+    def __init__(self, step: int, buf: torch.Tensor, event: Any, index: list[int], batch_ids: list[Any],
+                 indicators: bool = False) -> None:
+        self.step, self.buf, self.event = step, buf, event
         self.index, self.batch_ids, self.indicators = index, batch_ids, indicators
 
 
@@ -99,7 +77,6 @@ class Reporter:
         scaled: bool,
         ladder: Ladder | None,
         can_snapshot: bool,
-        track_memory: MemoryPeaks | None,
     ) -> None:
         self.config = config
         self.rank, self.world_size = rank, world_size
@@ -108,7 +85,6 @@ class Reporter:
         self.scaled = scaled
         self.ladder = ladder
         self.can_snapshot = can_snapshot
-        self.track_memory = track_memory
         self.history = History(config.history_size)
         self.anomalies: deque[Anomaly] = deque(maxlen=config.max_anomalies)
         self.skipped_total = 0
@@ -139,8 +115,7 @@ class Reporter:
             event.record()
         else:  # a host payload is the step's own fresh tensor (cat): no copy needed
             buf, event = payload.cpu(), None
-        memory = self.track_memory.read() if self.track_memory is not None else None
-        self._pending.append(_Pending(step, buf, event, memory, index, batch_ids, indicators))
+        self._pending.append(_Pending(step, buf, event, index, batch_ids, indicators))
 
     @property
     def pending(self) -> bool:
@@ -170,10 +145,6 @@ class Reporter:
             report, anomalies = self.build(pending.step, values, pending.index)
             if extra is not None and self.indicators is not None:
                 report = self.indicators.attach(report, extra)
-            if pending.memory is not None:
-                report = dataclasses.replace(
-                    report, memory_allocated_peak=pending.memory[0], memory_reserved_peak=pending.memory[1]
-                )
             self.record(report, anomalies, pending.batch_ids)
 
     def record(self, report: StepReport, anomalies: list[Anomaly], batch_ids: Sequence[Any] = (), *,

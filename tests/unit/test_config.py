@@ -26,7 +26,7 @@ OLD_NAMES = [  # (old field, value, what the error must name)
     ("spike_warmup", 5, "use spikes=Spikes(warmup=5) (and zclip=ZClip(warmup=5) for ZClip)"),
     ("spike_ema_decay", 0.9, "use spikes=Spikes(decay=0.9)"),
     ("on_spike", "skip", "use spikes=Spikes(action='skip')"),
-    ("track_memory", False, "high-water mark"),
+    ("track_memory", False, "exporters read the CUDA allocator's high-water mark themselves"),
     ("memory_peak_per_step", True, "torch.cuda.reset_peak_memory_stats()"),
 ]
 

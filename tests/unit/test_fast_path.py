@@ -311,9 +311,9 @@ def test_fp16_gradients_take_todays_path_and_its_error():
 @pytest.mark.parametrize("value", ["yes", "2", "off"])
 def test_the_switch_is_validated(value):
     model = make_model()
-    with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_FAST_PATH": value}):
-        with pytest.raises(ValueError, match=rf"AMPGUARD_FUSED_FAST_PATH='{value}'; allowed: '0' \(off\) or '1'"):
-            ampguard.wrap(fused(model), model=model, precision="fp16")
+    with (mock.patch.dict(os.environ, {"AMPGUARD_FUSED_FAST_PATH": value}),
+          pytest.raises(ValueError, match=rf"AMPGUARD_FUSED_FAST_PATH='{value}'; allowed: '0' \(off\) or '1'")):
+        ampguard.wrap(fused(model), model=model, precision="fp16")
 
 
 # ---------------------------------------------------------------------------------- 5. per-parameter norms
