@@ -3,7 +3,7 @@
 A feature with parameters of its own takes them in one small frozen dataclass (:class:`Spikes`,
 :class:`ZClip`, :class:`Escalation`). Implementation switches that only tests and benchmarks
 turn (the CUDA graph, the fused fast path) are environment variables read once per ``wrap``:
-:func:`implementation_switches`."""
+:func:`ampguard.switches.implementation_switches`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import dataclasses
 import difflib
 import functools
 import math
-import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -45,6 +44,18 @@ def _optional_int_at_least(name: str, value: Any, low: int) -> None:
 def _positive_float(name: str, value: Any) -> None:
     if not (_is_real(value) and math.isfinite(value) and value > 0):
         raise ValueError(f"GuardConfig.{name}={value!r}; allowed: a finite number > 0")
+
+
+def _count(name: str, value: Any, why: str) -> None:
+    """An int in 1..2**31-1: a count kept in an int32 on the device."""
+    _int_at_least(name, value, 1)
+    if value > _INT32_MAX:
+        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: an int in 1..{_INT32_MAX} ({why})")
+
+
+def _fraction(name: str, value: Any) -> None:
+    if not (_is_real(value) and 0 < value < 1):
+        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: a number in (0, 1)")
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -85,9 +96,7 @@ class Escalation:
         _optional_int_at_least("escalation.snapshot_every", self.snapshot_every, 1)
         _int_at_least("escalation.max_rollbacks", self.max_rollbacks, 0)
         if self.snapshot_device not in (None, "cpu"):
-            raise ValueError(
-                f"GuardConfig.escalation.snapshot_device={self.snapshot_device!r}; allowed: 'cpu' | None"
-            )
+            raise ValueError(f"GuardConfig.escalation.snapshot_device={self.snapshot_device!r}; allowed: 'cpu' | None")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -138,12 +147,8 @@ class Spikes:
             raise ValueError(f"GuardConfig.spikes: grad_factor={self.grad_factor!r} and grad_zscore="
                              f"{self.grad_zscore!r} both set: the gradient-norm detector is the factor detector "
                              "or the z-score detector; allowed: one of them (the other None)")
-        _int_at_least("spikes.warmup", self.warmup, 1)
-        if self.warmup > _INT32_MAX:
-            raise ValueError(f"GuardConfig.spikes.warmup={self.warmup!r}; allowed: an int in 1..{_INT32_MAX} "
-                             "(the detectors count steps in int32)")
-        if not (_is_real(self.decay) and 0 < self.decay < 1):
-            raise ValueError(f"GuardConfig.spikes.decay={self.decay!r}; allowed: a number in (0, 1)")
+        _count("spikes.warmup", self.warmup, "the detectors count steps in int32")
+        _fraction("spikes.decay", self.decay)
         _int_at_least("spikes.window", self.window, 2)
         _choice("spikes.action", self.action, _ON_SPIKE)
 
@@ -168,12 +173,8 @@ class ZClip:
 
     def __post_init__(self) -> None:
         _positive_float("zclip.z", self.z)
-        if not (_is_real(self.alpha) and 0 < self.alpha < 1):
-            raise ValueError(f"GuardConfig.zclip.alpha={self.alpha!r}; allowed: a number in (0, 1)")
-        _int_at_least("zclip.warmup", self.warmup, 1)
-        if self.warmup > _INT32_MAX:
-            raise ValueError(f"GuardConfig.zclip.warmup={self.warmup!r}; allowed: an int in 1..{_INT32_MAX} "
-                             "(ZClip counts steps in int32)")
+        _fraction("zclip.alpha", self.alpha)
+        _count("zclip.warmup", self.warmup, "ZClip counts steps in int32")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -286,21 +287,15 @@ class GuardConfig:
     :class:`Escalation` fields is accepted by :meth:`from_dict`."""
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):  # 'no' and 'false' are truthy
-                raise ValueError(f"GuardConfig.{f.name}={getattr(self, f.name)!r}; allowed: True | False")
-        _int_at_least("hysteresis", self.hysteresis, 1)
-        if self.hysteresis > _INT32_MAX:
-            raise ValueError(f"GuardConfig.hysteresis={self.hysteresis!r}; allowed: an int in 1..{_INT32_MAX} "
-                             "(the allowance is counted in an int32)")
+        if not isinstance(self.forensics, bool):  # 'no' and 'false' are truthy
+            raise ValueError(f"GuardConfig.forensics={self.forensics!r}; allowed: True | False")
+        _count("hysteresis", self.hysteresis, "the allowance is counted in an int32")
         _positive_float("min_scale", self.min_scale)
         if self.max_scale is not None:
             _positive_float("max_scale", self.max_scale)
             if self.max_scale < self.min_scale:
-                raise ValueError(
-                    f"GuardConfig.max_scale={self.max_scale!r} is below min_scale={self.min_scale!r}; "
-                    "allowed: None or a value >= min_scale"
-                )
+                raise ValueError(f"GuardConfig.max_scale={self.max_scale!r} is below min_scale={self.min_scale!r}; "
+                                 "allowed: None or a value >= min_scale")
         _optional_int_at_least("max_consecutive_skips", self.max_consecutive_skips, 1)
         if not isinstance(self.spikes, Spikes):
             raise ValueError(f"GuardConfig.spikes={self.spikes!r}; allowed: an ampguard.Spikes "
@@ -339,9 +334,7 @@ class GuardConfig:
             raise ValueError(f"GuardConfig.sentinel={self.sentinel!r}; allowed: None | 'top' | a non-empty list of "
                              "module names")
         if self.escalation is not None and not isinstance(self.escalation, Escalation):
-            raise ValueError(
-                f"GuardConfig.escalation={self.escalation!r}; allowed: None or an ampguard.Escalation"
-            )
+            raise ValueError(f"GuardConfig.escalation={self.escalation!r}; allowed: None or an ampguard.Escalation")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> GuardConfig:
@@ -397,39 +390,6 @@ def _removed_fields(keys: Mapping[str, Any]) -> str:
     found = [k for k in keys if k in _REMOVED]
     return "; ".join(f"GuardConfig has no field {k!r} any more: " + _REMOVED[k].format(
         v=keys[k], env="0" if keys[k] is False or keys[k] == 0 else "1") for k in found)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Switches:
-    """Implementation switches, for tests and benchmarks only (not configuration: a healthy run is
-    the same either way, bit for bit). Read by :func:`implementation_switches` once per ``wrap``."""
-
-    cuda_graph: bool = True
-    """On CUDA, capture the step decision in a CUDA graph on the second step and replay it (one launch
-    instead of a few dozen). ``AMPGUARD_CUDA_GRAPH=0``: run it eagerly."""
-
-    fused_fast_path: bool = True
-    """With a GradScaler and a fused optimizer, measure the still-scaled gradients and let the
-    optimizer's kernel unscale (and clip) them (:mod:`ampguard.pipeline`). ``AMPGUARD_FUSED_FAST_PATH=0``:
-    unscale first, as with any other optimizer."""
-
-
-_SWITCH_VARIABLES = {"cuda_graph": "AMPGUARD_CUDA_GRAPH", "fused_fast_path": "AMPGUARD_FUSED_FAST_PATH"}
-
-
-def implementation_switches(environ: Mapping[str, str] | None = None) -> Switches:
-    """The :class:`Switches` from the environment (``os.environ`` unless ``environ`` is given):
-    ``AMPGUARD_CUDA_GRAPH`` and ``AMPGUARD_FUSED_FAST_PATH``, each ``"1"`` (on, the default; also
-    when unset or empty) or ``"0"`` (off). Any other value raises ValueError naming the variable."""
-    env = os.environ if environ is None else environ
-    values = {}
-    for field, variable in _SWITCH_VARIABLES.items():
-        raw = env.get(variable, "") or "1"
-        if raw not in ("0", "1"):
-            raise ValueError(f"{variable}={raw!r}; allowed: '0' (off) or '1' (on, the default); an implementation "
-                             "switch for tests and benchmarks")
-        values[field] = raw == "1"
-    return Switches(**values)
 
 
 def _unknown_keys(cls: type, keys: Iterable[Any]) -> str:

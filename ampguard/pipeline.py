@@ -66,12 +66,13 @@ from typing import Any
 
 import torch
 
-from .config import GuardConfig, implementation_switches
+from .config import GuardConfig
 from .errors import GuardStateError
 from .numerics import Numerics
 from .policies import SpikeState, decide, decide_host, uses_clipping
 from .scaling import GradScalerAdapter, ScalerView, ScaleState, f32
 from .stats import Dec, GradGroups, grads_by_device_and_dtype, local_vector, per_tensor_norms, sparse_values
+from .switches import implementation_switches
 
 __all__ = ["DecisionGraph", "HostCopy", "LossMeter", "Measured", "StepPipeline", "local_vector_host"]
 

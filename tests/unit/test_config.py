@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 
 import ampguard
-from ampguard.config import implementation_switches
+from ampguard.switches import implementation_switches
 
 from ._models import guarded_steps, make_data, make_model, make_opt
 

@@ -515,7 +515,7 @@ def test_the_exporters_memory_reading_leaves_the_users_peak_alone():
 
 
 def test_memory_tracking_settings():
-    for old in ("track_memory", "memory_peak_per_step"):  # no knob: a read-only high-water mark on CUDA
+    for old in ("track_memory", "memory_peak_per_step"):  # the exporters read memory themselves
         with pytest.raises(TypeError, match=rf"GuardConfig has no field '{old}' any more"):
             ampguard.GuardConfig(**{old: True})
     model = make_model()
