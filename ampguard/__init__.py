@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from . import faults
 from ._version import __version__
-from .config import Escalation, GuardConfig
+from .config import Escalation, GuardConfig, Spikes, ZClip
 from .ema import EMA
 from .errors import (
     AmpGuardError,
@@ -53,8 +53,10 @@ __all__ = [
     "RankDivergenceError",
     "Recommendation",
     "RunInfo",
+    "Spikes",
     "StepReport",
     "UnsupportedPrecisionError",
+    "ZClip",
     "__version__",
     "faults",
     "preflight",

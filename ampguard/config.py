@@ -1,4 +1,9 @@
-"""GuardConfig: every knob of the guard, validated at construction."""
+"""GuardConfig: every knob of the guard, one per feature, validated at construction.
+
+A feature with parameters of its own takes them in one small frozen dataclass (:class:`Spikes`,
+:class:`ZClip`, :class:`Escalation`). Implementation switches that only tests and benchmarks
+turn (the CUDA graph, the fused fast path) are environment variables read once per ``wrap``:
+:func:`ampguard.switches.implementation_switches`."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["Escalation", "GuardConfig"]
+__all__ = ["Escalation", "GuardConfig", "Spikes", "ZClip"]
 
 _ON_SPIKE = ("warn", "skip")
 _ON_DIVERGENCE = ("warn", "raise")
@@ -17,7 +22,45 @@ SCALE_POLICIES = ("default", "headroom")
 """``GuardConfig.scale_policy`` values (also checked when a state dict is loaded)."""
 HEADROOM_MARGIN_MAX = 15
 """The largest ``GuardConfig.headroom_margin_log2`` (also checked when a state dict is loaded)."""
-_SPIKE_DETECTORS = ("factor", "zscore")
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _int_at_least(name: str, value: Any, low: int) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: an int >= {low}")
+
+
+def _optional_int_at_least(name: str, value: Any, low: int) -> None:
+    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
+        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: None or an int >= {low}")
+
+
+def _positive_float(name: str, value: Any) -> None:
+    if not (_is_real(value) and math.isfinite(value) and value > 0):
+        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: a finite number > 0")
+
+
+def _count(name: str, value: Any, why: str) -> None:
+    """An int in 1..2**31-1: a count kept in an int32 on the device."""
+    _int_at_least(name, value, 1)
+    if value > _INT32_MAX:
+        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: an int in 1..{_INT32_MAX} ({why})")
+
+
+def _fraction(name: str, value: Any) -> None:
+    if not (_is_real(value) and 0 < value < 1):
+        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: a number in (0, 1)")
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: {' | '.join(map(repr, allowed))}")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -53,9 +96,85 @@ class Escalation:
         _optional_int_at_least("escalation.snapshot_every", self.snapshot_every, 1)
         _int_at_least("escalation.max_rollbacks", self.max_rollbacks, 0)
         if self.snapshot_device not in (None, "cpu"):
-            raise ValueError(
-                f"GuardConfig.escalation.snapshot_device={self.snapshot_device!r}; allowed: 'cpu' | None"
-            )
+            raise ValueError(f"GuardConfig.escalation.snapshot_device={self.snapshot_device!r}; allowed: 'cpu' | None")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class Spikes:
+    """Spike detection on the gradient norm and the loss (docs/detectors.md). Each detector is on
+    when its threshold is set; ``Spikes()`` (the default) flags nothing. The gradient-norm detector
+    is the factor detector or the z-score detector, whichever threshold is set (not both)."""
+
+    grad_factor: float | None = None
+    """Flag a step whose gradient norm exceeds this factor (> 1) times its running average
+    (None: off)."""
+
+    grad_zscore: float | None = None
+    """Flag a step whose gradient norm lies more than this many standard deviations (> 0) above its
+    running mean: ``(norm - mean) / std > grad_zscore``, mean and variance over ``window`` healthy
+    steps (None: off; 4.0 is a reasonable start). Exclusive with ``grad_factor``."""
+
+    loss_factor: float | None = None
+    """Flag a step whose loss exceeds this factor (> 1) times its running average (None: off). Works
+    alongside either gradient-norm detector."""
+
+    warmup: int = 20
+    """Healthy steps the running averages need before spikes are flagged (>= 1). Also the
+    re-baseline bound: after this many flagged steps in a row (a lasting shift of the level, not a
+    bad batch), the detectors' statistics are re-based on those steps and a ``rebaseline`` anomaly is
+    recorded, so a skipping detector skips at most ``warmup`` flagged steps in a row."""
+
+    decay: float = 0.98
+    """Decay of the factor detectors' running averages (``grad_factor``, ``loss_factor``), in (0, 1)."""
+
+    window: int = 50
+    """The z-score detector's window (>= 2): mean and variance are exponential moving averages of
+    span ``window`` (decay ``1 - 2 / (window + 1)``, the window's centre of mass), exact running mean
+    and variance over the first healthy steps (see :mod:`ampguard.policies`)."""
+
+    action: str = "warn"
+    """What a flagged step does: "warn" (record an anomaly and step anyway) or "skip" (also skip the
+    step; the loss scale does not change)."""
+
+    def __post_init__(self) -> None:
+        for name in ("grad_factor", "loss_factor"):
+            value = getattr(self, name)
+            if value is not None and not (_is_real(value) and math.isfinite(value) and value > 1):
+                raise ValueError(f"GuardConfig.spikes.{name}={value!r}; allowed: None or a finite number > 1")
+        if self.grad_zscore is not None:
+            _positive_float("spikes.grad_zscore", self.grad_zscore)
+        if self.grad_factor is not None and self.grad_zscore is not None:
+            raise ValueError(f"GuardConfig.spikes: grad_factor={self.grad_factor!r} and grad_zscore="
+                             f"{self.grad_zscore!r} both set: the gradient-norm detector is the factor detector "
+                             "or the z-score detector; allowed: one of them (the other None)")
+        _count("spikes.warmup", self.warmup, "the detectors count steps in int32")
+        _fraction("spikes.decay", self.decay)
+        _int_at_least("spikes.window", self.window, 2)
+        _choice("spikes.action", self.action, _ON_SPIKE)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class ZClip:
+    """Adaptive gradient clipping in the style of ZClip (Kumar et al. 2025, arXiv:2504.02507):
+    after ``warmup`` finite steps, clip a step whose gradient norm has an EMA z-score above ``z`` to
+    ``mean + z**2 * std / score``, and fold the clipped norm into the averages. After ``warmup``
+    clipped steps in a row (a lasting shift of the norm's level), mean and variance are re-based on
+    those steps and a ``rebaseline`` anomaly is recorded. See docs/detectors.md."""
+
+    z: float = 2.5
+    """The z-score threshold (> 0; the paper's default 2.5)."""
+
+    alpha: float = 0.97
+    """EMA smoothing factor for the norm's mean and variance, in (0, 1) (the paper's 0.97)."""
+
+    warmup: int = 20
+    """Finite steps of exact running mean and variance before clipping starts; also the re-baseline
+    bound (>= 1)."""
+
+    def __post_init__(self) -> None:
+        _positive_float("zclip.z", self.z)
+        _fraction("zclip.alpha", self.alpha)
+        _count("zclip.warmup", self.warmup, "ZClip counts steps in int32")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -92,59 +211,19 @@ class GuardConfig:
     warm-up, where the scale calibrates down from GradScaler's 65536, skips at most 16 steps per
     unit of ``hysteresis`` (to the default floor 1.0), so up to hysteresis 6 fits."""
 
-    grad_spike_factor: float | None = None
-    """Flag a step whose gradient norm exceeds this factor (> 1) times its running average
-    (None: off). What happens is set by ``on_spike``."""
-
-    loss_spike_factor: float | None = None
-    """Flag a step whose loss exceeds this factor (> 1) times its running average (None: off)."""
-
-    spike_warmup: int = 20
-    """Healthy steps the running averages need before spikes are flagged (>= 1). Also the
-    re-baseline bound: after this many flagged steps in a row (a lasting shift of the level,
-    not a bad batch), the detectors' statistics (and ZClip's, after this many clipped steps in a
-    row) are re-based on those steps and a ``rebaseline`` anomaly is recorded, so a skipping
-    detector skips at most ``spike_warmup`` flagged steps in a row before it re-bases. See
-    docs/detectors.md."""
-
-    spike_ema_decay: float = 0.98
-    """Decay of the running averages used by the spike detectors, in (0, 1)."""
-
-    on_spike: str = "warn"
-    """"warn": record an anomaly and step anyway; "skip": also skip the step (no scale change)."""
+    spikes: Spikes = Spikes()
+    """Spike detection on the gradient norm and the loss: a :class:`Spikes` (the default flags nothing;
+    e.g. ``Spikes(grad_factor=5.0, action="skip")``). A dict of its fields is accepted by
+    :meth:`from_dict`."""
 
     clip_grad_norm: float | None = None
     """Clip the unscaled gradients to this global L2 norm (> 0), using the norm the guard
     already computed: no second pass over the gradients. None: no clipping."""
 
-    # -- alternative spike detectors and adaptive clipping (docs/detectors.md) --
-    spike_detector: str = "factor"
-    """Which detector flags a gradient-norm spike: "factor" (a step whose norm exceeds
-    ``grad_spike_factor`` times the running average; today's behaviour, bit for bit) or "zscore"
-    (a step whose norm lies more than ``spike_zscore`` standard deviations above the running mean,
-    mean and variance over a window of ``spike_window`` healthy steps). Both honour
-    ``spike_warmup`` and ``on_spike``; ``loss_spike_factor`` works alongside either."""
-
-    spike_zscore: float = 4.0
-    """The "zscore" detector's threshold (> 0): flag when ``(norm - mean) / std > spike_zscore``."""
-
-    spike_window: int = 50
-    """The "zscore" detector's window (>= 2): mean and variance are exponential moving averages of
-    span ``spike_window`` (decay ``1 - 2 / (spike_window + 1)``, the window's centre of mass), exact
-    running mean and variance over the first healthy steps (see :mod:`ampguard.policies`)."""
-
-    zclip: bool = False
-    """Adaptive gradient clipping in the style of ZClip (Kumar et al. 2025, arXiv:2504.02507):
-    after ``spike_warmup`` finite steps, clip a step whose gradient norm has an EMA z-score above
-    ``zclip_z`` to ``mean + zclip_z**2 * std / z``, and fold the clipped norm into the averages.
-    Replaces a fixed ``clip_grad_norm`` (the two are exclusive)."""
-
-    zclip_z: float = 2.5
-    """ZClip's z-score threshold (> 0; the paper's default 2.5)."""
-
-    zclip_alpha: float = 0.97
-    """ZClip's EMA smoothing factor for the norm's mean and variance, in (0, 1) (the paper's 0.97)."""
-    # -- end of the spike detectors and adaptive clipping --
+    zclip: ZClip | None = None
+    """Adaptive gradient clipping (a :class:`ZClip`, e.g. ``ZClip(z=2.5)``; None: off). Replaces a
+    fixed ``clip_grad_norm`` (the two are exclusive). A dict of its fields is accepted by
+    :meth:`from_dict`."""
 
     history_size: int = 1024
     """How many step reports ``opt.history`` retains (>= 1)."""
@@ -157,12 +236,16 @@ class GuardConfig:
     only on steps with non-finite gradients, where they name the parameters)."""
 
     numerics_every: int | None = None
-    """Every N steps, sample the numerics of the still-scaled gradients and the update on the device:
-    the fraction of gradient elements that are exactly zero (fp16 underflow), the loss-scale
-    headroom log2(65504 / max|scaled grad|), and the leading indicators per top-level module of
-    ``wrap(model=...)`` (gradient norm and update-to-weight ratio: one transient copy of the trained
-    parameters on sampled steps, :mod:`ampguard.indicators`). The values ride the step's report
-    (``StepReport.grad_zero_fraction`` etc.): no host sync (None: off)."""
+    """Every N steps, sample the numerics of the still-scaled gradients on the device: the fraction of
+    gradient elements that are exactly zero (fp16 underflow) and the loss-scale headroom
+    log2(65504 / max|scaled grad|). The values ride the step's report (``StepReport.grad_zero_fraction``
+    etc.): no host sync (None: off). See docs/numerics.md."""
+
+    indicators_every: int | None = None
+    """Every N steps, sample the leading indicators per top-level module of ``wrap(model=...)``:
+    gradient norm and update-to-weight ratio (one transient copy of the trained parameters on sampled
+    steps, :mod:`ampguard.indicators`), in the step's report (``StepReport.module_grad_norms`` etc.):
+    no host sync (None: off). Needs ``model``. See docs/indicators.md."""
 
     scale_policy: str = "default"
     """How the loss scale grows. "default": GradScaler's rule (back off on overflow, grow after
@@ -199,88 +282,38 @@ class GuardConfig:
     its own report, and the forensics hooks then arm inside that block only. None: off (no hook
     on healthy steps). Needs ``model``."""
 
-    cuda_graph: bool = True
-    """On CUDA, capture the step decision (a few dozen tiny kernels) in a CUDA graph on the second
-    step and replay it: one launch instead of ~70, which is most of the guard's host cost. The
-    capture synchronises once."""
-
-    fused_fast_path: bool = True
-    """With a GradScaler and a fused optimizer (``_step_supports_amp_scaling``, e.g.
-    ``AdamW(fused=True)``), measure the still-scaled gradients and let the optimizer's kernel
-    unscale (and clip) them as it updates: one read of the gradients instead of an unscale pass,
-    a norm pass and a clip pass. Numerically the plain fused GradScaler loop (see
-    :mod:`ampguard.pipeline`). Visible difference: a *skipped* step leaves ``.grad`` scaled (and
-    unclipped), as the plain fused loop does; False: today's unscale-first path, which leaves
-    unscaled gradients behind on every step."""
-
-    track_memory: bool = True
-    """On CUDA, report the peak allocated/reserved device memory: the caching allocator's
-    high-water mark (since the process started, or since your last
-    ``torch.cuda.reset_peak_memory_stats()``), read from its host-side counters with no sync. It
-    changes nothing: your own ``torch.cuda.max_memory_allocated()`` reads what it would without
-    the guard. For each step's own peak, see ``memory_peak_per_step``."""
-
-    memory_peak_per_step: bool = False
-    """With ``track_memory``, on CUDA: report each step's own peak instead of the high-water mark.
-    **Side effect:** the only way to get it is to reset the allocator's peak counters, so the guard
-    calls ``torch.cuda.reset_peak_memory_stats()`` after each step's read: in the whole process,
-    ``torch.cuda.max_memory_allocated()``/``max_memory_reserved()`` and the peaks of
-    ``torch.cuda.memory_stats()`` then read the current step's peak, not the run's. Off by default
-    for that reason; turn it on when nothing else in the process reads those peaks."""
-
     escalation: Escalation | None = None
     """The rollback/stop ladder (None: skip and back off only). A dict of
     :class:`Escalation` fields is accepted by :meth:`from_dict`."""
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):  # 'no' and 'false' are truthy
-                raise ValueError(f"GuardConfig.{f.name}={getattr(self, f.name)!r}; allowed: True | False")
-        _int_at_least("hysteresis", self.hysteresis, 1)
-        if self.hysteresis > _INT32_MAX:
-            raise ValueError(f"GuardConfig.hysteresis={self.hysteresis!r}; allowed: an int in 1..{_INT32_MAX} "
-                             "(the allowance is counted in an int32)")
+        if not isinstance(self.forensics, bool):  # 'no' and 'false' are truthy
+            raise ValueError(f"GuardConfig.forensics={self.forensics!r}; allowed: True | False")
+        _count("hysteresis", self.hysteresis, "the allowance is counted in an int32")
         _positive_float("min_scale", self.min_scale)
         if self.max_scale is not None:
             _positive_float("max_scale", self.max_scale)
             if self.max_scale < self.min_scale:
-                raise ValueError(
-                    f"GuardConfig.max_scale={self.max_scale!r} is below min_scale={self.min_scale!r}; "
-                    "allowed: None or a value >= min_scale"
-                )
+                raise ValueError(f"GuardConfig.max_scale={self.max_scale!r} is below min_scale={self.min_scale!r}; "
+                                 "allowed: None or a value >= min_scale")
         _optional_int_at_least("max_consecutive_skips", self.max_consecutive_skips, 1)
-        for name in ("grad_spike_factor", "loss_spike_factor"):
-            value = getattr(self, name)
-            if value is not None and not (_is_real(value) and math.isfinite(value) and value > 1):
-                raise ValueError(f"GuardConfig.{name}={value!r}; allowed: None or a finite number > 1")
-        _int_at_least("spike_warmup", self.spike_warmup, 1)
-        if self.spike_warmup > _INT32_MAX:
-            raise ValueError(f"GuardConfig.spike_warmup={self.spike_warmup!r}; allowed: an int in 1..{_INT32_MAX} "
-                             "(the detectors count steps in int32)")
-        if not (_is_real(self.spike_ema_decay) and 0 < self.spike_ema_decay < 1):
-            raise ValueError(
-                f"GuardConfig.spike_ema_decay={self.spike_ema_decay!r}; allowed: a number in (0, 1)"
-            )
-        _choice("on_spike", self.on_spike, _ON_SPIKE)
+        if not isinstance(self.spikes, Spikes):
+            raise ValueError(f"GuardConfig.spikes={self.spikes!r}; allowed: an ampguard.Spikes "
+                             "(Spikes(), the default, flags nothing)")
         if self.clip_grad_norm is not None:
             _positive_float("clip_grad_norm", self.clip_grad_norm)
-        _choice("spike_detector", self.spike_detector, _SPIKE_DETECTORS)
-        _positive_float("spike_zscore", self.spike_zscore)
-        _int_at_least("spike_window", self.spike_window, 2)
-        if self.spike_detector == "zscore" and self.grad_spike_factor is not None:
-            raise ValueError(f"GuardConfig.grad_spike_factor={self.grad_spike_factor!r} with spike_detector='zscore': "
-                             "the factor is the 'factor' detector's threshold; allowed: grad_spike_factor=None "
-                             "(the z-score detector uses spike_zscore), or spike_detector='factor'")
-        _positive_float("zclip_z", self.zclip_z)
-        if not (_is_real(self.zclip_alpha) and 0 < self.zclip_alpha < 1):
-            raise ValueError(f"GuardConfig.zclip_alpha={self.zclip_alpha!r}; allowed: a number in (0, 1)")
-        if self.zclip and self.clip_grad_norm is not None:
-            raise ValueError(f"GuardConfig.zclip=True with clip_grad_norm={self.clip_grad_norm!r}: ZClip replaces a "
-                             "fixed clipping norm; allowed: one of them (clip_grad_norm=None, or zclip=False)")
+        if self.zclip is not None and not isinstance(self.zclip, ZClip):
+            raise ValueError(f"GuardConfig.zclip={self.zclip!r}; allowed: None (off) or an ampguard.ZClip: "
+                             "zclip=ZClip() for the paper's defaults, ZClip(z=2.5, alpha=0.97, warmup=20)")
+        if self.zclip is not None and self.clip_grad_norm is not None:
+            raise ValueError(f"GuardConfig.zclip={self.zclip!r} with clip_grad_norm={self.clip_grad_norm!r}: ZClip "
+                             "replaces a fixed clipping norm; allowed: one of them (clip_grad_norm=None, or "
+                             "zclip=None)")
         _int_at_least("history_size", self.history_size, 1)
         _int_at_least("max_anomalies", self.max_anomalies, 1)
         _optional_int_at_least("param_norms_every", self.param_norms_every, 1)
         _optional_int_at_least("numerics_every", self.numerics_every, 1)
+        _optional_int_at_least("indicators_every", self.indicators_every, 1)
         _optional_int_at_least("consistency_every", self.consistency_every, 1)
         _choice("scale_policy", self.scale_policy, SCALE_POLICIES)
         if not (isinstance(self.headroom_margin_log2, int) and not isinstance(self.headroom_margin_log2, bool)
@@ -294,9 +327,6 @@ class GuardConfig:
                              "scale_policy='default'")
         _choice("on_divergence", self.on_divergence, _ON_DIVERGENCE)
         _int_at_least("forensics_window", self.forensics_window, 1)
-        if self.memory_peak_per_step and not self.track_memory:
-            raise ValueError("GuardConfig.memory_peak_per_step=True with track_memory=False: per-step peaks are a "
-                             "way of tracking memory; allowed: track_memory=True, or memory_peak_per_step=False")
         if isinstance(self.sentinel, (list, tuple)):
             object.__setattr__(self, "sentinel", tuple(self.sentinel))
         if not (self.sentinel is None or self.sentinel == "top" or (
@@ -304,33 +334,62 @@ class GuardConfig:
             raise ValueError(f"GuardConfig.sentinel={self.sentinel!r}; allowed: None | 'top' | a non-empty list of "
                              "module names")
         if self.escalation is not None and not isinstance(self.escalation, Escalation):
-            raise ValueError(
-                f"GuardConfig.escalation={self.escalation!r}; allowed: None or an ampguard.Escalation"
-            )
+            raise ValueError(f"GuardConfig.escalation={self.escalation!r}; allowed: None or an ampguard.Escalation")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> GuardConfig:
-        """Build a config from a mapping; an unknown key raises ValueError naming it."""
-        unknown = _unknown_keys(cls, values)
-        if unknown:
-            raise ValueError(unknown)
+        """Build a config from a mapping (e.g. a YAML file); ``spikes``, ``zclip`` and ``escalation``
+        may be mappings of their class's fields. An unknown key raises ValueError naming it (a key
+        of an older ampguard: naming what replaced it)."""
+        problem = _removed_fields(values) or _unknown_keys(cls, values)
+        if problem:
+            raise ValueError(problem)
         values = dict(values)
-        if isinstance(values.get("escalation"), Mapping):
-            esc = dict(values["escalation"])
-            known_esc = {f.name for f in dataclasses.fields(Escalation)}
-            bad = [k for k in esc if k not in known_esc]
-            if bad:
-                raise ValueError(
-                    f"unknown GuardConfig.escalation key(s): {', '.join(map(repr, bad))}; "
-                    f"known keys: {', '.join(sorted(known_esc))}"
-                )
-            values["escalation"] = Escalation(**esc)
+        for name, part in _PARTS.items():
+            if isinstance(values.get(name), Mapping):
+                fields = dict(values[name])
+                unknown = _unknown_keys(part, fields)
+                if unknown:
+                    raise ValueError(f"GuardConfig.{name}: {unknown}")
+                values[name] = part(**fields)
         return cls(**values)
 
     def replace(self, **changes: Any) -> GuardConfig:
         """A copy with some fields changed (validated like the original)."""
         current = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return GuardConfig.from_dict({**current, **changes})
+
+
+_PARTS: dict[str, type] = {"spikes": Spikes, "zclip": ZClip, "escalation": Escalation}
+"""The fields that take a dataclass of their own (a mapping in :meth:`GuardConfig.from_dict`)."""
+
+_REMOVED: dict[str, str] = {
+    "grad_spike_factor": "use spikes=Spikes(grad_factor={v!r})",
+    "loss_spike_factor": "use spikes=Spikes(loss_factor={v!r})",
+    "spike_detector": "the gradient-norm detector follows the threshold that is set: spikes=Spikes(grad_factor=...) "
+                      "for the factor detector, spikes=Spikes(grad_zscore=...) for the z-score detector",
+    "spike_zscore": "use spikes=Spikes(grad_zscore={v!r}) (setting it turns the z-score detector on)",
+    "spike_window": "use spikes=Spikes(window={v!r})",
+    "spike_warmup": "use spikes=Spikes(warmup={v!r}) (and zclip=ZClip(warmup={v!r}) for ZClip)",
+    "spike_ema_decay": "use spikes=Spikes(decay={v!r})",
+    "on_spike": "use spikes=Spikes(action={v!r})",
+    "zclip_z": "use zclip=ZClip(z={v!r})",
+    "zclip_alpha": "use zclip=ZClip(alpha={v!r})",
+    "cuda_graph": "set AMPGUARD_CUDA_GRAPH={env} (tests/benchmarks only)",
+    "fused_fast_path": "set AMPGUARD_FUSED_FAST_PATH={env} (tests/benchmarks only)",
+    "track_memory": "the guard no longer reads device memory: the Prometheus and OpenTelemetry exporters read the "
+                    "CUDA allocator's high-water mark themselves (ampguard_device_memory_peak_bytes; nothing reset)",
+    "memory_peak_per_step": "the guard no longer resets torch's process-wide peak memory counters; call "
+                            "torch.cuda.reset_peak_memory_stats() yourself where you want a window of your own",
+}
+"""Fields of an older GuardConfig, each with what replaced it (no aliases: the error names the new way)."""
+
+
+def _removed_fields(keys: Mapping[str, Any]) -> str:
+    """"" when no key is a removed field; else one message naming each and what replaced it."""
+    found = [k for k in keys if k in _REMOVED]
+    return "; ".join(f"GuardConfig has no field {k!r} any more: " + _REMOVED[k].format(
+        v=keys[k], env="0" if keys[k] is False or keys[k] == 0 else "1") for k in found)
 
 
 def _unknown_keys(cls: type, keys: Iterable[Any]) -> str:
@@ -355,7 +414,7 @@ def _suggest_unknown_keywords(cls: type) -> None:
 
     @functools.wraps(generated)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        unknown = _unknown_keys(cls, kwargs)
+        unknown = (_removed_fields(kwargs) if cls is GuardConfig else "") or _unknown_keys(cls, kwargs)
         if unknown:
             raise TypeError(unknown)
         generated(self, *args, **kwargs)
@@ -364,31 +423,6 @@ def _suggest_unknown_keywords(cls: type) -> None:
 
 
 _suggest_unknown_keywords(Escalation)
+_suggest_unknown_keywords(Spikes)
+_suggest_unknown_keywords(ZClip)
 _suggest_unknown_keywords(GuardConfig)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-_INT32_MAX = 2**31 - 1
-
-
-def _int_at_least(name: str, value: Any, low: int) -> None:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
-        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: an int >= {low}")
-
-
-def _optional_int_at_least(name: str, value: Any, low: int) -> None:
-    if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= low):
-        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: None or an int >= {low}")
-
-
-def _positive_float(name: str, value: Any) -> None:
-    if not (_is_real(value) and math.isfinite(value) and value > 0):
-        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: a finite number > 0")
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"GuardConfig.{name}={value!r}; allowed: {' | '.join(map(repr, allowed))}")

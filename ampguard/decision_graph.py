@@ -1,7 +1,7 @@
 """The step decision, replayed from a CUDA graph (:class:`DecisionGraph`).
 
 On CUDA the decision is ~70 tiny kernels; captured once into a CUDA graph, each later step
-replays them in one launch (the fused path, ``GuardConfig.cuda_graph``). Elsewhere, and where
+replays them in one launch (the fused path; ``AMPGUARD_CUDA_GRAPH=0`` keeps it eager). Elsewhere, and where
 capture fails, the decision runs eagerly.
 
 **A process-wide effect, kept because it is necessary:** the Python garbage collector is off
@@ -29,7 +29,7 @@ __all__ = ["DecisionGraph"]
 
 
 class DecisionGraph:
-    """The decision, replayed from a CUDA graph on CUDA (``GuardConfig.cuda_graph``): ~70 tiny
+    """The decision, replayed from a CUDA graph on CUDA (``AMPGUARD_CUDA_GRAPH=0``: eager): ~70 tiny
     kernels become one launch. The first decision of the process runs eagerly (lazy init);
     capture happens on the next one. A failed capture falls back to eager, with one warning."""
 
@@ -58,7 +58,7 @@ class DecisionGraph:
             except Exception as exc:  # capture is an optimisation: never fail a step over it
                 self._failed = True
                 warnings.warn(f"ampguard: CUDA graph capture of the step decision failed ({exc}); running it "
-                              "eagerly (set GuardConfig(cuda_graph=False) to silence this)", RuntimeWarning,
+                              "eagerly (set AMPGUARD_CUDA_GRAPH=0 to silence this)", RuntimeWarning,
                               stacklevel=4)
                 return fn(gathered)
             finally:

@@ -136,8 +136,9 @@ def _rank_main(rank: int, world: int, args: argparse.Namespace, run_dir: str, in
                                 ConsoleExporter(total_steps=args.steps, plain=True if args.plain else None)]
         if args.port:
             exporters.append(PrometheusExporter(port=args.port, addr="127.0.0.1"))
-        config = ampguard.GuardConfig(hysteresis=2, loss_spike_factor=1.3, grad_spike_factor=20.0, spike_warmup=10,
-                                      max_consecutive_skips=25, consistency_every=20, forensics_window=200)
+        spikes = ampguard.Spikes(loss_factor=1.3, grad_factor=20.0, warmup=10)
+        config = ampguard.GuardConfig(hysteresis=2, spikes=spikes, max_consecutive_skips=25, consistency_every=20,
+                                      forensics_window=200)
         inner = torch.optim.AdamW(ddp.parameters(), lr=3e-3)
         scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
         opt = ampguard.wrap(inner, model=ddp, precision=args.precision, scaler=scaler, config=config,

@@ -75,7 +75,7 @@ class GuardedOptimizer(InnerOptimizerView):
                                       device=device)
         # leading indicators per top-level module (ampguard.indicators), sampled every N steps
         self._indicators = (Indicators(model, self._pipeline.params(), device)
-                            if config.numerics_every is not None and model is not None else None)
+                            if config.indicators_every is not None and model is not None else None)
         ladder = Ladder(config.escalation, on_rollback=on_rollback, on_abort=on_abort) if config.escalation else None
         self._exporter = MultiExporter(exporters)
         self._names: tuple[str, ...] = ()
@@ -181,7 +181,7 @@ class GuardedOptimizer(InnerOptimizerView):
         collective: every rank must call it, once per iteration. Host syncs: see
         :mod:`ampguard.pipeline` (none beyond GradScaler's and the optimizer's own).
 
-        With a GradScaler and a fused optimizer (the fused fast path, ``GuardConfig.fused_fast_path``)
+        With a GradScaler and a fused optimizer (the fused fast path)
         the gradients are measured still scaled and the optimizer's kernel unscales and clips them
         as it updates; ``.grad`` is then left as the plain fused GradScaler loop leaves it: unscaled
         (and clipped) on a step taken, still scaled on a skipped one. After :meth:`unscale_` (or
@@ -217,8 +217,9 @@ class GuardedOptimizer(InnerOptimizerView):
             self._forensics.collect(self._step, decision, gathered)
         pipe.clip(measured, decided)
         ind = self._indicators  # a sampled step copies the weights before the inner step
-        sample = (ind.before_step(measured, pipe.params())  # numerics_every: one cadence for numerics and these
-                  if ind is not None and pipe.numerics.sampled(self._step) else None)
+        every = self.config.indicators_every
+        sample = (ind.before_step(measured, pipe.params())
+                  if ind is not None and every is not None and self._step % every == 0 else None)
         synced = pipe.inner_step(decided, measured)
         tail = ind.after_step(sample) if sample is not None else None  # type: ignore[union-attr]
         if self._schedules.emas:  # on device: torch.where on the skip flag (a host bool on CPU)
@@ -486,11 +487,8 @@ def _nonfinite(decision: torch.Tensor) -> bool:
 
 
 def _make_reporter(guard: GuardedOptimizer, ladder: Ladder | None) -> Any:
-    from .reporter import MemoryPeaks, Reporter
+    from .reporter import Reporter
 
-    cfg = guard.config
-    track = (MemoryPeaks(guard.device, per_step=cfg.memory_peak_per_step)
-             if guard.device.type == "cuda" and cfg.track_memory else None)
     # A weak reference: the reporter must not keep its guard alive. With a cycle, `del opt, model` left
     # the model (a DDP model, its reducer and process group) to the cyclic collector, which may run only
     # at interpreter exit, after dist.destroy_process_group().
@@ -498,4 +496,4 @@ def _make_reporter(guard: GuardedOptimizer, ladder: Ladder | None) -> Any:
     return Reporter(config=guard.config, rank=guard.backend.rank, world_size=guard.backend.world_size,
                     names=lambda: guard_ref().param_names,  # type: ignore[union-attr]
                     exporter=guard._exporter, scaled=guard.scaler is not None,
-                    ladder=ladder, can_snapshot=guard.model is not None, track_memory=track)
+                    ladder=ladder, can_snapshot=guard.model is not None)

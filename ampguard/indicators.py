@@ -1,5 +1,5 @@
 """Leading indicators: per top-level module, the gradient norm and the update-to-weight
-ratio ``||delta w|| / ||w||``, sampled every ``GuardConfig.numerics_every`` steps on the device.
+ratio ``||delta w|| / ||w||``, sampled every ``GuardConfig.indicators_every`` steps on the device.
 
 Loss spikes tend to follow a rise in one part of the model's gradient norms and update sizes;
 the global gradient norm hides which part. These two numbers, per top-level module, are what
@@ -92,7 +92,7 @@ class _Sample:
 
 class Indicators:
     """The leading indicators of one guarded optimizer (built by the guard when
-    ``GuardConfig.numerics_every`` is set and a model is given)."""
+    ``GuardConfig.indicators_every`` is set and a model is given)."""
 
     def __init__(self, model: torch.nn.Module, params: Sequence[torch.Tensor], device: torch.device) -> None:
         self.device = device
@@ -105,7 +105,7 @@ class Indicators:
         held = {id(p) for p in user_module(model).parameters()}
         if not any(id(p) in held for p in params):
             raise ValueError(
-                "GuardConfig.numerics_every: none of the optimizer's parameters belongs to wrap(model=...) "
+                "GuardConfig.indicators_every: none of the optimizer's parameters belongs to wrap(model=...) "
                 f"({type(user_module(model)).__name__}), so no gradient or update can be given to a module of it. "
                 "Pass the model whose parameters the optimizer trains.")
 

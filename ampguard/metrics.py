@@ -211,8 +211,8 @@ MEMORY_KINDS = ("allocated", "reserved")
 DEVICE_MEMORY_PEAK = Metric(
     "ampguard_device_memory_peak_bytes",
     "gauge",
-    "Peak device memory on this rank (CUDA caching allocator): its high-water mark, or the last step's own "
-    "peak with GuardConfig(memory_peak_per_step=True); NaN off CUDA.",
+    "Peak device memory on this rank (CUDA caching allocator): its high-water mark, read by the exporter "
+    "(nothing reset, no sync); NaN off CUDA.",
     labels=("kind",),
     label_values=(MEMORY_KINDS,),
     unit="By",

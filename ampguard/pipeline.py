@@ -19,7 +19,8 @@ the device (the only places it does; ``docs/design.md``, "One step, and where th
 5. clip (``_foreach_mul_``), inner step or skip (the skip folded into GradScaler's ``found_inf``;
    fused optimizers read it on device), scale update. No sync beyond stage 4's copy.
 
-The fused fast path (``GuardConfig.fused_fast_path``; :meth:`StepPipeline.fast_path` says when)
+The fused fast path (on; ``AMPGUARD_FUSED_FAST_PATH=0`` turns it off, tests only; :meth:`StepPipeline.fast_path`
+says when)
 reads the **still-scaled** gradients once: per-tensor norms times ``1/scale`` on device (exact for
 a power-of-two scale; a norm that overflows float32, a scaled norm above ~1.8e19, counts as
 non-finite: skipped and backed off, conservatively), ``found_inf`` := some norm is non-finite,
@@ -47,6 +48,7 @@ from .payload import HostCopy, Packed, host_tensor, pack
 from .policies import SpikeState, decide, decide_host, uses_clipping
 from .scaling import GradScalerAdapter, ScalerView, ScaleState
 from .stats import Dec, GradGroups, grads_by_device_and_dtype, local_vector, per_tensor_norms, sparse_values
+from .switches import implementation_switches
 
 __all__ = ["Decision", "Measured", "StepPipeline", "grad_marks"]
 
@@ -114,7 +116,8 @@ class StepPipeline:
         self.fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._takes_grad_scaler = self.fused and _takes_grad_scaler(optimizer)
         """A fused optimizer of GradScaler's older protocol (``step(grad_scaler=...)``)."""
-        self.fast_capable = (config.fused_fast_path and adapter is not None and self.fused
+        switches = implementation_switches()  # AMPGUARD_* environment variables, read once per wrap
+        self.fast_capable = (switches.fused_fast_path and adapter is not None and self.fused
                              and not self._takes_grad_scaler and getattr(backend, "name", None) in _FAST_BACKENDS
                              and adapter.fast_path_capable())
         """The fused fast path may be taken (each step also asks :meth:`fast_path`)."""
@@ -129,7 +132,7 @@ class StepPipeline:
         self.spikes = SpikeState.fresh(state_device)
         self.scale_state = ScaleState.fresh(state_device)
         """The decision's carried state lives where the decision is taken (host: no sync to read it)."""
-        self.graph = DecisionGraph(config.cuda_graph)
+        self.graph = DecisionGraph(switches.cuda_graph)
         self.numerics = Numerics(config.numerics_every, device=device,
                                  headroom=adapter is not None and adapter.scaler.is_enabled())
         """The sampled fp16 numerics (``GuardConfig.numerics_every``)."""
@@ -140,7 +143,7 @@ class StepPipeline:
     def fast_path(self, guard: object) -> bool:
         """Whether this step takes the fused fast path: a GradScaler (GradScaler's own unscaling,
         not a subclass's) with a fused optimizer of the current protocol, on a local or
-        torch.distributed backend with unsharded gradients, ``GuardConfig.fused_fast_path`` on,
+        torch.distributed backend with unsharded gradients, the fast path not switched off,
         and nobody has unscaled this iteration."""
         return (self.fast_capable and not self.backend.grads_sharded
                 and self.adapter.fast_path_ok(guard, self.optimizer))  # type: ignore[union-attr]

@@ -35,8 +35,8 @@ class SpikeState:
 
     No statistic locks itself out: the ``flag_*`` fields follow the current run of consecutive
     flagged steps (the spike detectors') and the ``clip_flag_*`` fields the current run of ZClip's
-    outliers, their mean and population variance over the run. After ``spike_warmup`` consecutive
-    flags, the statistics are re-based on that run (:func:`_flag_run`).
+    outliers, their mean and population variance over the run. After ``Spikes.warmup`` (ZClip:
+    ``ZClip.warmup``) consecutive flags, the statistics are re-based on that run (:func:`_flag_run`).
 
     The factor detector's averages keep the field names ``grad_ema``/``loss_ema`` (the
     checkpoint's keys); they are exponentially weighted running means of healthy steps."""
@@ -72,13 +72,14 @@ ZCLIP_EPS = 1e-6
 
 
 def uses_grad_detector(config: GuardConfig) -> bool:
-    """Whether a gradient-norm spike detector runs: the factor (``grad_spike_factor``) or the z-score."""
-    return config.grad_spike_factor is not None or config.spike_detector == "zscore"
+    """Whether a gradient-norm spike detector runs: the factor (``Spikes.grad_factor``) or the
+    z-score (``Spikes.grad_zscore``)."""
+    return config.spikes.grad_factor is not None or config.spikes.grad_zscore is not None
 
 
 def uses_clipping(config: GuardConfig) -> bool:
     """Whether the decision's clip coefficient is applied: a fixed ``clip_grad_norm`` or ZClip."""
-    return config.clip_grad_norm is not None or config.zclip
+    return config.clip_grad_norm is not None or config.zclip is not None
 
 
 def _fold(o: Ops, mean: Value, var: Value | None, x: Value, w: Value) -> tuple[Value, Value]:
@@ -92,7 +93,7 @@ def _fold(o: Ops, mean: Value, var: Value | None, x: Value, w: Value) -> tuple[V
 
 
 def _zscore_floor(config: GuardConfig) -> float:
-    return 2.0 / (config.spike_window + 1)
+    return 2.0 / (config.spikes.window + 1)
 
 
 def _flag_run(o: Ops, run_t: torch.Tensor, stats: list[tuple[torch.Tensor, torch.Tensor | None, Value]],
@@ -159,23 +160,24 @@ def rule(
 
     grad_spike = loss_spike = rebase = clip_rebase = o.false
     spike_threshold = clip_threshold = o.nan
-    zscore = config.spike_detector == "zscore"
-    spikes_on = uses_grad_detector(config) or config.loss_spike_factor is not None
+    k_std = config.spikes.grad_zscore
+    zscore = k_std is not None
+    spikes_on = uses_grad_detector(config) or config.spikes.loss_factor is not None
     if spikes_on:
         count, grad_ema, loss_ema = o.value(spikes.count), o.value(spikes.grad_ema), o.value(spikes.loss_ema)
         if zscore:
             z_mean, z_var = o.value(spikes.z_mean), o.value(spikes.z_var)
-        warm = (count >= config.spike_warmup) & o.not_(blocked)
-        if config.grad_spike_factor is not None:
-            spike_threshold = o.mul(f32(config.grad_spike_factor), grad_ema)
-        elif zscore:  # mean + k * std over the window of healthy steps
-            spike_threshold = o.add(z_mean, o.mul(f32(config.spike_zscore), o.sqrt_of(spikes.z_var)))
+        warm = (count >= config.spikes.warmup) & o.not_(blocked)
+        if config.spikes.grad_factor is not None:
+            spike_threshold = o.mul(f32(config.spikes.grad_factor), grad_ema)
+        elif k_std is not None:  # mean + k * std over the window of healthy steps
+            spike_threshold = o.add(z_mean, o.mul(f32(k_std), o.sqrt_of(spikes.z_var)))
         if uses_grad_detector(config):
             grad_spike = warm & (grad_norm > spike_threshold)
-        if config.loss_spike_factor is not None:
-            loss_spike = warm & (loss > o.mul(f32(config.loss_spike_factor), loss_ema))
+        if config.spikes.loss_factor is not None:
+            loss_spike = warm & (loss > o.mul(f32(config.spikes.loss_factor), loss_ema))
     spike = grad_spike | loss_spike
-    skip = (blocked | spike) if config.on_spike == "skip" else blocked
+    skip = (blocked | spike) if config.spikes.action == "skip" else blocked
 
     # Indices into stats.REASONS, in order of precedence.
     reason = o.first([(loss_bad, 1.0), (grad_bad, 2.0), (no_grads, 5.0), (skip & grad_spike, 3.0),
@@ -186,15 +188,15 @@ def rule(
         # A NaN loss on a step that is not loss_bad is a loss nobody gave (StepReport.loss None): the
         # loss statistics keep their value instead of turning NaN for ever (and unloadable).
         known_loss = o.where(o.isnan(loss), loss_ema, loss)
-        d, e, first = f32(config.spike_ema_decay), f32(1 - config.spike_ema_decay), count == 0
+        d, e, first = f32(config.spikes.decay), f32(1 - config.spikes.decay), count == 0
         grad_avg = o.where(healthy, o.where(first, grad_norm, o.add(o.mul(d, grad_ema), o.mul(e, grad_norm))),
                            grad_ema)
         loss_avg = o.where(healthy, o.where(first, known_loss, o.add(o.mul(d, loss_ema), o.mul(e, known_loss))),
                            loss_ema)
-        # No lock-out: spike_warmup flags in a row re-base the statistics on those steps.
+        # No lock-out: Spikes.warmup flags in a row re-base the statistics on those steps.
         rebase, ((norm_mean, norm_var), (loss_mean, _)) = _flag_run(
             o, spikes.flag_run, [(spikes.flag_norm_mean, spikes.flag_norm_var, grad_norm),
-                                 (spikes.flag_loss_mean, None, known_loss)], spike, healthy, config.spike_warmup)
+                                 (spikes.flag_loss_mean, None, known_loss)], spike, healthy, config.spikes.warmup)
         if zscore and (o.may(healthy) or o.may(rebase)):  # neither: mean and variance stay
             w = o.clamp(o.recip(o.to_float(count + 1)), f32(_zscore_floor(config)), None)
             mean, var = _fold(o, z_mean, z_var, grad_norm, w)
@@ -208,7 +210,7 @@ def rule(
         # The expression of torch.nn.utils.clip_grad_norm_ (c / t is t.reciprocal() * c), so the
         # coefficient is bitwise its.
         clip_coef = o.clamp(o.mul(o.recip(o.add(grad_norm, f32(1e-6))), f32(config.clip_grad_norm)), None, 1.0)
-    elif config.zclip:
+    elif config.zclip is not None:
         clip_coef, clip_threshold, clip_rebase = _zclip(o, grad_norm, blocked, config, spikes)
     else:
         clip_coef = o.one
@@ -241,41 +243,43 @@ def _zclip(o: Ops, grad_norm: Value, bad: Value, config: GuardConfig,
            spikes: SpikeState) -> tuple[Value, Value, Value]:
     """ZClip (Kumar et al. 2025, "ZClip: Adaptive Spike Mitigation for LLM Pre-Training",
     arXiv:2504.02507; the reference code's default ``mode="zscore"``,
-    ``clip_option="adaptive_scaling"``): once ``spike_warmup`` finite steps are folded in, a norm
-    whose z-score ``z = (norm - mean) / (std + eps)`` exceeds ``zclip_z`` is clipped to
-    ``mean + zclip_z**2 * std / z`` (the paper's reciprocal: the larger the outlier, the harder it
+    ``clip_option="adaptive_scaling"``): once ``ZClip.warmup`` finite steps are folded in, a norm
+    whose z-score ``z = (norm - mean) / (std + eps)`` exceeds ``ZClip.z`` is clipped to
+    ``mean + ZClip.z**2 * std / z`` (the paper's reciprocal: the larger the outlier, the harder it
     is clipped); the norm the step let through (the threshold when clipped) is then folded into the
-    EMA mean and variance (``zclip_alpha``), as the paper updates them. Warm-up folds with weight
+    EMA mean and variance (``ZClip.alpha``), as the paper updates them. Warm-up folds with weight
     ``1/n`` instead of keeping a buffer: at its end mean and variance are the warm-up norms' mean
     and population variance, as the paper's buffer gives them (up to float32 rounding).
     ``bad``: non-finite or gradient-less steps, which neither clip nor touch the statistics.
-    Unlike the paper, the statistics cannot lock themselves out: after ``spike_warmup`` clipped
+    Unlike the paper, the statistics cannot lock themselves out: after ``ZClip.warmup`` clipped
     steps in a row (a lasting shift of the norm's level: folding the thresholds would follow it
-    only by ``zclip_z**2 * std / z`` a step), mean and variance are re-based on the raw norms of
+    only by ``z**2 * std / z`` a step), mean and variance are re-based on the raw norms of
     that run (:func:`_flag_run`); that step is still clipped.
     Returns ``(clip_coef, ceiling, rebase)``: ``ceiling`` is the largest norm this step let through
-    (the threshold when clipped, ``mean + zclip_z * (std + eps)`` otherwise, inf during warm-up);
+    (the threshold when clipped, ``mean + z * (std + eps)`` otherwise, inf during warm-up);
     ``rebase``: the statistics were re-based this step."""
+    zc = config.zclip
+    assert zc is not None  # internal: called only with ZClip on
     mean, var, count = o.value(spikes.clip_mean), o.value(spikes.clip_var), o.value(spikes.clip_count)
-    zt = f32(config.zclip_z)
+    zt = f32(zc.z)
     std = o.sqrt_of(spikes.clip_var)
     spread = o.add(std, f32(ZCLIP_EPS))
     z = o.div(o.sub(grad_norm, mean), spread)
-    warm = count >= config.spike_warmup
+    warm = count >= zc.warmup
     ok = o.not_(bad)
     outlier = warm & ok & (z > zt)
     threshold = coef = 1.0  # the threshold is taken only where outlier: the host skips it on other steps
     if o.may(outlier):
-        threshold = o.add(mean, o.div(o.mul(f32(config.zclip_z * config.zclip_z), std), z))
+        threshold = o.add(mean, o.div(o.mul(f32(zc.z * zc.z), std), z))
         coef = o.where(outlier, o.clamp(o.div(threshold, o.add(grad_norm, f32(1e-6))), None, 1.0), 1.0)
     ceiling = o.where(warm, o.where(outlier, threshold, o.add(mean, o.mul(zt, spread))), o.inf)
     rebase, ((run_mean, run_var),) = _flag_run(o, spikes.clip_run, [(spikes.clip_flag_mean, spikes.clip_flag_var,
-                                                                      grad_norm)], outlier, ok, config.spike_warmup)
+                                                                      grad_norm)], outlier, ok, zc.warmup)
     if o.may(ok):  # bad: nothing is folded, nothing counted
         # The paper's update after warm-up: mean = a*mean + (1-a)*x, var = a*var + (1-a)*(x - mean)^2
         # with the new mean; during warm-up the exact running mean and population variance (weight 1/n).
         x = o.where(outlier, threshold, grad_norm)
-        w = o.where(warm, f32(1 - config.zclip_alpha), o.recip(o.to_float(count + 1)))
+        w = o.where(warm, f32(1 - zc.alpha), o.recip(o.to_float(count + 1)))
         new_mean, warmup_var = _fold(o, mean, var, x, w)
         e = o.sub(x, new_mean)
         new_var = o.where(warm, o.add(o.mul(o.sub(1.0, w), var), o.mul(w, o.mul(e, e))), warmup_var)

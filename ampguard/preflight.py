@@ -168,9 +168,7 @@ class Recommendation:
         return kw
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["config"] = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
-        return d
+        return dataclasses.asdict(self)  # the config's parts (Spikes, ...) as mappings GuardConfig.from_dict reads
 
     def __str__(self) -> str:
         lines = [f"preflight recommendation: precision={self.precision}"

@@ -53,9 +53,9 @@ class StepReport:
     clip_coef: float = 1.0
     """Factor the gradients were multiplied by for ``clip_grad_norm`` or ZClip (1.0 when not clipped)."""
     grad_spike: bool = False
-    """The gradient norm was flagged as a spike (acted on per ``on_spike``)."""
+    """The gradient norm was flagged as a spike (acted on per ``Spikes.action``)."""
     loss_spike: bool = False
-    """The loss was flagged as a spike (acted on per ``on_spike``)."""
+    """The loss was flagged as a spike (acted on per ``Spikes.action``)."""
     world_size: int = 1
     """Number of ranks that took part in the decision."""
     rank: int = 0
@@ -65,12 +65,6 @@ class StepReport:
     where they were requested (``GuardConfig.param_norms_every``) or the gradients were non-finite."""
     wall_time: float = 0.0
     """``time.time()`` when the host materialised this report."""
-    memory_allocated_peak: int | None = None
-    """Peak bytes allocated on this rank's CUDA device up to this step: the caching allocator's
-    high-water mark, or this step's own peak with ``GuardConfig.memory_peak_per_step`` (host-side
-    counters: no sync). None off CUDA: nothing rather than a wrong number."""
-    memory_reserved_peak: int | None = None
-    """Peak bytes the caching allocator reserved on this rank's CUDA device (same window)."""
     scale_backoff: bool = False
     """The loss scale was backed off after this step (``next_loss_scale < loss_scale``)."""
     scale_growth: bool = False
@@ -91,12 +85,12 @@ class StepReport:
     """(top-level module, ||delta w|| / ||w|| of this step's update) on sampled steps."""
     # -- the detectors' thresholds (docs/detectors.md) --
     spike_threshold: float | None = None
-    """The gradient norm above which this step counted as a spike (``grad_spike_factor`` times the
-    running average, or the z-score detector's ``mean + spike_zscore * std``); None when no
-    gradient-norm detector is on. Compared only after ``spike_warmup`` healthy steps."""
+    """The gradient norm above which this step counted as a spike (``Spikes.grad_factor`` times the
+    running average, or the z-score detector's ``mean + grad_zscore * std``); None when no
+    gradient-norm detector is on. Compared only after ``Spikes.warmup`` healthy steps."""
     clip_threshold: float | None = None
     """ZClip (``GuardConfig.zclip``): the largest gradient norm this step let through: the
-    threshold it was clipped to (then ``grad_norm * clip_coef``), else ``mean + zclip_z * std``;
+    threshold it was clipped to (then ``grad_norm * clip_coef``), else ``mean + ZClip.z * std``;
     inf during warm-up. None when ZClip is off."""
     # -- end of the detectors' thresholds --
 
@@ -247,7 +241,7 @@ class RunInfo:
     """Number of the optimizer's param groups at ``wrap()`` (the ``group`` label values of the
     sampled zero fraction: "all", "0", "1", ...)."""
     modules: tuple[str, ...] = ()
-    """Top-level modules whose leading indicators are sampled (``GuardConfig.numerics_every`` with
+    """Top-level modules whose leading indicators are sampled (``GuardConfig.indicators_every`` with
     ``wrap(model=...)``), in the order of ``StepReport.module_grad_norms``; ``()`` when off."""
 
     def to_dict(self) -> dict[str, Any]:

@@ -39,34 +39,12 @@ from .vocab import AnomalyKind, Phase, SkipReason
 __all__ = ["Actions", "Reporter"]
 
 
-class MemoryPeaks:
-    """Peak allocated/reserved bytes of one CUDA device, from the caching allocator's host-side
-    counters (no device sync). ``per_step=False`` only reads: the high-water mark, and the user's
-    own ``torch.cuda.max_memory_allocated()`` untouched. ``per_step=True`` resets the peaks after
-    each read (process-global: see ``GuardConfig.memory_peak_per_step``). ``stats``/``reset``:
-    torch's functions (a test can hand in an allocator of its own)."""
-
-    def __init__(self, device: Any, *, per_step: bool, stats: Callable[[Any], dict[str, Any]] | None = None,
-                 reset: Callable[[Any], None] | None = None) -> None:
-        self.device, self.per_step = device, per_step
-        # One nested-stats call (torch.cuda.max_memory_allocated flattens and sorts every statistic).
-        self._stats = stats or torch.cuda.memory_stats_as_nested_dict
-        self._reset = reset or torch.cuda.reset_peak_memory_stats
-
-    def read(self) -> tuple[int, int]:
-        stats = self._stats(self.device)
-        peaks = (int(stats["allocated_bytes"]["all"]["peak"]), int(stats["reserved_bytes"]["all"]["peak"]))
-        if self.per_step:
-            self._reset(self.device)
-        return peaks
-
-
 class _Pending:
-    __slots__ = ("batch_ids", "buf", "event", "index", "layout", "memory", "step")
+    __slots__ = ("batch_ids", "buf", "event", "index", "layout", "step")
 
-    def __init__(self, step: int, buf: torch.Tensor, layout: Layout, event: Any, memory: tuple[int, int] | None,
-                 index: list[int], batch_ids: list[Any]) -> None:
-        self.step, self.buf, self.layout, self.event, self.memory = step, buf, layout, event, memory
+    def __init__(self, step: int, buf: torch.Tensor, layout: Layout, event: Any, index: list[int],
+                 batch_ids: list[Any]) -> None:
+        self.step, self.buf, self.layout, self.event = step, buf, layout, event
         self.index, self.batch_ids = index, batch_ids
 
 
@@ -100,7 +78,6 @@ class Reporter:
         scaled: bool,
         ladder: Ladder | None,
         can_snapshot: bool,
-        track_memory: MemoryPeaks | None,
     ) -> None:
         self.config = config
         self.rank, self.world_size = rank, world_size
@@ -109,7 +86,6 @@ class Reporter:
         self.scaled = scaled
         self.ladder = ladder
         self.can_snapshot = can_snapshot
-        self.track_memory = track_memory
         self.history = History(config.history_size)
         self.anomalies: deque[Anomaly] = deque(maxlen=config.max_anomalies)
         self.skipped_total = 0
@@ -140,8 +116,7 @@ class Reporter:
             event.record()
         else:  # a host payload is the step's own fresh tensor (cat): no copy needed
             buf, event = payload.cpu(), None
-        memory = self.track_memory.read() if self.track_memory is not None else None
-        self._pending.append(_Pending(step, buf, packed.layout, event, memory, index, batch_ids))
+        self._pending.append(_Pending(step, buf, packed.layout, event, index, batch_ids))
 
     @property
     def pending(self) -> bool:
@@ -164,7 +139,7 @@ class Reporter:
             if pending.event is not None:
                 pending.event.synchronize()  # that step's copy only; usually done already
             payload = pending.layout.unpack(pending.buf.tolist())  # the one read of the payload
-            report, anomalies = self.build(pending.step, payload, pending.index, pending.memory)
+            report, anomalies = self.build(pending.step, payload, pending.index)
             self.record(report, anomalies, pending.batch_ids)
 
     def record(self, report: StepReport, anomalies: list[Anomaly], batch_ids: Sequence[Any] = (), *,
@@ -216,10 +191,8 @@ class Reporter:
         self._unexported.clear()
 
     # ------------------------------------------------------------------ building
-    def build(self, step: int, payload: Unpacked, index: list[int],
-              memory: tuple[int, int] | None = None) -> tuple[StepReport, list[Anomaly]]:
-        """The step's report, built once from its unpacked payload, and its anomalies.
-        ``memory``: the allocator's peaks read when the step was enqueued."""
+    def build(self, step: int, payload: Unpacked, index: list[int]) -> tuple[StepReport, list[Anomaly]]:
+        """The step's report, built once from its unpacked payload, and its anomalies."""
         d, rows, world, config = payload.decision, payload.rows, self.world_size, self.config
         names = self.names()
         # Attribution by construction: the k-th norm belongs to parameter index[k].
@@ -243,8 +216,6 @@ class Reporter:
             clip_coef=d[Dec.CLIP_COEF] if uses_clipping(config) else 1.0,
             grad_spike=d[Dec.GRAD_SPIKE] > 0, loss_spike=d[Dec.LOSS_SPIKE] > 0, world_size=world, rank=self.rank,
             param_norms=tuple(norms) if want_norms else None, wall_time=time.time(),
-            memory_allocated_peak=None if memory is None else memory[0],
-            memory_reserved_peak=None if memory is None else memory[1],
             scale_backoff=d[Dec.BACKOFF] > 0, scale_growth=d[Dec.GROWTH] > 0,
             grad_zero_fraction=numerics[0] if numerics else None,
             group_zero_fractions=tuple(numerics[2:]) if numerics else None,
@@ -252,7 +223,7 @@ class Reporter:
             module_grad_norms=tuple(zip(modules, tail[: len(modules)])) if tail else None,
             module_update_ratios=tuple(zip(modules, tail[len(modules) :])) if tail else None,
             spike_threshold=d[Dec.SPIKE_THRESHOLD] if uses_grad_detector(config) else None,
-            clip_threshold=d[Dec.CLIP_THRESHOLD] if config.zclip else None,
+            clip_threshold=d[Dec.CLIP_THRESHOLD] if config.zclip is not None else None,
         )
         anomalies = self._anomalies(report, d, ranks, bad_params, rows)
         if self.sentinel is not None and anomalies and report.nonfinite:
@@ -308,23 +279,25 @@ class Reporter:
             held = "; loss scale held" if self.scaled else ""
             out.append(Anomaly(step, AnomalyKind.NO_GRADIENTS, "no parameter received a gradient: is the model's "
                                f"output detached?{on} Step skipped on every rank{held}", idle))
-        act = "skipped" if report.skipped else "taken (on_spike='warn')"
+        act = "skipped" if report.skipped else "taken (Spikes.action='warn')"
         if report.grad_spike:
-            if self.config.spike_detector == "zscore":
-                what = (f"mean + {self.config.spike_zscore:g} std = {d[Dec.SPIKE_THRESHOLD]:.4g} of the last "
-                        f"~{self.config.spike_window} healthy steps")
+            sp = self.config.spikes
+            if sp.grad_zscore is not None:
+                what = (f"mean + {sp.grad_zscore:g} std = {d[Dec.SPIKE_THRESHOLD]:.4g} of the last "
+                        f"~{sp.window} healthy steps")
             else:
-                what = f"{self.config.grad_spike_factor}x its running average"
+                what = f"{sp.grad_factor}x its running average"
             out.append(Anomaly(step, AnomalyKind.GRAD_SPIKE, f"gradient norm {report.grad_norm:.4g} exceeded "
                                f"{what}; step {act}", ranks))
         if report.loss_spike:
             out.append(Anomaly(step, AnomalyKind.LOSS_SPIKE, f"loss {report.loss:.4g} exceeded "
-                               f"{self.config.loss_spike_factor}x its running average; step {act}", ranks))
-        k = self.config.spike_warmup
-        for flagged, who, did in ((d[Dec.REBASELINE] > 0, "the spike detectors", "flagged"),
-                                  (d[Dec.ZCLIP_REBASELINE] > 0, "ZClip", "clipped")):
+                               f"{self.config.spikes.loss_factor}x its running average; step {act}", ranks))
+        zc = self.config.zclip
+        for flagged, who, did, k, knob in (
+                (d[Dec.REBASELINE] > 0, "the spike detectors", "flagged", self.config.spikes.warmup, "Spikes.warmup"),
+                (d[Dec.ZCLIP_REBASELINE] > 0, "ZClip", "clipped", zc.warmup if zc is not None else 0, "ZClip.warmup")):
             if flagged:
-                out.append(Anomaly(step, AnomalyKind.REBASELINE, f"{who} {did} {k} steps in a row (spike_warmup): "
+                out.append(Anomaly(step, AnomalyKind.REBASELINE, f"{who} {did} {k} steps in a row ({knob}): "
                                    "the level moved, so their statistics were re-based on those steps and the next "
                                    "steps are judged against that level"))
         if d[Dec.FLOOR] > 0:

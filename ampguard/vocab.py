@@ -49,9 +49,9 @@ class AnomalyKind(_StrEnum):
     OVERFLOW = "overflow"
     """fp16: a scaled gradient overflowed; the scale backs off (after hysteresis)."""
     GRAD_SPIKE = "grad_spike"
-    """The gradient norm exceeded ``grad_spike_factor`` x its running average."""
+    """The gradient norm exceeded its detector's threshold (``Spikes.grad_factor`` or ``Spikes.grad_zscore``)."""
     LOSS_SPIKE = "loss_spike"
-    """The loss exceeded ``loss_spike_factor`` x its running average."""
+    """The loss exceeded ``Spikes.loss_factor`` x its running average."""
     SCALE_FLOOR = "scale_floor"
     """The loss scale reached ``GuardConfig.min_scale``."""
     RANK_DIVERGENCE = "rank_divergence"
@@ -63,7 +63,7 @@ class AnomalyKind(_StrEnum):
     NO_GRADIENTS = "no_gradients"
     """A backward reached no parameter of the optimizer (on the ranks named); the step was skipped."""
     REBASELINE = "rebaseline"
-    """A spike detector (or ZClip) flagged ``spike_warmup`` steps in a row: the level moved, so its
+    """A spike detector (or ZClip) flagged ``Spikes.warmup`` (``ZClip.warmup``) steps in a row: the level moved, so its
     statistics were re-based on those steps and the next steps are judged against the new level."""
 
 
@@ -101,4 +101,4 @@ Precision = Literal["auto", "fp16", "bf16", "fp32"]
 """``wrap(precision=...)``: "auto" resolves to one of the other three."""
 
 OnSpike = Literal["warn", "skip"]
-"""``GuardConfig.on_spike``."""
+"""``Spikes.action``."""

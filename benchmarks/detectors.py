@@ -10,15 +10,15 @@
 2. **Replay.** The per-step gradient-norm series is read back from that event log
    (``ampguard.runlog.load_run``) and fed, step by step, through the library's own decision
    (``ampguard.policies.decide_host``, the CPU path, bit for bit ``decide``) under each detector:
-   ``factor`` (``grad_spike_factor``), ``zscore`` (``spike_detector="zscore"``) and ZClip
-   (``zclip=True``), with ``on_spike="warn"`` so the replayed statistics see what the recorded
+   ``factor`` (``Spikes(grad_factor=...)``), ``zscore`` (``Spikes(grad_zscore=...)``) and ZClip
+   (``zclip=ZClip()``), with ``action="warn"`` so the replayed statistics see what the recorded
    run saw. Per detector: spikes caught (of the known ones: a bad batch at its step, an LR burst
    within ``BURST_LAG`` steps after it), steps flagged in a known spike's aftermath
    (``AFTERMATH`` steps: the damaged model's own large gradients), false positives (flags
    anywhere else), steps flagged; for ZClip, per known spike, the share of its norm let through.
 3. **Live.** Training again from the same seed with each detector acting (factor and z-score with
-   ``on_spike="skip"``, ZClip clipping, and none): the final loss on a held-out set, the longest
-   run of skipped steps (at most ``spike_warmup``: a detector re-bases its statistics after that
+   ``action="skip"``, ZClip clipping, and none): the final loss on a held-out set, the longest
+   run of skipped steps (at most ``warmup``: a detector re-bases its statistics after that
    many flags in a row) and the steps where a detector re-baselined.
 
     python benchmarks/detectors.py --out benchmarks/results/detectors_cpu
@@ -60,9 +60,9 @@ AFTERMATH = 10
 WARMUP = 20
 
 DETECTORS: dict[str, dict[str, Any]] = {
-    "factor": {"grad_spike_factor": 3.0, "spike_ema_decay": 0.98},
-    "zscore": {"spike_detector": "zscore", "spike_zscore": 4.0, "spike_window": 50},
-    "zclip": {"zclip": True, "zclip_z": 2.5, "zclip_alpha": 0.97},
+    "factor": {"spikes": {"grad_factor": 3.0, "decay": 0.98}},
+    "zscore": {"spikes": {"grad_zscore": 4.0, "window": 50}},
+    "zclip": {"zclip": {"z": 2.5, "alpha": 0.97}},
 }
 """Each detector's settings (the library's defaults where it has them; 3.0 for the factor)."""
 
@@ -89,6 +89,11 @@ QUICK = Plan(steps=120, bad_batches=(50, 100), lr_bursts=(75,), bad_factor=30.0,
 
 
 # ---------------------------------------------------------------------------------- the task
+def _with(cfg: dict[str, Any], part: str, **fields: Any) -> dict[str, Any]:
+    """``{part: {**fields, **cfg[part]}}`` when ``cfg`` sets ``part`` (``"spikes"``, ``"zclip"``), else ``{}``."""
+    return {part: {**fields, **cfg[part]}} if part in cfg else {}
+
+
 def _task(plan: Plan) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]], tuple[torch.Tensor, ...]]:
     """A fresh student (same seed every time), the training batches (bad ones corrupted), an eval set."""
     g = torch.Generator().manual_seed(plan.seed)
@@ -206,14 +211,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     assert len(norms) == plan.steps and norms == [r.grad_norm for r in recorded["reports"]]
 
     # 2. replay
-    base = {"spike_warmup": WARMUP, "on_spike": "warn"}
-    replayed = {name: score(name, replay(norms, losses, GuardConfig(**base, **cfg)), norms, plan)
+    base = {"spikes": {"warmup": WARMUP, "action": "warn"}}
+    replayed = {name: score(name, replay(norms, losses, GuardConfig.from_dict(
+        {**cfg, **_with(cfg, "zclip", warmup=WARMUP), **_with(cfg, "spikes", **base["spikes"])})), norms, plan)
                 for name, cfg in DETECTORS.items()}
 
     # 3. live
     live_cfgs: dict[str, dict[str, Any]] = {"none": {}}
     for name, cfg in DETECTORS.items():
-        live_cfgs[name] = {"spike_warmup": WARMUP, **cfg, **({} if name == "zclip" else {"on_spike": "skip"}),
+        live_cfgs[name] = {**cfg, **_with(cfg, "zclip", warmup=WARMUP),
+                           **_with(cfg, "spikes", warmup=WARMUP, action="skip"),
                            "max_consecutive_skips": None}  # a run of skips is what this measures: never stop it
     live = {}
     for name, cfg in live_cfgs.items():
@@ -260,7 +267,7 @@ def markdown(r: dict[str, Any]) -> str:
         f"{list(plan['lr_bursts'])}. "
         f"Healthy gradient-norm median {r['healthy_norm_median']:.3g}. Warm-up {r['warmup']} steps for every detector.",
         "",
-        "## Replay of the recorded gradient norms (`decide_host`, on_spike=\"warn\")", "",
+        "## Replay of the recorded gradient norms (`decide_host`, action=\"warn\")", "",
         "| detector | settings | spikes caught | false positives | aftermath flags | steps flagged |",
         "|---|---|---|---|---|---|",
     ]

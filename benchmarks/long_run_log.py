@@ -109,7 +109,8 @@ def write(out: str | os.PathLike[str], steps: int = 20_000, anomalies: int = 200
         elif what == "loss_spike":
             loss *= 2.2
             found.append(Anomaly(step, AnomalyKind.LOSS_SPIKE,
-                                 f"loss {loss:.4g} exceeded 1.5x its running average; step taken (on_spike='warn')"))
+                                 f"loss {loss:.4g} exceeded 1.5x its running average; "
+                                 "step taken (Spikes.action='warn')"))
             fields = {"loss_spike": True}
         elif what == "grad_spike":
             norm *= 40

@@ -1,15 +1,16 @@
 #!/usr/bin/env python
-"""Per-step cost of issue 17's sampled numerics: a guarded fp16 step with ``GuardConfig(numerics_every=N)``
-against the same guarded step with ``numerics_every=None``, interleaved in one process.
+"""Per-step cost of issue 17's sampled numerics and leading indicators: a guarded fp16 step with
+``GuardConfig(numerics_every=N, indicators_every=N)`` against the same guarded step with neither,
+interleaved in one process.
 
 Variants (each with its own copy of the model, same initial weights, same batch; fused AdamW, an
 enabled GradScaler, ``ampguard.wrap(model=...)``, so the fused fast path is taken):
 
-  off          ``GuardConfig()`` (numerics_every=None): the baseline
-  indicators   ``GuardConfig(numerics_every=N)`` (default N=10): on every N-th step the leading
-               indicators (per top-level module gradient norm and update ratio, ``ampguard.indicators``:
-               a copy of the parameters, two foreach norms, two segment sums) and whatever else that
-               knob samples; other steps pay an integer compare
+  off          ``GuardConfig()``: the baseline
+  indicators   ``GuardConfig(numerics_every=N, indicators_every=N)`` (default N=10): on every N-th step
+               the leading indicators (per top-level module gradient norm and update ratio,
+               ``ampguard.indicators``: a copy of the parameters, two foreach norms, two segment sums)
+               and the fp16 numerics; other steps pay two integer compares
 
 Timing (the method and helpers of ``overhead.py``: model, batch, guarded step, ``time_variants``): blocks of
 ``--block`` steps, each block visits every variant once in an order rotated per block, the device
@@ -42,8 +43,8 @@ import ampguard  # overhead.py put the repository on sys.path
 
 #: variant name -> the GuardConfig fields it sets (``{every}``: the --every value)
 VARIANTS: dict[str, dict[str, Any]] = {
-    "off": {"numerics_every": None},
-    "indicators": {"numerics_every": "{every}"},
+    "off": {"numerics_every": None, "indicators_every": None},
+    "indicators": {"numerics_every": "{every}", "indicators_every": "{every}"},
 }
 
 
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     ap.add_argument("--model-size", choices=sorted(SIZES), default=None,
                     help="default: gpt2 on CUDA (GPT-2 124M), gpt-tiny on CPU and with --quick")
-    ap.add_argument("--every", type=int, default=10, help="numerics_every of the indicators variant (default 10)")
+    ap.add_argument("--every", type=int, default=10,
+                    help="numerics_every and indicators_every of the indicators variant (default 10)")
     ap.add_argument("--block", type=int, default=None, help="steps per timing block (default: --every)")
     ap.add_argument("--blocks", type=int, default=None, help="timed blocks (default 30; --quick 2)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed blocks first (default 2; --quick 1)")
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = {"device": device, "size": size, "batch": make_batch(size, device), "every": args.every,
            "autocast": lambda: torch.autocast(device.type, dtype=amp_dtype), "tmpdir": tempfile.mkdtemp()}
     variants = [build(name, ctx) for name in VARIANTS]
-    print(f"{args.model_size} on {device}, numerics_every={args.every}, {args.blocks} blocks of {args.block} "
+    print(f"{args.model_size} on {device}, every={args.every}, {args.blocks} blocks of {args.block} "
           f"steps (+{args.warmup} warm-up)", flush=True)
     try:
         time_variants(variants, args, device)

@@ -15,7 +15,7 @@ three faults with :mod:`ampguard.faults`:
   realistic overflow. It is skipped, and since the scale has not grown since the burst, it
   backs the scale off.
 
-The spike detector (``grad_spike_factor``) is on in "warn" mode: whatever it flags, it
+The spike detector (``Spikes(grad_factor=...)``) is on in "warn" mode: whatever it flags, it
 flags on its own; nothing here fakes a spike.
 
     python examples/train_single.py                       # fp16, faults, 250 steps
@@ -203,9 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     config = ampguard.GuardConfig(
         hysteresis=2,  # absorb one overflow per growth of the scale; back off on the others
-        grad_spike_factor=5.0,  # flag (and only warn) on a gradient norm 5x its running average
-        on_spike="warn",
-        spike_warmup=20,
+        # flag (and only warn) on a gradient norm 5x its running average
+        spikes=ampguard.Spikes(grad_factor=5.0, action="warn", warmup=20),
         clip_grad_norm=args.clip or None,
         max_consecutive_skips=10,  # a run that cannot take a step for 10 steps is broken: raise
         history_size=max(1024, args.steps),

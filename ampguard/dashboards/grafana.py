@@ -106,8 +106,8 @@ def build_dashboard() -> dict[str, Any]:
         ),
         _panel(
             16, "timeseries", "Device memory peak per rank", "Peak CUDA memory, allocated and reserved by the "
-            "caching allocator: its high-water mark, or each step's own peak with GuardConfig(memory_peak_per_step="
-            "True) (empty for CPU runs). Half of why one trains in mixed precision.",
+            "caching allocator: its high-water mark, read by the exporter (empty for CPU runs). Half of why one "
+            "trains in mixed precision.",
             "bytes",
             [_target(f"max by (rank, kind) ({_q(M.DEVICE_MEMORY_PEAK)})", "rank {{rank}} {{kind}}")],
             (0, 37, 12, 8),

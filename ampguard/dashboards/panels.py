@@ -138,7 +138,7 @@ def _indicator_panels(pid: int, y: int) -> list[dict[str, Any]]:
                                 "rising by orders of magnitude means its updates outgrow its weights (LR too high "
                                 "for it)."),
     }
-    row = _panel(pid, "row", "Leading indicators", "Per top-level module, sampled every GuardConfig.numerics_every "
+    row = _panel(pid, "row", "Leading indicators", "Per top-level module, sampled every GuardConfig.indicators_every "
                  "steps: a module whose gradient norm or update ratio climbs away from its own past leads a loss "
                  "spike (docs/indicators.md).", "none", [], (0, y, 24, 1), collapsed=False)
     return [row, *(

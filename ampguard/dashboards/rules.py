@@ -253,7 +253,7 @@ def build_rules(
             f"The median gradient norm of module {{{{ $labels.module }}}} on rank {{{{ $labels.rank }}}} over the "
             f"last {window} is {{{{ $value | printf \"%.1f\" }}}} times its median over the {window} before "
             f"(threshold {factor:g}x): a leading sign of divergence or of coming overflows. The per-module norms "
-            "(sampled every GuardConfig.numerics_every steps) show where it started.",
+            "(sampled every GuardConfig.indicators_every steps) show where it started.",
         ),
     ]
     if fors:

@@ -19,10 +19,9 @@ STEP_KEY = KEY_PREFIX + "step"
 #: Fields logged on every step (booleans as 0/1).
 _EVERY_STEP = ("skipped", "loss_scale", "next_loss_scale", "grad_norm", "nonfinite_grads", "nonfinite_loss",
                "clip_coef", "grad_spike", "loss_spike", "scale_backoff", "scale_growth")
-#: Fields logged on the steps that carry them (the loss when one was given, sampled numerics, CUDA memory,
-#: adaptive thresholds).
-_WHEN_SET = ("loss", "grad_zero_fraction", "headroom_log2", "memory_allocated_peak", "memory_reserved_peak",
-             "spike_threshold", "clip_threshold")
+#: Fields logged on the steps that carry them (the loss when one was given, sampled numerics, adaptive
+#: thresholds).
+_WHEN_SET = ("loss", "grad_zero_fraction", "headroom_log2", "spike_threshold", "clip_threshold")
 #: Fields of (name, value) pairs: one key per name, ``ampguard/<field>/<name>``.
 _PER_NAME = ("module_grad_norms", "module_update_ratios")
 

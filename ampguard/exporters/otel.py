@@ -33,6 +33,7 @@ from ..records import Anomaly, RunInfo, StepReport
 from ..vocab import AnomalyKind, Cause, SkipReason
 from ._scalars import optional_module
 from .base import ExporterHealth
+from .memory import MemoryPeaks
 
 __all__ = ["OtelExporter"]
 
@@ -56,6 +57,7 @@ class OtelExporter:
         self.meter_provider = meter_provider
         self._histogram: Any = None
         self._rank: dict[str, Any] = {}
+        self._memory: MemoryPeaks | None = None
         self._values: dict[str, dict[tuple[str, ...], float]] = {m.name: {} for m in M.CATALOGUE}
         """Per family, per values of its own labels: the counter's total or the gauge's last value."""
         self._health: Mapping[str, ExporterHealth] = {}
@@ -75,6 +77,7 @@ class OtelExporter:
             for metric in M.CATALOGUE:
                 self._instrument(meter, metric)
         self._rank = {"rank": info.rank, "local_rank": info.local_rank}
+        self._memory = MemoryPeaks(info.device)
         for stored in self._values.values():
             stored.clear()
         for metric in M.CATALOGUE:
@@ -149,9 +152,9 @@ class OtelExporter:
                 self._set(M.GRAD_ZERO_FRACTION, value, str(group))
         if report.headroom_log2 is not None:
             self._set(M.LOSS_SCALE_HEADROOM, report.headroom_log2)
-        for kind, peak in (("allocated", report.memory_allocated_peak), ("reserved", report.memory_reserved_peak)):
-            if peak is not None:
-                self._set(M.DEVICE_MEMORY_PEAK, peak, kind)
+        peaks = self._memory.read() if self._memory is not None else None  # the exporter's own reading
+        for kind, peak in zip(M.MEMORY_KINDS, peaks or ()):
+            self._set(M.DEVICE_MEMORY_PEAK, peak, kind)
         for metric, pairs in ((M.MODULE_GRAD_NORM, report.module_grad_norms),
                               (M.MODULE_UPDATE_RATIO, report.module_update_ratios)):
             for module, value in pairs or ():

@@ -30,6 +30,7 @@ from ..errors import AmpGuardError
 from ..records import Anomaly, RunInfo, StepReport
 from ..vocab import AnomalyKind, Cause, SkipReason
 from .base import ExporterHealth
+from .memory import MemoryPeaks
 
 __all__ = ["PortInUseError", "PrometheusExporter"]
 
@@ -122,6 +123,7 @@ class PrometheusExporter:
         self._lock = threading.Lock()
         self._m: dict[str, Any] = {}
         self._bound: _Bound | None = None
+        self._memory: MemoryPeaks | None = None
         self._health: Mapping[str, ExporterHealth] = {type(self).__name__: ExporterHealth(type(self).__name__)}
         self._health_bound: list[tuple[ExporterHealth, Any, Any, list[int]]] = []
 
@@ -195,6 +197,7 @@ class PrometheusExporter:
         for metric in M.PER_MODULE:  # one series per top-level module, NaN until sampled
             children[metric.name] = {(m,): self._m[metric.name].labels(m, *rank) for m in info.modules}
         self._bound = _Bound(children)
+        self._memory = MemoryPeaks(info.device)
         floor = info.loss_scale_floor
         children[M.LOSS_SCALE_FLOOR.name][()].set(math.nan if floor is None else floor)  # fixed for the run
         self._health_bound = [
@@ -250,10 +253,10 @@ class PrometheusExporter:
                 child.set(value)
         if report.headroom_log2 is not None:
             b.headroom.set(report.headroom_log2)
-        if report.memory_allocated_peak is not None:
-            b.memory_allocated_peak.set(report.memory_allocated_peak)
-        if report.memory_reserved_peak is not None:
-            b.memory_reserved_peak.set(report.memory_reserved_peak)
+        peaks = self._memory.read() if self._memory is not None else None  # the exporter's own reading
+        if peaks is not None:
+            b.memory_allocated_peak.set(peaks[0])
+            b.memory_reserved_peak.set(peaks[1])
         for values, gauges in ((report.module_grad_norms, b.module_grad_norm),
                                (report.module_update_ratios, b.module_update_ratio)):
             for module, value in values or ():

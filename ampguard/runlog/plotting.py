@@ -95,7 +95,7 @@ def figure(run: Run, *, width_px: int = 1600, height_px: int = 1200) -> Any:
     """The picture as a matplotlib ``Figure`` (what :func:`plot` saves; close it with
     ``matplotlib.pyplot.close(fig)``): aligned panels sharing the step axis: a strip of anomaly
     notes (when there are anomalies); loss; loss scale per rank (log2); gradient norm (log); when
-    the run sampled them (``GuardConfig.numerics_every``), the leading indicators per top-level
+    the run sampled them (``GuardConfig.indicators_every``), the leading indicators per top-level
     module; non-finite counts per rank; when sampled, the fp16 numerics (zero fraction, headroom)
     last. Skipped steps are shaded and anomalies drawn as vertical lines across every panel.
 

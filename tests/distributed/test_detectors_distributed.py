@@ -19,8 +19,8 @@ from ._common import flat_params, spawn, tiny_model, train
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 STEPS, SPIKE = 30, 22
-CONFIG = {"spike_detector": "zscore", "spike_warmup": 10, "on_spike": "skip", "zclip": True, "zclip_alpha": 0.9,
-          "zclip_z": 2.0}
+CONFIG = {"spikes": {"grad_zscore": 4.0, "warmup": 10, "action": "skip"},
+          "zclip": {"warmup": 10, "alpha": 0.9, "z": 2.0}}
 
 
 def _train(rank: int, ddp: bool) -> dict[str, Any]:

@@ -23,7 +23,7 @@ def _run(rank: int, world_size: int, numerics_every: int | None) -> dict[str, An
     model = DDP(tiny_model())
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), model=model, precision="fp16",
                         scaler=torch.amp.GradScaler("cpu", growth_interval=2),
-                        config={"numerics_every": numerics_every})
+                        config={"numerics_every": numerics_every, "indicators_every": numerics_every})
     out = train(opt, model, rank, STEPS)
     out["modules"] = opt.run_info.modules
     out["indicators"] = [(r.step, r.rank, r.module_grad_norms, r.module_update_ratios) for r in opt.history]

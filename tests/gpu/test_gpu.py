@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from unittest import mock
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the identity test
 
@@ -76,13 +77,14 @@ class _Guarded:
                  fast: bool = True, **config: object):
         self.model = _model(seed)
         self.scaler = torch.amp.GradScaler(DEV, init_scale=init_scale)
-        self.opt = ampguard.wrap(
-            _adamw(self.model, fused),
-            model=self.model,
-            scaler=self.scaler,
-            precision="fp16",
-            config=ampguard.GuardConfig(clip_grad_norm=clip, fused_fast_path=fast, **config),  # type: ignore[arg-type]
-        )
+        with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_FAST_PATH": "1" if fast else "0"}):  # read at wrap time
+            self.opt = ampguard.wrap(
+                _adamw(self.model, fused),
+                model=self.model,
+                scaler=self.scaler,
+                precision="fp16",
+                config=ampguard.GuardConfig(clip_grad_norm=clip, **config),  # type: ignore[arg-type]
+            )
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
         with self.opt.autocast():
@@ -257,7 +259,7 @@ def test_bitwise_identical_to_plain_gradscaler_loop(fused: bool, clip: float | N
     """GuardConfig() (and clip_grad_norm vs unscale_ + clip_grad_norm_) changes nothing numerically
     on CUDA: same parameters, bit for bit, and the same loss scale, over steps that include the
     first fp16 overflows (init_scale 2**24 forces a few). Fused with clipping: bitwise on the
-    unscale-first path (``fused_fast_path=False``); the fast path folds the coefficient into the
+    unscale-first path (``AMPGUARD_FUSED_FAST_PATH=0``); the fast path folds the coefficient into the
     kernel's grad_scale (next test)."""
     batches = _batches(20)
     ref, ref_scale = _run(_Plain(fused, clip, init_scale=2.0**24), batches)

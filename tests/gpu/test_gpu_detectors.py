@@ -4,7 +4,9 @@ ones, bit for bit, through a bad batch. Skipped without CUDA. Run: ``pytest -m g
 
 from __future__ import annotations
 
+import os
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -16,15 +18,15 @@ from .test_gpu import _adamw, _batches, _model, _Plain, _syncs_of_one_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-CONFIG = {"spike_detector": "zscore", "spike_warmup": 5, "on_spike": "skip", "zclip": True}
+CONFIG = {"spikes": {"grad_zscore": 4.0, "warmup": 5, "action": "skip"}, "zclip": {"warmup": 5}}
 
 
 class _Guarded:
     def __init__(self, graph: bool):
         self.model = _model(0)
-        self.opt = ampguard.wrap(_adamw(self.model, fused=True), model=self.model, precision="fp16",
-                                 scaler=torch.amp.GradScaler("cuda", init_scale=2.0**10),
-                                 config={**CONFIG, "cuda_graph": graph})
+        with mock.patch.dict(os.environ, {"AMPGUARD_CUDA_GRAPH": "1" if graph else "0"}):  # read at wrap time
+            self.opt = ampguard.wrap(_adamw(self.model, fused=True), model=self.model, precision="fp16",
+                                     scaler=torch.amp.GradScaler("cuda", init_scale=2.0**10), config=CONFIG)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> None:
         with self.opt.autocast():

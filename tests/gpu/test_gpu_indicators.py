@@ -35,7 +35,8 @@ def _guard(every: int | None) -> tuple[nn.Module, ampguard.GuardedOptimizer]:
     torch.manual_seed(0)
     model = Net().cuda()
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model, precision="fp16",
-                        scaler=torch.amp.GradScaler("cuda", init_scale=2.0**10), config={"numerics_every": every})
+                        scaler=torch.amp.GradScaler("cuda", init_scale=2.0**10),
+                        config={"numerics_every": every, "indicators_every": every})
     return model, opt
 
 

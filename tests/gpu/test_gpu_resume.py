@@ -20,7 +20,7 @@ def _build(fused: bool):
     kw = {"fused": True} if fused else {"foreach": True}
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, **kw), model=model,
                         scaler=torch.amp.GradScaler("cuda", init_scale=1024.0, growth_interval=5),
-                        config={"hysteresis": 2, "grad_spike_factor": 50.0, "spike_warmup": 3})
+                        config={"hysteresis": 2, "spikes": {"grad_factor": 50.0, "warmup": 3}})
     faults.inject(opt, faults.grad("2.weight", "inf", steps=[6, 9, 10]))
     return model, opt
 

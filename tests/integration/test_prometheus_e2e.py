@@ -120,7 +120,8 @@ def _rank_main(rank: int, world: int, base_port: int, init_port: int, workdir: s
             precision="fp16",  # the headroom is an fp16 series (issue 17)
             scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10),
             # min_scale below 2**10 * 0.5**len(BURST): the burst backs off without reaching the floor
-            config={"param_norms_every": 10, "numerics_every": NUMERICS_EVERY, "min_scale": 2.0**-16},
+            config={"param_norms_every": 10, "numerics_every": NUMERICS_EVERY, "indicators_every": NUMERICS_EVERY,
+                    "min_scale": 2.0**-16},
             backend=TorchDistBackend(),
             exporters=[
                 prom,

@@ -40,29 +40,30 @@ def run(config: dict, data, *, kind: str = "adamw", precision: str = "bf16") -> 
 
 # ---------------------------------------------------------------------------------- config
 @pytest.mark.parametrize(("field", "value"), [
-    ("spike_detector", "ema"), ("spike_detector", None), ("spike_zscore", 0.0), ("spike_zscore", math.inf),
-    ("spike_zscore", "4"), ("spike_window", 1), ("spike_window", 2.5), ("zclip", "yes"), ("zclip_z", -1.0),
-    ("zclip_alpha", 1.0), ("zclip_alpha", 0.0), ("zclip_alpha", math.nan),
+    ("spikes.grad_zscore", 0.0), ("spikes.grad_zscore", math.inf), ("spikes.grad_zscore", "4"), ("spikes.window", 1),
+    ("spikes.window", 2.5), ("zclip", "yes"), ("zclip.z", -1.0), ("zclip.alpha", 1.0), ("zclip.alpha", 0.0),
+    ("zclip.alpha", math.nan),
 ])
 def test_bad_values_are_refused_by_name(field, value):
+    part, _, name = field.partition(".")
     with pytest.raises(ValueError, match=rf"GuardConfig\.{field}=.*allowed"):
-        GuardConfig.from_dict({field: value})
+        GuardConfig.from_dict({part: {name: value}} if name else {part: value})
 
 
 def test_exclusive_settings_say_which():
-    with pytest.raises(ValueError, match=r"grad_spike_factor=3.0 with spike_detector='zscore'.*allowed"):
-        GuardConfig(spike_detector="zscore", grad_spike_factor=3.0)
-    with pytest.raises(ValueError, match=r"zclip=True with clip_grad_norm=1.0.*allowed"):
-        GuardConfig.from_dict({"zclip": True, "clip_grad_norm": 1.0})
-    cfg = GuardConfig.from_dict({"spike_detector": "zscore", "spike_zscore": 3, "spike_window": 10, "zclip": True})
-    assert (cfg.spike_detector, cfg.spike_zscore, cfg.spike_window, cfg.zclip) == ("zscore", 3, 10, True)
-    assert GuardConfig().spike_detector == "factor" and not GuardConfig().zclip
+    with pytest.raises(ValueError, match=r"grad_factor=3.0 and grad_zscore=4.0 both set.*allowed"):
+        GuardConfig(spikes=ampguard.Spikes(grad_zscore=4.0, grad_factor=3.0))
+    with pytest.raises(ValueError, match=r"zclip=ZClip\(.*\) with clip_grad_norm=1.0.*allowed"):
+        GuardConfig.from_dict({"zclip": {}, "clip_grad_norm": 1.0})
+    cfg = GuardConfig.from_dict({"spikes": {"grad_zscore": 3, "window": 10}, "zclip": {}})
+    assert (cfg.spikes.grad_zscore, cfg.spikes.window, cfg.zclip) == (3, 10, ampguard.ZClip())
+    assert GuardConfig().spikes.grad_zscore is None and GuardConfig().zclip is None
 
 
 def test_the_default_reports_no_threshold():
     opt = run({}, make_data(3))
     assert all(r.spike_threshold is None and r.clip_threshold is None for r in opt.history)
-    opt = run({"grad_spike_factor": 5.0}, make_data(3))  # the factor detector's threshold is reported too
+    opt = run({"spikes": {"grad_factor": 5.0}}, make_data(3))  # the factor detector's threshold is reported too
     assert all(r.spike_threshold is not None for r in opt.history)
 
 
@@ -70,7 +71,7 @@ def test_the_default_reports_no_threshold():
 def test_zscore_waits_for_the_warmup():
     # step 5's bad batch falls in the warm-up (20 healthy steps): not flagged, and it enters the
     # statistics (it inflates the variance for about a window: see docs/detectors.md)
-    opt = run({"spike_detector": "zscore", "spike_warmup": 20, "on_spike": "skip"}, spiky(30, at=(5,)))
+    opt = run({"spikes": {"grad_zscore": 4.0, "warmup": 20, "action": "skip"}}, spiky(30, at=(5,)))
     assert not [r.step for r in opt.history if r.grad_spike or r.skipped]
     assert opt.history[5].grad_norm > 100 * opt.history[4].grad_norm
     assert opt._pipeline.spikes.count.item() == 30
@@ -79,7 +80,7 @@ def test_zscore_waits_for_the_warmup():
 @pytest.mark.parametrize("on_spike", ["warn", "skip"])
 def test_zscore_flags_the_bad_batch(on_spike):
     # step 40's bad batch is flagged and, with "skip", skipped; it never enters the statistics
-    opt = run({"spike_detector": "zscore", "spike_warmup": 20, "on_spike": on_spike}, spiky(60, at=(40,)))
+    opt = run({"spikes": {"grad_zscore": 4.0, "warmup": 20, "action": on_spike}}, spiky(60, at=(40,)))
     assert [r.step for r in opt.history if r.grad_spike] == [40]
     spike = opt.history[40]
     assert spike.grad_norm > 50 * spike.spike_threshold
@@ -92,7 +93,7 @@ def test_zscore_flags_the_bad_batch(on_spike):
 
 
 def test_zscore_flags_nothing_on_a_healthy_run():
-    opt = run({"spike_detector": "zscore", "spike_warmup": 20}, make_data(150, seed=7))
+    opt = run({"spikes": {"grad_zscore": 4.0, "warmup": 20}}, make_data(150, seed=7))
     assert not [r.step for r in opt.history if r.grad_spike]
     assert all(math.isfinite(r.spike_threshold) for r in opt.history)
 
@@ -102,7 +103,7 @@ def test_zscore_statistics_ignore_non_finite_steps():
 
     model = make_model()
     opt = ampguard.wrap(make_opt(model), model=model, precision="bf16",
-                        config={"spike_detector": "zscore", "spike_warmup": 3, "zclip": True})
+                        config={"spikes": {"grad_zscore": 4.0, "warmup": 3}, "zclip": {"warmup": 3}})
     with faults.inject(opt, model, faults.grad("0.weight", "nan", steps=[4]), faults.loss("inf", steps=[6])):
         guarded_steps(opt, model, make_data(10))
     spikes = opt._pipeline.spikes
@@ -151,7 +152,7 @@ class ZClipReference:
 # |difference| 1.5e-8 in any parameter or optimizer state element, max relative 2.4e-5 (elements
 # near zero, of the moments). Hence coefficients rel 1e-6, state atol 1e-6 (67x) and rtol 1e-4.
 ZCLIP_RTOL, ZCLIP_ATOL = 1e-4, 1e-6
-ZCLIP_CFG = {"zclip": True, "zclip_z": 2.5, "zclip_alpha": 0.97, "spike_warmup": 10}
+ZCLIP_CFG = {"zclip": {"z": 2.5, "alpha": 0.97, "warmup": 10}}
 ZCLIP_DATA = dict(n=40, at=(25, 33), factor=20.0)
 SCALE = 2.0**8  # fp16: the bad batches' gradients do not overflow (an overflow is skipped, not clipped)
 
@@ -219,7 +220,8 @@ def test_zclip_clips_as_the_paper_within_tolerance(fused, precision, host):
 
 
 def test_zclip_and_the_zscore_detector_together():
-    opt = run({**ZCLIP_CFG, "spike_detector": "zscore", "spike_warmup": 20, "on_spike": "skip"},
+    opt = run({"zclip": {**ZCLIP_CFG["zclip"], "warmup": 20}, "spikes": {"grad_zscore": 4.0, "warmup": 20,
+                                                                     "action": "skip"}},
               spiky(60, at=(40,)))
     r = opt.history[40]
     assert r.grad_spike and r.skipped and r.clip_coef < 1.0  # the spike is both flagged and (moot) clipped
@@ -228,7 +230,7 @@ def test_zclip_and_the_zscore_detector_together():
 
 # ---------------------------------------------------------------------------------- state
 def test_statistics_survive_a_resume_bit_for_bit():
-    cfg = {**ZCLIP_CFG, "spike_detector": "zscore", "spike_warmup": 5}
+    cfg = {"zclip": {**ZCLIP_CFG["zclip"], "warmup": 5}, "spikes": {"grad_zscore": 4.0, "warmup": 5}}
     data = spiky(30, at=(12, 24))
     whole_model = make_model()
     whole = ampguard.wrap(make_opt(whole_model), model=whole_model, precision="bf16", config=cfg)
@@ -257,7 +259,7 @@ def test_statistics_survive_a_resume_bit_for_bit():
 
 
 def test_a_state_without_the_statistics_loads_them_fresh():
-    cfg = {**ZCLIP_CFG, "spike_detector": "zscore"}
+    cfg = {**ZCLIP_CFG, "spikes": {"grad_zscore": 4.0, "warmup": 10}}
     opt = run(cfg, make_data(12))
     sd = opt.state_dict()
     for key in ("z_mean", "z_var", "zclip_mean", "zclip_var", "zclip_count"):
@@ -276,7 +278,8 @@ def test_thresholds_travel_through_the_event_log(tmp_path):
 
     model = make_model()
     opt = ampguard.wrap(make_opt(model), model=model, precision="bf16", exporters=[JsonlExporter(tmp_path, True)],
-                        config={**ZCLIP_CFG, "spike_detector": "zscore", "spike_warmup": 3})
+                        config={"zclip": {**ZCLIP_CFG["zclip"], "warmup": 3},
+                                "spikes": {"grad_zscore": 4.0, "warmup": 3}})
     guarded_steps(opt, model, make_data(6))
     opt.close()
     logged = runlog.load_run(tmp_path).ranks[0].reports

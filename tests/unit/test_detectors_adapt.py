@@ -4,7 +4,7 @@ The failing input is real training whose data shifts for good: from step 50 on t
 ten times larger (a new data mix, the end of a warm-up), so the loss and the gradient norm move to
 a new level and stay there. Before the fix a skipping detector learnt only from the steps it took,
 so the new level was a "spike" for ever: 0-6 of the later steps were taken, and ZClip clipped
-every later step. Now each detector re-bases its statistics after ``spike_warmup`` flagged steps
+every later step. Now each detector re-bases its statistics after ``warmup`` flagged steps
 in a row (a ``rebaseline`` anomaly) and takes steps again; a single bad batch, and a burst shorter
 than the bound, are still skipped. Host-vs-tensor equality of the rule: test_host_decision.py.
 """
@@ -21,7 +21,7 @@ from ampguard.vocab import AnomalyKind
 
 from ._models import assert_same, guarded_steps, make_data, make_model, make_opt, snapshot
 
-K = 8  # spike_warmup: the warm-up, and the bound on flagged steps in a row
+K = 8  # Spikes.warmup / ZClip.warmup: the warm-up, and the bound on flagged steps in a row
 SHIFT = 50
 STEPS = 80
 BAD = (25,)  # one bad batch (targets x10 for one step)
@@ -35,15 +35,16 @@ def shifted(n: int = STEPS, *, at: int = SHIFT, bad: tuple[int, ...] = BAD + BUR
 
 
 DETECTORS = {
-    "factor": {"grad_spike_factor": 3.0},
-    "zscore": {"spike_detector": "zscore"},
-    "loss": {"loss_spike_factor": 10.0},
+    "factor": {"spikes": {"grad_factor": 3.0}},
+    "zscore": {"spikes": {"grad_zscore": 4.0}},
+    "loss": {"spikes": {"loss_factor": 10.0}},
 }
 
 
 def train(config: dict, data, model: torch.nn.Module | None = None) -> ampguard.GuardedOptimizer:
     model = make_model() if model is None else model
-    opt = ampguard.wrap(make_opt(model), model=model, precision="bf16", config={"spike_warmup": K, **config})
+    config = {**config, **{part: {"warmup": K, **config[part]} for part in ("spikes", "zclip") if part in config}}
+    opt = ampguard.wrap(make_opt(model), model=model, precision="bf16", config=config)
     guarded_steps(opt, model, data)
     return opt
 
@@ -54,7 +55,7 @@ def rebaselines(opt: ampguard.GuardedOptimizer) -> list[int]:
 
 @pytest.mark.parametrize("name", list(DETECTORS))
 def test_a_skipping_detector_resumes_within_the_bound_after_a_lasting_shift(name):
-    opt = train({**DETECTORS[name], "on_spike": "skip"}, shifted())
+    opt = train({"spikes": {**DETECTORS[name]["spikes"], "action": "skip"}}, shifted())
     h = {r.step: r for r in opt.history}
     # the bad batch and the short burst are skipped, and re-base nothing
     assert all(h[s].skipped for s in BAD + BURST)
@@ -73,7 +74,7 @@ def test_a_skipping_detector_resumes_within_the_bound_after_a_lasting_shift(name
 
 @pytest.mark.parametrize("name", ["factor", "zscore"])
 def test_a_warning_detector_stops_flagging_after_the_bound(name):
-    opt = train({**DETECTORS[name], "on_spike": "warn"}, shifted(bad=()))
+    opt = train({"spikes": {**DETECTORS[name]["spikes"], "action": "warn"}}, shifted(bad=()))
     flagged = [r.step for r in opt.history if r.grad_spike and r.step >= SHIFT]
     assert flagged[:K] == list(range(SHIFT, SHIFT + K)) and rebaselines(opt) == [SHIFT + K - 1]
     assert len(flagged) <= K + 2  # not the whole rest of the run (before the fix: all 50)
@@ -81,7 +82,7 @@ def test_a_warning_detector_stops_flagging_after_the_bound(name):
 
 
 def test_zclip_stops_clipping_after_the_bound():
-    opt = train({"zclip": True}, shifted(bad=BAD))
+    opt = train({"zclip": {}}, shifted(bad=BAD))
     h = {r.step: r for r in opt.history}
     assert h[BAD[0]].clip_coef < 0.2  # the bad batch is clipped hard
     assert rebaselines(opt)[0] == SHIFT + K - 1 and not [s for s in rebaselines(opt) if s < SHIFT]
@@ -91,7 +92,7 @@ def test_zclip_stops_clipping_after_the_bound():
 
 
 def test_a_resume_inside_a_flagged_run_continues_bit_for_bit():
-    cfg = {**DETECTORS["zscore"], **DETECTORS["loss"], "zclip": True, "on_spike": "skip"}
+    cfg = {"spikes": {"grad_zscore": 4.0, "loss_factor": 10.0, "action": "skip"}, "zclip": {}}
     data = shifted(70)
     whole_model = make_model()
     whole = train(cfg, data, whole_model)
@@ -114,7 +115,7 @@ def test_a_resume_inside_a_flagged_run_continues_bit_for_bit():
 
 @pytest.mark.parametrize("key", ["flag_run", "flag_norm_var", "zclip_flag_mean"])
 def test_bad_run_state_is_refused_and_a_state_without_it_loads_fresh(key):
-    cfg = {**DETECTORS["zscore"], "zclip": True, "on_spike": "skip"}
+    cfg = {"spikes": {"grad_zscore": 4.0, "action": "skip"}, "zclip": {}}
     opt = train(cfg, shifted(SHIFT + 3, bad=()))
     sd = opt.state_dict()
     assert sd["ampguard"]["flag_run"] == 3

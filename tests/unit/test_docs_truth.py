@@ -257,6 +257,8 @@ def _default(cell: str) -> object:
     text = cell.strip().strip("`").replace("_", "")
     if text in ("None", "True", "False"):
         return {"None": None, "True": True, "False": False}[text]
+    if re.fullmatch(r"(Spikes|ZClip|Escalation)\(\)", text):  # a config part with its own defaults
+        return getattr(ampguard, text[:-2])()
     if re.fullmatch(r"[\"'].*[\"']", text):
         return text[1:-1]
     return float(text) if re.fullmatch(r"[-+0-9.e]+", text) else cell

@@ -26,6 +26,7 @@ from ampguard import faults
 from ampguard import metrics as M
 from ampguard.exporters import JsonlExporter, MultiExporter, PortInUseError, PrometheusExporter
 from ampguard.exporters.jsonl import rank_path
+from ampguard.exporters.memory import MemoryPeaks
 from ampguard.records import SKIP_REASONS, Anomaly, RunInfo, StepReport
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
@@ -163,7 +164,9 @@ def test_label_children_are_bound_once_in_open_and_export_makes_no_labels_call(m
     exp.open(_info())
     assert calls, "open() binds the children"
     calls.clear()
-    exp.export(_report(0, memory_allocated_peak=10, memory_reserved_peak=20), [])
+    peaks = {"allocated_bytes": {"all": {"peak": 10}}, "reserved_bytes": {"all": {"peak": 20}}}
+    exp._memory = MemoryPeaks("cuda:0", stats=lambda _: peaks)  # the exporter reads memory itself
+    exp.export(_report(0), [])
     exp.export(_report(1, skipped=True, reason="nonfinite_loss", loss=math.nan, nonfinite_loss=True,
                        grad_norm=math.nan, nonfinite_grads=2, scale_backoff=True, next_loss_scale=512.0),
                [Anomaly(1, "nonfinite_loss", "x"), Anomaly(1, "rank_divergence", "x"),

@@ -18,6 +18,7 @@ import ampguard
 from ampguard import metrics as M
 from ampguard.errors import BackendUnavailableError
 from ampguard.exporters import MultiExporter, OtelExporter
+from ampguard.exporters.memory import MemoryPeaks
 from ampguard.records import RunInfo, StepReport
 
 from ._tracked_run import train
@@ -107,10 +108,12 @@ def test_every_catalogue_family_is_an_instrument_with_its_name_unit_and_kind():
     exporter = OtelExporter(MeterProvider(metric_readers=[reader]))
     multi = MultiExporter([exporter])
     multi.open(_info(0, 0, "fp16"))
+    peaks = {"allocated_bytes": {"all": {"peak": 10}}, "reserved_bytes": {"all": {"peak": 20}}}
+    exporter._memory = MemoryPeaks("cuda:0", stats=lambda _: peaks)  # the exporter's own reading
     multi.export(StepReport(step=0, skipped=False, reason=None, loss=1.0, loss_scale=1.0, next_loss_scale=1.0,
                             grad_norm=0.5, nonfinite_grads=0, nonfinite_loss=False, wall_time=1.0,
                             grad_zero_fraction=0.25, group_zero_fractions=(0.25,), headroom_log2=3.0,
-                            memory_allocated_peak=10, memory_reserved_peak=20, module_grad_norms=(("fc", 0.5),),
+                            module_grad_norms=(("fc", 0.5),),
                             module_update_ratios=(("fc", 0.01),)), ())
     data = reader.get_metrics_data()
     assert data is not None

@@ -162,18 +162,19 @@ def rand_config(rng: random.Random) -> GuardConfig:
     min_scale = rng.choice([1.0, 0.1, 1 / 3, 2.0**-20, 7.0])
     detector = rng.choice(["factor", "factor", "zscore"])
     zclip = rng.random() < 0.3
+    zscore = rng.choice([4.0, 3.0, 0.7, 2.123456789])
+    warmup = rng.choice([1, 2, 3, 20])
     return GuardConfig(
-        spike_detector=detector,
-        spike_zscore=rng.choice([4.0, 3.0, 0.7, 2.123456789]),
-        spike_window=rng.choice([2, 5, 50, 333]),
-        zclip=zclip,
-        zclip_z=rng.choice([2.5, 1.0, 3.3, 0.3]),
-        zclip_alpha=rng.choice([0.97, 0.5, 0.123456789, 0.999]),
-        grad_spike_factor=None if detector == "zscore" else rng.choice([None, 2.0, 3.3, 1.0000001, 10.0]),
-        loss_spike_factor=rng.choice([None, 1.5, 2.7, 4.0]),
-        spike_warmup=rng.choice([1, 2, 3, 20]),
-        spike_ema_decay=rng.choice([0.98, 0.9, 0.5, 0.123456789, 0.999]),
-        on_spike=rng.choice(["skip", "warn"]),
+        spikes=ampguard.Spikes(
+            grad_zscore=zscore if detector == "zscore" else None,
+            window=rng.choice([2, 5, 50, 333]),
+            grad_factor=None if detector == "zscore" else rng.choice([None, 2.0, 3.3, 1.0000001, 10.0]),
+            loss_factor=rng.choice([None, 1.5, 2.7, 4.0]),
+            warmup=warmup,
+            decay=rng.choice([0.98, 0.9, 0.5, 0.123456789, 0.999]),
+            action=rng.choice(["skip", "warn"])),
+        zclip=ampguard.ZClip(z=rng.choice([2.5, 1.0, 3.3, 0.3]), alpha=rng.choice([0.97, 0.5, 0.123456789, 0.999]),
+                             warmup=warmup) if zclip else None,
         clip_grad_norm=None if zclip else rng.choice([None, 1.0, 0.05, 0.3, 1e-3, 7.77]),
         hysteresis=rng.choice([1, 1, 2, 3]),
         min_scale=min_scale,
@@ -255,8 +256,8 @@ def clean(world: int = 1, **cols: float) -> torch.Tensor:
 @pytest.mark.parametrize("col", list(Loc))
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, F32_MAX, 1.0])
 def test_a_special_value_in_any_column_on_any_rank(world, col, value):
-    config = GuardConfig(grad_spike_factor=2.0, loss_spike_factor=2.0, spike_warmup=1, clip_grad_norm=0.5,
-                         on_spike="skip")
+    config = GuardConfig(spikes=ampguard.Spikes(grad_factor=2.0, loss_factor=2.0, warmup=1, action="skip"),
+                         clip_grad_norm=0.5)
     for rank in range(world):
         g = clean(world)
         g[rank, col] = value
@@ -274,14 +275,14 @@ def test_spike_thresholds_exactly():
     factor, and of the product, up or down) decides: float32 ``factor * ema``, strict ``>``."""
     rng = random.Random(3)
     for factor in (3.3, 2.7, 1.0000001, 10.0):
-        config = GuardConfig(grad_spike_factor=factor, loss_spike_factor=factor, spike_warmup=1, on_spike="skip")
+        config = GuardConfig(spikes=ampguard.Spikes(grad_factor=factor, loss_factor=factor, warmup=1, action="skip"))
         for _ in range(40):
             ema = f32(rng.uniform(0.1, 10))
             at = f32(f32(factor) * ema)
             for norm in (ulp_step(at, -1), at, ulp_step(at, 1), f32(factor * ema)):
                 run_both(clean(grad_norm=norm, loss=norm), config, Carried(grad_ema=ema, loss_ema=ema, count=1))
     # warm-up boundary: count == warmup - 1 is not warm, count == warmup is
-    config = GuardConfig(grad_spike_factor=2.0, spike_warmup=5, on_spike="skip")
+    config = GuardConfig(spikes=ampguard.Spikes(grad_factor=2.0, warmup=5, action="skip"))
     for count in (4, 5):
         run_both(clean(grad_norm=100.0), config, Carried(grad_ema=1.0, count=count))
 
@@ -408,7 +409,7 @@ def _nan_eq(a, b) -> bool:
 
 @pytest.mark.parametrize("kind", ["adamw", "adamw_fused", "sgd"])
 def test_guard_runs_the_same_on_both_paths(kind):
-    cfg = dict(grad_spike_factor=1.5, loss_spike_factor=1.5, spike_warmup=2, on_spike="skip", hysteresis=2)
+    cfg = dict(spikes=ampguard.Spikes(grad_factor=1.5, loss_factor=1.5, warmup=2, action="skip"), hysteresis=2)
     def make(m):
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
         return ampguard.wrap(make_opt(m, kind), model=m, precision="fp16", config=cfg, scaler=scaler)
@@ -444,7 +445,7 @@ def test_a_step_without_gradients_on_both_paths(kind):
 
     hist = both_paths(lambda m: ampguard.wrap(make_opt(m, kind), model=m, precision="fp16",
                                               scaler=torch.amp.GradScaler("cpu", init_scale=1024.0),
-                                              config={"grad_spike_factor": 5.0, "spike_warmup": 1}), 0, run=run)
+                                              config={"spikes": {"grad_factor": 5.0, "warmup": 1}}), 0, run=run)
     assert [r.reason for r in hist] == [None, None, "no_gradients", None]
 
 
@@ -491,9 +492,10 @@ def test_zscore_and_zclip_sequences_agree(seed):
     """A noisy healthy norm with spikes and non-finite steps: the z-score detector warms up and
     flags, ZClip warms up and clips, on both paths, with the same statistics after every step."""
     rng = random.Random(200 + seed)
-    config = GuardConfig(spike_detector="zscore", spike_zscore=3.0, spike_window=rng.choice([5, 20]),
-                         spike_warmup=rng.choice([3, 10]), on_spike=rng.choice(["skip", "warn"]), zclip=True,
-                         zclip_z=2.5, zclip_alpha=rng.choice([0.97, 0.9]))
+    warmup = rng.choice([3, 10])
+    config = GuardConfig(spikes=ampguard.Spikes(grad_zscore=3.0, window=rng.choice([5, 20]), warmup=warmup,
+                                                action=rng.choice(["skip", "warn"])),
+                         zclip=ampguard.ZClip(warmup=warmup, z=2.5, alpha=rng.choice([0.97, 0.9])))
     carried, flagged, clipped = Carried(), 0, 0
     for i in range(80):
         norm = rng.gauss(2.0, 0.2) * (rng.choice([10.0, 100.0]) if i > 12 and rng.random() < 0.1 else 1.0)
@@ -508,12 +510,11 @@ def test_zscore_and_zclip_sequences_agree(seed):
 
 _CONFIGS = {
     "default": {},
-    "clip+zscore": {"clip_grad_norm": 0.05, "spike_detector": "zscore", "spike_warmup": 3},
-    "numerics+indicators+headroom": {"numerics_every": 3, "scale_policy": "headroom"},
+    "clip+zscore": {"clip_grad_norm": 0.05, "spikes": {"grad_zscore": 4.0, "warmup": 3}},
+    "numerics+indicators+headroom": {"numerics_every": 3, "indicators_every": 3, "scale_policy": "headroom"},
     "huge-growth-interval": {},
     # thresholds low enough that runs of flags re-base the detectors' and ZClip's statistics
-    "rebaseline": {"spike_detector": "zscore", "spike_zscore": 0.1, "spike_warmup": 2, "on_spike": "skip",
-                   "zclip": True, "zclip_z": 0.1},
+    "rebaseline": {"spikes": {"grad_zscore": 0.1, "warmup": 2, "action": "skip"}, "zclip": {"warmup": 2, "z": 0.1}},
 }
 
 
@@ -568,8 +569,10 @@ def test_the_one_host_copy_path_decides_and_reports_as_the_cpu_path(name, monkey
 
 
 @pytest.mark.parametrize("config", [
-    GuardConfig(grad_spike_factor=3.0, loss_spike_factor=2.0, spike_warmup=4, on_spike="skip", zclip=True),
-    GuardConfig(spike_detector="zscore", spike_window=5, spike_warmup=3, on_spike="warn", zclip=True, zclip_z=1.0),
+    GuardConfig(spikes=ampguard.Spikes(grad_factor=3.0, loss_factor=2.0, warmup=4, action="skip"),
+                zclip=ampguard.ZClip(warmup=4)),
+    GuardConfig(spikes=ampguard.Spikes(grad_zscore=4.0, window=5, warmup=3, action="warn"),
+                zclip=ampguard.ZClip(warmup=3, z=1.0)),
 ], ids=["factor+loss+zclip", "zscore+zclip"])
 def test_a_lasting_shift_re_bases_the_statistics_on_both_paths(config):
     """A norm and loss that jump x10 for good, with non-finite steps inside the flagged run (they
@@ -589,7 +592,7 @@ def test_a_lasting_shift_re_bases_the_statistics_on_both_paths(config):
             rebased.append(i)
         if carried.last[Dec.ZCLIP_REBASELINE] > 0:
             zrebased.append(i)
-    k = config.spike_warmup
+    k = config.spikes.warmup
     assert rebased[:1] == zrebased[:1] == [20 + k + 1]  # k flagged steps, the two non-finite ones not counted
     assert carried.grad_ema > 5 or carried.z_mean > 5
 
@@ -599,7 +602,7 @@ def test_a_loss_nobody_gave_leaves_the_loss_statistics_as_they_are_on_both_paths
     the loss (``StepReport.loss`` is None, the gathered loss NaN). Before, that NaN went into the
     loss EMA on every taken step, so the guard's own ``state_dict()`` could not be loaded back
     ("loss_ema is nan"). Both paths now keep the loss statistics and resume bit for bit."""
-    cfg = dict(grad_spike_factor=3.0, spike_warmup=2, on_spike="skip")
+    cfg = dict(spikes=ampguard.Spikes(grad_factor=3.0, warmup=2, action="skip"))
 
     def make(m):
         return ampguard.wrap(make_opt(m), model=m, precision="fp16", config=cfg,

@@ -10,7 +10,9 @@ exploding learning rate in one module's param group, a frozen module, natural fp
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -64,19 +66,27 @@ PATHS = {
     # name: (precision, fused optimizer, config, the user unscales and clips)
     "fast_path": ("fp16", True, {}, False),
     "fast_path_clip": ("fp16", True, {"clip_grad_norm": 0.05}, False),
-    "unscale_first": ("fp16", True, {"fused_fast_path": False}, False),
+    "unscale_first": ("fp16", True, {"AMPGUARD_FUSED_FAST_PATH": "0"}, False),
     "unscale_first_clip": ("fp16", False, {"clip_grad_norm": 0.05}, False),
     "user_unscale_and_clip": ("fp16", True, {}, True),
     "host_decision_foreach_bf16": ("bf16", False, {}, False),
 }
 
 
+def _switches(extra: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
+    """The AMPGUARD_* implementation switches (environment variables) apart from the config fields."""
+    return ({k: v for k, v in extra.items() if k.startswith("AMPGUARD_")},
+            {k: v for k, v in extra.items() if not k.startswith("AMPGUARD_")})
+
+
 @pytest.mark.parametrize("path", list(PATHS))
 def test_module_values_equal_an_independent_computation(path):
     precision, fused, extra, user_clip = PATHS[path]
     model = _net()
-    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused), model=model,
-                        precision=precision, config={"numerics_every": 2, **extra})
+    env, extra = _switches(extra)
+    with mock.patch.dict(os.environ, env):
+        opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused), model=model,
+                            precision=precision, config={"numerics_every": 2, "indicators_every": 2, **extra})
     assert opt.run_info.modules == MODULES
     members = _members(model)
     for step, (x, y) in enumerate(_data(6)):
@@ -116,7 +126,7 @@ def test_a_frozen_module_has_no_norm_and_ratio_zero():
     model = _net()
     model.embed.requires_grad_(False)
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), model=model,
-                        precision="fp16", config={"numerics_every": 1})
+                        precision="fp16", config={"numerics_every": 1, "indicators_every": 1})
     embed = [p.detach().clone() for p in model.embed.parameters()]
     for x, y in _data(3):
         with opt.autocast():
@@ -145,7 +155,8 @@ def test_exploding_lr_in_one_module_shows_in_its_update_ratio_before_the_first_n
     groups = [{"params": [*model[0].parameters(), *model[3].parameters()], "lr": 1e-3},
               {"params": list(model[2].parameters()), "lr": 1e-3}]
     opt = ampguard.wrap(torch.optim.AdamW(groups, fused=True), model=model, precision="fp16",
-                        scaler=torch.amp.GradScaler("cpu", init_scale=256.0), config={"numerics_every": 2})
+                        scaler=torch.amp.GradScaler("cpu", init_scale=256.0),
+                        config={"numerics_every": 2, "indicators_every": 2})
     assert opt.run_info.modules == ("0", "2", "3")
     first_bad = None
     for x, y in _data(120, seed=1):
@@ -178,7 +189,7 @@ def test_exploding_lr_in_one_module_shows_in_its_update_ratio_before_the_first_n
 # ---------------------------------------------------------------------------------- the run is unchanged
 RUNS = {
     "fast_path_fp16": ("fp16", "adamw_fused", {}),
-    "unscale_first_clip_fp16": ("fp16", "adamw_fused", {"fused_fast_path": False, "clip_grad_norm": 0.1}),
+    "unscale_first_clip_fp16": ("fp16", "adamw_fused", {"AMPGUARD_FUSED_FAST_PATH": "0", "clip_grad_norm": 0.1}),
     "sgd_bf16": ("bf16", "sgd", {}),
 }
 
@@ -189,8 +200,10 @@ def _run(kind: str, numerics_every: int | None) -> tuple[dict[str, torch.Tensor]
     inner = (torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True) if opt_kind == "adamw_fused"
              else torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3) if precision == "fp16" else None
-    opt = ampguard.wrap(inner, model=model, precision=precision, scaler=scaler,
-                        config={"numerics_every": numerics_every, **extra})
+    env, extra = _switches(extra)
+    with mock.patch.dict(os.environ, env):
+        opt = ampguard.wrap(inner, model=model, precision=precision, scaler=scaler,
+                            config={"numerics_every": numerics_every, "indicators_every": numerics_every, **extra})
     for x, y in _data(12):
         with opt.autocast():
             loss = F.mse_loss(model(x).float(), y) * 1e3  # large: fp16 overflows at the grown scales
@@ -241,12 +254,12 @@ def test_names_are_the_users_without_ddp_or_compile_wrappers():
 
 def test_a_model_that_does_not_hold_the_optimizers_parameters_is_refused():
     model, other = _net(), _net(1)
-    with pytest.raises(ValueError, match=r"numerics_every: none of the optimizer's parameters belongs to wrap"):
-        ampguard.wrap(torch.optim.SGD(other.parameters(), lr=0.1), model=model, config={"numerics_every": 5})
+    with pytest.raises(ValueError, match=r"indicators_every: none of the optimizer's parameters belongs to wrap"):
+        ampguard.wrap(torch.optim.SGD(other.parameters(), lr=0.1), model=model, config={"indicators_every": 5})
     with pytest.raises(ValueError, match=r"numerics_every=0"):
         ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model=model, config={"numerics_every": 0})
     # no model: nothing to attribute to; the module fields stay None
-    opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.1), config={"numerics_every": 1})
+    opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.1), config={"indicators_every": 1})
     opt.backward(model(torch.randn(2, 8)).sum())
     opt.step()
     assert opt.last_report.module_grad_norms is None and opt.run_info.modules == ()
@@ -255,7 +268,7 @@ def test_a_model_that_does_not_hold_the_optimizers_parameters_is_refused():
 def test_a_param_group_added_later_is_attributed():
     model = _net()
     opt = ampguard.wrap(torch.optim.AdamW([*model.embed.parameters(), *model.body.parameters()], lr=1e-2),
-                        model=model, precision="bf16", config={"numerics_every": 1})
+                        model=model, precision="bf16", config={"numerics_every": 1, "indicators_every": 1})
     assert opt.run_info.modules == MODULES  # listed from the model: 0 until the optimizer trains them
 
     def one_step() -> dict[str, float]:
@@ -280,7 +293,8 @@ def test_jsonl_reads_back_and_ampguard_report_summarises_and_plots_it(tmp_path, 
     model = _net()
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), model=model, precision="fp16",
                         scaler=torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3),
-                        config={"numerics_every": 3}, exporters=[JsonlExporter(tmp_path / "run" / "", every_step=True)])
+                        config={"numerics_every": 3, "indicators_every": 3},
+                        exporters=[JsonlExporter(tmp_path / "run" / "", every_step=True)])
     for x, y in _data(30):
         with opt.autocast():
             loss = F.mse_loss(model(x).float(), y) * 30  # natural fp16 overflows: skipped steps in the log

@@ -31,8 +31,8 @@ def _fp16_guard(growth_interval: int) -> tuple[Any, torch.nn.Module]:
     model = make_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=2048.0, growth_interval=growth_interval)
     opt = ampguard.wrap(make_opt(model), model=model, precision="fp16", scaler=scaler,
-                        config={"grad_spike_factor": 10.0, "spike_warmup": 1, "escalation": {"snapshot_every": None},
-                                "zclip": True})
+                        config={"spikes": {"grad_factor": 10.0, "warmup": 1}, "zclip": {"warmup": 1},
+                                "escalation": {"snapshot_every": None}})
     return opt, model
 
 
@@ -333,8 +333,8 @@ def test_no_field_of_any_record_can_make_the_reader_raise(tmp_path, good_log):
 
 
 # ---------------------------------------------------------------------------------- 4. settings
-@pytest.mark.parametrize(("field", "value"), [("forensics", "no"), ("cuda_graph", "false"), ("track_memory", "off"),
-                                              ("forensics", 0), ("track_memory", None)])
+@pytest.mark.parametrize(("field", "value"), [("forensics", "no"), ("forensics", "false"), ("forensics", 0),
+                                              ("forensics", None)])
 def test_config_booleans_are_validated(field, value):
     with pytest.raises(ValueError, match=rf"GuardConfig\.{field}={value!r}; allowed: True \| False"):
         ampguard.GuardConfig(**{field: value})
@@ -387,7 +387,7 @@ def test_a_step_without_gradients_is_skipped_with_an_anomaly_and_the_guard_stays
     model = make_model()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if precision == "fp16" else None  # no natural overflow
     opt = ampguard.wrap(make_opt(model, kind), model=model, precision=precision, scaler=scaler,
-                        config={"clip_grad_norm": 1.0, "grad_spike_factor": 5.0, "spike_warmup": 1})
+                        config={"clip_grad_norm": 1.0, "spikes": {"grad_factor": 5.0, "warmup": 1}})
     data = make_data(5)
     guarded_steps(opt, model, data[:2])
     before = [p.detach().clone() for p in model.parameters()]
@@ -497,38 +497,31 @@ class _Allocator:
     def stats(self, device: Any) -> dict[str, Any]:
         return {k: {"all": {"current": self.current[k], "peak": self.peak[k]}} for k in self.current}
 
-    def reset_peak(self, device: Any) -> None:
-        self.peak = dict(self.current)
-
-
-@pytest.mark.parametrize("per_step", [False, True])
-def test_memory_peaks_leave_the_users_peak_alone_unless_per_step_is_asked_for(per_step):
-    from ampguard.reporter import MemoryPeaks
+def test_the_exporters_memory_reading_leaves_the_users_peak_alone():
+    from ampguard.exporters.memory import MemoryPeaks
 
     alloc = _Allocator()
-    peaks = MemoryPeaks("cuda:0", per_step=per_step, stats=alloc.stats, reset=alloc.reset_peak)
+    peaks = MemoryPeaks("cuda:0", stats=alloc.stats)
     alloc.malloc(512 << 20)  # the user's own peak, before the guarded steps
     alloc.free(512 << 20)
     seen = []
     for activations in (64 << 20, 64 << 20, 256 << 20, 64 << 20):  # one step each
         alloc.malloc(activations)
         alloc.free(activations)
-        seen.append(peaks.read()[0])
-    if per_step:  # each step's own peak (the first window began before it), and the side effect: the user's peak
-        assert seen == [512 << 20, 64 << 20, 256 << 20, 64 << 20] and alloc.peak["allocated_bytes"] == 0
-    else:  # the high-water mark, and the user's peak intact (before: reset every step, as per_step does)
-        assert seen == [512 << 20] * 4 and alloc.peak["allocated_bytes"] == 512 << 20
+        seen.append(peaks.read()[0])  # type: ignore[index]
+    # the high-water mark, and the user's peak intact (nothing is ever reset)
+    assert seen == [512 << 20] * 4 and alloc.peak["allocated_bytes"] == 512 << 20
+    assert MemoryPeaks("cpu", stats=alloc.stats).read() is None  # off CUDA: nothing rather than a wrong number
 
 
 def test_memory_tracking_settings():
-    assert not ampguard.GuardConfig().memory_peak_per_step  # opt-in: it resets process-global counters
-    with pytest.raises(ValueError, match=r"memory_peak_per_step=True with track_memory=False"):
-        ampguard.GuardConfig(track_memory=False, memory_peak_per_step=True)
+    for old in ("track_memory", "memory_peak_per_step"):  # the exporters read memory themselves
+        with pytest.raises(TypeError, match=rf"GuardConfig has no field '{old}' any more"):
+            ampguard.GuardConfig(**{old: True})
     model = make_model()
-    opt = ampguard.wrap(make_opt(model), model=model, config={"memory_peak_per_step": True})
-    assert opt._reporter.track_memory is None  # off CUDA nothing is read, nothing reset
+    opt = ampguard.wrap(make_opt(model), model=model)
     guarded_steps(opt, model, make_data(1))
-    assert opt.last_report.memory_allocated_peak is None
+    assert not hasattr(opt.last_report, "memory_allocated_peak")  # the exporters read memory, not the guard
 
 
 # ---------------------------------------------------------------------------------- 9. the bind address

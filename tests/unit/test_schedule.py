@@ -189,7 +189,7 @@ def test_gradient_accumulation_several_backwards_per_step(path, kind):
 @pytest.mark.parametrize(("path", "kind"), PATHS, ids=IDS)
 def test_spike_skips_hold_the_schedule_and_the_average(path, kind):
     data = make_data(12)
-    config = GuardConfig(grad_spike_factor=5.0, spike_warmup=3, on_spike="skip")
+    config = GuardConfig(spikes=ampguard.Spikes(grad_factor=5.0, warmup=3, action="skip"))
     fault = faults.grad("2.weight", 1e4, steps=[6, 9])  # finite: a spike, not an overflow
     ref, _ = guarded(kind, "host", data, precision="bf16", config=config, fault=fault, schedule=False)
     got, _ = guarded(kind, path, data, precision="bf16", config=config, fault=fault)
