@@ -95,7 +95,8 @@ def test_a_sampled_steps_report_is_built_once(monkeypatch):
 
     monkeypatch.setattr(dataclasses, "replace", spy)
     model = make_model()
-    opt = ampguard.wrap(make_opt(model), model=model, precision="fp16", config={"numerics_every": 2})
+    opt = ampguard.wrap(make_opt(model), model=model, precision="fp16",
+                        config={"numerics_every": 2, "indicators_every": 2})
     guarded_steps(opt, model, make_data(4))
     opt.flush()
     sampled = [r for r in opt.history if r.step % 2 == 0]
