@@ -14,13 +14,20 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from .errors import RankDivergenceError
+from .records import Anomaly
 from .stats import local_tensor
+from .vocab import AnomalyKind
 
-__all__ = ["FIELDS", "Divergence", "check", "check_guard", "fingerprint"]
+if TYPE_CHECKING:
+    from .outcome import Outcome
+    from .scaling import GradScalerAdapter
+
+__all__ = ["FIELDS", "Divergence", "check", "check_outcome", "fingerprint"]
 
 #: What is compared, in the order of the gathered vector.
 FIELDS = ("step count", "skipped count", "loss scale", "parameter sum", "parameter weighted square sum")
@@ -95,21 +102,17 @@ def check(
     return Divergence(ranks=odd, fields=differing, values=tuple(rows))
 
 
-def check_guard(guard: Any) -> None:
-    """Run :func:`check` for a guard after its step: a mismatch becomes a ``rank_divergence``
-    anomaly on the step just taken, and raises per ``GuardConfig.on_divergence``. collective;
-    synchronises the host."""
-    from .errors import RankDivergenceError
-    from .records import Anomaly
-    from .vocab import AnomalyKind
-
-    rep, step = guard._reporter, guard.step_count
-    adapter = guard._scaler
-    div = check(guard.backend, step=step, skipped=rep.skipped_total, scale=adapter.scale if adapter else 1.0,
-                params=guard._pipeline.params(), device=guard.device, compare_params=not guard.backend.grads_sharded)
+def check_outcome(outcome: Outcome, *, step: int, scale: GradScalerAdapter | None, params: Iterable[torch.Tensor],
+                  device: torch.device, on_divergence: str) -> None:
+    """Run :func:`check` after a guard's step (``step``: steps taken so far): a mismatch becomes a
+    ``rank_divergence`` anomaly on the step just taken, in ``outcome``'s records, and raises per
+    ``GuardConfig.on_divergence``. collective; synchronises the host."""
+    rep, backend = outcome.records, outcome.backend
+    div = check(backend, step=step, skipped=rep.skipped_total, scale=scale.scale if scale else 1.0,
+                params=params, device=device, compare_params=not backend.grads_sharded)
     if div is None:
         return
     rep.divergence = Anomaly(step - 1, AnomalyKind.RANK_DIVERGENCE, div.describe(), div.ranks)
-    if guard.config.on_divergence == "raise":
+    if on_divergence == "raise":
         rep.decode()
         raise RankDivergenceError(f"step {step - 1}: {div.describe()}", div.ranks)
