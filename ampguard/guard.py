@@ -21,16 +21,15 @@ from .backends.base import Backend
 from .config import GuardConfig
 from .ema import EMA
 from .errors import GuardStateError
-from .escalation import Ladder, OnAbort, OnRollback
+from .escalation import OnAbort, OnRollback
 from .exporters.base import Exporter, MultiExporter
 from .indicators import Indicators
 from .optimizer_view import InnerOptimizerView
-from .outcome import Outcome
+from .outcome import Outcome, Readers
 from .pipeline import LossMeter, StepPipeline, grad_marks
-from .records import Anomaly, History, RunInfo, StepReport
+from .records import RunInfo
 from .scaling import GradScalerAdapter
 from .schedules import ScheduledLR
-from .stats import Dec
 
 __all__ = ["GuardedOptimizer", "Stage"]
 
@@ -45,7 +44,7 @@ class Stage(enum.Enum):
     STEPPED = "stepped"  # after step(), until zero_grad()
 
 
-class GuardedOptimizer(InnerOptimizerView):
+class GuardedOptimizer(Readers, InnerOptimizerView):
     """A ``torch.optim.Optimizer`` that guards each step of the optimizer it wraps.
 
     ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own objects, so LR
@@ -76,12 +75,12 @@ class GuardedOptimizer(InnerOptimizerView):
         # leading indicators per top-level module (ampguard.indicators), sampled every N steps
         self._indicators = (Indicators(model, self._pipeline.params(), device)
                             if config.numerics_every is not None and model is not None else None)
-        ladder = Ladder(config.escalation, on_rollback=on_rollback, on_abort=on_abort) if config.escalation else None
-        self._exporter = MultiExporter(exporters)
         self._names: tuple[str, ...] = ()
-        self._outcome = Outcome.build(self, ladder=ladder, exporter=self._exporter, backend=backend)
-        """Records, forensics, the ladder, the schedules, the voice: what each step comes to."""
-        self._reporter, self._forensics = self._outcome.records, self._outcome.forensics  # the step's own calls
+        self._outcome = Outcome.build(self, exporter=MultiExporter(exporters), on_rollback=on_rollback,
+                                      on_abort=on_abort)
+        """Records, forensics, the ladder, the schedules, the voice, the exporters: what each step comes to."""
+        out = self._outcome  # the rooms the step calls itself
+        self._reporter, self._forensics, self._exporter = out.records, out.forensics, out.exporter
         self._reporter.indicators = self._indicators
         self._stage = Stage.READY
         self._step = 0  # step() calls completed = index of the step being prepared
@@ -95,7 +94,7 @@ class GuardedOptimizer(InnerOptimizerView):
         self._summary: Any = None  # close()'s summary, once closed
         self.backend.attach(self)
         self.run_info = run_info(self)
-        self._exporter.open(self.run_info)
+        self._outcome.exporter.open(self.run_info)
         if self._scaler is not None:
             self._scaler.attach(self)
         self._patch_step_function()  # as Optimizer.__init__ does: step pre/post hooks work
@@ -225,19 +224,16 @@ class GuardedOptimizer(InnerOptimizerView):
         synced = pipe.inner_step(decision, measured)
         tail = ind.after_step(sample) if sample is not None else None  # type: ignore[union-attr]
         if self._outcome.schedules.emas:  # on device: torch.where on the skip flag (a host bool on CPU)
-            host = pipe.host_values(decision)
-            self._outcome.schedules.update_emas(decision[Dec.SKIP], None if host is None else host[Dec.SKIP] > 0)
+            self._outcome.schedules.update_emas(decision, pipe.host_values(decision))
         pipe.update_scale(decision, tracker)
-        if replay and closure is not None and self._forensics.enabled and _nonfinite(decision):  # SYNC
-            self._forensics.replay(self._step, closure, scale=self._replay_scale(decision), gathered=gathered,
-                                   optimizer=self.optimizer)
+        if replay and closure is not None:  # a non-finite step only (one SYNC to learn it)
+            self._forensics.replay_if_nonfinite(self._step, closure, decision, gathered, self.optimizer, self._scaler)
         self._reporter.enqueue(self._step, pipe.payload(decision, gathered, measured, tail),
                                measured.groups.index, self._outcome.batch_ids, indicators=tail is not None)
         self._end_step()
         every = self.config.consistency_every
-        if every is not None and self.backend.world_size > 1 and self._step % every == 0:
-            consistency.check_outcome(self._outcome, step=self._step, scale=self._scaler, params=pipe.params(),
-                                      device=self.device, on_divergence=self.config.on_divergence)  # collective
+        if every is not None and self.backend.world_size > 1 and self._step % every == 0:  # collective
+            consistency.check_outcome(self._outcome, self._step, self._scaler, pipe.params(), self.device, self.config)
         if synced or not self._lagged_reports:
             self._outcome.settle(next_forward=self._step)  # after _end_step: the next forward is this step's
         return result
@@ -289,44 +285,12 @@ class GuardedOptimizer(InnerOptimizerView):
         self._outcome.schedules.add_ema(self.optimizer, ema)
         return ema
 
-    # ------------------------------------------------------------------ results (read only: decode, never act)
-    @property
-    def step_was_skipped(self) -> bool:
-        """Whether the last ``step()`` skipped the inner optimizer. Reading it right after a step
-        that did not synchronise (fused optimizer on CUDA) waits for that step's decision."""
-        last = self.last_report
-        return bool(last and last.skipped)
-
-    @property
-    def last_report(self) -> StepReport | None:
-        """The last step's :class:`StepReport` (waits for it like ``step_was_skipped``)."""
-        history = self._decoded().history
-        return history[-1] if len(history) else None
-
-    @property
-    def history(self) -> History:
-        """The last ``config.history_size`` reports; ``history[s]`` is step ``s``'s."""
-        return self._decoded().history
-
-    @property
-    def anomalies(self) -> Sequence[Anomaly]:
-        """Anomalies recorded so far, oldest first (the last ``config.max_anomalies``)."""
-        return tuple(self._decoded().anomalies)
-
+    # ------------------------------------------------------------------ results (read only: see outcome.Readers)
     @property
     def step_count(self) -> int:
-        """Number of ``step()`` calls so far (skipped ones included)."""
+        """Steps so far: ``step()`` calls, skipped ones included, and rollbacks (a rollback is a step
+        of its own, see :mod:`ampguard.outcome`). The next ``step()`` is step ``step_count``."""
         return self._step
-
-    @property
-    def skipped_steps(self) -> int:
-        """Number of skipped steps among the reported ones."""
-        return self._decoded().skipped_total
-
-    @property
-    def quarantine(self) -> list[Any]:
-        """``batch_id``s of the micro-batches of non-finite steps (see :meth:`backward`)."""
-        return self._reporter.quarantine
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -344,9 +308,7 @@ class GuardedOptimizer(InnerOptimizerView):
     def flush(self) -> None:
         """Block until every step's report has reached the host and the exporters, and the
         exporters have written it (the JSONL log's background writer drained)."""
-        self._outcome.catch_up()  # with the last step's scheduler advance (opt.schedule)
-        self._outcome.export()
-        self._exporter.flush()
+        self._outcome.flush()
 
     def summary(self) -> Any:
         """The run so far as ``ampguard report`` summarises its event log: an
@@ -358,7 +320,7 @@ class GuardedOptimizer(InnerOptimizerView):
         if self._closed:
             return self._summary
         self.flush()
-        return self._summarise(closed=False)
+        return self._outcome.summary(self.run_info, self._step, closed=False)
 
     def close(self) -> Any:
         """Flush, then close the exporters, remove backend hooks and hand the scaler's methods
@@ -370,22 +332,11 @@ class GuardedOptimizer(InnerOptimizerView):
             self.flush()
         finally:
             self._closed = True
-            self._forensics.close()
-            self._outcome.schedules.release()
             if self._scaler is not None:
                 self._scaler.detach()
-            self._exporter.close()
-            self.backend.close()
-        self._summary = self._summarise(closed=True)
+            self._outcome.close()  # forensics hooks, schedulers handed back, exporters, backend hooks
+        self._summary = self._outcome.summary(self.run_info, self._step, closed=True)
         return self._summary
-
-    def _summarise(self, *, closed: bool) -> Any:
-        from .runlog.summary import format_summary
-
-        voice = self._outcome.voice
-        result = voice.summary(self.run_info, self._step, closed)
-        voice.say_summary(format_summary(result), self._step)
-        return result
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -410,11 +361,6 @@ class GuardedOptimizer(InnerOptimizerView):
         self._loss.reset()
 
     # ------------------------------------------------------------------ internals
-    def _decoded(self) -> Any:
-        """The reporter, with every report that has reached the host decoded (readers: no action)."""
-        self._reporter.decode()
-        return self._reporter
-
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise GuardStateError(f"{call}() called after close(); wrap the optimizer again to keep training")
@@ -465,10 +411,6 @@ class GuardedOptimizer(InnerOptimizerView):
             return pipe.measure(self, fast=fast, sample=True)
         return pipe.measure(self, fast=fast)
 
-    def _replay_scale(self, decision: torch.Tensor) -> Any:
-        adapter = self._scaler
-        return None if adapter is None else (lambda: adapter.at_scale(decision[Dec.SCALE]))
-
     def _end_step(self) -> None:
         self.backend.reset_pre_reduction()
         self._loss.reset()
@@ -478,8 +420,4 @@ class GuardedOptimizer(InnerOptimizerView):
         self._marks = grad_marks(self._pipeline.params())
         if self._scaler is not None:
             self._scaler.scaled_since_step = False
-
-
-def _nonfinite(decision: torch.Tensor) -> bool:
-    return bool(decision[Dec.LOSS_NONFINITE] + decision[Dec.GRAD_NONFINITE] > 0)
 

@@ -25,32 +25,33 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .backends.base import Backend
-from .config import GuardConfig
-from .escalation import Ladder
+from .escalation import Ladder, OnAbort, OnRollback
 from .exporters.base import MultiExporter
 from .forensics.arming import Forensics
 from .logs import Voice
-from .records import StepReport
+from .records import Anomaly, History, RunInfo, StepReport
 from .reporter import MemoryPeaks, Reporter
 from .schedules import Schedules
 from .vocab import SkipReason
 
 if TYPE_CHECKING:
     from .guard import GuardedOptimizer
+    from .runlog.summary import RunSummary
 
-__all__ = ["Outcome"]
+__all__ = ["Outcome", "Readers"]
 
 
 class Outcome:
     """What a guard's steps come to, and the fixed points where it is acted on (module docstring)."""
 
     def __init__(self, guard: GuardedOptimizer, *, records: Reporter, forensics: Forensics, schedules: Schedules,
-                 voice: Voice, backend: Backend) -> None:
+                 voice: Voice, exporter: MultiExporter, backend: Backend) -> None:
         self.records = records
         """Pending payloads, decoded reports, counters, quarantine; the ladder's window."""
         self.forensics = forensics
@@ -58,6 +59,7 @@ class Outcome:
         """``opt.schedule()``'s schedulers and ``opt.track_ema()``'s averages."""
         self.voice = voice
         """What the guard tells the ``ampguard`` logger, and the run's summary."""
+        self.exporter = exporter
         self.backend = backend
         self.batch_ids: list[Any] = []
         """This step's ``backward(batch_id=...)`` values (a fresh list per step: the records keep the old one)."""
@@ -65,10 +67,11 @@ class Outcome:
         self._model, self._optimizer = guard.model, guard.optimizer
 
     @classmethod
-    def build(cls, guard: GuardedOptimizer, *, ladder: Ladder | None, exporter: MultiExporter,
-              backend: Backend) -> Outcome:
-        """The guard's records, forensics, schedules and voice, from its configuration."""
-        cfg: GuardConfig = guard.config
+    def build(cls, guard: GuardedOptimizer, *, exporter: MultiExporter, on_rollback: OnRollback | None,
+              on_abort: OnAbort | None) -> Outcome:
+        """The guard's records, ladder, forensics, schedules and voice, from its configuration."""
+        cfg, backend = guard.config, guard.backend
+        ladder = Ladder(cfg.escalation, on_rollback=on_rollback, on_abort=on_abort) if cfg.escalation else None
         track = (MemoryPeaks(guard.device, per_step=cfg.memory_peak_per_step)
                  if guard.device.type == "cuda" and cfg.track_memory else None)
         # A weak reference: the records must not keep their guard alive. With a cycle, `del opt, model` left
@@ -85,13 +88,18 @@ class Outcome:
         voice = Voice(rank=backend.rank, world_size=backend.world_size, precision=guard.precision,
                       scaled=guard.scaler is not None, max_consecutive_skips=cfg.max_consecutive_skips)
         return cls(guard, records=records, forensics=forensics, schedules=Schedules(records), voice=voice,
-                   backend=backend)
+                   exporter=exporter, backend=backend)
 
     @property
     def ladder(self) -> Ladder | None:
         return self.records.ladder
 
     # ------------------------------------------------------------------ reading (no action)
+    def decoded(self) -> Reporter:
+        """The records, with every report that has reached the host decoded (readers: no action)."""
+        self.records.decode()
+        return self.records
+
     def catch_up(self) -> None:
         """Decode what has arrived and apply the schedulers' advance for it (``flush()``,
         ``state_dict()``, a registered scheduler's ``state_dict()``): local, no action."""
@@ -103,6 +111,28 @@ class Outcome:
         what the run's summary needs) and to the exporters."""
         self.voice.hear(self.records._unexported)
         self.records.export_pending()
+
+    def flush(self) -> None:
+        """Decode, advance the schedulers, export, and wait for the exporters' writes (``opt.flush()``)."""
+        self.catch_up()
+        self.export()
+        self.exporter.flush()
+
+    def summary(self, info: RunInfo, steps: int, *, closed: bool) -> RunSummary:
+        """The run's summary (:meth:`ampguard.logs.Voice.summary`), also logged at INFO."""
+        from .runlog.summary import format_summary
+
+        result = self.voice.summary(info, steps, closed)
+        self.voice.say_summary(format_summary(result), steps)
+        return result
+
+    def close(self) -> None:
+        """``opt.close()``, after its flush: remove forensics' hooks, hand the schedulers back,
+        close the exporters and the backend's hooks."""
+        self.forensics.close()
+        self.schedules.release()
+        self.exporter.close()
+        self.backend.close()
 
     # ------------------------------------------------------------------ the fixed points
     def settle(self, next_forward: int) -> bool:
@@ -163,3 +193,44 @@ class Outcome:
         assert guard is not None  # internal: only called from the guard's own methods
         return guard
 
+
+
+class Readers:
+    """The guard's results, read only (mixed into :class:`~ampguard.guard.GuardedOptimizer`):
+    they decode what has reached the host and never act, so a rank that reads early changes
+    nothing (the fixed points are :meth:`Outcome.settle`'s)."""
+
+    _outcome: Outcome
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last ``step()`` skipped the inner optimizer. Reading it right after a step
+        that did not synchronise (fused optimizer on CUDA) waits for that step's decision."""
+        last = self.last_report
+        return bool(last and last.skipped)
+
+    @property
+    def last_report(self) -> StepReport | None:
+        """The last step's :class:`StepReport` (waits for it like ``step_was_skipped``)."""
+        history = self._outcome.decoded().history
+        return history[-1] if len(history) else None
+
+    @property
+    def history(self) -> History:
+        """The last ``config.history_size`` reports; ``history[s]`` is step ``s``'s."""
+        return self._outcome.decoded().history
+
+    @property
+    def anomalies(self) -> Sequence[Anomaly]:
+        """Anomalies recorded so far, oldest first (the last ``config.max_anomalies``)."""
+        return tuple(self._outcome.decoded().anomalies)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Number of skipped steps among the reported ones."""
+        return self._outcome.decoded().skipped_total
+
+    @property
+    def quarantine(self) -> list[Any]:
+        """``batch_id``s of the micro-batches of non-finite steps (see ``backward(batch_id=...)``)."""
+        return self._outcome.records.quarantine

@@ -31,6 +31,7 @@ import torch
 from .ema import EMA
 from .errors import GuardStateError
 from .records import History
+from .stats import Dec
 
 __all__ = ["Records", "ScheduledLR", "Schedules"]
 
@@ -118,9 +119,12 @@ class Schedules:
                              "on another model? Nothing was changed.")
         self.emas.append(ema)
 
-    def update_emas(self, skip: torch.Tensor, host_skip: bool | None) -> None:
+    def update_emas(self, decision: torch.Tensor, host: list[float] | None) -> None:
+        """Right after the inner step: each EMA, gated by the decision's skip flag (on device), or
+        by the host decision's (``host``: its values, None on the device path)."""
+        skip = decision[Dec.SKIP] if host is None else host[Dec.SKIP] > 0
         for ema in self.emas:
-            ema.update(skip if host_skip is None else host_skip)
+            ema.update(skip)
 
     def release(self) -> None:
         """``close()``: the wrappers hand ``step()`` back to their schedulers."""
