@@ -11,7 +11,7 @@ import enum
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -30,6 +30,9 @@ from .pipeline import LossMeter, StepPipeline, grad_marks
 from .records import RunInfo
 from .scaling import GradScalerAdapter
 from .schedules import ScheduledLR
+
+if TYPE_CHECKING:
+    from .runlog.summary import RunSummary
 
 __all__ = ["GuardedOptimizer", "Stage"]
 
@@ -91,7 +94,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         self._pre_unscale_hooks: OrderedDict[int, Callable[[int], None]] = OrderedDict()
         self._lagged_reports = device.type != "cpu"  # CPU steps are synchronous: report at once
         self._closed = False
-        self._summary: Any = None  # close()'s summary, once closed
+        self._summary: RunSummary | None = None  # close()'s summary, once closed (None if its flush raised)
         self.backend.attach(self)
         self.run_info = run_info(self)
         self._outcome.exporter.open(self.run_info)
