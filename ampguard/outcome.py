@@ -54,13 +54,11 @@ class Outcome:
                  voice: Voice, exporter: MultiExporter, backend: Backend) -> None:
         self.records = records
         """Pending payloads, decoded reports, counters, quarantine; the ladder's window."""
-        self.forensics = forensics
         self.schedules = schedules
         """``opt.schedule()``'s schedulers and ``opt.track_ema()``'s averages."""
         self.voice = voice
         """What the guard tells the ``ampguard`` logger, and the run's summary."""
-        self.exporter = exporter
-        self.backend = backend
+        self.forensics, self.exporter, self.backend = forensics, exporter, backend
         self.batch_ids: list[Any] = []
         """This step's ``backward(batch_id=...)`` values (a fresh list per step: the records keep the old one)."""
         self._guard = weakref.ref(guard)  # the guard owns this object: no cycle (see build())
