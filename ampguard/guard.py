@@ -409,10 +409,8 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         self.backend.before_unscale(self.optimizer)
         for hook in tuple(self._pre_unscale_hooks.values()):
             hook(self._step)
-        pipe = self._pipeline
-        if pipe.numerics.sampled(self._step):  # GuardConfig.numerics_every: an int compare
-            return pipe.measure(self, fast=fast, sample=True)
-        return pipe.measure(self, fast=fast)
+        pipe = self._pipeline  # numerics_every: an int compare
+        return pipe.measure(self, fast=fast, sample=pipe.numerics.sampled(self._step))
 
     def _end_step(self) -> None:
         self.backend.reset_pre_reduction()

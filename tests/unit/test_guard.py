@@ -375,3 +375,18 @@ def test_both_rollback_paths_record_the_rollback_zero_the_gradients_and_end_the_
     opt.flush()
     assert opt.last_report.step == 10 and not opt.last_report.skipped
     opt.close()
+
+
+def test_on_rollback_gets_the_guard_and_the_rollbacks_step():
+    """With ``on_rollback`` (no snapshot), the callback restores; it gets the guard and the
+    rollback's own step, which is recorded as a skipped ``rollback`` report."""
+    model = make_model()
+    calls = []
+    config = ampguard.GuardConfig(escalation=ampguard.Escalation(rollback_after=2, window=10, snapshot_every=None))
+    opt = ampguard.wrap(make_opt(model), model=model, precision="bf16", config=config,
+                        on_rollback=lambda o, step: calls.append((o, step)))
+    faults.inject(opt, faults.grad("0.weight", "nan", steps=[3, 4]))
+    guarded_steps(opt, model, make_data(5))
+    assert calls == [(opt, 5)] and opt.step_count == 6
+    assert opt.history[5].reason == "rollback" and opt.history[5].skipped
+    opt.close()
