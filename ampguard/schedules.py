@@ -166,7 +166,7 @@ class ScheduledLR:
         """The guard's schedules (weak: the guard owns them); None once handed back by ``close()``."""
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._owner is None:
+        if self._owner is None or self._owner() is None:  # handed back by close(), or the guard is gone
             self.scheduler.step(*args, **kwargs)
             return
         raise GuardStateError(
