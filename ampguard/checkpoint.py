@@ -7,20 +7,45 @@ optimizer, the scaler or any guard counter is touched.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
-from .config import HEADROOM_MARGIN_MAX, SCALE_POLICIES
+import torch
 
-__all__ = ["STATE_VERSION", "load", "save"]
+from .config import HEADROOM_MARGIN_MAX, SCALE_POLICIES, GuardConfig
+from .policies import SpikeState
+from .records import History
+from .reporter import Reporter
+from .scaling import ScaleState
+
+__all__ = ["STATE_VERSION", "Carried", "Guarded", "load", "save"]
+
+
+class Guarded(Protocol):
+    """What is saved and restored of the guard itself (:class:`~ampguard.guard.GuardedOptimizer`)."""
+
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    precision: str
+    config: GuardConfig
+
+    @property
+    def step_count(self) -> int: ...
+
+
+class Carried(Protocol):
+    """The state a step carries to the next (:class:`~ampguard.pipeline.StepPipeline`'s)."""
+
+    spikes: SpikeState
+    scale_state: ScaleState
 
 STATE_VERSION = 1
 
 _SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
-def save(guard: Any) -> dict[str, Any]:
-    """Inner optimizer, scaler and every piece of guard state. Synchronises the host."""
-    pipe, rep = guard._pipeline, guard._reporter
+def save(guard: Guarded, rep: Reporter, pipe: Carried) -> dict[str, Any]:
+    """Inner optimizer, scaler and every piece of guard state (``rep``: its records; ``pipe``: the
+    state its steps carry). Synchronises the host."""
     ladder = rep.ladder
     return {
         "optimizer": guard.optimizer.state_dict(),
@@ -101,7 +126,7 @@ _COUNTS = ("zclip_count", "flag_run", "zclip_run")
 _VARIANCES = ("z_var", "zclip_var", "flag_norm_var", "zclip_flag_var")
 
 
-def _save_detectors(spikes: Any) -> dict[str, Any]:
+def _save_detectors(spikes: SpikeState) -> dict[str, Any]:
     return {k: (int if k in _COUNTS else float)(getattr(spikes, a).item()) for group in _GROUPS
             for k, a in group.items()}
 
@@ -123,14 +148,14 @@ def _check_detectors(g: dict[str, Any]) -> list[dict[str, Any] | None]:
     return out
 
 
-def _restore_detectors(spikes: Any, groups: list[dict[str, Any] | None]) -> None:
+def _restore_detectors(spikes: SpikeState, groups: list[dict[str, Any] | None]) -> None:
     for group, values in zip(_GROUPS, groups):
         for key, attr in group.items():
             getattr(spikes, attr).fill_(0 if values is None else values[key])
 # -- end of the z-score detector's and ZClip's statistics --
 
 
-def _check_optimizer(guard: Any, sd: Any) -> None:
+def _check_optimizer(guard: Guarded, sd: Any) -> None:
     if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(sd.get("param_groups"), list)):
         raise ValueError("state_dict['optimizer'] is not an optimizer state (keys 'state' and 'param_groups'). "
                          + _NOTHING)
@@ -143,7 +168,7 @@ def _check_optimizer(guard: Any, sd: Any) -> None:
                          f"{[len(g['params']) for g in ours]}. {_NOTHING}")
 
 
-def _check_scaler(guard: Any, sd: Any) -> dict[str, Any] | None:
+def _check_scaler(guard: Guarded, sd: Any) -> dict[str, Any] | None:
     if (sd is None) != (guard.scaler is None):
         raise ValueError(f"state and guard disagree on loss scaling (one has a GradScaler, the other not). {_NOTHING}")
     if sd is None:
@@ -195,8 +220,9 @@ def _check_scale_policy(g: dict[str, Any]) -> None:
         raise _bad("headroom_margin_log2", margin, f"an int in [0, {HEADROOM_MARGIN_MAX}]")
 
 
-def load(guard: Any, state_dict: Any) -> None:
-    """Restore what :func:`save` made; the run then continues bit for bit."""
+def load(guard: Guarded, rep: Reporter, pipe: Carried, state_dict: Any) -> int:
+    """Restore what :func:`save` made; the run then continues bit for bit. Returns the restored
+    step (the guard resumes there)."""
     if not isinstance(state_dict, dict) or "ampguard" not in state_dict or "optimizer" not in state_dict:
         raise ValueError(
             "load_state_dict() expects a dict made by GuardedOptimizer.state_dict() (keys 'optimizer', "
@@ -233,19 +259,17 @@ def load(guard: Any, state_dict: Any) -> None:
     # changes anything, and builds the new state aside), then the scaler and the guard's counters,
     # whose values were all checked above to fit the tensors they fill: nothing below can fail.
     guard.optimizer.load_state_dict(state_dict["optimizer"])
-    if guard.scaler is not None:
+    if guard.scaler is not None and scaler is not None:  # both or neither: _check_scaler
         guard.scaler.load_state_dict(scaler)
-    _restore_counters(guard, step, counts, emas, list(quarantine), escalation)
-    _restore_detectors(guard._pipeline.spikes, detectors)
+    _restore_counters(guard.config, rep, pipe, step, counts, emas, list(quarantine), escalation)
+    _restore_detectors(pipe.spikes, detectors)
+    return step
 
 
-def _restore_counters(guard: Any, step: int, counts: dict[str, int], emas: dict[str, float],
-                      quarantine: list[Any], escalation: dict[str, Any]) -> None:
-    from .records import History
-
-    rep, pipe = guard._reporter, guard._pipeline
+def _restore_counters(config: GuardConfig, rep: Reporter, pipe: Carried, step: int, counts: dict[str, int],
+                      emas: dict[str, float], quarantine: list[Any], escalation: dict[str, Any]) -> None:
     rep.clear_pending()
-    rep.history = History(guard.config.history_size)
+    rep.history = History(config.history_size)
     rep.history._count = step  # reports before the resume are not available
     rep.skipped_total, rep.consecutive_skips = counts["skipped_total"], counts["consecutive_skips"]
     rep.quarantine[:] = quarantine
@@ -255,4 +279,3 @@ def _restore_counters(guard: Any, step: int, counts: dict[str, int], emas: dict[
     pipe.spikes.count.fill_(counts["ema_count"])
     if rep.ladder is not None:
         rep.ladder.load_state_dict(escalation)
-    guard._reset_iteration(step)

@@ -9,16 +9,25 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .config import Escalation
-from .logs import ADVICE, KIND_OF_REASON
+from .logs import ADVICE, KIND_OF_REASON, tally
 from .records import Anomaly, StepReport
 from .vocab import AnomalyKind
 
-__all__ = ["Ladder", "Observed", "consecutive_diagnosis"]
+if TYPE_CHECKING:
+    from .guard import GuardedOptimizer
+    from .schedules import Schedules
+
+__all__ = ["Ladder", "OnAbort", "OnRollback", "Observed", "consecutive_diagnosis"]
+
+OnRollback = Callable[["GuardedOptimizer", int], None]
+"""``on_rollback(opt, step)``: restore a checkpoint of your own (the ladder's rung 3)."""
+OnAbort = Callable[["GuardedOptimizer", str], None]
+"""``on_abort(opt, diagnosis)``: called before training stops (the ladder's last rung)."""
 
 
 def _to(obj: Any, device: str | None) -> Any:
@@ -50,15 +59,16 @@ class Ladder:
     """Counts non-finite steps in a sliding window and decides when to roll back or stop.
 
     :meth:`observe` only decides (it is run when a report is decoded, which may be early on one
-    rank); snapshots, rollbacks and ``on_abort`` are carried out by the guard at fixed points.
+    rank); snapshots, rollbacks and ``on_abort`` are carried out at the guard's fixed points
+    (:class:`ampguard.outcome.Outcome`).
     """
 
     def __init__(
         self,
         config: Escalation,
         *,
-        on_rollback: Callable[[Any, int], None] | None,
-        on_abort: Callable[[Any, str], None] | None,
+        on_rollback: OnRollback | None,
+        on_abort: OnAbort | None,
     ) -> None:
         self.config = config
         self.on_rollback = on_rollback
@@ -108,7 +118,7 @@ class Ladder:
 
     @torch.no_grad()
     def take_snapshot(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
-                      schedules: Any = None) -> None:
+                      schedules: Schedules | None = None) -> None:
         """Copy the model and optimizer state, and the state of the schedulers and EMAs registered
         with ``opt.schedule()``/``opt.track_ema()`` (``schedules``), so a rollback rewinds them too."""
         device = self.config.snapshot_device
@@ -118,22 +128,21 @@ class Ladder:
         self.pending_snapshot = None
 
     @torch.no_grad()
-    def rollback(self, opt: Any, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> None:
-        """Restore the snapshot (or call ``on_rollback(opt, opt.step_count)``). The loss scale is
-        *not* restored: the backed-off scale is part of the recovery."""
+    def rollback(self, guard: GuardedOptimizer, model: torch.nn.Module | None,
+                 optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """Restore the snapshot's model and optimizer state and return its schedules' state (for
+        :meth:`ampguard.schedules.Schedules.restore`), or call ``on_rollback(guard, guard.step_count)``
+        and return None. Carried out by :meth:`ampguard.outcome.Outcome.rollback` only."""
         self.pending_rollback = None
         self.rollbacks += 1
-        schedules = getattr(opt, "_schedules", None)
         if self.on_rollback is not None:
-            self.on_rollback(opt, opt.step_count)
-            if schedules is not None:  # the callback restored (or not) the schedulers: theirs is the truth
-                schedules.resync(opt)
-            return
+            self.on_rollback(guard, guard.step_count)
+            return None
         assert self.snapshot is not None and model is not None  # internal: observe() checked
         model.load_state_dict(_to(self.snapshot["model"], None))
         optimizer.load_state_dict(_to(self.snapshot["optimizer"], None))
-        if schedules is not None and self.snapshot.get("schedules") is not None:
-            schedules.restore(_to(self.snapshot["schedules"], None), opt)
+        saved = self.snapshot.get("schedules")
+        return None if saved is None else _to(saved, None)  # type: ignore[no-any-return]
 
     def state_dict(self) -> dict[str, Any]:
         return {"recent": list(self.recent), "rollbacks": self.rollbacks}
@@ -155,11 +164,7 @@ def _last(report: StepReport, anomalies: Sequence[Anomaly]) -> str:
 def consecutive_diagnosis(report: StepReport, count: int, limit: int, anomalies: Sequence[Anomaly]) -> str:
     """Why training stops after ``count`` skipped steps in a row (``GuardConfig.max_consecutive_skips``
     = ``limit``): what the skips were, what that means, what to do."""
-    reasons: dict[str, int] = {}
-    for a in anomalies:
-        if a.step > report.step - count:
-            reasons[str(a.kind)] = reasons.get(str(a.kind), 0) + 1
-    seen = ", ".join(f"{k} {v}" for k, v in reasons.items()) or "none recorded"
+    seen = tally(a.kind for a in anomalies if a.step > report.step - count) or "none recorded"
     advice = ADVICE[KIND_OF_REASON.get(str(report.reason), AnomalyKind.NONFINITE_GRAD)]
     return (f"{count} consecutive steps skipped (GuardConfig.max_consecutive_skips={limit}): the run cannot learn "
             f"as it is. Anomalies over those steps: {seen}. What to do: {advice}. " + _last(report, anomalies)

@@ -1,35 +1,38 @@
 """GuardedOptimizer: the façade. The Optimizer surface, ``backward``, ``step``, ``zero_grad``,
 the readers and the state dict; the work is done by the rooms it delegates to
-(:mod:`~ampguard.pipeline`, :mod:`~ampguard.reporter`, :mod:`~ampguard.forensics.arming`,
-:mod:`~ampguard.scaling`, :mod:`~ampguard.backends`). Build it with :func:`ampguard.wrap`.
+(:mod:`~ampguard.pipeline` computes a step, :mod:`~ampguard.outcome` settles what it came to,
+:mod:`~ampguard.checkpoint`, :mod:`~ampguard.scaling`, :mod:`~ampguard.backends`). Build it with
+:func:`ampguard.wrap`.
 """
 
 from __future__ import annotations
 
 import enum
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import actions, checkpoint, consistency
+from . import checkpoint, consistency
+from .backends.base import Backend
 from .config import GuardConfig
 from .ema import EMA
 from .errors import GuardStateError
-from .escalation import Ladder
+from .escalation import OnAbort, OnRollback
 from .exporters.base import Exporter, MultiExporter
-from .forensics.arming import Forensics
 from .indicators import Indicators
-from .logs import Voice
 from .optimizer_view import InnerOptimizerView, param_names
+from .outcome import Outcome, Readers
 from .pipeline import StepPipeline, grad_marks
-from .records import Anomaly, History, RunInfo, StepReport
+from .records import RunInfo
 from .scaling import GradScalerAdapter
-from .schedules import Schedules
-from .stats import Dec, LossMeter
+from .schedules import ScheduledLR
+from .stats import LossMeter
+
+if TYPE_CHECKING:
+    from .runlog.summary import RunSummary
 
 __all__ = ["GuardedOptimizer", "Stage"]
 
@@ -44,7 +47,7 @@ class Stage(enum.Enum):
     STEPPED = "stepped"  # after step(), until zero_grad()
 
 
-class GuardedOptimizer(InnerOptimizerView):
+class GuardedOptimizer(Readers, InnerOptimizerView):
     """A ``torch.optim.Optimizer`` that guards each step of the optimizer it wraps.
 
     ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's own objects, so LR
@@ -60,9 +63,8 @@ class GuardedOptimizer(InnerOptimizerView):
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, precision: str, scaler: torch.amp.GradScaler | None,
                  config: GuardConfig, model: torch.nn.Module | None, exporters: Sequence[Exporter] | Exporter,
-                 backend: Any, device: torch.device, run_info: Callable[[GuardedOptimizer], RunInfo],
-                 on_rollback: Callable[[Any, int], None] | None = None,
-                 on_abort: Callable[[Any, str], None] | None = None) -> None:
+                 backend: Backend, device: torch.device, run_info: Callable[[GuardedOptimizer], RunInfo],
+                 on_rollback: OnRollback | None = None, on_abort: OnAbort | None = None) -> None:
         if config.scale_policy == "headroom" and (scaler is None or not scaler.is_enabled()):
             raise ValueError(f"GuardConfig.scale_policy='headroom' with precision={precision!r} and no enabled "
                              "GradScaler: the headroom policy sets an fp16 loss scale; allowed: precision='fp16' "
@@ -76,32 +78,26 @@ class GuardedOptimizer(InnerOptimizerView):
         # leading indicators per top-level module (ampguard.indicators), sampled every N steps
         self._indicators = (Indicators(model, self._pipeline.params(), device)
                             if config.indicators_every is not None and model is not None else None)
-        ladder = Ladder(config.escalation, on_rollback=on_rollback, on_abort=on_abort) if config.escalation else None
-        self._exporter = MultiExporter(exporters)
         self._names: tuple[str, ...] = ()
-        self._reporter = rep = _make_reporter(self, ladder)
-        self._forensics = Forensics(model=model, config=config, backend=backend, fp16=scaler is not None,
-                                    findings=rep.findings, device=device)
-        rep.sentinel = self._forensics.sentinel
-        rep.indicators = self._indicators
+        self._outcome = Outcome.build(self, exporter=MultiExporter(exporters), on_rollback=on_rollback,
+                                      on_abort=on_abort)
+        """Records, forensics, the ladder, the schedules, the voice, the exporters: what each step comes to."""
+        out = self._outcome  # the rooms the step calls itself
+        self._reporter, self._forensics, self._exporter = out.records, out.forensics, out.exporter
+        self._reporter.indicators = self._indicators
         self._stage = Stage.READY
         self._step = 0  # step() calls completed = index of the step being prepared
         self._loss = LossMeter()
         self._marks: list[Any] | None = None  # the gradients as the last step left them
         self._measured: Any = None  # this step's early measurement (unscale_() before step())
-        self._batch_ids: list[Any] = []
         self._loss_hooks: OrderedDict[int, Callable[[torch.Tensor, int], torch.Tensor]] = OrderedDict()
         self._pre_unscale_hooks: OrderedDict[int, Callable[[int], None]] = OrderedDict()
         self._lagged_reports = device.type != "cpu"  # CPU steps are synchronous: report at once
-        self._schedules = Schedules()  # opt.schedule(), opt.track_ema()
         self._closed = False
-        self._summary: Any = None  # close()'s summary, once closed
-        self._voice = Voice(rank=backend.rank, world_size=backend.world_size, precision=precision,
-                            scaled=scaler is not None, max_consecutive_skips=config.max_consecutive_skips)
-        """What the guard tells the ``ampguard`` logger (:mod:`ampguard.logs`), and the run's summary."""
+        self._summary: RunSummary | None = None  # close()'s summary, once closed (None if its flush raised)
         self.backend.attach(self)
         self.run_info = run_info(self)
-        self._exporter.open(self.run_info)
+        self._outcome.exporter.open(self.run_info)
         if self._scaler is not None:
             self._scaler.attach(self)
         self._patch_step_function()  # as Optimizer.__init__ does: step pre/post hooks work
@@ -149,9 +145,9 @@ class GuardedOptimizer(InnerOptimizerView):
             return
         self._loss.add(loss, "mean")
         if batch_id is not None:
-            self._batch_ids.append(batch_id)
+            self._outcome.batch_ids.append(batch_id)
         self._stage = Stage.ACCUMULATING
-        self._voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=2)
+        self._outcome.voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=2)
 
     def observe_loss(self, loss: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean") -> None:
         """Record one micro-batch's loss for this step's checks and report, when the backward is
@@ -163,7 +159,7 @@ class GuardedOptimizer(InnerOptimizerView):
             raise ValueError(f"reduction={reduction!r}; allowed: 'mean' | 'sum'")
         if not self._forensics.replaying:
             self._loss.add(loss, reduction)
-            self._voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=2)
+            self._outcome.voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=2)
 
     def unscale_(self) -> None:
         """Unscale the gradients now (fp16) and measure them, so the caller can clip unscaled
@@ -201,10 +197,9 @@ class GuardedOptimizer(InnerOptimizerView):
         fresh = self._fresh_grads()
         self._check_step_call(fresh)
         if not self._loss.count:  # a host int: the loss the guard never saw (no sync)
-            self._voice.no_loss(self._step, stacklevel=3)  # 3: step() runs inside torch's step wrapper
-        self._fixed_point(self._step + 1)  # the previous step's reports, if left pending; this forward is done
-        if self._reporter.ladder is not None and self._reporter.ladder.pending_rollback is not None:
-            actions.rollback_step(self)
+            self._outcome.voice.no_loss(self._step, stacklevel=3)  # 3: step() runs inside torch's step wrapper
+        # the previous step's reports, if left pending (this forward is done); a rollback spends this step
+        if self._outcome.settle(next_forward=self._step + 1):
             return result
         measured = self._measured if self._measured is not None else self._measure(fast=True)
         pipe = self._pipeline
@@ -222,22 +217,19 @@ class GuardedOptimizer(InnerOptimizerView):
                   if ind is not None and every is not None and self._step % every == 0 else None)
         synced = pipe.inner_step(decided, measured)
         tail = ind.after_step(sample) if sample is not None else None  # type: ignore[union-attr]
-        if self._schedules.emas:  # on device: torch.where on the skip flag (a host bool on CPU)
-            self._schedules.update_emas(decision[Dec.SKIP], decided.skipped)
+        if self._outcome.schedules.emas:  # on device: torch.where on the skip flag (a host bool on CPU)
+            self._outcome.schedules.update_emas(decision, decided.skipped)
         pipe.update_scale(decided)
-        if replay and closure is not None and self._forensics.enabled and _nonfinite(decision):  # SYNC
-            self._forensics.replay(self._step, closure, scale=self._replay_scale(decision), gathered=gathered,
-                                   optimizer=self.optimizer)
+        if replay and closure is not None:  # a non-finite step only (one SYNC to learn it)
+            self._forensics.replay_if_nonfinite(self._step, closure, decision, gathered, self.optimizer, self._scaler)
         self._reporter.enqueue(self._step, pipe.payload(decided, gathered, measured, tail),
-                               measured.groups.index, self._batch_ids)
+                               measured.groups.index, self._outcome.batch_ids)
         self._end_step()
         every = self.config.consistency_every
-        if every is not None and self.backend.world_size > 1 and self._step % every == 0:
-            consistency.check_guard(self)  # collective, on the same step everywhere
+        if every is not None and self.backend.world_size > 1 and self._step % every == 0:  # collective
+            consistency.check_outcome(self._outcome, self._step, self._scaler, pipe.params(), self.device, self.config)
         if synced or not self._lagged_reports:
-            self._fixed_point(self._step)  # after _end_step: the next forward is this step's
-            if self._reporter.ladder is not None and self._reporter.ladder.pending_rollback is not None:
-                self._reporter.ladder.rollback(self, self.model, self.optimizer)
+            self._outcome.settle(next_forward=self._step)  # after _end_step: the next forward is this step's
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -264,67 +256,35 @@ class GuardedOptimizer(InnerOptimizerView):
         return handle
 
     # ------------------------------------------------------------------ skip-aware schedules and EMA
-    def schedule(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> torch.optim.lr_scheduler.LRScheduler:
+    def schedule(self, scheduler: torch.optim.lr_scheduler.LRScheduler) -> ScheduledLR:
         """Hand ``scheduler`` to the guard: it is stepped once per *taken* optimizer step (a
-        skipped step holds the LR), with no host sync; returns it. Do not call its ``step()``
-        any more: a call raises :class:`GuardStateError` (``close()`` gives it back).
+        skipped step holds the LR), with no host sync. Returns a :class:`~ampguard.schedules.ScheduledLR`
+        to keep in its place: its ``step()`` raises :class:`GuardStateError` (``close()`` gives
+        it back), everything else is the scheduler's. Do not call the scheduler's own ``step()``.
 
         When: right after the step where the step synchronised or decided on the host (CPU,
         non-fused optimizers on CUDA); on the sync-free path (fused optimizer on CUDA) at the
         start of the next ``step()``, before its inner update reads the LR, so every update uses
         the LR of a loop that syncs each step. The last step's advance is applied at ``flush()``,
-        ``state_dict()``, ``close()`` or the scheduler's own ``state_dict()``. Registering waits
+        ``state_dict()``, ``close()`` or the returned wrapper's ``state_dict()``. Registering waits
         for the pending reports once. See ``docs/schedules.md``."""
         self._check_open("schedule")
-        self._schedules.add_scheduler(self, scheduler)
-        return scheduler
+        return self._outcome.schedules.add_scheduler(self.optimizer, scheduler)
 
     def track_ema(self, ema: EMA) -> EMA:
         """Update ``ema`` (:class:`ampguard.EMA`) inside each ``step()``, right after the inner
         step, only when the step is taken: gated on device by the skip flag, no host sync.
         Returns it."""
         self._check_open("track_ema")
-        self._schedules.add_ema(self, ema)
+        self._outcome.schedules.add_ema(self.optimizer, ema)
         return ema
 
-    # ------------------------------------------------------------------ results (read only: decode, never act)
-    @property
-    def step_was_skipped(self) -> bool:
-        """Whether the last ``step()`` skipped the inner optimizer. Reading it right after a step
-        that did not synchronise (fused optimizer on CUDA) waits for that step's decision."""
-        last = self.last_report
-        return bool(last and last.skipped)
-
-    @property
-    def last_report(self) -> StepReport | None:
-        """The last step's :class:`StepReport` (waits for it like ``step_was_skipped``)."""
-        history = self._decoded().history
-        return history[-1] if len(history) else None
-
-    @property
-    def history(self) -> History:
-        """The last ``config.history_size`` reports; ``history[s]`` is step ``s``'s."""
-        return self._decoded().history
-
-    @property
-    def anomalies(self) -> Sequence[Anomaly]:
-        """Anomalies recorded so far, oldest first (the last ``config.max_anomalies``)."""
-        return tuple(self._decoded().anomalies)
-
+    # ------------------------------------------------------------------ results (read only: see outcome.Readers)
     @property
     def step_count(self) -> int:
-        """Number of ``step()`` calls so far (skipped ones included)."""
+        """Steps so far: ``step()`` calls, skipped ones included, and rollbacks (a rollback is a step
+        of its own, see :mod:`ampguard.outcome`). The next ``step()`` is step ``step_count``."""
         return self._step
-
-    @property
-    def skipped_steps(self) -> int:
-        """Number of skipped steps among the reported ones."""
-        return self._decoded().skipped_total
-
-    @property
-    def quarantine(self) -> list[Any]:
-        """``batch_id``s of the micro-batches of non-finite steps (see :meth:`backward`)."""
-        return self._reporter.quarantine
 
     @property
     def param_names(self) -> tuple[str, ...]:
@@ -340,10 +300,7 @@ class GuardedOptimizer(InnerOptimizerView):
     def flush(self) -> None:
         """Block until every step's report has reached the host and the exporters, and the
         exporters have written it (the JSONL log's background writer drained)."""
-        self._reporter.decode()
-        self._schedules.advance(self)  # the last step's scheduler advance (opt.schedule)
-        actions.export(self)
-        self._exporter.flush()
+        self._outcome.flush()
 
     def summary(self) -> Any:
         """The run so far as ``ampguard report`` summarises its event log: an
@@ -355,7 +312,7 @@ class GuardedOptimizer(InnerOptimizerView):
         if self._closed:
             return self._summary
         self.flush()
-        return self._summarise(closed=False)
+        return self._outcome.summary(self.run_info, self._step, closed=False)
 
     def close(self) -> Any:
         """Flush, then close the exporters, remove backend hooks and hand the scaler's methods
@@ -367,21 +324,11 @@ class GuardedOptimizer(InnerOptimizerView):
             self.flush()
         finally:
             self._closed = True
-            self._forensics.close()
-            self._schedules.release()
             if self._scaler is not None:
                 self._scaler.detach()
-            self._exporter.close()
-            self.backend.close()
-        self._summary = self._summarise(closed=True)
+            self._outcome.close()  # forensics hooks, schedulers handed back, exporters, backend hooks
+        self._summary = self._outcome.summary(self.run_info, self._step, closed=True)
         return self._summary
-
-    def _summarise(self, *, closed: bool) -> Any:
-        from .runlog.summary import format_summary
-
-        result = self._voice.summary(self.run_info, self._step, closed)
-        self._voice.say_summary(format_summary(result), self._step)
-        return result
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -389,29 +336,23 @@ class GuardedOptimizer(InnerOptimizerView):
         inner optimizer's tensors). Runs the state-dict hooks registered on this optimizer.
         Synchronises the host (reads device counters). A scheduler advance still pending
         (:meth:`schedule`) is applied first: the scheduler's own state_dict holds it."""
-        self._reporter.decode()
-        self._schedules.advance(self)
-        return self._with_state_dict_hooks(checkpoint.save)
+        self._outcome.catch_up()
+        return self._with_state_dict_hooks(lambda _: checkpoint.save(self, self._outcome.records, self._pipeline))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; the run then continues bit for bit. The whole
         dict is checked first: a failed load changes nothing. Registered schedulers and EMAs
         are not in it: load their own state dicts."""
-        self._with_load_state_dict_hooks(checkpoint.load, state_dict)
-        self._schedules.resync(self)
+        self._with_load_state_dict_hooks(self._load, state_dict)
+        self._outcome.schedules.resync()
 
-    def _reset_iteration(self, step: int) -> None:
-        """After a restore: at ``step``, ready for the next backward."""
-        self._step = step
-        self._stage, self._marks, self._measured, self._batch_ids = Stage.READY, None, None, []
+    def _load(self, _: GuardedOptimizer, state_dict: dict[str, Any]) -> None:
+        """Restore, then at the restored step, ready for the next backward."""
+        self._step = checkpoint.load(self, self._outcome.records, self._pipeline, state_dict)
+        self._stage, self._marks, self._measured, self._outcome.batch_ids = Stage.READY, None, None, []
         self._loss.reset()
 
     # ------------------------------------------------------------------ internals
-    def _decoded(self) -> Any:
-        """The reporter, with every report that has reached the host decoded (readers: no action)."""
-        self._reporter.decode()
-        return self._reporter
-
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise GuardStateError(f"{call}() called after close(); wrap the optimizer again to keep training")
@@ -457,43 +398,16 @@ class GuardedOptimizer(InnerOptimizerView):
         self.backend.before_unscale(self.optimizer)
         for hook in tuple(self._pre_unscale_hooks.values()):
             hook(self._step)
-        pipe = self._pipeline
-        if pipe.numerics.sampled(self._step):  # GuardConfig.numerics_every: an int compare
-            return pipe.measure(self, fast=fast, sample=True)
-        return pipe.measure(self, fast=fast)
-
-    def _fixed_point(self, next_forward: int) -> None:
-        """Where reports turn into actions, the same step on every rank (:func:`actions.carry_out`).
-        ``next_forward``: the first step whose forward forensics hooks armed here would see."""
-        actions.carry_out(self, next_forward)
-
-    def _replay_scale(self, decision: torch.Tensor) -> Any:
-        adapter = self._scaler
-        return None if adapter is None else (lambda: adapter.at_scale(decision[Dec.SCALE]))
+        pipe = self._pipeline  # numerics_every: an int compare
+        return pipe.measure(self, fast=fast, sample=pipe.numerics.sampled(self._step))
 
     def _end_step(self) -> None:
         self.backend.reset_pre_reduction()
         self._loss.reset()
-        self._batch_ids, self._measured = [], None
+        self._outcome.batch_ids, self._measured = [], None
         self._step += 1
         self._stage = Stage.STEPPED
         self._marks = grad_marks(self._pipeline.params())
         if self._scaler is not None:
             self._scaler.scaled_since_step = False
 
-
-def _nonfinite(decision: torch.Tensor) -> bool:
-    return bool(decision[Dec.LOSS_NONFINITE] + decision[Dec.GRAD_NONFINITE] > 0)
-
-
-def _make_reporter(guard: GuardedOptimizer, ladder: Ladder | None) -> Any:
-    from .reporter import Reporter
-
-    # A weak reference: the reporter must not keep its guard alive. With a cycle, `del opt, model` left
-    # the model (a DDP model, its reducer and process group) to the cyclic collector, which may run only
-    # at interpreter exit, after dist.destroy_process_group().
-    guard_ref = weakref.ref(guard)
-    return Reporter(config=guard.config, rank=guard.backend.rank, world_size=guard.backend.world_size,
-                    names=lambda: guard_ref().param_names,  # type: ignore[union-attr]
-                    exporter=guard._exporter, scaled=guard.scaler is not None,
-                    ladder=ladder, can_snapshot=guard.model is not None)

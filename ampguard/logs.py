@@ -5,7 +5,7 @@ decides what is shown. With none at all, Python's last-resort handler prints WAR
 stderr, so a run in trouble is never silent; ``logging.basicConfig(level=logging.INFO)`` also
 shows the INFO messages (loss-scale overflows, the run's summary at ``close()``).
 
-:class:`Voice` hears every decoded report at the guard's fixed points (``actions.carry_out``,
+:class:`Voice` hears every decoded report at the guard's fixed points (``Outcome.settle``,
 ``flush``), never where a report is read, and says, once each and rate-limited:
 
 - every anomaly, at a level by kind (:data:`LEVELS`), with step, rank and what to do; the same kind
@@ -24,16 +24,19 @@ A healthy step costs one attribute store and one test here: nothing is formatted
 something happened, and nothing reads the device.
 
 :meth:`Voice.summary` is the run as ``ampguard report`` prints it
-(:func:`ampguard.runlog.summary` over the reports kept here: the skipped, anomalous and scale-
-changing ones, the first and the last).
+(:func:`ampguard.runlog.summary`). Its counts are kept exactly as the reports are heard; the
+reports themselves (the skipped, anomalous and scale-changing ones) only the first and the last
+:data:`KEEP` of them, and the last :data:`KEEP` anomalies: a long run of skipped steps keeps the
+voice's memory flat.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import warnings
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -41,10 +44,10 @@ from typing import Any
 import torch
 
 from .metrics import LOSS
-from .records import Anomaly, RunInfo, StepReport
+from .records import SKIP_REASONS, Anomaly, RunInfo, StepReport
 from .vocab import AnomalyKind, SkipReason
 
-__all__ = ["LEVELS", "REPEAT_EVERY", "SKIP_RATE", "SKIP_WINDOW", "Voice", "logger"]
+__all__ = ["KEEP", "LEVELS", "REPEAT_EVERY", "SKIP_RATE", "SKIP_WINDOW", "Voice", "logger", "tally"]
 
 logger = logging.getLogger("ampguard")
 """The library's logger (no handler, no level of its own)."""
@@ -56,6 +59,8 @@ SKIP_RATE = 0.25
 GradScaler's initial scale 65536 skips up to ~16-20 steps while the scale calibrates: below it."""
 REPEAT_EVERY = 100
 """Steps between two messages of one kind (the first of each kind is always logged)."""
+KEEP = 64
+"""Notable reports (besides the first) and anomalies the voice keeps for the summary's tables: the last ones."""
 
 LEVELS: dict[str, int] = {
     AnomalyKind.NONFINITE_LOSS: logging.WARNING,
@@ -103,6 +108,39 @@ KIND_OF_REASON: dict[str, str] = {SkipReason.NONFINITE_LOSS: AnomalyKind.NONFINI
 _MEMORY = Path("(this process: opt.summary())")
 
 
+def tally(keys: Iterable[object]) -> str:
+    """``"nonfinite_grad 3, grad_spike 1"``: how often each key occurs, most frequent first (ties:
+    first seen first); ``""`` for none."""
+    return ", ".join(f"{k} {n}" for k, n in Counter(str(k) for k in keys).most_common())
+
+
+@dataclasses.dataclass(slots=True)
+class _Counts:
+    """What the summary counts over the reports the voice heard (runlog's rank summary, exactly)."""
+
+    logged: int = 0
+    skipped: int = 0
+    by_reason: Counter[str] = dataclasses.field(default_factory=Counter)
+    loss_steps: int = 0
+    grad_steps: int = 0
+    grad_tensors: int = 0
+    scale_min: float = math.inf
+    scale_max: float = -math.inf
+
+    def add(self, r: StepReport, rank: int, world: int) -> None:
+        self.logged += 1
+        if r.skipped:
+            self.skipped += 1
+            self.by_reason[str(r.reason)] += 1
+        if (rank in r.nonfinite_ranks) if r.nonfinite_ranks else world == 1:  # runlog.reading.origins
+            self.loss_steps += bool(r.nonfinite_loss)
+            self.grad_steps += r.nonfinite_grads > 0
+            self.grad_tensors += r.nonfinite_grads
+        for s in (r.loss_scale, r.next_loss_scale):
+            if math.isfinite(s):
+                self.scale_min, self.scale_max = min(self.scale_min, s), max(self.scale_max, s)
+
+
 @dataclasses.dataclass(slots=True)
 class _Said:
     """One message kind's rate limit: the step it was last logged at, and how many were held back."""
@@ -121,14 +159,19 @@ class Voice:
         """The shared decisions are logged by rank 0 only (decided once)."""
         self.precision, self.scaled = precision, scaled
         self.limit = max_consecutive_skips
-        self.kept: list[StepReport] = []
-        """The reports the summary needs besides the last: skipped, anomalous or scale-changing ones,
-        and the first (stripped of per-parameter values)."""
-        self.anomalies: list[tuple[Anomaly, SkipReason | None]] = []
+        self.first: StepReport | None = None
+        self.kept: deque[StepReport] = deque(maxlen=KEEP)
+        """The last :data:`KEEP` notable reports after the first: skipped, anomalous or
+        scale-changing ones (stripped of per-parameter values)."""
+        self.counts = _Counts()
+        """Counted over the first and every notable report."""
+        self.anomalies: deque[tuple[Anomaly, SkipReason | None]] = deque(maxlen=KEEP)
+        self.kinds: Counter[str] = Counter()
+        """Anomalies heard, by kind."""
         self.last: StepReport | None = None
         self.consecutive = 0
-        self._skips: deque[int] = deque()
-        """Steps of the skips within the last :data:`SKIP_WINDOW` steps."""
+        self._skips: deque[tuple[int, str]] = deque()
+        """Step and reason of the skips within the last :data:`SKIP_WINDOW` steps."""
         self._said: dict[Any, _Said] = {}
         self._findings: set[tuple[Any, ...]] = set()
         self._warned: set[str] = set()
@@ -139,16 +182,22 @@ class Voice:
         """Fold the reports about to be exported in, in step order, and say what they call for."""
         for report, anomalies in decoded:
             self.last = report
-            if anomalies or report.skipped or report.scale_backoff or report.scale_growth or not self.kept:
+            if anomalies or report.skipped or report.scale_backoff or report.scale_growth or self.first is None:
                 self._notable(report, anomalies)
             elif self.consecutive:
                 self.consecutive = 0
 
     def _notable(self, report: StepReport, anomalies: list[Anomaly]) -> None:
-        self.kept.append(dataclasses.replace(report, param_norms=None, group_zero_fractions=None,
-                                             module_grad_norms=None, module_update_ratios=None))
+        stripped = dataclasses.replace(report, param_norms=None, group_zero_fractions=None,
+                                       module_grad_norms=None, module_update_ratios=None)
+        if self.first is None:
+            self.first = stripped
+        else:
+            self.kept.append(stripped)
+        self.counts.add(report, self.rank, self.world_size)
         for anomaly in anomalies:
             self.anomalies.append((anomaly, report.reason))
+            self.kinds[str(anomaly.kind)] += 1
             self._say_anomaly(anomaly, report)
         if not report.skipped:
             self.consecutive = 0
@@ -157,26 +206,19 @@ class Voice:
             self.consecutive += 1
         step = report.step
         skips = self._skips
-        skips.append(step)
-        while skips[0] <= step - SKIP_WINDOW:
+        skips.append((step, str(report.reason)))
+        while skips[0][0] <= step - SKIP_WINDOW:
             skips.popleft()
         if step + 1 >= SKIP_WINDOW and len(skips) > SKIP_RATE * SKIP_WINDOW:
             self._say("skip_rate", step, logging.WARNING, lambda: (
                 f"{len(skips)} of the last {SKIP_WINDOW} steps were skipped (over {SKIP_RATE:.0%}; "
-                f"{self._reasons(step)}). The run learns from few of its batches: look at opt.anomalies (or "
-                "`ampguard report` on its event log) for where it started"))
+                f"{tally(reason for _, reason in skips)}). The run learns from few of its batches: look at "
+                "opt.anomalies (or `ampguard report` on its event log) for where it started"))
         if self.limit is not None and self.consecutive == max(1, self.limit // 2) and self.consecutive < self.limit:
             self._say("consecutive", step, logging.WARNING, lambda: (
                 f"{self.consecutive} steps in a row skipped (last: {report.reason}); training stops with "
                 f"NonFiniteError at {self.limit} (GuardConfig.max_consecutive_skips). What to do: "
                 f"{ADVICE[KIND_OF_REASON.get(str(report.reason), AnomalyKind.NONFINITE_GRAD)]}"))
-
-    def _reasons(self, step: int) -> str:
-        counts: dict[str, int] = {}
-        for r in self.kept[-SKIP_WINDOW:]:
-            if r.skipped and r.step > step - SKIP_WINDOW:
-                counts[str(r.reason)] = counts.get(str(r.reason), 0) + 1
-        return ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
 
     def _say_anomaly(self, anomaly: Anomaly, report: StepReport) -> None:
         kind = str(anomaly.kind)
@@ -261,20 +303,34 @@ class Voice:
     # ------------------------------------------------------------------ the run's summary
     def summary(self, info: RunInfo, steps: int, closed: bool) -> Any:
         """The run as ``ampguard report`` summarises it (:class:`ampguard.runlog.RunSummary`),
-        from the reports heard so far. ``steps``: ``step()`` calls so far."""
+        from the reports heard so far: every count exact; its anomalies are the last :data:`KEEP`.
+        ``steps``: ``step()`` calls so far."""
         from .runlog.reading import LoggedAnomaly, RankLog, Run
         from .runlog.summary import summary
 
-        reports = list(self.kept)
+        reports = [r for r in (self.first, *self.kept) if r is not None]
+        counts = dataclasses.replace(self.counts, by_reason=Counter(self.counts.by_reason))
         if self.last is not None and (not reports or reports[-1].step != self.last.step):
             reports.append(self.last)
+            counts.add(self.last, self.rank, self.world_size)
         log = RankLog(self.rank, reports=reports, closed=closed, close_steps=steps)
         fields = [f.name for f in dataclasses.fields(Anomaly)]
         anomalies = [LoggedAnomaly(**{n: getattr(a, n) for n in fields}, reason=reason, logged_by=(self.rank,))
                      for a, reason in self.anomalies]
         facts = {"run_id": info.run_id, "world_size": info.world_size, "precision": info.precision,
                  "backend": info.backend, "device": info.device, "versions": dict(info.versions)}
-        return summary(Run(path=_MEMORY, info=facts, ranks={self.rank: log}, anomalies=anomalies))
+        result = summary(Run(path=_MEMORY, info=facts, ranks={self.rank: log}, anomalies=anomalies))
+        scaled = counts.logged and counts.scale_min <= counts.scale_max
+        rank = dataclasses.replace(
+            result.ranks[self.rank], logged_steps=counts.logged, skipped=counts.skipped,
+            scale_min=counts.scale_min if scaled else None, scale_max=counts.scale_max if scaled else None,
+            nonfinite_loss_steps=counts.loss_steps, nonfinite_grad_steps=counts.grad_steps,
+            nonfinite_grad_tensors=counts.grad_tensors)
+        order = [k for k in SKIP_REASONS if k in counts.by_reason] + sorted(
+            k for k in counts.by_reason if k not in SKIP_REASONS)
+        return dataclasses.replace(result, skipped=counts.skipped, ranks={self.rank: rank},
+                                   skipped_by_reason={k: counts.by_reason[k] for k in order},
+                                   anomalies_by_kind=dict(self.kinds))
 
     def say_summary(self, text: str, step: int) -> None:
         self._log(logging.INFO, step, "run summary\n" + text)

@@ -58,8 +58,8 @@ class Actions:
     """Steps after which the ladder wants a snapshot."""
     abort: tuple[str, StepReport] | None = None
     """The ladder's diagnosis, and the report it stopped at."""
-    escalation: Exception | None = None
-    """An error to raise at the fixed point (consecutive skips, abort)."""
+    stop: NonFiniteError | None = None
+    """The error that stops training, raised at the fixed point (consecutive skips, abort)."""
     blocks: dict[int, str] = dataclasses.field(default_factory=dict)
     """Step -> the block the sentinel named on it (forensics hooks arm inside it)."""
 
@@ -127,7 +127,7 @@ class Reporter:
         nothing to do (after a step whose report was decoded at once)."""
         a = self.actions
         return not (self._pending or self._unexported or a.reports or a.snapshots or a.abort is not None
-                    or a.escalation is not None or a.blocks)
+                    or a.stop is not None or a.blocks)
 
     def clear_pending(self) -> None:
         self._pending.clear()
@@ -160,9 +160,9 @@ class Reporter:
             anomalies.extend(seen.anomalies)
             if seen.snapshot:
                 self.actions.snapshots.append(report.step)
-            if seen.diagnosis is not None and self.actions.escalation is None:
+            if seen.diagnosis is not None and self.actions.stop is None:
                 self.actions.abort = (seen.diagnosis, report)
-                self.actions.escalation = NonFiniteError(seen.diagnosis, report)
+                self.actions.stop = NonFiniteError(seen.diagnosis, report)
         self.history.append(report)
         self.anomalies.extend(anomalies)
         self._unexported.append((report, anomalies))
@@ -173,8 +173,8 @@ class Reporter:
         else:
             self.consecutive_skips = 0
         limit = self.config.max_consecutive_skips
-        if limit is not None and self.consecutive_skips >= limit and self.actions.escalation is None:
-            self.actions.escalation = NonFiniteError(
+        if limit is not None and self.consecutive_skips >= limit and self.actions.stop is None:
+            self.actions.stop = NonFiniteError(
                 consecutive_diagnosis(report, self.consecutive_skips, limit, self.anomalies), report)
 
     def take_actions(self) -> Actions:

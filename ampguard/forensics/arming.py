@@ -8,19 +8,24 @@ points (``after_report``), the same step on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..backends.base import Backend
 from ..config import GuardConfig
 from ..records import Anomaly, StepReport
 from ..stats import Dec, Loc, origin_ranks
 from ..vocab import AnomalyKind, Cause, Phase
 from .localizer import Finding, Localizer
 from .sentinel import Sentinel
+
+if TYPE_CHECKING:
+    from ..scaling import GradScalerAdapter
 
 __all__ = ["Forensics", "annotate"]
 
@@ -54,7 +59,7 @@ class Forensics:
     replays a step on request. ``findings`` is the reporter's dict: a finding waits there for
     its step's report."""
 
-    def __init__(self, *, model: torch.nn.Module | None, config: GuardConfig, backend: Any, fp16: bool,
+    def __init__(self, *, model: torch.nn.Module | None, config: GuardConfig, backend: Backend, fp16: bool,
                  findings: dict[int, Finding], device: torch.device) -> None:
         if config.sentinel is not None and model is None:
             raise ValueError("GuardConfig.sentinel needs the model: pass ampguard.wrap(..., model=model)")
@@ -154,7 +159,18 @@ class Forensics:
         detail = view.detail if view.detail.startswith(prefix) else prefix + view.detail
         return dataclasses.replace(view, rank=r, detail=detail)
 
-    def replay(self, step: int, closure: Callable[[], Any], *, scale: Any, gathered: torch.Tensor,
+    def replay_if_nonfinite(self, step: int, closure: Callable[[], Any], decision: torch.Tensor,
+                            gathered: torch.Tensor, optimizer: torch.optim.Optimizer,
+                            adapter: GradScalerAdapter | None) -> None:
+        """``step(closure, replay=True)``: on a non-finite step (one host sync to learn it), with
+        forensics on, :meth:`replay` at the step's loss scale."""
+        if not self.enabled or not bool(decision[Dec.LOSS_NONFINITE] + decision[Dec.GRAD_NONFINITE] > 0):  # SYNC
+            return
+        scale = None if adapter is None else (lambda: adapter.at_scale(decision[Dec.SCALE]))
+        self.replay(step, closure, scale=scale, gathered=gathered, optimizer=optimizer)
+
+    def replay(self, step: int, closure: Callable[[], Any], *,
+               scale: Callable[[], contextlib.AbstractContextManager[Any]] | None, gathered: torch.Tensor,
                optimizer: torch.optim.Optimizer) -> None:
         """Re-run ``closure`` on the same batch, with hooks armed, at the loss scale of the step
         (``scale``: a context manager factory, or None without loss scaling)."""
@@ -164,7 +180,7 @@ class Forensics:
         self.replaying, self.replay_loss = True, None
         try:
             localizer.reset()
-            with torch.enable_grad(), (scale() if scale is not None else _nullcontext()):
+            with torch.enable_grad(), (scale() if scale is not None else contextlib.nullcontext()):
                 closure()
                 self.backend.before_unscale(optimizer)  # Horovod: finish the replay's all-reduce
             self._keep(step, self.share(self._replay_finding(step, localizer, optimizer), gathered))
@@ -206,10 +222,3 @@ class Forensics:
         if finding is not None:
             self.findings[step] = finding
 
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

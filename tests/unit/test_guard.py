@@ -333,3 +333,58 @@ def test_exporter_sees_every_report_in_order_with_its_anomalies():
     assert isinstance(info, ampguard.RunInfo) and info.world_size == 1 and info.precision == "fp16"
     assert info.param_names == ("0.weight", "0.bias", "2.weight", "2.bias")
     assert seen[1:] == [(0, False, ()), (1, True, ("overflow",)), (2, False, ()), "closed"]
+
+
+@pytest.mark.parametrize("path", ["host", "device_lagged"])
+def test_both_rollback_paths_record_the_rollback_zero_the_gradients_and_end_the_step(path):
+    """A rollback is a step of its own, on both paths: the ladder asks for it on step 8's report
+    (two non-finite steps, 7 and 8), and step 9 is the rollback's, a skipped ``rollback`` report,
+    with the snapshot after step 5 restored and the gradients zeroed. Where step 8 synchronised
+    (CPU) the rollback happens at the end of step 8's ``step()`` (before, it restored the weights
+    but recorded no report and left the gradients); on the sync-free path, at the start of the
+    next ``step()``, whose gradients it drops."""
+    model = make_model()
+    config = ampguard.GuardConfig(escalation=ampguard.Escalation(rollback_after=2, window=10, snapshot_every=3))
+    lagged = path == "device_lagged"  # the sync-free fused CUDA path, emulated on CPU
+    opt = ampguard.wrap(make_opt(model, "adamw_fused" if lagged else "adamw"), model=model, precision="bf16",
+                        config=config)
+    if lagged:
+        opt._pipeline.host_decision, opt._lagged_reports = False, True
+    faults.inject(opt, faults.grad("0.weight", "inf", steps=[7, 8]))
+    weights, calls = {}, 0
+    for x, y in make_data(12):
+        opt.backward(loss_of(model, x, y))
+        opt.step()
+        calls += 1
+        if opt._reporter.ladder.rollbacks:
+            break
+        opt.zero_grad()
+        weights[opt.step_count - 1] = snapshot(model, opt)
+    assert calls == (10 if lagged else 9) and opt.step_count == 10
+    assert all(p.grad is None for p in model.parameters())
+    rollback = opt.history[9]
+    assert rollback.skipped and rollback.reason == "rollback" and opt.history[8].nonfinite
+    assert [a.kind for a in opt.anomalies if a.step == 8][-1] == "rollback"
+    assert_same(snapshot(model, opt), weights[5])
+    opt.zero_grad()
+    (x, y), = make_data(1, seed=5)
+    opt.backward(loss_of(model, x, y))
+    opt.step()
+    opt.flush()
+    assert opt.last_report.step == 10 and not opt.last_report.skipped
+    opt.close()
+
+
+def test_on_rollback_gets_the_guard_and_the_rollbacks_step():
+    """With ``on_rollback`` (no snapshot), the callback restores; it gets the guard and the
+    rollback's own step, which is recorded as a skipped ``rollback`` report."""
+    model = make_model()
+    calls = []
+    config = ampguard.GuardConfig(escalation=ampguard.Escalation(rollback_after=2, window=10, snapshot_every=None))
+    opt = ampguard.wrap(make_opt(model), model=model, precision="bf16", config=config,
+                        on_rollback=lambda o, step: calls.append((o, step)))
+    faults.inject(opt, faults.grad("0.weight", "nan", steps=[3, 4]))
+    guarded_steps(opt, model, make_data(5))
+    assert calls == [(opt, 5)] and opt.step_count == 6
+    assert opt.history[5].reason == "rollback" and opt.history[5].skipped
+    opt.close()

@@ -136,3 +136,47 @@ def test_forensics_findings_are_said_once(caplog):
                      "forward, cause nan (first seen on this step; opt.anomalies has every step it explains)"]
     assert len([r for r in _records(caplog) if "forensics found" in r.getMessage()]) == 1  # not again at 6
     assert math.isnan(opt.history[4].loss)
+
+
+def test_a_long_run_of_skipped_steps_keeps_the_voice_flat_and_its_counts_exact():
+    """The voice keeps counts, the first report and the last KEEP notable reports and anomalies:
+    1000 more skipped steps add (next to) nothing to its memory (before: ~750 B per step), and the
+    summary still counts every one of them."""
+    import gc
+    import tracemalloc
+
+    from ampguard.logs import KEEP
+
+    from ._models import loss_of
+
+    model = make_model()
+    config = ampguard.GuardConfig(max_consecutive_skips=None, history_size=4, max_anomalies=4)
+    opt = ampguard.wrap(make_opt(model), precision="bf16", config=config)  # no model: no forensics
+    (x, y), = make_data(1)
+    bad = x.clone().index_fill_(1, torch.tensor([2]), math.nan)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            opt.backward(loss_of(model, bad, y))
+            opt.step()
+            opt.zero_grad()
+
+    run(KEEP + 50)
+    tracemalloc.start()
+    try:
+        gc.collect()  # what is kept, not what the cyclic collector has yet to free
+        before = tracemalloc.get_traced_memory()[0]
+        run(1000)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert grown < 100_000, grown
+    voice = opt._outcome.voice
+    assert len(voice.kept) == KEEP and len(voice.anomalies) == KEEP
+    result = opt.close()
+    steps = KEEP + 1050
+    assert result.steps == steps and result.skipped == steps == result.skipped_by_reason["nonfinite_loss"]
+    assert result.ranks[0].skipped == steps and result.ranks[0].nonfinite_loss_steps == steps
+    assert result.anomalies_by_kind == {"nonfinite_loss": steps} and len(result.anomalies) == KEEP
+    assert result.anomalies[-1].step == steps - 1

@@ -26,6 +26,7 @@ import torch
 import ampguard
 from ampguard import GuardConfig, faults
 from ampguard.errors import GuardStateError
+from ampguard.schedules import ScheduledLR
 
 from ._models import loss_of, make_data, make_model, make_opt
 
@@ -390,15 +391,18 @@ def test_resume_on_the_lagged_path_continues_the_schedule_exactly(scheduler_firs
 
 
 def test_refusals_and_close_hands_the_scheduler_back():
+    """opt.schedule() returns a wrapper and leaves the scheduler itself as it was (no class change)."""
     model = make_model()
     opt = ampguard.wrap(make_opt(model), model=model, precision="bf16")
-    sched = opt.schedule(torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5))
-    assert isinstance(sched, torch.optim.lr_scheduler.StepLR) and type(sched).__name__ == "StepLR"
+    own = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    sched = opt.schedule(own)
+    assert isinstance(sched, ScheduledLR) and sched.scheduler is own and type(own) is torch.optim.lr_scheduler.StepLR
     with pytest.raises(GuardStateError, match=r"opt\.schedule"):
         sched.step()
-    assert sched.last_epoch == 0
-    with pytest.raises(ValueError, match="already registered"):
-        opt.schedule(sched)
+    assert sched.last_epoch == 0 and sched.get_last_lr() == own.get_last_lr()
+    for again in (own, sched):
+        with pytest.raises(ValueError, match="already registered"):
+            opt.schedule(again)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="ReduceLROnPlateau"):
         opt.schedule(torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
     other = torch.optim.SGD(make_model(seed=2).parameters(), lr=0.1)
@@ -408,18 +412,16 @@ def test_refusals_and_close_hands_the_scheduler_back():
         opt.track_ema(ampguard.EMA(make_model(seed=2)))
     with pytest.raises(TypeError):
         opt.schedule(object())  # type: ignore[arg-type]
-    state = sched.state_dict()
-    assert "step" not in state and "state_dict" not in state  # nothing of ours in the saved __dict__
+    assert sched.state_dict() == own.state_dict()  # nothing of ours in the saved __dict__
     # a scheduler built on the inner optimizer is accepted too (same param_groups)
     inner_sched = opt.schedule(torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5))
-    copied = pickle.loads(pickle.dumps(inner_sched))  # a copy is the plain class, not registered
-    assert type(copied) is torch.optim.lr_scheduler.StepLR and type(inner_sched) is not type(copied)
+    for copied in (pickle.loads(pickle.dumps(inner_sched)), copy.deepcopy(inner_sched)):
+        assert type(copied) is torch.optim.lr_scheduler.StepLR  # a copy is the scheduler alone, not registered
     opt.close()
-    assert type(sched) is torch.optim.lr_scheduler.StepLR and type(inner_sched) is torch.optim.lr_scheduler.StepLR
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's: this optimizer never stepped
-        sched.step()  # the user's again
-    assert sched.last_epoch == 1
+        sched.step()  # the user's again, through the wrapper
+    assert sched.last_epoch == 1 and own.last_epoch == 1
 
 
 @pytest.mark.parametrize("path", ["host", "device_lagged"])

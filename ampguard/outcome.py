@@ -1,0 +1,231 @@
+"""The one owner of a step's outcome: records, forensics, the ladder, the schedules, the voice.
+
+Decoding a report (:mod:`ampguard.reporter`) only records. :class:`Outcome` acts on what the
+records ask for, at the guard's *fixed points* inside ``step()``, the same step on every rank, so
+an action that is a collective (an FSDP state dict, a user's checkpoint) cannot deadlock:
+
+- :meth:`Outcome.settle` (at the start of ``step()``, and at its end where the step synchronised
+  or decided on the host): decode, advance the registered schedulers, export, arm or disarm
+  forensics, take the ladder's snapshots, call ``on_abort``, raise the error that stops training,
+  and carry out a rollback the ladder asked for.
+- :meth:`Outcome.rollback`: the one rollback. A rollback is a step of its own: it is recorded
+  as a skipped report (reason ``rollback``) on the step after the one whose report asked for it.
+  On the sync-free path that report is decoded at the start of the next ``step()``, whose
+  gradients the rollback then drops; where the step synchronised, at the end of the very
+  ``step()`` that took the bad step, which then also ends the rollback's step: ``step_count``
+  moves by two in that call and the next ``backward()`` belongs to the step after the rollback.
+  Either way: restore, zero the gradients, record the report, end the step.
+
+It holds the guard by a weak reference (the guard owns it), for the guard's user callbacks
+(``on_rollback(opt, step)``, ``on_abort(opt, diagnosis)``) and its step counter.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .backends.base import Backend
+from .escalation import Ladder, OnAbort, OnRollback
+from .exporters.base import MultiExporter
+from .forensics.arming import Forensics
+from .logs import Voice
+from .records import Anomaly, History, RunInfo, StepReport
+from .reporter import Reporter
+from .schedules import Schedules
+from .vocab import SkipReason
+
+if TYPE_CHECKING:
+    from .guard import GuardedOptimizer
+    from .runlog.summary import RunSummary
+
+__all__ = ["Outcome", "Readers"]
+
+
+class Outcome:
+    """What a guard's steps come to, and the fixed points where it is acted on (module docstring)."""
+
+    def __init__(self, guard: GuardedOptimizer, *, records: Reporter, forensics: Forensics, schedules: Schedules,
+                 voice: Voice, exporter: MultiExporter, backend: Backend) -> None:
+        self.records = records
+        """Pending payloads, decoded reports, counters, quarantine; the ladder's window."""
+        self.schedules = schedules
+        """``opt.schedule()``'s schedulers and ``opt.track_ema()``'s averages."""
+        self.voice = voice
+        """What the guard tells the ``ampguard`` logger, and the run's summary."""
+        self.forensics, self.exporter, self.backend = forensics, exporter, backend
+        self.batch_ids: list[Any] = []
+        """This step's ``backward(batch_id=...)`` values (a fresh list per step: the records keep the old one)."""
+        self._guard = weakref.ref(guard)  # the guard owns this object: no cycle (see build())
+        self._model, self._optimizer = guard.model, guard.optimizer
+
+    @classmethod
+    def build(cls, guard: GuardedOptimizer, *, exporter: MultiExporter, on_rollback: OnRollback | None,
+              on_abort: OnAbort | None) -> Outcome:
+        """The guard's records, ladder, forensics, schedules and voice, from its configuration."""
+        cfg, backend = guard.config, guard.backend
+        ladder = Ladder(cfg.escalation, on_rollback=on_rollback, on_abort=on_abort) if cfg.escalation else None
+        # A weak reference: the records must not keep their guard alive. With a cycle, `del opt, model` left
+        # the model (a DDP model, its reducer and process group) to the cyclic collector, which may run only
+        # at interpreter exit, after dist.destroy_process_group().
+        guard_ref = weakref.ref(guard)
+        records = Reporter(config=cfg, rank=backend.rank, world_size=backend.world_size,
+                           names=lambda: guard_ref().param_names,  # type: ignore[union-attr]
+                           exporter=exporter, scaled=guard.scaler is not None, ladder=ladder,
+                           can_snapshot=guard.model is not None)
+        forensics = Forensics(model=guard.model, config=cfg, backend=backend, fp16=guard.scaler is not None,
+                              findings=records.findings, device=guard.device)
+        records.sentinel = forensics.sentinel
+        voice = Voice(rank=backend.rank, world_size=backend.world_size, precision=guard.precision,
+                      scaled=guard.scaler is not None, max_consecutive_skips=cfg.max_consecutive_skips)
+        return cls(guard, records=records, forensics=forensics, schedules=Schedules(records), voice=voice,
+                   exporter=exporter, backend=backend)
+
+    @property
+    def ladder(self) -> Ladder | None:
+        return self.records.ladder
+
+    # ------------------------------------------------------------------ reading (no action)
+    def decoded(self) -> Reporter:
+        """The records, with every report that has reached the host decoded (readers: no action)."""
+        self.records.decode()
+        return self.records
+
+    def catch_up(self) -> None:
+        """Decode what has arrived and apply the schedulers' advance for it (``flush()``,
+        ``state_dict()``, a registered scheduler's ``state_dict()``): local, no action."""
+        self.records.decode()
+        self.schedules.advance()
+
+    def export(self) -> None:
+        """Hand the decoded records to the voice (:class:`ampguard.logs.Voice`, which also keeps
+        what the run's summary needs) and to the exporters."""
+        self.records.export_pending(self.voice.hear)
+
+    def flush(self) -> None:
+        """Decode, advance the schedulers, export, and wait for the exporters' writes (``opt.flush()``)."""
+        self.catch_up()
+        self.export()
+        self.exporter.flush()
+
+    def summary(self, info: RunInfo, steps: int, *, closed: bool) -> RunSummary:
+        """The run's summary (:meth:`ampguard.logs.Voice.summary`), also logged at INFO."""
+        from .runlog.summary import format_summary
+
+        result = self.voice.summary(info, steps, closed)
+        self.voice.say_summary(format_summary(result), steps)
+        return result
+
+    def close(self) -> None:
+        """``opt.close()``, after its flush: remove forensics' hooks, hand the schedulers back,
+        close the exporters and the backend's hooks."""
+        self.forensics.close()
+        self.schedules.release()
+        self.exporter.close()
+        self.backend.close()
+
+    # ------------------------------------------------------------------ the fixed points
+    def settle(self, next_forward: int) -> bool:
+        """Decode what has arrived, export it, and do what it asks (module docstring). Returns
+        True when it rolled back, which spends the guard's current step. ``next_forward``: the
+        step whose forward has not run yet (forensics hooks armed now see it whole)."""
+        rep = self.records
+        if rep.idle():  # nothing arrived, decoded or asked since the last fixed point (CPU, synced steps)
+            return False
+        rep.decode()
+        self.schedules.advance()  # once per decoded taken step, before the next inner step
+        self.export()
+        asked = rep.take_actions()
+        for report in asked.reports:
+            self.forensics.after_report(report, next_forward, asked.blocks.get(report.step))
+        ladder = self.ladder
+        if ladder is not None:
+            if self._model is not None:
+                for step in asked.snapshots:
+                    ladder.take_snapshot(self._model, self._optimizer, step, self.schedules)
+            if asked.abort is not None and ladder.on_abort is not None:
+                ladder.on_abort(self._loop(), asked.abort[0])
+        if asked.stop is not None:
+            self.voice.say_stop(asked.stop, self._loop().step_count)
+            raise asked.stop
+        if ladder is not None and ladder.pending_rollback is not None:
+            self.rollback()
+            return True
+        return False
+
+    @torch.no_grad()
+    def rollback(self) -> None:
+        """Carry out the rollback the ladder asked for, on the guard's current step (see the
+        module docstring): restore the snapshot (or call ``on_rollback(opt, opt.step_count)``;
+        the loss scale is *not* restored: the backed-off scale is part of the recovery), zero
+        the gradients, record a skipped ``rollback`` report, end the step. The same on every
+        rank (no collective runs on this step anywhere)."""
+        ladder, guard = self.ladder, self._loop()
+        assert ladder is not None  # internal: settle() checked
+        restored = ladder.rollback(guard, self._model, self._optimizer)
+        if restored is not None:
+            self.schedules.restore(restored)
+        else:  # on_rollback restored (or not) the schedulers: theirs is the truth
+            self.schedules.resync()
+        self.backend.zero_grad(self._optimizer, True)
+        scale = guard.get_scale()
+        report = StepReport(step=guard.step_count, skipped=True, reason=SkipReason.ROLLBACK, loss=math.nan,
+                            loss_scale=scale, next_loss_scale=scale, grad_norm=math.nan, nonfinite_grads=0,
+                            nonfinite_loss=False, world_size=self.backend.world_size, rank=self.backend.rank,
+                            wall_time=time.time())
+        self.records.record(report, [], consecutive=False)
+        self.export()
+        self.records.take_actions()
+        guard._end_step()  # clears the batch ids, the loss, the measurement; the next step begins
+
+    def _loop(self) -> GuardedOptimizer:
+        guard = self._guard()
+        assert guard is not None  # internal: only called from the guard's own methods
+        return guard
+
+
+
+class Readers:
+    """The guard's results, read only (mixed into :class:`~ampguard.guard.GuardedOptimizer`):
+    they decode what has reached the host and never act, so a rank that reads early changes
+    nothing (the fixed points are :meth:`Outcome.settle`'s)."""
+
+    _outcome: Outcome
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last ``step()`` skipped the inner optimizer. Reading it right after a step
+        that did not synchronise (fused optimizer on CUDA) waits for that step's decision."""
+        last = self.last_report
+        return bool(last and last.skipped)
+
+    @property
+    def last_report(self) -> StepReport | None:
+        """The last step's :class:`StepReport` (waits for it like ``step_was_skipped``)."""
+        history = self._outcome.decoded().history
+        return history[-1] if len(history) else None
+
+    @property
+    def history(self) -> History:
+        """The last ``config.history_size`` reports; ``history[s]`` is step ``s``'s."""
+        return self._outcome.decoded().history
+
+    @property
+    def anomalies(self) -> Sequence[Anomaly]:
+        """Anomalies recorded so far, oldest first (the last ``config.max_anomalies``)."""
+        return tuple(self._outcome.decoded().anomalies)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Number of skipped steps among the reported ones."""
+        return self._outcome.decoded().skipped_total
+
+    @property
+    def quarantine(self) -> list[Any]:
+        """``batch_id``s of the micro-batches of non-finite steps (see ``backward(batch_id=...)``)."""
+        return self._outcome.records.quarantine
