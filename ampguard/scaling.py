@@ -24,7 +24,7 @@ import torch
 from .errors import GuardStateError
 from .loss_scale import ScalerView, ScaleState
 from .ops import f32
-from .shared_scaler import SharedScaler
+from .shared_scaler import Guard, SharedScaler
 
 if TYPE_CHECKING:
     from .config import GuardConfig
@@ -69,7 +69,7 @@ class GradScalerAdapter:
         """``scaler.scale()`` ran since the last guarded step (fp16: the gradients are scaled)."""
         self._targets: tuple[int, ...] = ()
         self._hub: SharedScaler | None = None
-        self.guard: Any = None
+        self.guard: Guard | None = None
         """The guarded optimizer, once attached."""
         self.config: GuardConfig | None = None
 
@@ -233,7 +233,7 @@ class GradScalerAdapter:
         assert self._hub is not None  # internal: shared
         self._hub.check_iteration(self)
 
-    def attach(self, guard: Any) -> None:
+    def attach(self, guard: Guard) -> None:
         """Make ``scaler.step/unscale_/update/scale`` guard-aware on this instance (see the class
         docstring), joining the guards already on it (:class:`SharedScaler`)."""
         if self._hub is not None:

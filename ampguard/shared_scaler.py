@@ -18,7 +18,12 @@ if TYPE_CHECKING:
 __all__ = ["SharedScaler"]
 
 
-class _Guard(Protocol):
+class Guard(Protocol):
+    """What the scaler's patched calls need of a guard."""
+
+    config: GuardConfig
+    optimizer: torch.optim.Optimizer
+
     def unscale_(self) -> None: ...
 
 
@@ -26,11 +31,11 @@ class Member(Protocol):
     """What the shared scaler needs of each guard's scaler adapter (:class:`~ampguard.scaling.GradScalerAdapter`)."""
 
     config: GuardConfig | None
-    guard: _Guard
+    guard: Guard | None
     scaled_since_step: bool
     _targets: tuple[int, ...]
 
-    def forget(self, optimizer: Any) -> None: ...
+    def forget(self, optimizer: object) -> None: ...
 
     def view(self) -> ScalerView: ...
 
@@ -117,7 +122,7 @@ class SharedScaler:
         elif self.pending and all(id(m) in self.pending for m in self.members):
             self.flush()
 
-    def _member(self, optimizer: Any) -> Member | None:
+    def _member(self, optimizer: torch.optim.Optimizer) -> Member | None:
         return next((m for m in self.members if id(optimizer) in m._targets), None)
 
     def _own(self, name: str) -> Callable[..., Any]:
@@ -132,7 +137,7 @@ class SharedScaler:
             "GradScaler update its scale once per iteration, after the last of them). Nothing was changed.")
 
     # the scaler's public calls, while guards are on it
-    def step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         member = self._member(optimizer)
         if member is None:
             raise self._refuse_unguarded("step")
@@ -142,10 +147,11 @@ class SharedScaler:
             "steps. Replace `scaler.step(opt); scaler.update()` with `opt.step()`. Nothing was changed."
         )
 
-    def unscale_(self, optimizer: Any) -> None:
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         member = self._member(optimizer)
         if member is None:
             raise self._refuse_unguarded("unscale_")
+        assert member.guard is not None  # internal: members are attached
         member.guard.unscale_()
 
     def update(self, new_scale: Any = None) -> None:

@@ -114,13 +114,11 @@ class HeldScheduler:
 def _sync_free(config: Any, automatic: bool, optimizer: torch.optim.Optimizer) -> bool:
     """Whether Lightning's calls of this scheduler's ``step()`` can be left to the guard's
     :meth:`~GuardedOptimizer.schedule`: one call per optimizer step (automatic optimization,
-    ``frequency=1``) of a scheduler without a metric, built on ``optimizer`` and not registered
-    with a guard yet (so that ``schedule()`` cannot refuse it once the guard is built)."""
+    ``frequency=1``) of a scheduler without a metric, built on ``optimizer``."""
     scheduler = config.scheduler
     return (automatic and config.frequency == 1 and isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler)
             and not isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-            and getattr(scheduler.optimizer, "param_groups", None) is optimizer.param_groups
-            and not getattr(type(scheduler), "_ampguard_scheduled", False))
+            and getattr(scheduler.optimizer, "param_groups", None) is optimizer.param_groups)
 
 
 def _trainer_of(model: Any) -> Any:
