@@ -19,15 +19,16 @@ from .records import Anomaly, StepReport
 from .vocab import AnomalyKind
 
 if TYPE_CHECKING:
-    from .guard import GuardedOptimizer
     from .schedules import Schedules
 
 __all__ = ["Ladder", "OnAbort", "OnRollback", "Observed", "consecutive_diagnosis"]
 
-OnRollback = Callable[["GuardedOptimizer", int], None]
-"""``on_rollback(opt, step)``: restore a checkpoint of your own (the ladder's rung 3)."""
-OnAbort = Callable[["GuardedOptimizer", str], None]
-"""``on_abort(opt, diagnosis)``: called before training stops (the ladder's last rung)."""
+OnRollback = Callable[..., None]
+"""``on_rollback(opt, step)``, ``opt`` the :class:`~ampguard.guard.GuardedOptimizer`: restore a
+checkpoint of your own (the ladder's rung 3). Called by :meth:`ampguard.outcome.Outcome.rollback`."""
+OnAbort = Callable[..., None]
+"""``on_abort(opt, diagnosis)``, ``opt`` the :class:`~ampguard.guard.GuardedOptimizer`: called
+before training stops (the ladder's last rung), by :meth:`ampguard.outcome.Outcome.settle`."""
 
 
 def _to(obj: Any, device: str | None) -> Any:
@@ -128,15 +129,14 @@ class Ladder:
         self.pending_snapshot = None
 
     @torch.no_grad()
-    def rollback(self, guard: GuardedOptimizer, model: torch.nn.Module | None,
-                 optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        """Restore the snapshot's model and optimizer state and return its schedules' state (for
-        :meth:`ampguard.schedules.Schedules.restore`), or call ``on_rollback(guard, guard.step_count)``
-        and return None. Carried out by :meth:`ampguard.outcome.Outcome.rollback` only."""
+    def rollback(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        """Count the rollback; restore the snapshot's model and optimizer state and return its
+        schedules' state (for :meth:`ampguard.schedules.Schedules.restore`), or, with ``on_rollback``
+        (which the caller calls), restore nothing and return None. Carried out by
+        :meth:`ampguard.outcome.Outcome.rollback` only."""
         self.pending_rollback = None
         self.rollbacks += 1
         if self.on_rollback is not None:
-            self.on_rollback(guard, guard.step_count)
             return None
         assert self.snapshot is not None and model is not None  # internal: observe() checked
         model.load_state_dict(_to(self.snapshot["model"], None))

@@ -26,7 +26,7 @@ import math
 import time
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -41,16 +41,45 @@ from .schedules import Schedules
 from .vocab import SkipReason
 
 if TYPE_CHECKING:
-    from .guard import GuardedOptimizer
+    from .config import GuardConfig
     from .runlog.summary import RunSummary
 
-__all__ = ["Outcome", "Readers"]
+__all__ = ["Loop", "Outcome", "Readers"]
+
+
+class Loop(Protocol):
+    """What the outcome needs of its guard (:class:`~ampguard.guard.GuardedOptimizer`, which the
+    user callbacks receive): its parts, to build the records, and its step, to spend one on a
+    rollback."""
+
+    @property
+    def config(self) -> GuardConfig: ...
+    @property
+    def backend(self) -> Backend: ...
+    @property
+    def model(self) -> torch.nn.Module | None: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def precision(self) -> str: ...
+    @property
+    def param_names(self) -> tuple[str, ...]: ...
+    @property
+    def step_count(self) -> int: ...
+
+    def get_scale(self) -> float: ...
+
+    def _end_step(self) -> None: ...
 
 
 class Outcome:
     """What a guard's steps come to, and the fixed points where it is acted on (module docstring)."""
 
-    def __init__(self, guard: GuardedOptimizer, *, records: Reporter, forensics: Forensics, schedules: Schedules,
+    def __init__(self, guard: Loop, *, records: Reporter, forensics: Forensics, schedules: Schedules,
                  voice: Voice, exporter: MultiExporter, backend: Backend) -> None:
         self.records = records
         """Pending payloads, decoded reports, counters, quarantine; the ladder's window."""
@@ -65,7 +94,7 @@ class Outcome:
         self._model, self._optimizer = guard.model, guard.optimizer
 
     @classmethod
-    def build(cls, guard: GuardedOptimizer, *, exporter: MultiExporter, on_rollback: OnRollback | None,
+    def build(cls, guard: Loop, *, exporter: MultiExporter, on_rollback: OnRollback | None,
               on_abort: OnAbort | None) -> Outcome:
         """The guard's records, ladder, forensics, schedules and voice, from its configuration."""
         cfg, backend = guard.config, guard.backend
@@ -167,7 +196,9 @@ class Outcome:
         rank (no collective runs on this step anywhere)."""
         ladder, guard = self.ladder, self._loop()
         assert ladder is not None  # internal: settle() checked
-        restored = ladder.rollback(guard, self._model, self._optimizer)
+        restored = ladder.rollback(self._model, self._optimizer)  # counted; the snapshot restored, if no callback
+        if ladder.on_rollback is not None:
+            ladder.on_rollback(guard, guard.step_count)
         if restored is not None:
             self.schedules.restore(restored)
         else:  # on_rollback restored (or not) the schedulers: theirs is the truth
@@ -183,7 +214,7 @@ class Outcome:
         self.records.take_actions()
         guard._end_step()  # clears the batch ids, the loss, the measurement; the next step begins
 
-    def _loop(self) -> GuardedOptimizer:
+    def _loop(self) -> Loop:
         guard = self._guard()
         assert guard is not None  # internal: only called from the guard's own methods
         return guard

@@ -53,8 +53,8 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
     taken: list[bool] = []
     measure = guard._pipeline.measure
 
-    def spy(g: Any, *, fast: bool = False) -> Any:
-        m = measure(g, fast=fast)
+    def spy(g: Any, **kw: Any) -> Any:
+        m = measure(g, **kw)
         taken.append(m.scaled)
         return m
 

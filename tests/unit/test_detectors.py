@@ -202,7 +202,7 @@ def test_zclip_clips_as_the_paper_within_tolerance(fused, precision, host):
     opt._pipeline.host_decision = host
     taken = []
     measure = opt._pipeline.measure
-    opt._pipeline.measure = lambda guard, *, fast=False: taken.append(m := measure(guard, fast=fast)) or m
+    opt._pipeline.measure = lambda guard, **kw: taken.append(m := measure(guard, **kw)) or m
     guarded_steps(opt, model, data)
     assert all(m.scaled == fused for m in taken)  # the fast path was (or was not) taken throughout
     coefs = [r.clip_coef for r in opt.history]

@@ -142,8 +142,8 @@ def _fast_steps(opt: ampguard.GuardedOptimizer) -> list[bool]:
     pipe = opt._pipeline
     measure = pipe.measure
 
-    def spy(guard, *, fast=False):
-        m = measure(guard, fast=fast)
+    def spy(guard, **kw):
+        m = measure(guard, **kw)
         taken.append(m.scaled)
         return m
 
