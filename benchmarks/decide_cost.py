@@ -43,20 +43,23 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampguard import policies as new
-from ampguard.config import GuardConfig
+from ampguard.config import GuardConfig, Spikes, ZClip
 from ampguard.loss_scale import ScalerView, ScaleState
 from ampguard.stats import LOCAL_K, Dec, Loc
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CONFIGS: dict[str, dict[str, Any]] = {
-    "default": {},
-    "grad_spike_factor": {"grad_spike_factor": 3.0, "loss_spike_factor": 3.0, "on_spike": "skip"},
-    "zscore": {"spike_detector": "zscore", "on_spike": "skip"},
-    "zclip": {"zclip": True},
-    "clip_grad_norm": {"clip_grad_norm": 1.0},
-    "hysteresis=2": {"hysteresis": 2},
-    "headroom": {"scale_policy": "headroom", "numerics_every": 10},
+CONFIGS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    # name: (the base's GuardConfig fields, this tree's): the same detectors, named as each tree names them
+    "default": ({}, {}),
+    "grad_spike_factor": ({"grad_spike_factor": 3.0, "loss_spike_factor": 3.0, "on_spike": "skip"},
+                          {"spikes": Spikes(grad_factor=3.0, loss_factor=3.0, action="skip")}),
+    "zscore": ({"spike_detector": "zscore", "on_spike": "skip"}, {"spikes": Spikes(grad_zscore=4.0, action="skip")}),
+    "zclip": ({"zclip": True}, {"zclip": ZClip()}),
+    "clip_grad_norm": ({"clip_grad_norm": 1.0}, {"clip_grad_norm": 1.0}),
+    "hysteresis=2": ({"hysteresis": 2}, {"hysteresis": 2}),
+    "headroom": ({"scale_policy": "headroom", "numerics_every": 10},
+                 {"scale_policy": "headroom", "numerics_every": 10}),
 }
 
 _VIEWS = {"aten.view.default", "aten.select.int", "aten.slice.Tensor", "aten.alias.default",
@@ -70,7 +73,7 @@ def old_modules(base: str, base_dir: str | None = None) -> ModuleType:
     tmp = Path(tempfile.mkdtemp(prefix="decide_cost_"))
     pkg = tmp / "ampguard_base_rule"
     pkg.mkdir()
-    for name in ("policies", "scaling"):
+    for name in ("policies", "scaling", "config"):
         if base_dir is not None:
             text = (Path(base_dir) / f"{name}.py").read_text()
         else:
@@ -78,11 +81,15 @@ def old_modules(base: str, base_dir: str | None = None) -> ModuleType:
                                   capture_output=True, text=True).stdout
         (pkg / f"{name}.py").write_text(text)
     (pkg / "__init__.py").write_text("")
-    (pkg / "config.py").write_text("from ampguard.config import *  # noqa\nfrom ampguard.config import GuardConfig\n")
     (pkg / "stats.py").write_text("from ampguard.stats import DECISION_K, Loc  # noqa\n")
     (pkg / "errors.py").write_text("from ampguard.errors import GuardStateError  # noqa\n")
     sys.path.insert(0, str(tmp))
     return importlib.import_module("ampguard_base_rule.policies")
+
+
+def old_config(old: ModuleType, kw: dict[str, Any]) -> Any:
+    """The base tree's own GuardConfig (its field names), for the base's rule."""
+    return sys.modules[old.__name__.rsplit(".", 1)[0] + ".config"].GuardConfig(**kw)
 
 
 def steps(n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -103,7 +110,7 @@ def steps(n: int, seed: int = 0) -> list[torch.Tensor]:
 class Path_:
     """One implementation's decide_host, with its own carried state and scaler."""
 
-    def __init__(self, module: ModuleType, config: GuardConfig) -> None:
+    def __init__(self, module: ModuleType, config: Any) -> None:
         cpu = torch.device("cpu")
         self.fn = module.decide_host
         self.config = config
@@ -132,8 +139,7 @@ def host_table(old: ModuleType, n: int) -> list[tuple[str, list[float], list[flo
     rows = []
     seq = steps(n)
     for name, kw in CONFIGS.items():
-        config = GuardConfig(**kw)
-        a, b = Path_(old, config), Path_(new, config)
+        a, b = Path_(old, old_config(old, kw[0])), Path_(new, GuardConfig(**kw[1]))
         for i, g in enumerate(seq):
             first, second = (a, b) if i % 2 == 0 else (b, a)
             x, y = first.step(g), second.step(g)
@@ -161,7 +167,7 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def tensor_ops(module: ModuleType, config: GuardConfig, g: torch.Tensor) -> tuple[int, int, float]:
+def tensor_ops(module: ModuleType, config: Any, g: torch.Tensor) -> tuple[int, int, float]:
     """(ops dispatched by one tensor decision, of which host reads, median CPU microseconds)."""
     cpu = torch.device("cpu")
     scaling = sys.modules[module.__name__.rsplit(".", 1)[0] + ".scaling"] if module is not new else None
@@ -181,7 +187,7 @@ def tensor_ops(module: ModuleType, config: GuardConfig, g: torch.Tensor) -> tupl
     return len(c.ops), reads, statistics.median(times) / 1e3
 
 
-def cuda_graph(module: ModuleType, config: GuardConfig, g: torch.Tensor) -> Any:
+def cuda_graph(module: ModuleType, config: Any, g: torch.Tensor) -> Any:
     """``decide`` captured as one CUDA graph (as ``pipeline.DecisionGraph`` captures it), after one eager run."""
     dev = torch.device("cuda")
     scaling = sys.modules[module.__name__.rsplit(".", 1)[0] + ".scaling"] if module is not new else None
@@ -205,8 +211,7 @@ def cuda_table(old: ModuleType, reps: int = 200, blocks: int = 15) -> None:
     print(f"|{'-' * 19}|{'-' * 10}|{'-' * 10}|{'-' * 10}|")
     g = steps(1)[0]
     for name, kw in CONFIGS.items():
-        config = GuardConfig(**kw)
-        graphs = [cuda_graph(old, config, g), cuda_graph(new, config, g)]
+        graphs = [cuda_graph(old, old_config(old, kw[0]), g), cuda_graph(new, GuardConfig(**kw[1]), g)]
         times: list[list[float]] = [[], []]
         for b in range(blocks):
             for i in ((0, 1) if b % 2 == 0 else (1, 0)):
@@ -245,9 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"|{'-' * 19}|{'-' * 9}|{'-' * 9}|{'-' * 12}|{'-' * 12}|{'-' * 12}|")
     g = steps(1)[0]
     for name, kw in CONFIGS.items():
-        config = GuardConfig(**kw)
-        na, ra, ta = tensor_ops(old, config, g)
-        nb, rb, tb = tensor_ops(new, config, g)
+        na, ra, ta = tensor_ops(old, old_config(old, kw[0]), g)
+        nb, rb, tb = tensor_ops(new, GuardConfig(**kw[1]), g)
         print(f"| {name:<17} | {na:>7} | {nb:>7} | {f'{ra}/{rb}':>10} | {ta:>10.0f} | {tb:>10.0f} |")
     if torch.cuda.is_available():
         cuda_table(old)

@@ -11,6 +11,7 @@ python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_devic
 timeout -k 10 "${TESTS_TIMEOUT:-300}" python3 -m pytest -q tests/gpu -p no:cacheprovider \
     > "$OUT/gpu_tests.txt" 2>&1; log "tests/gpu rc=$?"
 if [ -f benchmarks/decide_cost.py ]; then
-  timeout -k 10 "${DECIDE_TIMEOUT:-150}" python3 benchmarks/decide_cost.py --device cuda \
+  base=(); [ -d bench_base ] && base=(--base-dir bench_base)  # the base's rule files (the device copy has no git)
+  timeout -k 10 "${DECIDE_TIMEOUT:-150}" python3 benchmarks/decide_cost.py "${base[@]}" --runs 1 --steps 1000 \
       > "$OUT/decide_cost_cuda.txt" 2>&1; log "decide_cost rc=$?"
 fi
