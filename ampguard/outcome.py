@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from .backends.base import Backend
+from .backends.base import AttachedGuard, Backend
 from .escalation import Ladder, OnAbort, OnRollback
 from .exporters.base import MultiExporter
 from .forensics.arming import Forensics
@@ -47,25 +47,17 @@ if TYPE_CHECKING:
 __all__ = ["Loop", "Outcome", "Readers"]
 
 
-class Loop(Protocol):
+class Loop(AttachedGuard, Protocol):
     """What the outcome needs of its guard (:class:`~ampguard.guard.GuardedOptimizer`, which the
-    user callbacks receive): its parts, to build the records, and its step, to spend one on a
-    rollback."""
+    user callbacks receive): what a backend reads of it (model, optimizer, device, precision) and
+    its other parts, to build the records, and its step, to spend one on a rollback."""
 
     @property
     def config(self) -> GuardConfig: ...
     @property
     def backend(self) -> Backend: ...
     @property
-    def model(self) -> torch.nn.Module | None: ...
-    @property
-    def optimizer(self) -> torch.optim.Optimizer: ...
-    @property
     def scaler(self) -> torch.amp.GradScaler | None: ...
-    @property
-    def device(self) -> torch.device: ...
-    @property
-    def precision(self) -> str: ...
     @property
     def param_names(self) -> tuple[str, ...]: ...
     @property
