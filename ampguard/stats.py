@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import array
 import dataclasses
-import enum
 import math
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -47,7 +46,17 @@ __all__ = [
 ]
 
 
-class Loc(enum.IntEnum):
+def _count(layout: type) -> int:
+    """How many slots a layout class names (its int attributes, numbered 0..n-1)."""
+    slots = sorted(v for k, v in vars(layout).items() if k.isupper() and isinstance(v, int))
+    if slots != list(range(len(slots))):  # pragma: no cover - layout invariant
+        raise AssertionError(f"{layout.__name__}: slots {slots} are not 0..n-1")
+    return len(slots)
+
+
+# Plain int class attributes, not an IntEnum: the host reads these slots some forty times a step,
+# and an IntEnum member's lookup costs about ten times a plain class attribute's.
+class Loc:
     """Indices into the per-rank local vector."""
 
     LOSS = 0
@@ -72,10 +81,10 @@ class Loc(enum.IntEnum):
     (fp16), NaN on other steps: the headroom scale policy decides on the minimum over ranks."""
 
 
-LOCAL_K = len(Loc)
+LOCAL_K = _count(Loc)
 
 
-class Dec(enum.IntEnum):
+class Dec:
     """Indices into the decision vector (identical on every rank). Values first, then 0/1 flags,
     then the detectors' thresholds, so the vector is assembled with three stacks."""
 
@@ -101,7 +110,7 @@ class Dec(enum.IntEnum):
     CLIP_THRESHOLD = 19  # ZClip: the largest norm this step let through (NaN: ZClip off; inf: warm-up)
 
 
-DECISION_K = len(Dec)
+DECISION_K = _count(Dec)
 
 #: ``Dec.REASON`` values, as written by :func:`ampguard.policies.decide`.
 REASONS: tuple[SkipReason | None, ...] = (

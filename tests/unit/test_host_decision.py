@@ -99,9 +99,9 @@ def run_both(gathered: torch.Tensor, config: GuardConfig, carried: Carried, shar
                                    scaler=h_view, grads_sharded=sharded)
     t_vals = t_out.tolist()
     assert len(h_out) == DECISION_K
-    for field in Dec:
+    for name, field in ((k, v) for k, v in vars(Dec).items() if k.isupper()):
         assert bits(h_out[field]) == bits(t_vals[field]), (
-            f"{field.name}: host {h_out[field]!r} != tensor {t_vals[field]!r}\n{gathered}\n{config}\n{carried}")
+            f"{name}: host {h_out[field]!r} != tensor {t_vals[field]!r}\n{gathered}\n{config}\n{carried}")
         assert h_out[field] == f32(h_out[field]) or math.isnan(h_out[field])  # a float32 value
     if t_tracker is None:
         assert h_tracker is None
@@ -248,12 +248,12 @@ def clean(world: int = 1, **cols: float) -> torch.Tensor:
     row = [0.0] * LOCAL_K
     row[Loc.LOSS] = row[Loc.GRAD_NORM] = 1.0
     for k, v in cols.items():
-        row[Loc[k.upper()]] = v
+        row[getattr(Loc, k.upper())] = v
     return torch.tensor([row] * world, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("world", [1, 2, 5])
-@pytest.mark.parametrize("col", list(Loc))
+@pytest.mark.parametrize("col", range(LOCAL_K))
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, F32_MAX, 1.0])
 def test_a_special_value_in_any_column_on_any_rank(world, col, value):
     config = GuardConfig(spikes=ampguard.Spikes(grad_factor=2.0, loss_factor=2.0, warmup=1, action="skip"),
