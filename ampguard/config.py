@@ -378,7 +378,7 @@ _REMOVED: dict[str, str] = {
     "cuda_graph": "set AMPGUARD_CUDA_GRAPH={env} (tests/benchmarks only)",
     "fused_fast_path": "set AMPGUARD_FUSED_FAST_PATH={env} (tests/benchmarks only)",
     "track_memory": "the guard no longer reads device memory: the Prometheus and OpenTelemetry exporters read the "
-                    "CUDA allocator's high-water mark themselves (ampguard_device_memory_peak_bytes; nothing reset)",
+                    "CUDA allocator's high-water mark themselves (the device memory peak metric; nothing reset)",
     "memory_peak_per_step": "the guard no longer resets torch's process-wide peak memory counters; call "
                             "torch.cuda.reset_peak_memory_stats() yourself where you want a window of your own",
 }
