@@ -1,7 +1,7 @@
 """The two executions of the step's rules: on tensors, and on host floats.
 
 The decision rule (:func:`ampguard.policies.decide`) and the scale rule
-(:func:`ampguard.loss_scale.next_scale`) are each written once, over a small namespace of
+(:func:`ampguard.scale_rule.next_scale`) are each written once, over a small namespace of
 operations ``o``: arithmetic (``add``, ``sub``, ``mul``, ``div``, ``recip``), ``where``,
 ``clamp``, ``isfinite``, ``not_`` and a few more, plus how the carried state is read and stored.
 

@@ -20,8 +20,8 @@ import dataclasses
 import torch
 
 from .config import GuardConfig
-from .loss_scale import ScalerView, ScaleState, next_scale
 from .ops import HOST, Ops, TensorOps, Value, f32
+from .scale_rule import ScalerView, ScaleState, next_scale
 from .stats import DECISION_K, Loc
 
 __all__ = ["ScalerView", "SpikeState", "decide", "decide_host", "rule", "uses_clipping", "uses_grad_detector"]

@@ -8,7 +8,7 @@ here. It also decides what the *public* GradScaler calls mean on a guarded optim
 :mod:`ampguard.shared_scaler` for several guards on one scaler.
 
 The scale rule (GradScaler's, with hysteresis, floor, ceiling and the headroom policy) is
-:func:`ampguard.loss_scale.next_scale`; the adapter only reads the scaler for it
+:func:`ampguard.scale_rule.next_scale`; the adapter only reads the scaler for it
 (:meth:`GradScalerAdapter.view`) and writes its result (:meth:`GradScalerAdapter.update`).
 """
 
@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import GuardStateError
-from .loss_scale import ScalerView, ScaleState
 from .ops import f32
+from .scale_rule import ScalerView, ScaleState
 from .shared_scaler import Guard, SharedScaler
 
 if TYPE_CHECKING:

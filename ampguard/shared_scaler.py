@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from .errors import GuardStateError
-from .loss_scale import ScalerView, next_scale
 from .ops import HOST, Ops, TensorOps
+from .scale_rule import ScalerView, next_scale
 
 if TYPE_CHECKING:
     from .config import GuardConfig
@@ -197,7 +197,7 @@ class SharedScaler:
             self.flush()
 
     def flush(self) -> None:
-        """The iteration's one scale update: GradScaler's rule (:func:`~ampguard.loss_scale.next_scale`
+        """The iteration's one scale update: GradScaler's rule (:func:`~ampguard.scale_rule.next_scale`
         with hysteresis 1) on the flags of the guards that stepped (overflow: any; held: a skip
         without overflow), within the guards' [min_scale, max_scale]. It runs where the scale lives:
         on host values for a CPU scaler, on device tensors otherwise (host flags by a fill: no sync)."""

@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampguard import policies as new
 from ampguard.config import GuardConfig, Spikes, ZClip
-from ampguard.loss_scale import ScalerView, ScaleState
+from ampguard.scale_rule import ScalerView, ScaleState
 from ampguard.stats import LOCAL_K, Dec, Loc
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ sets after every step is recorded. The rules:
 
 - ``torch``: ``torch.amp.GradScaler``'s own update (``torch._amp_update_scale_``, run for real):
   every overflow backs off; ``growth_interval`` clean steps in a row grow the scale.
-- ``ampguard``: ampguard's real rule, :func:`ampguard.loss_scale.next_scale`, run on host values
+- ``ampguard``: ampguard's real rule, :func:`ampguard.scale_rule.next_scale`, run on host values
   (the CPU decision) and on tensors (the device decision), compared step by step.
 - ``ampguard-old``: the rule ampguard had before (a reimplementation): back off after
   ``hysteresis`` *consecutive* overflows, every clean step resets the count.
@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from ampguard.loss_scale import next_scale
 from ampguard.ops import HOST, TensorOps
+from ampguard.scale_rule import next_scale
 
 INIT = 2.0**16
 BACKOFF, GROWTH = 0.5, 2.0

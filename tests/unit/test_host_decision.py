@@ -24,10 +24,10 @@ import ampguard
 from ampguard import faults
 from ampguard.backends import LocalBackend
 from ampguard.config import GuardConfig
-from ampguard.loss_scale import ScalerView, ScaleState, next_scale
 from ampguard.ops import HOST, TensorOps, f32
 from ampguard.pipeline import StepPipeline
 from ampguard.policies import SpikeState, decide, decide_host
+from ampguard.scale_rule import ScalerView, ScaleState, next_scale
 from ampguard.stats import DECISION_K, LOCAL_K, Dec, Loc, local_vector
 
 from ._models import assert_same, guarded_steps, loss_of, make_data, make_model, make_opt, snapshot
@@ -639,9 +639,9 @@ def test_each_rule_is_written_once():
     import inspect
     import textwrap
 
-    from ampguard import loss_scale, policies, scaling, shared_scaler
+    from ampguard import policies, scale_rule, scaling, shared_scaler
 
-    twins = [f"{m.__name__}.{name}" for m in (policies, loss_scale, scaling, shared_scaler)
+    twins = [f"{m.__name__}.{name}" for m in (policies, scale_rule, scaling, shared_scaler)
              for name, fn in vars(m).items() if name.endswith("_host") and inspect.isfunction(fn)
              and name != "decide_host"]
     assert twins == []

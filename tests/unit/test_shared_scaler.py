@@ -265,7 +265,7 @@ def test_the_iterations_one_update_runs_where_the_scale_lives(device: str) -> No
     host (before, it read the scale and growth tracker with ``.item()``: a wait on CUDA; the meta
     device stands in for CUDA here, where ``.item()`` raises)."""
     from ampguard.config import GuardConfig
-    from ampguard.loss_scale import ScalerView
+    from ampguard.scale_rule import ScalerView
     from ampguard.shared_scaler import SharedScaler
 
     applied: list[tuple[Any, Any]] = []
