@@ -20,7 +20,6 @@ exists, so a host decision's payload is built from that copy, with nothing to co
 
 from __future__ import annotations
 
-import array
 import dataclasses
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -30,7 +29,7 @@ import torch
 from .scaling import ScalerView
 from .stats import DECISION_K, LOCAL_K
 
-__all__ = ["HostCopy", "Layout", "Packed", "Unpacked", "host_tensor", "pack"]
+__all__ = ["HostCopy", "Layout", "Packed", "Unpacked", "pack"]
 
 
 class Layout(NamedTuple):
@@ -159,9 +158,3 @@ class HostCopy:
             tracker = flat[n + 1 :].int() if exact else view.growth_tracker.reshape(1).cpu()
             view = ScalerView(flat[n : n + 1], tracker, view.growth_factor, view.backoff_factor, view.growth_interval)
         return cls(flat[: gathered.numel()].view(gathered.shape), flat[:n], view)
-
-
-def host_tensor(values: Sequence[float]) -> torch.Tensor:
-    """A float32 CPU tensor of ``values`` (each rounded to float32), over a fresh array of its own:
-    ``torch.frombuffer`` costs about half of ``torch.tensor`` parsing a list."""
-    return torch.frombuffer(array.array("f", values), dtype=torch.float32)

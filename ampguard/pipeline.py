@@ -44,10 +44,18 @@ from .backends.base import Backend
 from .config import GuardConfig
 from .decision_graph import DecisionGraph
 from .numerics import Numerics
-from .payload import HostCopy, Packed, host_tensor, pack
+from .payload import HostCopy, Packed, pack
 from .policies import SpikeState, decide, decide_host, uses_clipping
 from .scaling import GradScalerAdapter, ScalerView, ScaleState
-from .stats import Dec, GradGroups, grads_by_device_and_dtype, local_vector, per_tensor_norms, sparse_values
+from .stats import (
+    Dec,
+    GradGroups,
+    grads_by_device_and_dtype,
+    host_tensor,
+    local_vector,
+    per_tensor_norms,
+    sparse_values,
+)
 from .switches import implementation_switches
 
 __all__ = ["Decision", "Measured", "StepPipeline", "grad_marks"]

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import torch
 
 from ampguard import stats
-from ampguard.payload import host_tensor
 from ampguard.scaling import f32
+from ampguard.stats import host_tensor
 
 
 def old_packs(base: str) -> dict[str, object]:
