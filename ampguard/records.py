@@ -15,13 +15,43 @@ from typing import Any, overload
 
 from .vocab import AnomalyKind, Cause, Phase, SkipReason
 
-__all__ = ["ANOMALY_KINDS", "SKIP_REASONS", "Anomaly", "History", "RunInfo", "StepReport"]
+__all__ = ["ANOMALY_KINDS", "FP8_ROLES", "SKIP_REASONS", "Anomaly", "Fp8Cast", "History", "RunInfo", "StepReport"]
 
 #: Values ``StepReport.reason`` takes on a skipped step, in order of precedence.
 SKIP_REASONS: tuple[str, ...] = tuple(r.value for r in SkipReason)
 
 #: Values ``Anomaly.kind`` takes.
 ANOMALY_KINDS: tuple[str, ...] = tuple(k.value for k in AnomalyKind)
+
+#: The roles of an fp8 cast in a torchao ``Float8Linear`` (its ``GemmInputRole`` values).
+FP8_ROLES: tuple[str, ...] = ("input", "weight", "grad_output")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fp8Cast:
+    """One fp8 cast of one ``Float8Linear`` on one step, summed up (plain values; this rank's)."""
+
+    module: str
+    """Qualified name of the ``Float8Linear`` (``model.named_modules()``)."""
+    role: str
+    """``input``, ``weight`` or ``grad_output`` (:data:`FP8_ROLES`)."""
+    amax: float
+    """max|x| of the high-precision tensor cast (the largest over rows with rowwise scaling); NaN/inf allowed."""
+    scale: float
+    """The scale the cast multiplied by (the smallest over rows with rowwise scaling); NaN/0/inf allowed."""
+    underflow: float | None = None
+    """Fraction of the elements non-zero in high precision and zero after the cast, on sampled steps."""
+    saturation: float | None = None
+    """Fraction of the elements clamped to the fp8 maximum, where the scale can saturate; else None."""
+    dynamic_range: float | None = None
+    """log2(amax / min nonzero |x|) on sampled steps."""
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.amax) and math.isfinite(self.scale) and self.scale > 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,6 +123,9 @@ class StepReport:
     threshold it was clipped to (then ``grad_norm * clip_coef``), else ``mean + ZClip.z * std``;
     inf during warm-up. None when ZClip is off."""
     # -- end of the detectors' thresholds --
+    fp8: tuple[Fp8Cast, ...] | None = None
+    """Each torchao float8 cast of this step (module, role, amax, scale; underflow on sampled steps),
+    when fp8 monitoring is on; None otherwise."""
 
     @property
     def nonfinite(self) -> bool:
@@ -139,6 +172,8 @@ def _jsonable(value: Any) -> Any:
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, tuple):
         return [_jsonable(v) for v in value]
+    if isinstance(value, Fp8Cast):
+        return value.to_dict()
     return value
 
 

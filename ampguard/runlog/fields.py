@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from ..records import StepReport
+from ..records import Fp8Cast, StepReport
 from ..vocab import AnomalyKind, Cause, Phase, SkipReason
 
 __all__ = ["MAX_DEPTH", "MAX_RANK", "BadRecord", "anomaly_fields", "parse_line", "rank_of", "run_info", "step_report"]
@@ -139,6 +139,17 @@ def _named_reals(value: Any, name: str) -> tuple[tuple[str, float], ...]:
     return _items(value, name, pair)
 
 
+def _fp8_cast(value: Any, name: str) -> Fp8Cast:
+    """One logged fp8 cast (``Fp8Cast.to_dict()``)."""
+    if not isinstance(value, dict):
+        raise _refuse(name, value, "an object")
+    opt = _optional(real)
+    return Fp8Cast(module=text(value.get("module"), name), role=text(value.get("role"), name),
+                   amax=real(value.get("amax"), name), scale=real(value.get("scale"), name),
+                   underflow=opt(value.get("underflow"), name), saturation=opt(value.get("saturation"), name),
+                   dynamic_range=opt(value.get("dynamic_range"), name))
+
+
 def _reason(value: Any, name: str) -> SkipReason:
     return word(SkipReason, value, name)
 
@@ -155,6 +166,7 @@ _BY_TYPE: dict[str, Callable[[Any, str], Any]] = {
     "tuple[int, ...]": _ranks,
     "tuple[float, ...] | None": _optional(_reals),
     "tuple[tuple[str, float], ...] | None": _optional(_named_reals),
+    "tuple[Fp8Cast, ...] | None": _optional(lambda v, n: _items(v, n, _fp8_cast)),
 }
 _STEP_READERS: dict[str, Callable[[Any, str], Any]] = {
     f.name: _BY_TYPE[str(f.type)] for f in dataclasses.fields(StepReport)
