@@ -25,7 +25,7 @@ from .exporters.base import Exporter, MultiExporter
 from .indicators import Indicators
 from .optimizer_view import InnerOptimizerView, param_names
 from .outcome import Outcome, Readers
-from .pipeline import StepPipeline, grad_marks
+from .pipeline import Measured, StepPipeline, grad_marks, marks_after_step
 from .records import RunInfo
 from .scaling import GradScalerAdapter
 from .schedules import ScheduledLR
@@ -198,8 +198,8 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         self._check_step_call(fresh)
         if not self._loss.count:  # a host int: the loss the guard never saw (no sync)
             self._outcome.voice.no_loss(self._step, stacklevel=3)  # 3: step() runs inside torch's step wrapper
-        # the previous step's reports, if left pending (this forward is done); a rollback spends this step
-        if self._outcome.settle(next_forward=self._step + 1):
+        # the reports left pending, up to the report lag (this forward is done); a rollback spends this step
+        if self._outcome.settle(next_forward=self._step + 1, before=self._step + 1 - self._report_lag()):
             return result
         measured = self._measured if self._measured is not None else self._measure(fast=True)
         pipe = self._pipeline
@@ -224,7 +224,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             self._forensics.replay_if_nonfinite(self._step, closure, decision, gathered, self.optimizer, self._scaler)
         self._reporter.enqueue(self._step, pipe.payload(decided, gathered, measured, tail),
                                measured.groups.index, self._outcome.batch_ids)
-        self._end_step()
+        self._end_step(measured)
         every = self.config.consistency_every
         if every is not None and self.backend.world_size > 1 and self._step % every == 0:  # collective
             consistency.check_outcome(self._outcome, self._step, self._scaler, pipe.params(), self.device, self.config)
@@ -401,13 +401,25 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         pipe = self._pipeline  # numerics_every: an int compare
         return pipe.measure(self, fast=fast, sample=pipe.numerics.sampled(self._step))
 
-    def _end_step(self) -> None:
+    def _report_lag(self) -> int:
+        """How many steps behind ``step()`` decodes a sync-free step's report: 2 (the host may run
+        two steps ahead of the device: no step waits on the previous step's copy), or 1 where the
+        next update needs the previous step's outcome first: a registered scheduler (the LR it reads
+        is held on a skipped step) or the ladder (a snapshot must hold the state of the step it names).
+        The same on every rank (it depends on the configuration and the registrations only)."""
+        out = self._outcome
+        return 1 if out.schedules.schedulers or out.ladder is not None else 2
+
+    def _end_step(self, measured: Measured | None = None) -> None:
+        """``measured``: the step's measurement, whose grouping names the gradients the step left
+        (their marks without a ``.grad`` read per parameter); None: read them (a rollback)."""
         self.backend.reset_pre_reduction()
         self._loss.reset()
         self._outcome.batch_ids, self._measured = [], None
         self._step += 1
         self._stage = Stage.STEPPED
-        self._marks = grad_marks(self._pipeline.params())
+        params = self._pipeline.params()
+        self._marks = grad_marks(params) if measured is None else marks_after_step(measured.groups, params)
         if self._scaler is not None:
             self._scaler.scaled_since_step = False
 

@@ -151,14 +151,15 @@ class Outcome:
         self.backend.close()
 
     # ------------------------------------------------------------------ the fixed points
-    def settle(self, next_forward: int) -> bool:
+    def settle(self, next_forward: int, before: int | None = None) -> bool:
         """Decode what has arrived, export it, and do what it asks (module docstring). Returns
         True when it rolled back, which spends the guard's current step. ``next_forward``: the
-        step whose forward has not run yet (forensics hooks armed now see it whole)."""
+        step whose forward has not run yet (forensics hooks armed now see it whole). ``before``:
+        decode only the reports of the steps before it (the guard's report lag; None: all)."""
         rep = self.records
-        if rep.idle():  # nothing arrived, decoded or asked since the last fixed point (CPU, synced steps)
+        if rep.idle(before):  # nothing due, decoded or asked since the last fixed point (CPU, synced steps)
             return False
-        rep.decode()
+        rep.decode(before)
         self.schedules.advance()  # once per decoded taken step, before the next inner step
         self.export()
         asked = rep.take_actions()

@@ -58,7 +58,7 @@ from .stats import (
 )
 from .switches import implementation_switches
 
-__all__ = ["Decision", "Measured", "StepPipeline", "grad_marks"]
+__all__ = ["Decision", "Measured", "StepPipeline", "grad_marks", "marks_after_step"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -396,3 +396,19 @@ def grad_marks(params: Sequence[torch.Tensor]) -> list[Any]:
     """Which gradient tensors exist, and their autograd version counters: a backward that adds
     to a gradient, or replaces it, changes this. One attribute read per parameter, no sync."""
     return [None if (g := p.grad) is None else (id(g), g._version) for p in params]
+
+
+def marks_after_step(groups: GradGroups, params: Sequence[torch.Tensor]) -> list[Any]:
+    """:func:`grad_marks` as a step leaves the gradients, from the step's own grouping of them
+    (``groups``, the ``.grad`` objects it measured): no ``.grad`` read per parameter, which is most
+    of :func:`grad_marks`' cost. Where the groups hold other tensors (a shard's local tensor, a
+    sparse gradient's values), :func:`grad_marks` itself."""
+    if not groups.own:
+        return grad_marks(params)
+    marks: list[Any] = [None] * len(params)
+    k = 0
+    for grads in groups.tensors.values():
+        for g in grads:
+            marks[groups.index[k]] = (id(g), g._version)
+            k += 1
+    return marks

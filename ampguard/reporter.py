@@ -39,6 +39,10 @@ from .vocab import AnomalyKind, Phase, SkipReason
 __all__ = ["Actions", "Reporter"]
 
 
+_FREE_PER_SIZE = 4
+"""Decoded pinned buffers kept per payload length (a payload is a few hundred bytes to a few KiB)."""
+
+
 class _Pending:
     __slots__ = ("batch_ids", "buf", "event", "index", "layout", "step")
 
@@ -102,6 +106,8 @@ class Reporter:
         self._blocks: dict[int, str] = {}
         self.actions = Actions()
         self._pending: deque[_Pending] = deque()
+        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+        """Pinned buffers (and their events) whose payload was decoded, by length, for the next copies."""
         self._unexported: list[tuple[StepReport, list[Anomaly]]] = []
 
     # ------------------------------------------------------------------ device -> host
@@ -110,9 +116,12 @@ class Reporter:
         ``index``: the parameter of each per-tensor norm (``GradGroups.index``)."""
         payload = packed.vector
         if payload.device.type == "cuda":
-            buf = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
+            free = self._free.get(payload.numel())
+            if free:  # a pinned buffer and event whose copy was decoded: reused (no pinned allocation)
+                buf, event = free.pop()
+            else:
+                buf, event = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True), torch.cuda.Event()
             buf.copy_(payload, non_blocking=True)
-            event = torch.cuda.Event()
             event.record()
         else:  # a host payload is the step's own fresh tensor (cat): no copy needed
             buf, event = payload.cpu(), None
@@ -122,23 +131,30 @@ class Reporter:
     def pending(self) -> bool:
         return bool(self._pending)
 
-    def idle(self) -> bool:
-        """Nothing pending, nothing decoded and not yet exported or acted on: a fixed point has
-        nothing to do (after a step whose report was decoded at once)."""
+    def idle(self, before: int | None = None) -> bool:
+        """Nothing to decode (before step ``before``: see :meth:`decode`), nothing decoded and not
+        yet exported or acted on: a fixed point has nothing to do."""
         a = self.actions
-        return not (self._pending or self._unexported or a.reports or a.snapshots or a.abort is not None
+        due = bool(self._pending) and (before is None or self._pending[0].step < before)
+        return not (due or self._unexported or a.reports or a.snapshots or a.abort is not None
                     or a.stop is not None or a.blocks)
 
     def clear_pending(self) -> None:
         self._pending.clear()
 
-    def decode(self) -> None:
-        """Turn every pending payload into records, in step order. Waits only for those copies."""
-        while self._pending:
+    def decode(self, before: int | None = None) -> None:
+        """Turn the pending payloads into records, in step order: all of them, or those of the
+        steps before ``before`` (a later step's copy may still be on its way; it is not waited
+        for). Waits only for the copies it decodes."""
+        while self._pending and (before is None or self._pending[0].step < before):
             pending = self._pending.popleft()
             if pending.event is not None:
                 pending.event.synchronize()  # that step's copy only; usually done already
             payload = pending.layout.unpack(pending.buf.tolist())  # the one read of the payload
+            if pending.event is not None:  # read: the buffer and its event serve a later step
+                free = self._free.setdefault(pending.buf.numel(), [])
+                if len(free) < _FREE_PER_SIZE:
+                    free.append((pending.buf, pending.event))
             report, anomalies = self.build(pending.step, payload, pending.index)
             self.record(report, anomalies, pending.batch_ids)
 

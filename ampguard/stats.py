@@ -130,6 +130,9 @@ class GradGroups:
     tensors: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]
     index: list[int]
     """``index[k]`` is the parameter of the k-th norm of :func:`per_tensor_norms` (group order)."""
+    own: bool = True
+    """The tensors are the parameters' ``.grad`` objects themselves (not a shard's local tensor or
+    a sparse gradient's values): their identities and version counters are the gradients'."""
 
     def with_index(self) -> Iterator[tuple[list[torch.Tensor], list[int]]]:
         """Each (device, dtype) group's gradients with their parameters' indices, in group order."""
@@ -159,7 +162,9 @@ def sparse_values(params: Sequence[torch.Tensor]) -> tuple[GradGroups, GradGroup
         return None
     views = [None if g is None else g._values() if g.is_sparse else g for g in grads]
     summed = [None if g is None else g.coalesce()._values() if g.is_sparse else g for g in grads]
-    return _grouped(views), _grouped(summed)
+    views_groups, summed_groups = _grouped(views), _grouped(summed)
+    views_groups.own = summed_groups.own = False
+    return views_groups, summed_groups
 
 
 def _grouped(every: Sequence[torch.Tensor | None]) -> GradGroups:
@@ -169,12 +174,14 @@ def _grouped(every: Sequence[torch.Tensor | None]) -> GradGroups:
     grads: list[torch.Tensor] = [every[i] for i in present]  # type: ignore[misc]
     if not grads:  # a backward that reached no parameter: nothing to group (torch's helper refuses [])
         return GradGroups({}, [])
+    own = True
     if {type(g) for g in grads} != {torch.Tensor}:
         grads = [local_tensor(g) for g in grads]  # type: ignore[arg-type]
+        own = False
     # One (device, dtype) for all (the usual case): the helper's answer, in order, without it.
     # Comprehensions, not generators: no per-gradient call (this runs every step, on the host).
     if len({(g.dtype, g.is_cuda, g.get_device()) for g in grads}) == 1:
-        return GradGroups({(grads[0].device, grads[0].dtype): grads}, present)
+        return GradGroups({(grads[0].device, grads[0].dtype): grads}, present, own)
     if _group_tensors_by_device_and_dtype is not None:
         # with_indices: the helper reports where each tensor came from, so the index survives
         # whatever order it groups in.
@@ -183,7 +190,7 @@ def _grouped(every: Sequence[torch.Tensor | None]) -> GradGroups:
             key: list(ts[0]) for key, (ts, _) in grouped.items()  # type: ignore[arg-type,misc]
         }
         index = [present[k] for _, (_, idx) in grouped.items() for k in idx]
-        return GradGroups(tensors, index)
+        return GradGroups(tensors, index, own)
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)  # pragma: no cover
     where: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)  # pragma: no cover
     for i, g in zip(present, grads):  # pragma: no cover - torch without the helper

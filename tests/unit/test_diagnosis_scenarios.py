@@ -167,9 +167,10 @@ def test_a_nan_made_in_the_loss_backward_names_no_module():
 @pytest.mark.parametrize("lagged", [False, True], ids=["cpu", "fused_cuda_lag"])
 def test_persistent_nan_without_closure_is_named_late_and_never_wrong(lagged):
     """Issue 14's GPT-2 case: a NaN from step 10 on, fused AdamW, no closure. Reports of a fused
-    step on CUDA are read one step late (emulated here on CPU); the hooks then arm at step 11's
-    step(), after its forward: step 11 names nothing (it named "", "loss", "nan" before), step 12
-    names the module. Without the lag (CPU, non-fused CUDA) step 11 names it."""
+    step on CUDA are read two steps late (emulated here on CPU: the host never waits on the previous
+    step's copy); the hooks then arm at step 12's step(), after its forward: steps 11 and 12 name
+    nothing (step 11 named "", "loss", "nan" once), step 13 names the module. Without the lag (CPU,
+    non-fused CUDA) step 11 names it."""
     model = lm()
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model, precision="bf16")
     opt._lagged_reports = lagged
@@ -178,7 +179,7 @@ def test_persistent_nan_without_closure_is_named_late_and_never_wrong(lagged):
     opt.flush()
     by_step = {a.step: a for a in opt.anomalies}
     assert sorted(by_step) == [10, 11, 12, 13]
-    first = 12 if lagged else 11
+    first = 13 if lagged else 11
     for step in range(10, first):
         assert (by_step[step].module, by_step[step].cause) == (None, None), by_step[step]
     for step in range(first, 14):
