@@ -1,0 +1,215 @@
+#!/usr/bin/env python
+"""Host time of one ``step()``: the plain GradScaler loop's ``scaler.step(opt); scaler.update()``
+against the guard's ``opt.step()``, and where each microsecond of the guard's goes.
+
+Each measured call starts on a drained device (``torch.cuda.synchronize()`` after the backward),
+so what is timed is the host's own work: Python, kernel launches, and any wait the call makes
+on the device (a sync shows up as time here). Plain and guarded steps alternate in blocks, in one
+process; the figure is the median (p25, p75) over the steps of all blocks.
+
+The breakdown wraps the guard's stages (``guard._fresh_grads``, ``outcome.settle``,
+``pipeline.measure``/``gather``/``decide``/``clip``/``inner_step``/``update_scale``/``payload``,
+``reporter.enqueue``, ``guard._end_step``) with a timer on the instance; "rest" is the step's time
+outside every stage. The timers cost ~0.2 us each, so the breakdown runs in blocks of its own and
+the headline figures come from unwrapped steps. ``inner_step`` holds the optimizer's own update:
+compare it with the plain row's whole step.
+
+On the CPU the "device" is the host: every stage's time includes its arithmetic. Use tiny, deep
+models there (``gpt2-deep``: GPT-2's 148 parameter tensors at width 32) to see the Python work that
+grows with the parameter count. Run::
+
+    python benchmarks/host_time.py --device cuda --models mlp,gpt2-350m --optims fused,foreach
+    python benchmarks/host_time.py --device cpu --models mlp,gpt2-deep --optims fused,foreach --blocks 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import ampguard
+
+STAGES = {  # owner attribute path on the guard -> stage methods timed
+    "": ("_fresh_grads", "_check_step_call", "_end_step", "_measure"),
+    "_outcome": ("settle",),
+    "_pipeline": ("gather", "decide", "clip", "inner_step", "update_scale", "payload"),
+    "_reporter": ("enqueue",),
+}
+
+
+def build(name: str, device: torch.device) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
+    torch.manual_seed(0)
+    if name == "mlp":  # issue 26's 8x256 MLP
+        layers: list[torch.nn.Module] = []
+        for _ in range(8):
+            layers += [torch.nn.Linear(256, 256), torch.nn.GELU()]
+        model = torch.nn.Sequential(*layers, torch.nn.Linear(256, 10)).to(device)
+        x, y = torch.randn(64, 256, device=device), torch.randint(0, 10, (64,), device=device)
+        return model, lambda: torch.nn.functional.cross_entropy(model(x), y)
+    from transformers import GPT2Config, GPT2LMHeadModel
+    shapes = {"gpt2-350m": dict(n_layer=24, n_embd=1024, n_head=16, batch=8, seq=512),
+              "gpt2-124m": dict(n_layer=12, n_embd=768, n_head=12, batch=8, seq=512),
+              "gpt2-deep": dict(n_layer=12, n_embd=32, n_head=4, batch=2, seq=16)}[name]
+    batch, seq = shapes.pop("batch"), shapes.pop("seq")
+    cfg = GPT2Config(vocab_size=50257 if name != "gpt2-deep" else 256, n_positions=max(seq, 64), **shapes)
+    model = GPT2LMHeadModel(cfg).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (batch, seq), device=device)
+    return model, lambda: model(input_ids=ids, labels=ids).loss
+
+
+class Timers:
+    """perf_counter wrappers set on the instances (shadowing the class's methods)."""
+
+    def __init__(self, guard: Any) -> None:
+        self.ns: dict[str, list[int]] = {}
+        self._undo: list[tuple[Any, str]] = []
+        for path, names in STAGES.items():
+            owner = getattr(guard, path) if path else guard
+            for name in names:
+                self._wrap(owner, name, f"{path.strip('_') or 'guard'}.{name}")
+
+    def _wrap(self, owner: Any, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+        acc = self.ns.setdefault(label, [])
+        clock = time.perf_counter_ns
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc.append(clock() - t0)
+        setattr(owner, name, timed)
+        self._undo.append((owner, name))
+
+    def remove(self) -> None:
+        for owner, name in self._undo:
+            delattr(owner, name)
+
+
+def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: int, warmup: int,
+        profile: int = 0) -> dict[str, Any]:
+    dtype = torch.float16
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    loops = {}
+    for variant in ("plain", "guard"):
+        model, loss_fn = build(model_name, device)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-4, **{optim: True})
+        if variant == "plain":
+            scaler = torch.amp.GradScaler(device.type)
+
+            def fwd_bwd(model=model, loss_fn=loss_fn, scaler=scaler) -> None:
+                with torch.autocast(device.type, dtype=dtype):
+                    loss = loss_fn()
+                scaler.scale(loss).backward()
+
+            def step(inner=inner, scaler=scaler) -> None:
+                scaler.step(inner)
+                scaler.update()
+            loops[variant] = (fwd_bwd, step, inner.zero_grad, None)
+        else:
+            opt = ampguard.wrap(inner, model=model, precision="fp16", exporters=[])
+
+            def fwd_bwd(opt=opt, loss_fn=loss_fn) -> None:
+                with opt.autocast():
+                    loss = loss_fn()
+                opt.backward(loss)
+            loops[variant] = (fwd_bwd, opt.step, opt.zero_grad, opt)
+
+    def one(variant: str, out: list[int] | None) -> None:
+        fwd_bwd, step, zero, _ = loops[variant]
+        fwd_bwd()
+        sync()
+        t0 = time.perf_counter_ns()
+        step()
+        t1 = time.perf_counter_ns()
+        sync()
+        zero(set_to_none=True)
+        if out is not None:
+            out.append(t1 - t0)
+
+    for variant in loops:
+        for _ in range(warmup):
+            one(variant, None)
+    times: dict[str, list[int]] = {"plain": [], "guard": []}
+    for b in range(blocks):
+        order = ("plain", "guard") if b % 2 == 0 else ("guard", "plain")
+        for variant in order:
+            for _ in range(steps):
+                one(variant, times[variant])
+    guard = loops["guard"][3]
+    timers = Timers(guard)
+    broken: list[int] = []
+    for _ in range(max(steps, 20)):
+        one("guard", broken)
+    timers.remove()
+    if profile:
+        import cProfile
+        import io
+        import pstats
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(max(steps, 20)):
+            one("guard", None)
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(profile)
+        print(f"\n--- cProfile of {max(steps, 20)} guarded steps (fwd+bwd included), {model_name} {optim} ---")
+        print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:12000])
+    guard.close()
+
+    def q(xs: list[int]) -> dict[str, float]:
+        qs = statistics.quantiles(xs, n=4)
+        return {"p25": qs[0] / 1e3, "median": qs[1] / 1e3, "p75": qs[2] / 1e3}
+    n = len(broken)
+    stages = {k: statistics.median(v) / 1e3 if len(v) == n else sum(v) / n / 1e3
+              for k, v in timers.ns.items() if v}
+    inner_total = statistics.median(broken) / 1e3
+    stages["rest"] = inner_total - sum(stages.values())  # no timed stage runs inside another
+    out = {"model": model_name, "optim": optim, "device": str(device), "plain_us": q(times["plain"]),
+           "guard_us": q(times["guard"]), "breakdown_us": stages, "breakdown_total_us": inner_total}
+    out["added_us"] = out["guard_us"]["median"] - out["plain_us"]["median"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--models", default="mlp")
+    ap.add_argument("--optims", default="fused,foreach")
+    ap.add_argument("--blocks", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--profile", type=int, default=0, help="also print cProfile's top N functions (own time)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    rows = []
+    for model_name in args.models.split(","):
+        for optim in args.optims.split(","):
+            row = run(model_name, optim, device, args.blocks, args.steps, args.warmup, args.profile)
+            rows.append(row)
+            p, g = row["plain_us"], row["guard_us"]
+            print(f"\n{model_name} {optim} on {device}: plain {p['median']:.0f} us (p25 {p['p25']:.0f}, p75 "
+                  f"{p['p75']:.0f}); guard {g['median']:.0f} us (p25 {g['p25']:.0f}, p75 {g['p75']:.0f}); "
+                  f"added {row['added_us']:+.0f} us")
+            print(f"  breakdown of a timed guarded step ({row['breakdown_total_us']:.0f} us, median):")
+            for k, v in sorted(row["breakdown_us"].items(), key=lambda kv: -kv[1]):
+                print(f"    {k:<26} {v:8.1f} us")
+            sys.stdout.flush()
+    if args.json:
+        args.json.write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
