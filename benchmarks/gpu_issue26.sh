@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Issue 26 on the H200: host time of step() with its breakdown (benchmarks/host_time.py). Run through the device
-# tool: OUT=$OUT bash benchmarks/gpu_issue26.sh [TAG]. Writes $OUT/host_time_TAG.{txt,json}.
+# Issue 26 on the H200: host time of step() with its breakdown (benchmarks/host_time.py), and tests/gpu. Run through
+# the device tool: OUT=$OUT bash benchmarks/gpu_issue26.sh [TAG]. Writes $OUT/host_time_TAG.{txt,json}, $OUT/tests_TAG.txt.
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu_$TAG.txt"
 python -c "import torch; print(torch.__version__)" | tee -a "$OUT/gpu_$TAG.txt"
 git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu_$TAG.txt"
-python benchmarks/host_time.py --device cuda --models mlp,gpt2-350m --optims fused,foreach --blocks 10 --steps 30 \
-  --profile ${PROFILE:-25} --json "$OUT/host_time_$TAG.json" 2>&1 | grep -v Warning | tee "$OUT/host_time_$TAG.txt"
+if [ "${TESTS:-1}" = 1 ]; then
+  python -m pytest -q -p no:cacheprovider tests/gpu -x 2>&1 | tail -15 | tee "$OUT/tests_$TAG.txt"
+fi
+python benchmarks/host_time.py --device cuda --models ${MODELS:-mlp,gpt2-350m} --optims fused,foreach --blocks 10 --steps 30 \
+  --profile ${PROFILE:-0} --ops ${OPS:-30} --json "$OUT/host_time_$TAG.json" 2>&1 | grep -v Warning | tee "$OUT/host_time_$TAG.txt"

@@ -97,7 +97,7 @@ class Timers:
 
 
 def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: int, warmup: int,
-        profile: int = 0) -> dict[str, Any]:
+        profile: int = 0, ops: int = 0) -> dict[str, Any]:
     dtype = torch.float16
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     loops = {}
@@ -152,6 +152,33 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
     for _ in range(max(steps, 20)):
         one("guard", broken)
     timers.remove()
+    if ops:  # torch.profiler over step() only: each op's own host time, the launches, per step
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+        n_steps = max(steps, 20)
+        for variant in ("plain", "guard"):
+            fwd_bwd, step, zero, _ = loops[variant]
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            with torch_profile(activities=acts) as prof:  # CUDA: the runtime calls (launches) too
+                for _ in range(n_steps):
+                    fwd_bwd()
+                    sync()
+                    with torch.profiler.record_function("STEP"):
+                        step()
+                    sync()
+                    zero(set_to_none=True)
+            events = [e for e in prof.events() if e.name != "STEP"]
+            steps_ev = [e for e in prof.events() if e.name == "STEP"]
+            inside = [e for e in events if any(s.time_range.start <= e.time_range.start <= s.time_range.end
+                                               for s in steps_ev)]
+            agg: dict[str, list[float]] = {}
+            for e in inside:
+                a = agg.setdefault(e.name, [0, 0.0])
+                a[0] += 1
+                a[1] += e.self_cpu_time_total
+            print(f"\n--- ops inside step(), {variant}, {model_name} {optim}: per step, by own host time ---")
+            for name, (count, us) in sorted(agg.items(), key=lambda kv: -kv[1][1])[:ops]:
+                print(f"    {name:<48} {count / n_steps:7.1f} calls {us / n_steps:9.1f} us")
     if profile:
         import cProfile
         import io
@@ -190,13 +217,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--profile", type=int, default=0, help="also print cProfile's top N functions (own time)")
+    ap.add_argument("--ops", type=int, default=0, help="also print the top N torch ops inside step() (torch.profiler)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args()
     device = torch.device(args.device)
     rows = []
     for model_name in args.models.split(","):
         for optim in args.optims.split(","):
-            row = run(model_name, optim, device, args.blocks, args.steps, args.warmup, args.profile)
+            row = run(model_name, optim, device, args.blocks, args.steps, args.warmup, args.profile, args.ops)
             rows.append(row)
             p, g = row["plain_us"], row["guard_us"]
             print(f"\n{model_name} {optim} on {device}: plain {p['median']:.0f} us (p25 {p['p25']:.0f}, p75 "
