@@ -8,10 +8,11 @@ a step was skipped costs a host sync on the sync-free path (fused optimizer on C
   where the step's report has been decoded anyway. Where the step synchronised or decides on
   the host (CPU; non-fused optimizers on CUDA), that is right after the step. On the sync-free
   path a registered scheduler keeps the guard's report lag at one step (without one, reports are
-  decoded two steps late: ``GuardedOptimizer._report_lag``): step N's report is decoded at the start of step N+1's ``step()``, before its inner
-  update reads the LR: the LR every update sees is the eager loop's, bitwise. The advance
-  counts taken steps (``history.steps_reported - skipped_total``) against those already applied, so
-  readers that decode early (``last_report``...) change nothing.
+  decoded two steps late: ``GuardedOptimizer._report_lag``): step N's report is decoded at the
+  start of step N+1's ``step()``, before its inner update reads the LR: the LR every update
+  sees is the eager loop's, bitwise. The advance counts taken steps
+  (``history.steps_reported - skipped_total``) against those already applied, so readers
+  that decode early (``last_report``...) change nothing.
 - ``opt.schedule(scheduler)`` returns a :class:`ScheduledLR`, a wrapper the loop keeps in place
   of the scheduler: its ``step()`` is refused (the guard steps the scheduler) and its
   ``state_dict()`` applies a pending advance first. The scheduler itself is left as it was (no
