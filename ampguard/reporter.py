@@ -148,8 +148,8 @@ class Reporter:
         for). Waits only for the copies it decodes."""
         while self._pending and (before is None or self._pending[0].step < before):
             pending = self._pending.popleft()
-            if pending.event is not None:
-                pending.event.synchronize()  # that step's copy only; usually done already
+            if pending.event is not None and not pending.event.query():
+                pending.event.synchronize()  # that step's copy only, still in flight: the host is ahead
             payload = pending.layout.unpack(pending.buf.tolist())  # the one read of the payload
             if pending.event is not None:  # read: the buffer and its event serve a later step
                 free = self._free.setdefault(pending.buf.numel(), [])
