@@ -1,27 +1,35 @@
 """Cross-rank consistency check: do all ranks still hold the same training state?
 
-Every ``GuardConfig.consistency_every`` steps the guard gathers, from every rank, its step
-count, skipped-step count, loss scale and a cheap fingerprint of the parameters, and compares
-them. Ranks that disagree with the majority are reported (ties: the group holding the lowest
-rank is taken as the reference, as rank 0 is the usual source of truth for broadcasts).
+Every ``GuardConfig.consistency_every`` steps the guard gathers, from every rank, its step count,
+skipped-step count, loss scale and a bitwise digest of its parameters
+(:func:`ampguard.fingerprint.params_digest`: their bits summed in int64, in chunks), and compares
+them. Ranks that disagree with the majority are reported (ties: the group holding the lowest rank
+is taken as the reference, as rank 0 is the usual source of truth for broadcasts). Only when the
+digests differ, a second exchange of every parameter's fingerprint names the parameters that
+differ and, for each, the ranks holding other bits.
 
-Cost: one pass over the parameters (two foreach-free reductions per tensor, on device), one
-all-gather of ``FIELDS`` float64 values per rank, and one host read of the gathered matrix.
+The digest is exact (integer sums of the parameters' bits: any flipped bit shows, and the same
+bits give the same words on every device), so replicas that agree agree bitwise. Its int64 words
+travel through the float64 all-gather as raw bits (``Tensor.view``), never as values.
+
+Cost: one read of the parameters on device (an int64 temporary of the largest tensor), one
+all-gather of ``len(FIELDS)`` float64 words per rank, one host read of the gathered matrix; on a
+mismatch only, one more all-gather of two int64 words per parameter.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from .backends.base import Backend
 from .errors import RankDivergenceError
+from .fingerprint import WORDS, param_fingerprints, params_digest
 from .records import Anomaly
-from .stats import local_tensor
 from .vocab import AnomalyKind
 
 if TYPE_CHECKING:
@@ -29,10 +37,13 @@ if TYPE_CHECKING:
     from .outcome import Outcome
     from .scaling import GradScalerAdapter
 
-__all__ = ["FIELDS", "Divergence", "check", "check_outcome", "fingerprint"]
+__all__ = ["FIELDS", "Divergence", "check", "check_outcome"]
 
-#: What is compared, in the order of the gathered vector.
-FIELDS = ("step count", "skipped count", "loss scale", "parameter sum", "parameter weighted square sum")
+#: What is compared, in the order of the gathered vector (the last two: the parameters' digest words,
+#: :func:`ampguard.fingerprint.params_digest`; zeros where the parameters are not compared).
+FIELDS = ("step count", "skipped count", "loss scale", "parameter bits", "parameter weighted bits")
+_HEAD = 3
+_DIGEST = len(FIELDS) - _HEAD
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,29 +54,35 @@ class Divergence:
     """The odd ranks out (those that differ from the majority)."""
     fields: tuple[str, ...]
     """Names (from :data:`FIELDS`) of the values that differed."""
-    values: tuple[tuple[float, ...], ...]
-    """Every rank's gathered vector, by rank."""
+    values: tuple[tuple[float | int, ...], ...]
+    """Every rank's gathered vector, by rank (the digest words as ints)."""
+    params: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Each parameter whose bits differ across ranks, with the ranks that hold other bits than the
+    majority (found by the second exchange; empty where the parameters agree)."""
 
     def describe(self) -> str:
         parts = []
         for name in self.fields:
             i = FIELDS.index(name)
+            if i >= _HEAD:
+                continue
             per_rank = ", ".join(f"rank {r}: {row[i]!r}" for r, row in enumerate(self.values))
             parts.append(f"{name} ({per_rank})")
+        if self.params:
+            shown = "; ".join(f"{name} on rank(s) {list(ranks)}" for name, ranks in self.params[:5])
+            more = f" and {len(self.params) - 5} more" if len(self.params) > 5 else ""
+            parts.append(f"parameter bits: {len(self.params)} parameter(s) differ ({shown}{more})")
+        elif any(FIELDS.index(n) >= _HEAD for n in self.fields):
+            parts.append("parameter bits (the digests differ)")
         return f"rank(s) {list(self.ranks)} differ from the others in " + "; ".join(parts)
 
 
-def fingerprint(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Two float64 device scalars: sum of every parameter's elements, and sum over parameters
-    of ``(index + 1) * sum(p**2)`` (catches swaps and sign flips the plain sum misses).
-    For sharded (DTensor) parameters, this rank's shard. No host sync."""
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    weighted = torch.zeros((), dtype=torch.float64, device=device)
-    for i, p in enumerate(params):
-        x = local_tensor(p.detach()).to(dtype=torch.float64)
-        total = total + x.sum().to(device)
-        weighted = weighted + (i + 1) * x.square().sum().to(device)
-    return torch.stack([total, weighted])
+def _odd_ones_out(keys: Sequence[object]) -> tuple[int, ...]:
+    """The ranks whose key differs from the majority's (a tie: the group holding the lowest rank)."""
+    counts = Counter(keys)
+    best = max(counts.values())
+    reference = next(k for k in keys if counts[k] == best)
+    return tuple(r for r, k in enumerate(keys) if k != reference)
 
 
 def check(
@@ -74,47 +91,68 @@ def check(
     step: int,
     skipped: int,
     scale: torch.Tensor | float,
-    params: Iterable[torch.Tensor],
+    params: Sequence[torch.Tensor],
     device: torch.device,
     compare_params: bool = True,
+    names: Sequence[str] = (),
 ) -> Divergence | None:
     """Gather the state of every rank and compare it. Returns None when every rank agrees.
 
-    collective: every rank must call it, at the same step. Synchronises the host (reads the
-    gathered values). ``compare_params=False`` leaves the fingerprint out (sharded parameters,
-    where every rank legitimately holds different values).
+    collective: every rank must call it, at the same step (and, on a parameter mismatch, the second
+    exchange runs on every rank too: every rank sees the same gathered digests). Synchronises the
+    host (reads the gathered values). ``compare_params=False`` leaves the parameters out (sharded
+    parameters, where every rank legitimately holds different values). ``names``: the parameters'
+    names, for the second exchange's finding (default ``param{i}``).
     """
     scale_t = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
     head = torch.tensor([float(step), float(skipped)], dtype=torch.float64, device=device)
-    vec = torch.cat(
-        [head, scale_t.detach().reshape(1).to(device=device, dtype=torch.float64), fingerprint(params, device)]
-    )
-    gathered = backend.all_gather(vec).wait()
-    rows = [tuple(float(v) for v in row) for row in gathered.cpu().tolist()]
-    n = len(FIELDS) if compare_params else 3
+    compared = compare_params and len(params) > 0
+    words = params_digest(list(params)).to(device) if compared else torch.zeros(0, dtype=torch.int64, device=device)
+    words = words if compared else torch.zeros(_DIGEST, dtype=torch.int64, device=device)
+    vec = torch.cat([head, scale_t.detach().reshape(1).to(device=device, dtype=torch.float64),
+                     words.view(torch.float64)])  # the int64 words as raw bits: exact through the gather
+    gathered = backend.all_gather(vec).wait().cpu()
+    heads = gathered[:, :_HEAD].tolist()
+    digests = gathered[:, _HEAD:].contiguous().view(torch.int64).tolist()
+    rows = [tuple(h) + tuple(d) for h, d in zip(heads, digests)]
+    n = len(FIELDS) if compare_params else _HEAD
     keys = [tuple(v if v == v else "nan" for v in row[:n]) for row in rows]  # NaN == NaN here
     if len(set(keys)) <= 1:
         return None
-    counts = Counter(keys)
-    best = max(counts.values())
-    # majority; on a tie, the group that holds the lowest rank is the reference
-    reference = next(k for k in keys if counts[k] == best)
-    odd = tuple(r for r, k in enumerate(keys) if k != reference)
+    odd = _odd_ones_out(keys)
     differing = tuple(FIELDS[i] for i in range(n) if len({k[i] for k in keys}) > 1)
-    return Divergence(ranks=odd, fields=differing, values=tuple(rows))
+    found: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    if compared and any(FIELDS.index(f) >= _HEAD for f in differing):  # only now: a fingerprint per parameter
+        found = _which_params(backend, param_fingerprints(list(params)).to(device), names)
+    return Divergence(ranks=odd, fields=differing, values=tuple(rows), params=found)
 
 
-def check_outcome(outcome: Outcome, step: int, scale: GradScalerAdapter | None, params: Iterable[torch.Tensor],
+def _which_params(backend: Backend, fps: torch.Tensor, names: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The second exchange: every rank's per-parameter fingerprints; each parameter whose rows differ,
+    with the ranks that hold other bits than the majority. collective."""
+    every = backend.all_gather(fps.contiguous().view(torch.float64).reshape(-1)).wait().cpu()
+    per_rank = every.contiguous().view(torch.int64).reshape(every.shape[0], -1, WORDS).tolist()
+    out = []
+    for i in range(len(per_rank[0])):
+        keys = [tuple(rank[i]) for rank in per_rank]
+        if len(set(keys)) > 1:
+            out.append((names[i] if i < len(names) else f"param{i}", _odd_ones_out(keys)))
+    return tuple(out)
+
+
+def check_outcome(outcome: Outcome, step: int, scale: GradScalerAdapter | None, params: Sequence[torch.Tensor],
                   device: torch.device, config: GuardConfig) -> None:
     """Run :func:`check` after a guard's step (``step``: steps so far): a mismatch becomes a
-    ``rank_divergence`` anomaly on the step just taken, in ``outcome``'s records, and raises per
-    ``config.on_divergence``. collective; synchronises the host."""
+    ``rank_divergence`` anomaly on the step just taken, in ``outcome``'s records (naming the
+    parameters whose bits differ), and raises per ``config.on_divergence``. collective; synchronises
+    the host."""
     rep, backend = outcome.records, outcome.backend
     div = check(backend, step=step, skipped=rep.skipped_total, scale=scale.scale if scale else 1.0,
-                params=params, device=device, compare_params=not backend.grads_sharded)
+                params=params, device=device, compare_params=not backend.grads_sharded, names=rep.names())
     if div is None:
         return
-    rep.divergence = Anomaly(step - 1, AnomalyKind.RANK_DIVERGENCE, div.describe(), div.ranks)
+    rep.divergence = Anomaly(step - 1, AnomalyKind.RANK_DIVERGENCE, div.describe(), div.ranks,
+                             tuple(name for name, _ in div.params[:8]))
     if config.on_divergence == "raise":
         rep.decode()
         raise RankDivergenceError(f"step {step - 1}: {div.describe()}", div.ranks)

@@ -154,6 +154,7 @@ def test_horovod_one_decision_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> 
     for r in res:
         first = r["divergence_warn"]["anomalies"][0]
         assert first[:3] == (3, "rank_divergence", (1,)), first
+        assert "0.bias on rank(s) [1]" in first[3], first  # the second exchange names the parameter
         assert r["divergence_raise"]["error"] == ("RankDivergenceError", 3)
         assert r["escalate"]["error"] == ("NonFiniteError", 4)
         assert r["escalate"]["skipped"] == [2, 3, 4]

@@ -20,6 +20,7 @@ from ._common import assert_same_everywhere, spawn, standard_faults, tiny_model,
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
 STEPS = 8
+HEALTHY_STEPS = 1000
 
 
 def _adamw(model: torch.nn.Module, fused: bool) -> torch.optim.Optimizer:
@@ -58,14 +59,15 @@ def _run_ddp(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
     out["user_hook_calls"] = len(calls)
     opt.close()
 
-    # 3. a parameter perturbed on rank 1 after step 2: the check every 2 steps names rank 1
+    # 3. one bit flipped in one element of rank 1's 0.bias after step 2 (through its integer view: the
+    #    last mantissa bit, a finite, plausible value): the check every 2 steps names rank 1 and 0.bias
     model = DDP(tiny_model())
     opt = ampguard.wrap(_adamw(model, fused), model=model, precision="bf16", config={"consistency_every": 2})
 
     def perturb(step: int) -> None:
         if step == 2 and rank == 1:
             with torch.no_grad():
-                model.module[0].bias[0] += 1.0
+                model.module[0].bias.view(torch.int32)[0] ^= 1
 
     out["divergence"] = train(opt, model, rank, 6, before_step=perturb)
     opt.close()
@@ -76,6 +78,14 @@ def _run_ddp(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
                         config={"consistency_every": 2, "on_divergence": "raise"})
     out["divergence_raise"] = train(opt, model, rank, 6, before_step=perturb)
     opt.close()
+
+    # 3c. healthy steps compared at every step: no false alarm (the fingerprints are bitwise, and DDP
+    #     replicas are bitwise equal)
+    if not fused:
+        model = DDP(tiny_model())
+        opt = ampguard.wrap(_adamw(model, fused), model=model, precision="bf16", config={"consistency_every": 1})
+        out["healthy_checked"] = train(opt, model, rank, HEALTHY_STEPS)
+        opt.close()
 
     # 4. max_consecutive_skips=3, the loss NaN on rank 0 only from step 2 on: every rank raises at step 4
     model = DDP(tiny_model())
@@ -128,8 +138,10 @@ def test_ddp_one_decision_on_every_rank(fused: bool) -> None:
         kinds = [(a[0], a[1], a[2]) for a in r["divergence"]["anomalies"]]
         assert kinds and all(k == (3, "rank_divergence", (1,)) or k[0] > 3 for k in kinds), kinds
         assert kinds[0] == (3, "rank_divergence", (1,))
-        assert "parameter" in r["divergence"]["anomalies"][0][3]
+        assert "0.bias on rank(s) [1]" in r["divergence"]["anomalies"][0][3], r["divergence"]["anomalies"][0]
         assert r["divergence_raise"]["error"] == ("RankDivergenceError", 3)
+        if not fused:
+            assert not r["healthy_checked"]["anomalies"] and r["healthy_checked"]["error"] is None
 
     # escalation on every rank at the same step
     for r in res:

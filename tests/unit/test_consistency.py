@@ -1,5 +1,6 @@
-"""ampguard.consistency: the comparison and the majority vote, on gathered matrices given by a
-stand-in Collective (the multi-rank path is tested for real in tests/distributed)."""
+"""ampguard.consistency: the comparison, the majority vote and the second exchange that names the
+parameters, on gathered matrices given by a stand-in backend that holds every rank's state (the
+multi-rank path runs for real, over gloo, in tests/distributed)."""
 
 from __future__ import annotations
 
@@ -8,63 +9,87 @@ import math
 import torch
 
 from ampguard.backends.base import ReadyHandle
-from ampguard.consistency import FIELDS, check, fingerprint
+from ampguard.consistency import FIELDS, check
+from ampguard.fingerprint import param_fingerprints, params_digest
 
 
-class _Gathered:
-    """A Collective whose all_gather returns this rank's vector with other ranks' rows."""
+class _Ranks:
+    """A backend whose all_gather stacks every rank's vector, each made from that rank's state."""
 
-    def __init__(self, others: dict[int, list[float]], world: int) -> None:
-        self.others, self.world_size = others, world
+    def __init__(self, states: list[tuple[float, list[torch.Tensor]]]) -> None:
+        self.states, self.world_size, self.calls = states, len(states), 0
 
     def all_gather(self, vec: torch.Tensor) -> ReadyHandle:
-        rows = [
-            torch.tensor(self.others[r], dtype=vec.dtype) if r in self.others else vec for r in range(self.world_size)
-        ]
+        self.calls += 1
+        rows = []
+        for scale, params in self.states:
+            fps = param_fingerprints(params)
+            if vec.numel() == len(FIELDS):
+                rows.append(torch.cat([torch.tensor([5.0, 1.0, scale], dtype=torch.float64),
+                                       params_digest(params).view(torch.float64)]))
+            else:
+                rows.append(fps.view(torch.float64).reshape(-1))
         return ReadyHandle(torch.stack(rows))
 
 
-def _mine(params: list[torch.Tensor]) -> list[float]:
-    return [5.0, 1.0, 128.0, *fingerprint(params, torch.device("cpu")).tolist()]
+def _run(states: list[tuple[float, list[torch.Tensor]]], me: int = 0, **kw: object) -> object:
+    scale, params = states[me]
+    return check(_Ranks(states), step=5, skipped=1, scale=torch.tensor(scale), params=params,  # type: ignore[arg-type]
+                 device=torch.device("cpu"), names=["w", "b"], **kw)
 
 
-def _run(others: dict[int, list[float]], world: int, params: list[torch.Tensor], **kw: object) -> object:
-    return check(_Gathered(others, world), step=5, skipped=1, scale=torch.tensor(128.0), params=params,
-                 device=torch.device("cpu"), **kw)  # type: ignore[arg-type]
+def _params(seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(3, 3, generator=g), torch.randn(3, generator=g)]
 
 
 def test_agreement_is_none() -> None:
-    params = [torch.randn(3, 3), torch.randn(3)]
-    assert _run({1: _mine(params), 2: _mine(params)}, 3, params) is None
+    assert _run([(128.0, _params()), (128.0, _params()), (128.0, _params())]) is None
 
 
 def test_majority_names_the_odd_rank_and_the_field() -> None:
-    params = [torch.randn(3, 3), torch.randn(3)]
-    odd = _mine(params)
-    odd[2] = 64.0  # another loss scale on rank 2
-    div = _run({1: _mine(params), 2: odd}, 3, params)
+    div = _run([(128.0, _params()), (128.0, _params()), (64.0, _params())])
     assert div is not None and div.ranks == (2,) and div.fields == ("loss scale",)
     assert "rank(s) [2]" in div.describe() and "loss scale" in div.describe()
 
 
+def test_one_flipped_bit_names_the_rank_and_the_parameter() -> None:
+    flipped = _params()
+    flipped[1].view(torch.int32)[2] ^= 1  # the last mantissa bit of one element: 1 ulp
+    backend = _Ranks([(128.0, _params()), (128.0, flipped), (128.0, _params())])
+    div = check(backend, step=5, skipped=1, scale=torch.tensor(128.0), params=_params(),  # type: ignore[arg-type]
+                device=torch.device("cpu"), names=["w", "b"])
+    assert div is not None and div.ranks == (1,) and div.params == (("b", (1,)),)
+    assert backend.calls == 2  # the second exchange runs only on a mismatch
+    assert "b on rank(s) [1]" in div.describe()
+
+
+def test_the_second_exchange_runs_only_on_a_mismatch() -> None:
+    backend = _Ranks([(128.0, _params()), (128.0, _params())])
+    assert check(backend, step=5, skipped=1, scale=128.0, params=_params(),  # type: ignore[arg-type]
+                 device=torch.device("cpu")) is None
+    assert backend.calls == 1
+
+
 def test_tie_keeps_the_lowest_rank_as_reference() -> None:
-    params = [torch.randn(4)]
-    other = _mine([params[0] + 1])
-    div = _run({1: other}, 2, params)
+    div = _run([(128.0, _params()), (128.0, [p + 1 for p in _params()])])
     assert div is not None and div.ranks == (1,)
     assert set(div.fields) <= set(FIELDS[3:]) and div.fields
+    assert {name for name, _ in div.params} == {"w", "b"}
 
 
 def test_sharded_parameters_are_left_out() -> None:
-    params = [torch.randn(4)]
-    assert _run({1: _mine([params[0] + 1])}, 2, params, compare_params=False) is None
+    assert _run([(128.0, _params()), (128.0, [p + 1 for p in _params()])], compare_params=False) is None
 
 
-def test_nan_equals_nan() -> None:
-    params = [torch.full((2,), math.nan)]
-    assert _run({1: _mine(params)}, 2, params) is None
+def test_the_same_nan_bits_agree_and_other_nan_bits_do_not() -> None:
+    nan = [torch.full((2,), math.nan), torch.zeros(1)]
+    assert _run([(128.0, nan), (128.0, [t.clone() for t in nan])]) is None
+    other = [t.clone() for t in nan]
+    other[0].view(torch.int32)[0] ^= 1  # another NaN payload: bitwise different
+    assert _run([(128.0, nan), (128.0, other)]) is not None
 
 
 def test_fingerprint_sees_swapped_parameters() -> None:
     a, b = torch.randn(4), torch.randn(4)
-    assert not torch.equal(fingerprint([a, b], torch.device("cpu")), fingerprint([b, a], torch.device("cpu")))
+    assert not torch.equal(params_digest([a, b]), params_digest([b, a]))
