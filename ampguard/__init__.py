@@ -14,6 +14,7 @@ from .errors import (
     AmpGuardError,
     BackendError,
     BackendUnavailableError,
+    CheckpointError,
     GuardStateError,
     NonFiniteError,
     RankDivergenceError,
@@ -23,6 +24,7 @@ from .factory import wrap
 from .guard import GuardedOptimizer
 from .hardware import UnsupportedPrecisionError
 from .integrations._versions import IntegrationVersionError  # imports no framework
+from .integrity import Verdict
 from .preflight import Recommendation, preflight
 from .records import Anomaly, History, RunInfo, StepReport
 
@@ -38,6 +40,7 @@ __all__ = [
     "WandbExporter",
     "Anomaly",
     "BackendError",
+    "CheckpointError",
     "BackendUnavailableError",
     "EMA",
     "Escalation",
@@ -55,6 +58,7 @@ __all__ = [
     "RunInfo",
     "Spikes",
     "StepReport",
+    "Verdict",
     "UnsupportedPrecisionError",
     "ZClip",
     "__version__",

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from .config import HEADROOM_MARGIN_MAX, SCALE_POLICIES, GuardConfig
+from .integrity import Verdict, check_loaded
 from .policies import SpikeState
 from .records import History
 from .reporter import Reporter
@@ -220,9 +221,12 @@ def _check_scale_policy(g: dict[str, Any]) -> None:
         raise _bad("headroom_margin_log2", margin, f"an int in [0, {HEADROOM_MARGIN_MAX}]")
 
 
-def load(guard: Guarded, rep: Reporter, pipe: Carried, state_dict: Any) -> int:
+def load(guard: Guarded, rep: Reporter, pipe: Carried, state_dict: Any) -> tuple[int, Verdict | None]:
     """Restore what :func:`save` made; the run then continues bit for bit. Returns the restored
-    step (the guard resumes there)."""
+    step (the guard resumes there) and the saved verdict (None: saved before verdicts existed),
+    whose fingerprints the weights must match at the next step (:func:`ampguard.integrity.check_weights`).
+    A state with an unhealthy verdict or a non-finite optimizer state is refused
+    (:func:`ampguard.integrity.check_loaded`)."""
     if not isinstance(state_dict, dict) or "ampguard" not in state_dict or "optimizer" not in state_dict:
         raise ValueError(
             "load_state_dict() expects a dict made by GuardedOptimizer.state_dict() (keys 'optimizer', "
@@ -254,6 +258,8 @@ def load(guard: Guarded, rep: Reporter, pipe: Carried, state_dict: Any) -> int:
     _check_scale_policy(g)
     scaler = _check_scaler(guard, state_dict["scaler"])
     _check_optimizer(guard, state_dict["optimizer"])
+    verdict = Verdict.from_dict(g["verdict"]) if g.get("verdict") is not None else None
+    check_loaded(verdict, state_dict["optimizer"].get("state", {}))
 
     # Everything checked: apply. The inner optimizer first (torch checks its own groups before it
     # changes anything, and builds the new state aside), then the scaler and the guard's counters,
@@ -263,7 +269,7 @@ def load(guard: Guarded, rep: Reporter, pipe: Carried, state_dict: Any) -> int:
         guard.scaler.load_state_dict(scaler)
     _restore_counters(guard.config, rep, pipe, step, counts, emas, list(quarantine), escalation)
     _restore_detectors(pipe.spikes, detectors)
-    return step
+    return step, verdict
 
 
 def _restore_counters(config: GuardConfig, rep: Reporter, pipe: Carried, step: int, counts: dict[str, int],

@@ -261,8 +261,16 @@ class GuardConfig:
     largest value (an int in [0, 15]): the largest scaled gradient is aimed at 65504 / 2**k."""
 
     consistency_every: int | None = None
-    """Every N steps, compare step count, skip count, loss scale and a parameter fingerprint
-    across ranks (None: off). Costs one extra small collective on those steps."""
+    """Every N steps, compare step count, skip count, loss scale and a bitwise fingerprint of the
+    parameters across ranks (None: off); on a mismatch, a second exchange names the parameters and
+    the ranks whose bits differ. Costs one pass over the parameters and one small extra collective on
+    those steps (:mod:`ampguard.consistency`)."""
+
+    param_check_every: int | None = 10
+    """Every N steps, check on device that the updated parameters are finite: max|p| of each parameter
+    (one read of the weights, NaN/Inf wherever an element is), riding the step's report (no host sync).
+    A hit is a ``nonfinite_params`` anomaly naming the parameters; the ladder rolls back where it can,
+    else :class:`~ampguard.NonFiniteError` stops training. None: off. See docs/integrity.md."""
 
     on_divergence: str = "warn"
     """What a failed consistency check does: "warn" (record a ``rank_divergence`` anomaly)
@@ -315,6 +323,7 @@ class GuardConfig:
         _optional_int_at_least("numerics_every", self.numerics_every, 1)
         _optional_int_at_least("indicators_every", self.indicators_every, 1)
         _optional_int_at_least("consistency_every", self.consistency_every, 1)
+        _optional_int_at_least("param_check_every", self.param_check_every, 1)
         _choice("scale_policy", self.scale_policy, SCALE_POLICIES)
         if not (isinstance(self.headroom_margin_log2, int) and not isinstance(self.headroom_margin_log2, bool)
                 and 0 <= self.headroom_margin_log2 <= HEADROOM_MARGIN_MAX):

@@ -6,6 +6,7 @@ __all__ = [
     "AmpGuardError",
     "BackendError",
     "BackendUnavailableError",
+    "CheckpointError",
     "GuardStateError",
     "NonFiniteError",
     "RankDivergenceError",
@@ -51,3 +52,9 @@ class BackendUnavailableError(AmpGuardError, ImportError):
 class BackendError(AmpGuardError, RuntimeError):
     """A backend cannot work in this process as it is set up (e.g. torch.distributed or Horovod
     not initialised). The message says what to call first."""
+
+
+class CheckpointError(AmpGuardError, ValueError):
+    """A checkpoint is refused: on save, its state is non-finite; on load, it was saved unhealthy, its
+    optimizer state is non-finite, or the model's weights are not those it was saved with. The message
+    names the tensors; nothing was written or changed. See docs/integrity.md."""

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import Escalation
+from .integrity import amax_per_tensor
 from .logs import ADVICE, KIND_OF_REASON, tally
 from .records import Anomaly, StepReport
 from .vocab import AnomalyKind
@@ -122,11 +123,14 @@ class Ladder:
                       schedules: Schedules | None = None) -> None:
         """Copy the model and optimizer state, and the state of the schedulers and EMAs registered
         with ``opt.schedule()``/``opt.track_ema()`` (``schedules``), so a rollback rewinds them too."""
+        self.pending_snapshot = None
+        params = [p for p in model.parameters()]
+        if params and not torch.isfinite(amax_per_tensor(params)).all():  # one read; a snapshot syncs anyway
+            return  # never snapshot poison (an update from finite gradients can leave NaN weights): keep the last
         device = self.config.snapshot_device
         self.snapshot = {"model": _to(model.state_dict(), device), "optimizer": _to(optimizer.state_dict(), device),
                          "schedules": None if schedules is None else _to(schedules.state(), device)}
         self.snapshot_step = step
-        self.pending_snapshot = None
 
     @torch.no_grad()
     def rollback(self, model: torch.nn.Module | None, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import checkpoint, consistency
+from . import checkpoint, consistency, integrity
 from .backends.base import Backend
 from .config import GuardConfig
 from .ema import EMA
@@ -23,6 +23,7 @@ from .errors import GuardStateError
 from .escalation import OnAbort, OnRollback
 from .exporters.base import Exporter, MultiExporter
 from .indicators import Indicators
+from .integrity import Verdict, amax_per_tensor
 from .optimizer_view import InnerOptimizerView, param_names
 from .outcome import Outcome, Readers
 from .pipeline import Measured, StepPipeline, grad_marks, marks_after_step
@@ -30,6 +31,7 @@ from .records import RunInfo
 from .scaling import GradScalerAdapter
 from .schedules import ScheduledLR
 from .stats import LossMeter
+from .vocab import AnomalyKind
 
 if TYPE_CHECKING:
     from .runlog.summary import RunSummary
@@ -94,6 +96,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         self._pre_unscale_hooks: OrderedDict[int, Callable[[int], None]] = OrderedDict()
         self._lagged_reports = device.type != "cpu"  # CPU steps are synchronous: report at once
         self._closed = False
+        self._loaded: Verdict | None = None  # a loaded state's verdict, its weights checked at the next step
         self._summary: RunSummary | None = None  # close()'s summary, once closed (None if its flush raised)
         self.backend.attach(self)
         self.run_info = run_info(self)
@@ -196,6 +199,9 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
                 result = closure()
         fresh = self._fresh_grads()
         self._check_step_call(fresh)
+        if self._loaded is not None:  # the first step after a load: its weights must be the saved ones
+            loaded, self._loaded = self._loaded, None
+            integrity.check_weights(loaded, self._named_params())
         if not self._loss.count:  # a host int: the loss the guard never saw (no sync)
             self._outcome.voice.no_loss(self._step, stacklevel=3)  # 3: step() runs inside torch's step wrapper
         # the reports left pending, up to the report lag (this forward is done); a rollback spends this step
@@ -222,7 +228,9 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         pipe.update_scale(decided)
         if replay and closure is not None:  # a non-finite step only (one SYNC to learn it)
             self._forensics.replay_if_nonfinite(self._step, closure, decision, gathered, self.optimizer, self._scaler)
-        self._reporter.enqueue(self._step, pipe.payload(decided, gathered, measured, tail),
+        check = self.config.param_check_every  # the updated parameters' max|p|, on device, in the report
+        params = amax_per_tensor(pipe.params()) if check is not None and self._step % check == 0 else None
+        self._reporter.enqueue(self._step, pipe.payload(decided, gathered, measured, tail, params),
                                measured.groups.index, self._outcome.batch_ids)
         self._end_step(measured)
         every = self.config.consistency_every
@@ -331,13 +339,36 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         return self._summary
 
     # ------------------------------------------------------------------ state
+    def verify(self) -> Verdict:
+        """The health of the training state now (:class:`~ampguard.integrity.Verdict`): whether the
+        last step was finite, which parameters and optimizer state tensors hold a NaN/Inf (by name),
+        and each parameter's bitwise fingerprint. Check it before saving a checkpoint with
+        ``torch.save`` or ``torch.distributed.checkpoint``: ``state_dict()`` carries the same verdict
+        and ``load_state_dict()`` refuses an unhealthy one. One pass over the parameters and the
+        optimizer state on device, then a host read (a sync). This rank's state; also after
+        :meth:`close`. See docs/integrity.md."""
+        self._outcome.catch_up()
+        rep = self._outcome.records
+        last = rep.history[-1] if len(rep.history) else None
+        bad_update = any(a.kind == AnomalyKind.NONFINITE_PARAMS and last is not None and a.step == last.step
+                         for a in rep.anomalies)
+        finite = last is None or not (last.nonfinite or bad_update)
+        return integrity.verify(self._named_params(), self.optimizer, step=self._step, last_step_finite=finite)
+
     def state_dict(self) -> dict[str, Any]:
         """Inner optimizer, scaler and every piece of guard state, as plain Python values (plus the
-        inner optimizer's tensors). Runs the state-dict hooks registered on this optimizer.
+        inner optimizer's tensors), with the state's health (:meth:`verify`, under
+        ``["ampguard"]["verdict"]``). Runs the state-dict hooks registered on this optimizer.
         Synchronises the host (reads device counters). A scheduler advance still pending
         (:meth:`schedule`) is applied first: the scheduler's own state_dict holds it."""
         self._outcome.catch_up()
-        return self._with_state_dict_hooks(lambda _: checkpoint.save(self, self._outcome.records, self._pipeline))
+
+        def save(_: GuardedOptimizer) -> dict[str, Any]:
+            state = checkpoint.save(self, self._outcome.records, self._pipeline)
+            state["ampguard"]["verdict"] = self.verify().to_dict()
+            return state
+
+        return self._with_state_dict_hooks(save)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; the run then continues bit for bit. The whole
@@ -348,11 +379,14 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
 
     def _load(self, _: GuardedOptimizer, state_dict: dict[str, Any]) -> None:
         """Restore, then at the restored step, ready for the next backward."""
-        self._step = checkpoint.load(self, self._outcome.records, self._pipeline, state_dict)
+        self._step, self._loaded = checkpoint.load(self, self._outcome.records, self._pipeline, state_dict)
         self._stage, self._marks, self._measured, self._outcome.batch_ids = Stage.READY, None, None, []
         self._loss.reset()
 
     # ------------------------------------------------------------------ internals
+    def _named_params(self) -> list[tuple[str, torch.Tensor]]:
+        return list(zip(self.param_names, self._pipeline.params()))
+
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise GuardStateError(f"{call}() called after close(); wrap the optimizer again to keep training")

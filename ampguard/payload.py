@@ -4,12 +4,15 @@ once on the host.
 Everything the host report needs from one step travels as ONE float32 vector (one copy)::
 
     decision (DECISION_K) | gathered (world x LOCAL_K) | norms (n) | numerics (0 or 2+G) | indicators (0 or 2M)
+        | params (0 or P)
 
 - ``decision``: :class:`~ampguard.stats.Dec`, the same on every rank;
 - ``gathered``: every rank's local vector (:class:`~ampguard.stats.Loc`), the step's one collective;
 - ``norms``: this rank's per-tensor gradient norms, in ``GradGroups.index`` order;
 - ``numerics``: a step sampled by ``GuardConfig.numerics_every``: :meth:`ampguard.numerics.Numerics.measure`;
-- ``indicators``: a sampled step's leading indicators (:meth:`ampguard.indicators.Indicators.after_step`).
+- ``indicators``: a sampled step's leading indicators (:meth:`ampguard.indicators.Indicators.after_step`);
+- ``params``: on a step checked by ``GuardConfig.param_check_every``, max|p| of every parameter after
+  the update (:func:`ampguard.integrity.amax_per_tensor`), in ``param_groups`` order.
 
 :class:`Layout` is the header: the counts of each part, known on the host from shapes (nothing
 extra rides the vector, no sync to learn them), kept beside the vector until it is decoded.
@@ -44,12 +47,14 @@ class Layout(NamedTuple):
     """The sampled numerics (0: not sampled)."""
     indicators: int = 0
     """The leading indicators (0: not sampled, or off)."""
+    params: int = 0
+    """The parameters' max|p| (0: not a checked step)."""
 
     @classmethod
     def of(cls, gathered: torch.Tensor, norms: torch.Tensor, numerics: torch.Tensor | None = None,
-           indicators: torch.Tensor | None = None) -> Layout:
+           indicators: torch.Tensor | None = None, params: torch.Tensor | None = None) -> Layout:
         return cls(gathered.shape[0], norms.numel(), 0 if numerics is None else numerics.numel(),
-                   0 if indicators is None else indicators.numel())
+                   0 if indicators is None else indicators.numel(), 0 if params is None else params.numel())
 
     @property
     def statistics(self) -> slice:
@@ -58,7 +63,7 @@ class Layout(NamedTuple):
 
     @property
     def size(self) -> int:
-        return self.statistics.stop + self.indicators
+        return self.statistics.stop + self.indicators + self.params
 
     def unpack(self, values: Sequence[float]) -> Unpacked:
         """Cut ``values`` (the whole vector, as host floats) into its parts, once."""
@@ -68,8 +73,9 @@ class Layout(NamedTuple):
         rows = [values[k : k + LOCAL_K] for k in range(DECISION_K, at, LOCAL_K)]
         numerics_at = at + self.norms
         indicators_at = numerics_at + self.numerics
+        params_at = indicators_at + self.indicators
         return Unpacked(values[:DECISION_K], rows, values[at:numerics_at], values[numerics_at:indicators_at],
-                        values[indicators_at:])
+                        values[indicators_at:params_at], values[params_at:])
 
 
 class Unpacked(NamedTuple):
@@ -85,6 +91,8 @@ class Unpacked(NamedTuple):
     """``[zero fraction, headroom, zero fraction per param group...]``, or empty."""
     indicators: Sequence[float]
     """``[module grad norms..., module update ratios...]``, or empty."""
+    params: Sequence[float] = ()
+    """max|p| of every parameter after the update (``param_groups`` order), or empty."""
 
 
 class Packed(NamedTuple):
@@ -95,20 +103,22 @@ class Packed(NamedTuple):
 
 
 def pack(decision: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor, numerics: torch.Tensor | None = None,
-         indicators: torch.Tensor | None = None, *, copied: HostCopy | None = None) -> Packed:
+         indicators: torch.Tensor | None = None, params: torch.Tensor | None = None, *,
+         copied: HostCopy | None = None) -> Packed:
     """The step's payload: one ``torch.cat`` of its parts, in :class:`Layout` order (no sync).
     ``copied``: a host decision's copy, whose statistics section is already on the host: the
     payload is then built there from it and the host ``decision`` (nothing copied twice, nothing
     to wait for); a sampled step's indicators, computed after the inner step, are then copied
-    to the host (off the CPU: a wait for the inner step, on sampled steps only)."""
-    layout = Layout.of(gathered, norms, numerics, indicators)
+    to the host (off the CPU: a wait for the inner step, on sampled steps only), and so are a checked
+    step's ``params``."""
+    layout = Layout.of(gathered, norms, numerics, indicators, params)
     if copied is None or copied.statistics is None:
         parts = [decision, *_statistics(gathered, norms, numerics)]
     else:
         parts = [decision, copied.statistics]
         indicators = None if indicators is None else indicators.float().cpu()
-    if indicators is not None:
-        parts.append(indicators)
+        params = None if params is None else params.float().cpu()
+    parts += [t.to(parts[0].device) for t in (indicators, params) if t is not None]
     return Packed(torch.cat(parts), layout)
 
 

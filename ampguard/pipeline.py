@@ -272,10 +272,11 @@ class StepPipeline:
         return Decision(*self.graph.run(run, gathered, key))
 
     def payload(self, decision: Decision, gathered: torch.Tensor, measured: Measured,
-                indicators: torch.Tensor | None = None) -> Packed:
+                indicators: torch.Tensor | None = None, params: torch.Tensor | None = None) -> Packed:
         """The step's report payload (:func:`ampguard.payload.pack`); after a host decision, built
-        on the host from the copy the decision read."""
-        return pack(decision.vector, gathered, measured.norms, measured.numerics, indicators, copied=decision.copied)
+        on the host from the copy the decision read. ``params``: a checked step's max|p| per parameter."""
+        return pack(decision.vector, gathered, measured.norms, measured.numerics, indicators, params,
+                    copied=decision.copied)
 
     def clip(self, measured: Measured, decision: Decision) -> None:
         if not uses_clipping(self.config) or measured.scaled:

@@ -65,6 +65,9 @@ class AnomalyKind(_StrEnum):
     REBASELINE = "rebaseline"
     """A spike detector (or ZClip) flagged ``Spikes.warmup`` (``ZClip.warmup``) steps in a row: the level moved, so its
     statistics were re-based on those steps and the next steps are judged against the new level."""
+    NONFINITE_PARAMS = "nonfinite_params"
+    """A parameter held a NaN/Inf after an update from finite gradients (``GuardConfig.param_check_every``):
+    the ladder rolls back where it can, else training stops (NonFiniteError)."""
 
 
 class Phase(_StrEnum):

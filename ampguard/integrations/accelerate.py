@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from ..errors import GuardStateError
+from ..errors import CheckpointError, GuardStateError
 from ..guard import GuardedOptimizer
 from ..vocab import Precision
 from ._versions import require
@@ -223,17 +223,31 @@ class _AcceleratorHooks:
     - ``backward(loss)``: hands each loss, as accelerate back-propagates it, to the guards.
     - ``unscale_gradients()`` (what ``clip_grad_norm_``/``clip_grad_value_`` call first), only
       without a GradScaler: on a step boundary the guards measure the gradients before the caller
-      clips (with one, accelerate's own ``scaler.unscale_`` already reaches the guard)."""
+      clips (with one, accelerate's own ``scaler.unscale_`` already reaches the guard).
+    - ``save_state()``: refused (``CheckpointError``) before anything is written, or rotated out,
+      when a guard's state holds a NaN/Inf (``GuardedOptimizer.verify()``)."""
 
     _ATTR = "_ampguard_hooks"
 
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
         self.guards: list[GuardedOptimizer] = []
-        names = ("backward",) if accelerator.scaler is not None else ("backward", "unscale_gradients")
+        names = ("backward", "save_state") if accelerator.scaler is not None else (
+            "backward", "save_state", "unscale_gradients")
         self.previous = {name: accelerator.__dict__.get(name) for name in names}
-        backward_, unscale_gradients_ = (self.previous.get(n) or types.MethodType(getattr(Accelerator, n), accelerator)
-                                         for n in ("backward", "unscale_gradients"))
+        backward_, unscale_gradients_, save_state_ = (
+            self.previous.get(n) or types.MethodType(getattr(Accelerator, n), accelerator)
+            for n in ("backward", "unscale_gradients", "save_state"))
+
+        def save_state(*args: Any, **kwargs: Any) -> Any:
+            # Before accelerate touches the disk (it rotates old checkpoints out first): a state with a
+            # NaN/Inf is refused, and the last good checkpoint stays (docs/integrity.md).
+            for guard in self.open_guards():
+                verdict = guard.verify()
+                if not verdict.healthy:
+                    raise CheckpointError(f"accelerator.save_state refused: the guarded state is {verdict.describe()}. "
+                                          "Nothing was written; the last checkpoint on disk is the last good one")
+            return save_state_(*args, **kwargs)
 
         def backward(loss: Any, **kwargs: Any) -> Any:
             result = backward_(loss, **kwargs)
@@ -253,6 +267,7 @@ class _AcceleratorHooks:
             return unscale_gradients_(optimizer)
 
         accelerator.backward = backward  # type: ignore[method-assign]
+        accelerator.save_state = save_state  # type: ignore[method-assign]
         if "unscale_gradients" in names:
             accelerator.unscale_gradients = unscale_gradients  # type: ignore[method-assign]
 

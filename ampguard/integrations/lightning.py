@@ -38,7 +38,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 
 from ..config import GuardConfig  # noqa: E402
-from ..errors import GuardStateError  # noqa: E402
+from ..errors import CheckpointError, GuardStateError  # noqa: E402
 from ..exporters.base import Exporter, MultiExporter  # noqa: E402
 from ..factory import wrap  # noqa: E402
 from ..guard import GuardedOptimizer  # noqa: E402
@@ -239,7 +239,18 @@ class AmpGuardPrecision(MixedPrecision):
                 f"{self.config.clip_grad_norm}) would clip twice. Keep one: Lightning's clipping (norm or value), or "
                 "the guard's (norm, with the norm it already measured).")
 
-    # ------------------------------------------------------------------ checkpoints written without the plugin
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The plugin's state in a Lightning checkpoint, which Lightning builds whole before writing
+        anything: refused (``CheckpointError`` naming the tensors) when the guarded state holds a
+        NaN/Inf, so ``ModelCheckpoint`` writes nothing and the last good checkpoint stays."""
+        if self.guard is not None and not self.guard._closed:
+            verdict = self.guard.verify()
+            if not verdict.healthy:
+                raise CheckpointError(f"Lightning checkpoint refused: the guarded state is {verdict.describe()}. "
+                                      "Nothing was written; the last checkpoint on disk is the last good one")
+        return super().state_dict()
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """A checkpoint of Lightning's own fp16 ``MixedPrecision``: adopt its scaler state."""
         plain = checkpoint.get(MixedPrecision.__qualname__)

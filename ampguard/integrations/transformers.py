@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from ..config import GuardConfig
-from ..errors import GuardStateError
+from ..errors import CheckpointError, GuardStateError
 from ..exporters.base import Exporter, MultiExporter
 from ..factory import wrap
 from ..guard import GuardedOptimizer
@@ -154,6 +154,19 @@ class GuardedTrainer(Trainer):
         guarded = wrap(opt, accelerator=self.accelerator, model=self.model, config=self._guard_config,
                        exporters=self._guard_exporters)
         self.optimizer, self.guard = guarded, guarded.guard
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """The Trainer's checkpoint, refused (``CheckpointError`` naming the tensors) before anything
+        is written when the guarded state holds a NaN/Inf: the last checkpoint on disk stays the last
+        good one (docs/integrity.md)."""
+        if self.guard is not None:
+            verdict = self.guard.verify()
+            if not verdict.healthy:
+                raise CheckpointError(f"GuardedTrainer refused to save checkpoint-{self.state.global_step}: the "
+                                      f"guarded state is {verdict.describe()}. Nothing was written; resume from the "
+                                      "last checkpoint on disk")
+        super()._save_checkpoint(model, trial)
 
     # ------------------------------------------------------------------ logs
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

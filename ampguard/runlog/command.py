@@ -84,7 +84,35 @@ def _report_once(args: argparse.Namespace, prog: str, console: Any) -> int:
         out = plot(run, args.plot)
         if not args.json:
             print(f"\npicture: {out}")
+    why = unhealthy_end(run)
+    if why is not None:
+        print(f"{prog}: the run ended unhealthy: {why}", file=sys.stderr)
+        return UNHEALTHY
     return 0
+
+
+UNHEALTHY = 3
+"""``ampguard report``'s exit status for a run whose log ends unhealthy (:func:`unhealthy_end`);
+1 and 2 are taken by --follow's timeout and bad input."""
+
+_NONFINITE_REASONS = {"nonfinite_loss", "nonfinite_grad"}
+
+
+def unhealthy_end(run: Run) -> str | None:
+    """Why the run's log ends unhealthy, or None: a closed run's last step was skipped as non-finite,
+    or the last word of the ladder or the parameter check was a stop (``abort``, ``nonfinite_params``
+    not followed by a ``rollback``; also in a run killed before it closed)."""
+    if not run.ranks:
+        return None
+    last = max(log.steps_seen for log in run.ranks.values()) - 1
+    for rank, log in sorted(run.ranks.items()) if run.closed else ():  # unclosed: its last step is unknown
+        final = [r for r in log.reports if r.step == last]
+        if final and final[-1].skipped and final[-1].reason in _NONFINITE_REASONS:
+            return f"its last step ({last}) was skipped: {final[-1].reason} on rank {rank}"
+    said = [a for a in run.anomalies if a.kind in ("abort", "nonfinite_params", "rollback")]
+    if said and said[-1].kind != "rollback":
+        return f"step {said[-1].step}: {said[-1].kind}: {said[-1].detail}"
+    return None
 
 
 def _guarded(body: Callable[[], int], prog: str) -> int:

@@ -114,7 +114,8 @@ def test_collective_is_a_deprecated_alias_of_backend():
 _SEEN = {
     SkipReason: ["nonfinite_loss", "nonfinite_grad", "grad_spike", "loss_spike", "rollback", "no_gradients"],
     AnomalyKind: ["nonfinite_loss", "nonfinite_grad", "overflow", "grad_spike", "loss_spike", "scale_floor",
-                  "rank_divergence", "rollback", "abort", "no_gradients", "rebaseline"],
+                  "rank_divergence", "rollback", "abort", "no_gradients", "rebaseline",
+                  "nonfinite_params"],  # issue 27
     Phase: ["forward", "backward", "loss", "input"],  # "input": issue 14
     Cause: ["overflow", "nan", "transient", "not_reproduced"],  # "not_reproduced": issue 14
 }
