@@ -167,6 +167,11 @@ def build_rule_tests(
     replace(s, M.RANK_DIVERGENCE.name, r1, "0x10 1x10")
     case(s, quiet(9, "AmpguardRankDivergence"), fires(12, "AmpguardRankDivergence", {"job": job}, "1"))
 
+    # 6b. the parameter check found non-finite weights on rank 0 (an anomaly counted by kind)
+    s = healthy(r0, 20)
+    replace(s, M.ANOMALIES.name, {**r0, "kind": "nonfinite_params"}, "0x10 1x10")
+    case(s, quiet(9, "AmpguardNonFiniteParams"), fires(12, "AmpguardNonFiniteParams", {"job": job}, "1"))
+
     # 7. rank 1's JSONL exporter fails from minute 5 (disk full) and works again at minute 20
     s = healthy(r0, 30) + healthy(r1, 30)
     down = {**r1, "exporter": "JsonlExporter"}

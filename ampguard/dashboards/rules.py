@@ -40,6 +40,7 @@ ALERTS = (
     "AmpguardSkipRate",
     "AmpguardLossScaleAtFloor",
     "AmpguardModuleGradNormGrowth",
+    "AmpguardNonFiniteParams",
 )
 
 # Recording rule names (level:metric:operations).
@@ -123,6 +124,7 @@ def build_rules(
     scale = _sel(M.LOSS_SCALE.name, s)
     last = _sel(M.LAST_STEP_TIMESTAMP.name, s)
     divergence = _sel(M.RANK_DIVERGENCE.name, s)
+    poisoned = _sel(M.ANOMALIES.name, ", ".join(x for x in (s.strip().rstrip(","), 'kind="nonfinite_params"') if x))
     exporter_up = _sel(M.EXPORTER_UP.name, s)
     floor = _sel(M.LOSS_SCALE_FLOOR.name, s)
     module_norm = _sel(M.MODULE_GRAD_NORM.name, s)
@@ -254,6 +256,16 @@ def build_rules(
             f"last {window} is {{{{ $value | printf \"%.1f\" }}}} times its median over the {window} before "
             f"(threshold {factor:g}x): a leading sign of divergence or of coming overflows. The per-module norms "
             "(sampled every GuardConfig.indicators_every steps) show where it started.",
+        ),
+        alert(
+            "AmpguardNonFiniteParams",
+            f"max by (job) (increase({poisoned}[10m])) > 0",
+            "0s",
+            "critical",
+            "Non-finite weights in {{ $labels.job }}",
+            "ampguard's parameter check (GuardConfig.param_check_every) found NaN/Inf weights after an update from "
+            "finite gradients ({{ $value }} times in 10 minutes): the ladder rolled back, or training stopped. Do not "
+            "resume from a checkpoint written after it; the anomaly names the parameters (docs/integrity.md).",
         ),
     ]
     if fors:
