@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from . import faults
 from ._version import __version__
+from ._versions import IntegrationVersionError  # imports no framework
 from .config import Escalation, GuardConfig, Spikes, ZClip
 from .ema import EMA
 from .errors import (
@@ -23,7 +24,6 @@ from .exporters.base import Exporter, MultiExporter, NullExporter
 from .factory import wrap
 from .guard import GuardedOptimizer
 from .hardware import UnsupportedPrecisionError
-from .integrations._versions import IntegrationVersionError  # imports no framework
 from .integrity import Verdict
 from .preflight import Recommendation, preflight
 from .records import Anomaly, History, RunInfo, StepReport

@@ -1,0 +1,194 @@
+"""Per-layer statistics of torchao float8 casts, measured on device.
+
+:class:`Fp8Monitor` puts a forward hook and a full-backward hook on each torchao ``Float8Linear`` of a model (no
+torchao function is patched) and measures, per role (``input``, ``weight``, ``grad_output``, :data:`FP8_ROLES`):
+
+- ``amax``: ``torch.linalg.vector_norm(x, ord=inf)`` of the high-precision tensor the layer casts (with rowwise
+  scaling the largest over rows);
+- ``scale``: torchao's dynamic scale for the layer's config, ``finfo(fp8).max / clamp(amax, min=1e-12)`` in
+  float64 rounded to float32 (and down to a power of 2 where the config says so); rowwise: the smallest over rows;
+- on sampled steps (every ``numerics_every``-th): the underflow fraction (elements non-zero in high precision and
+  zero after the cast, as Transformer Engine defines it) and the dynamic range ``log2(amax / min nonzero |x|)``.
+
+Saturation is None: torchao 0.18 scales float8 training dynamically only (the scale comes from this tensor's own
+amax, so nothing is clamped); there is no static or delayed scale that could saturate.
+
+Everything stays on device (no ``.item()``, no host sync); :meth:`Fp8Monitor.collect` returns one float32 tensor
+and :meth:`Fp8Monitor.decode` turns its host copy into :class:`~ampguard.records.Fp8Cast` records. The hooks read
+the tensors and never write them: a monitored run is bitwise the unmonitored one. torchao is imported only here,
+and only when a monitor is made (its version checked against ``ampguard._versions.TESTED``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ._versions import require
+from .records import FP8_ROLES, Fp8Cast
+
+__all__ = ["Fp8Monitor", "float8_modules"]
+
+_EPS = 1e-12  # torchao.float8.float8_utils.EPS
+_WIDTH = 5  # ran (1 where the cast ran this step, NaN where not), amax, scale, underflow, dynamic range
+
+
+def float8_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The torchao ``Float8Linear`` modules of ``model``, by qualified name (empty without torchao's float8)."""
+    import sys
+
+    if "torchao.float8" not in sys.modules:  # never imports torchao for a model that cannot hold its modules
+        return []
+    from torchao.float8.float8_linear import Float8Linear
+
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+def _cast_config(module: Any, role: str) -> Any:
+    return getattr(module.config, f"cast_config_{role}")
+
+
+def _dtype(module: Any, role: str) -> torch.dtype:
+    from torchao.float8.config import e4m3_dtype
+
+    dtype = _cast_config(module, role).target_dtype
+    return dtype if dtype is not None else e4m3_dtype
+
+
+def _rowwise(module: Any, role: str) -> bool:
+    from torchao.float8.config import ScalingGranularity
+
+    return _cast_config(module, role).scaling_granularity is ScalingGranularity.AXISWISE
+
+
+@torch.no_grad()
+def cast_stats(x: torch.Tensor, dtype: torch.dtype, *, rowwise: bool, pow2: bool, sampled: bool) -> torch.Tensor:
+    """``[1, amax, scale, underflow, dynamic_range]`` of one cast of ``x`` to ``dtype`` by torchao's dynamic
+    scaling, on ``x``'s device (the last two NaN unless ``sampled``)."""
+    hp = x.detach().float()
+    rows = hp.reshape(-1, hp.shape[-1]) if hp.dim() > 0 else hp.reshape(1, 1)
+    if rowwise:
+        row_amax = torch.linalg.vector_norm(rows, ord=math.inf, dim=-1, keepdim=True)
+    else:
+        row_amax = torch.linalg.vector_norm(rows, ord=math.inf).reshape(1, 1)
+    scales = (torch.finfo(dtype).max / torch.clamp(row_amax.double(), min=_EPS)).float()
+    if pow2:
+        scales = torch.exp2(torch.floor(torch.log2(scales)))
+    amax, scale = row_amax.amax(), scales.amin()
+    if rowwise:  # a NaN row: amax() propagates it; the scale of that row is NaN and amin() propagates it too
+        amax = torch.where(row_amax.isnan().any(), row_amax.new_tensor(math.nan), amax)
+    nan = amax.new_tensor(math.nan)
+    if not sampled:
+        return torch.stack([torch.ones_like(amax), amax, scale, nan, nan])
+    fmax = torch.finfo(dtype).max
+    cast = (rows * scales).clamp(-fmax, fmax).to(dtype).float()
+    nonzero = rows != 0
+    underflow = (nonzero & (cast == 0)).sum().float() / max(rows.numel(), 1)
+    smallest = torch.where(nonzero, rows.abs(), torch.full_like(rows, math.inf)).amin()
+    dynamic_range = torch.log2(amax / smallest)
+    return torch.stack([torch.ones_like(amax), amax, scale, underflow, dynamic_range])
+
+
+class Fp8Monitor:
+    """Measures every fp8 cast of the ``Float8Linear`` modules of ``model`` (see the module docstring).
+
+    Use: ``begin_step(step)`` before the forward, ``collect()`` after the backward (an ``[n_casts, 5]`` device
+    tensor, ``n_casts = 3 * len(modules)`` ordered module by module, role by role), ``nonfinite(collected)`` for a
+    0-dim device flag (1.0 where an amax or scale is non-finite or a scale is 0), ``decode(host_rows)`` for the
+    records. Several forwards in one step (gradient accumulation) keep the largest amax and underflow and the
+    smallest scale. ``close()`` removes the hooks."""
+
+    def __init__(self, model: torch.nn.Module, *, numerics_every: int = 10) -> None:
+        if not isinstance(numerics_every, int) or numerics_every < 1:
+            raise ValueError(
+                f"numerics_every must be an int >= 1 (the underflow is measured every that many steps); "
+                f"got {numerics_every!r}")
+        require("torchao")
+        import torchao.float8  # noqa: F401  (registers Float8Linear for float8_modules)
+
+        self.modules = float8_modules(model)
+        if not self.modules:
+            raise ValueError(
+                "fp8 monitoring found no torchao Float8Linear in the model: convert it first with "
+                "torchao.float8.convert_to_float8_training(model), or leave fp8 monitoring off")
+        self.numerics_every = numerics_every
+        self.names: list[tuple[str, str]] = [(name, role) for name, _ in self.modules for role in FP8_ROLES]
+        self._slots: list[torch.Tensor | None] = [None] * len(self.names)
+        self._sampled = False
+        self._handles: list[Any] = []
+        for index, (_, module) in enumerate(self.modules):
+            self._handles.append(module.register_forward_hook(self._forward_hook(index)))
+            self._handles.append(module.register_full_backward_hook(self._backward_hook(index)))
+
+    def _measure(self, module: Any, index: int, role: str, x: torch.Tensor) -> None:
+        slot = 3 * index + FP8_ROLES.index(role)
+        stats = cast_stats(x, _dtype(module, role), rowwise=_rowwise(module, role),
+                           pow2=bool(module.config.round_scales_to_power_of_2), sampled=self._sampled)
+        old = self._slots[slot]
+        if old is not None:  # a second forward in the step: the worst of both
+            stats = torch.stack([stats[0], torch.maximum(old[1], stats[1]), torch.minimum(old[2], stats[2]),
+                                 torch.fmax(old[3], stats[3]), torch.fmax(old[4], stats[4])])
+        self._slots[slot] = stats
+
+    def _forward_hook(self, index: int) -> Any:
+        def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
+            x = args[0]
+            if torch.is_autocast_enabled(x.device.type):  # Float8Linear casts the autocast dtype's tensor
+                x = x.to(torch.get_autocast_dtype(x.device.type))
+            self._measure(module, index, "input", x)
+            weight = module.weight
+            if torch.is_autocast_enabled(weight.device.type):
+                weight = weight.to(torch.get_autocast_dtype(weight.device.type))
+            self._measure(module, index, "weight", weight)
+        return hook
+
+    def _backward_hook(self, index: int) -> Any:
+        def hook(module: Any, grad_input: Any, grad_output: Sequence[torch.Tensor | None]) -> None:
+            if grad_output and grad_output[0] is not None:
+                self._measure(module, index, "grad_output", grad_output[0])
+        return hook
+
+    def begin_step(self, step: int) -> None:
+        """Start a step: forget the last one's casts; ``step`` decides whether this one is sampled."""
+        self._slots = [None] * len(self.names)
+        self._sampled = step % self.numerics_every == 0
+
+    def collect(self) -> torch.Tensor:
+        """``[n_casts, 5]`` float32 on device: ran, amax, scale, underflow, dynamic range (NaN rows for casts
+        that did not run this step, e.g. a frozen layer's grad_output)."""
+        device = next((s.device for s in self._slots if s is not None), None)
+        if device is None:
+            device = next(self.modules[0][1].parameters()).device
+        nan = torch.full((_WIDTH,), math.nan, device=device)
+        return torch.stack([s if s is not None else nan for s in self._slots])
+
+    def nonfinite(self, collected: torch.Tensor) -> torch.Tensor:
+        """0-dim float32 on device: 1.0 where a cast that ran has a non-finite amax or a non-finite or zero scale."""
+        ran = collected[:, 0] == 1
+        bad = ~collected[:, 1].isfinite() | ~collected[:, 2].isfinite() | (collected[:, 2] == 0)
+        return (ran & bad).any().float()
+
+    def decode(self, rows: Sequence[Sequence[float]]) -> tuple[Fp8Cast, ...]:
+        """The records of the casts that ran, from the host copy of :meth:`collect`."""
+        casts = []
+        for (module, role), (ran, amax, scale, underflow, dynamic_range) in zip(self.names, rows):
+            if ran != 1:  # a cast that did not run this step
+                continue
+            casts.append(Fp8Cast(module=module, role=role, amax=float(amax), scale=float(scale),
+                                 underflow=None if math.isnan(underflow) else float(underflow),
+                                 saturation=None,
+                                 dynamic_range=None if math.isnan(dynamic_range) else float(dynamic_range)))
+        return tuple(casts)
+
+    @staticmethod
+    def describe(cast: Fp8Cast) -> str:
+        """``"blocks.3.mlp.fc1, grad_output: amax inf → scale 0"``: the message of a non-finite cast."""
+        return f"{cast.module}, {cast.role}: amax {cast.amax:g} → scale {cast.scale:g}"
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

@@ -1,0 +1,117 @@
+"""fp8 cast statistics of real torchao float8 training (CPU: Float8LinearConfig(emulate=True)), measured by
+ampguard.fp8.Fp8Monitor's hooks: real NaN/Inf inputs, a real underflowing grad_output, and a healthy run that the
+monitoring leaves bitwise unchanged."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+torchao_float8 = pytest.importorskip("torchao.float8")
+
+from ampguard._versions import IntegrationVersionError, check_version  # noqa: E402
+from ampguard.fp8 import Fp8Monitor  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")
+
+
+def _model(recipe: str = "tensorwise") -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("fc1", torch.nn.Linear(16, 32))
+    model.add_module("act", torch.nn.ReLU())
+    model.add_module("fc2", torch.nn.Linear(32, 16))
+    if recipe == "rowwise":
+        config = torchao_float8.Float8LinearConfig.from_recipe_name("rowwise")
+        config = torchao_float8.Float8LinearConfig(**{**vars(config), "emulate": True})
+    else:
+        config = torchao_float8.Float8LinearConfig(emulate=True)
+    return torchao_float8.convert_to_float8_training(model, config=config)
+
+
+def _step(model: torch.nn.Module, monitor: Fp8Monitor, x: torch.Tensor, step: int = 0, loss_scale: float = 1.0):
+    monitor.begin_step(step)
+    (model(x).square().mean() * loss_scale).backward()
+    collected = monitor.collect()
+    return collected, monitor.nonfinite(collected), monitor.decode(collected.tolist())
+
+
+def test_a_nan_input_makes_a_nonfinite_cast_named_by_module_and_role():
+    model = _model()
+    monitor = Fp8Monitor(model, numerics_every=1)
+    x = torch.randn(8, 16)
+    x[3, 5] = math.nan  # a real NaN in the batch
+    _, flag, casts = _step(model, monitor, x)
+    assert flag.item() == 1.0 and flag.device == x.device and flag.dim() == 0
+    bad = {(c.module, c.role) for c in casts if not c.finite}
+    assert ("fc1", "input") in bad and ("fc1", "weight") not in bad
+    first = next(c for c in casts if (c.module, c.role) == ("fc1", "input"))
+    assert math.isnan(first.amax) and math.isnan(first.scale)
+    assert Fp8Monitor.describe(first) == "fc1, input: amax nan → scale nan"
+
+
+def test_an_inf_row_under_the_rowwise_recipe_zeroes_that_rows_scale_and_is_named():
+    model = _model("rowwise")
+    monitor = Fp8Monitor(model, numerics_every=1)
+    x = torch.randn(8, 16)
+    x[2, 0] = math.inf  # torchao: scale = max / amax = 0 for that row, which zeroes it
+    _, flag, casts = _step(model, monitor, x)
+    assert flag.item() == 1.0
+    cast = next(c for c in casts if (c.module, c.role) == ("fc1", "input"))
+    assert cast.amax == math.inf and cast.scale == 0.0
+    assert Fp8Monitor.describe(cast) == "fc1, input: amax inf → scale 0"
+
+
+def test_an_underflowing_grad_output_is_reported_on_sampled_steps_only():
+    model = _model()
+    monitor = Fp8Monitor(model, numerics_every=2)
+    x = torch.randn(64, 16)
+    _, flag, casts = _step(model, monitor, x, step=1)  # not sampled: no underflow measured
+    assert flag.item() == 0.0 and all(c.underflow is None and c.dynamic_range is None for c in casts)
+    model.zero_grad()
+    # A loss scaled by 1e-30: grad_output's amax (~1e-32) is below torchao's clamp (1e-12), so the scale stops at
+    # finfo(e5m2).max / 1e-12 and every non-zero element becomes 0 in fp8: finite, and all of it lost.
+    _, flag, casts = _step(model, monitor, x, step=2, loss_scale=1e-30)
+    grad = next(c for c in casts if (c.module, c.role) == ("fc2", "grad_output"))
+    assert flag.item() == 0.0 and grad.finite and grad.amax < 1e-30
+    assert grad.scale == pytest.approx(torch.finfo(torch.float8_e5m2).max / 1e-12, rel=1e-6)
+    assert grad.underflow == 1.0 and grad.dynamic_range is not None
+    healthy = next(c for c in casts if (c.module, c.role) == ("fc1", "input"))
+    assert healthy.underflow is not None and healthy.underflow < 0.01
+    assert grad.saturation is None  # dynamic scaling: nothing is clamped
+
+
+def test_a_healthy_monitored_run_is_bitwise_the_unmonitored_one():
+    plain = _model()
+    watched = copy.deepcopy(plain)
+    monitor = Fp8Monitor(watched, numerics_every=1)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, watched)]
+    torch.manual_seed(1)
+    batches = [torch.randn(8, 16) for _ in range(4)]
+    for step, x in enumerate(batches):
+        monitor.begin_step(step)
+        for model, opt in zip((plain, watched), opts):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        assert monitor.nonfinite(monitor.collect()).item() == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), watched.state_dict().values()))
+    monitor.close()
+    assert not any(m._forward_hooks or m._backward_hooks for m in watched.modules())
+
+
+def test_an_untested_torchao_version_is_refused_with_the_range():
+    refusal = r"torchao >=0\.18,<0\.19; 0\.19\.0 is installed.*ampguard\[fp8\]"
+    with pytest.raises(IntegrationVersionError, match=refusal):
+        check_version("torchao", "0.19.0")
+    check_version("torchao", "0.18.0")
+
+
+def test_a_model_without_float8_layers_or_a_bad_sampling_period_is_refused():
+    with pytest.raises(ValueError, match="convert_to_float8_training"):
+        Fp8Monitor(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="numerics_every"):
+        Fp8Monitor(_model(), numerics_every=0)
