@@ -1,0 +1,86 @@
+"""fp8 monitoring on real fp8 matmuls (torchao float8, no emulation) on CUDA: no host sync added, bitwise unchanged,
+and a compiled model that does not recompile per step."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")]
+
+torchao_float8 = pytest.importorskip("torchao.float8")
+
+from ampguard.fp8 import Fp8Monitor  # noqa: E402
+
+
+def _model() -> torch.nn.Module:
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 matmuls need compute capability >= 8.9")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).cuda()
+    return torchao_float8.convert_to_float8_training(model)
+
+
+def _steps(model: torch.nn.Module, monitor: Fp8Monitor | None, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    out = []
+    for step, x in enumerate(batches):
+        if monitor is not None:
+            monitor.begin_step(step)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if monitor is not None:
+            collected = monitor.collect()
+            out.append(torch.cat([collected.flatten(), monitor.nonfinite(collected).reshape(1)]))
+    return out
+
+
+def test_monitoring_real_fp8_matmuls_adds_no_sync_and_changes_nothing():
+    plain = _model()
+    watched = copy.deepcopy(plain)
+    monitor = Fp8Monitor(watched, numerics_every=2)
+    batches = [torch.randn(64, 256, device="cuda") for _ in range(6)]
+    _steps(copy.deepcopy(plain), None, batches[:1])  # warm-up (lazy init) outside the sync check
+    _steps(copy.deepcopy(watched), None, batches[:1])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _steps(plain, None, batches)
+        rows = _steps(watched, monitor, batches)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), watched.state_dict().values()))
+    casts = monitor.decode(rows[-1][:-1].reshape(-1, 5).tolist())
+    assert len(casts) == 6 and all(c.finite for c in casts) and rows[-1][-1].item() == 0.0
+    assert {c.underflow is None for c in monitor.decode(rows[-2][:-1].reshape(-1, 5).tolist())} == {False}
+
+
+def test_a_nan_batch_on_cuda_is_flagged_on_device():
+    model = _model()
+    monitor = Fp8Monitor(model, numerics_every=1)
+    x = torch.randn(64, 256, device="cuda")
+    x[0, 0] = math.nan
+    row = _steps(model, monitor, [x])[0]
+    assert row[-1].item() == 1.0
+    bad = [c for c in monitor.decode(row[:-1].reshape(-1, 5).tolist()) if not c.finite]
+    assert ("0", "input") in {(c.module, c.role) for c in bad}
+
+
+def test_a_compiled_monitored_model_does_not_recompile_per_step():
+    from torch._dynamo.utils import counters
+
+    model = _model()
+    monitor = Fp8Monitor(model, numerics_every=2)
+    compiled = torch.compile(model)
+    batches = [torch.randn(64, 256, device="cuda") for _ in range(8)]
+    _steps(compiled, monitor, batches[:3])  # sampled and unsampled steps both compiled
+    before = dict(counters["stats"])
+    _steps(compiled, monitor, batches[3:])
+    assert counters["stats"].get("unique_graphs", 0) == before.get("unique_graphs", 0)
