@@ -22,11 +22,12 @@ from .errors import (
 )
 from .exporters.base import Exporter, MultiExporter, NullExporter
 from .factory import wrap
+from .fp8 import Fp8Monitor  # imports torchao only when a monitor is made
 from .guard import GuardedOptimizer
 from .hardware import UnsupportedPrecisionError
 from .integrity import Verdict
 from .preflight import Recommendation, preflight
-from .records import Anomaly, History, RunInfo, StepReport
+from .records import Anomaly, Fp8Cast, History, RunInfo, StepReport
 
 __all__ = [
     "AmpGuardError",
@@ -43,8 +44,10 @@ __all__ = [
     "CheckpointError",
     "BackendUnavailableError",
     "EMA",
+    "Fp8Cast",
     "Escalation",
     "Exporter",
+    "Fp8Monitor",
     "GuardConfig",
     "GuardStateError",
     "GuardedOptimizer",
