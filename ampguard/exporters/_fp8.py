@@ -18,7 +18,7 @@ from .. import metrics as M
 from ..metrics import FP8_MODULES, FP8_OTHER
 from ..records import Fp8Cast
 
-__all__ = ["Fp8Series", "fp8_series"]
+__all__ = ["Fp8Series", "fp8_scalars", "fp8_series"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -84,3 +84,16 @@ def fp8_series(casts: Iterable[Fp8Cast] | None, known: list[str], max_modules: i
         else:
             series.fold(cast)
     return list(out.values())
+
+
+def fp8_scalars(casts: Iterable[Fp8Cast] | None, prefix: str = "ampguard/") -> dict[str, float]:
+    """One step's casts as run-tracker scalars, ``<prefix>fp8/<module>/<role>/<what>`` (``amax``, ``scale``,
+    ``nonfinite``: the non-finite casts of the step; ``underflow_ratio`` and ``dynamic_range_log2`` on
+    sampled steps), bounded as the metrics: the first :data:`~ampguard.metrics.FP8_MODULES` modules of the
+    step (the model's order, the same every step) by name, the rest in ``_other``."""
+    out: dict[str, float] = {}
+    for series in fp8_series(casts, []):
+        for metric, value in series.values():
+            what = metric.name.removeprefix(M.PREFIX + "fp8_").removesuffix("_total")
+            out[f"{prefix}fp8/{series.module}/{series.role}/{what}"] = value
+    return out

@@ -120,3 +120,45 @@ def test_otel_in_memory_reader_shows_fp8_series_bounded() -> None:
     assert points["ampguard.fp8_amax"][("layers.2.mlp", "weight")] == 9.0  # the SDK refuses NaN
     assert points["ampguard.fp8_nonfinite"][("layers.2.mlp", "weight")] == 1
     assert points["ampguard.fp8_underflow_ratio"][("layers.1.mlp", "grad_output")] == 0.01
+
+
+def _tracked(exporter: Any) -> None:
+    exporter.open(_info())
+    exporter.export(_report(1, _casts(40)), [])
+    exporter.export(_report(2, (*_casts(40, amax=4.0, sampled=False), Fp8Cast("layers.20.mlp", "weight",
+                                                                                math.inf, 0.0))), [])
+    exporter.close()
+
+
+def test_tensorboard_event_file_holds_fp8_scalars(tmp_path: Any) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ampguard.exporters import TensorBoardExporter
+
+    _tracked(TensorBoardExporter(tmp_path / "tb"))
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = [t for t in acc.Tags()["scalars"] if t.startswith("ampguard/fp8/")]
+    assert len({t.split("/")[2] for t in tags}) == M.FP8_MODULES + 1  # 40 modules -> 16 + "_other"
+    assert [(e.step, e.value) for e in acc.Scalars("ampguard/fp8/layers.3.mlp/input/amax")] == [(1, 12.0), (2, 16.0)]
+    assert [e.step for e in acc.Scalars("ampguard/fp8/layers.3.mlp/input/underflow_ratio")] == [1]  # sampled only
+    assert [e.value for e in acc.Scalars("ampguard/fp8/_other/weight/nonfinite")] == [0.0, 1.0]
+
+
+def test_mlflow_file_store_holds_fp8_scalars(tmp_path: Any, monkeypatch: Any) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from ampguard.exporters import MlflowExporter
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = (tmp_path / "mlruns").as_uri()
+    exporter = MlflowExporter(store, experiment="ampguard-fp8")
+    _tracked(exporter)
+    client = MlflowClient(store)
+    run = client.get_run(exporter.active_run_id)
+    keys = [k for k in run.data.metrics if k.startswith("ampguard/fp8/")]
+    assert len({k.split("/")[2] for k in keys}) == M.FP8_MODULES + 1
+    history = client.get_metric_history(run.info.run_id, "ampguard/fp8/_other/input/amax")
+    assert sorted((m.step, m.value) for m in history) == [(1, 120.0), (2, 160.0)]
+    nonfinite = client.get_metric_history(run.info.run_id, "ampguard/fp8/_other/weight/nonfinite")
+    assert sorted((m.step, m.value) for m in nonfinite) == [(1, 0.0), (2, 1.0)]
