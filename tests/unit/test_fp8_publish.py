@@ -162,3 +162,22 @@ def test_mlflow_file_store_holds_fp8_scalars(tmp_path: Any, monkeypatch: Any) ->
     assert sorted((m.step, m.value) for m in history) == [(1, 120.0), (2, 160.0)]
     nonfinite = client.get_metric_history(run.info.run_id, "ampguard/fp8/_other/weight/nonfinite")
     assert sorted((m.step, m.value) for m in nonfinite) == [(1, 0.0), (2, 1.0)]
+
+
+def test_jsonl_keeps_every_cast_on_sampled_and_nonfinite_steps_and_the_bounded_fold_otherwise(tmp_path: Any) -> None:
+    import json
+
+    from ampguard.exporters import JsonlExporter
+
+    exporter = JsonlExporter(tmp_path / "log.jsonl")
+    bad = (*_casts(40, sampled=False)[:-1], Fp8Cast("layers.39.mlp", "grad_output", math.nan, 1.0))
+    _tracked_steps = [_report(1, _casts(40)), _report(2, _casts(40, sampled=False)), _report(3, bad)]
+    exporter.open(_info())
+    for report in _tracked_steps:
+        exporter.export(report, [])
+    exporter.close()
+    steps = [r for line in (tmp_path / "log.jsonl").read_text().splitlines()
+             if (r := json.loads(line)).get("event") == "step"]
+    assert [len(r["fp8"]) for r in steps] == [120, (M.FP8_MODULES + 1) * 3, 120]
+    folded = {(c["module"], c["role"]): c for c in steps[1]["fp8"]}
+    assert folded[(M.FP8_OTHER, "input")]["amax"] == 120.0 and folded[(M.FP8_OTHER, "input")]["underflow"] is None
