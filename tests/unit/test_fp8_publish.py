@@ -181,3 +181,23 @@ def test_jsonl_keeps_every_cast_on_sampled_and_nonfinite_steps_and_the_bounded_f
     assert [len(r["fp8"]) for r in steps] == [120, (M.FP8_MODULES + 1) * 3, 120]
     folded = {(c["module"], c["role"]): c for c in steps[1]["fp8"]}
     assert folded[(M.FP8_OTHER, "input")]["amax"] == 120.0 and folded[(M.FP8_OTHER, "input")]["underflow"] is None
+
+
+def test_wandb_offline_run_holds_fp8_scalars(tmp_path: Any, monkeypatch: Any) -> None:
+    from pathlib import Path
+
+    import wandb
+
+    from ampguard.exporters import WandbExporter
+
+    from .test_exporters_wandb import _SETTINGS, _history
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    exporter = WandbExporter(project="ampguard-fp8", settings=wandb.Settings(**_SETTINGS))
+    _tracked(exporter)
+    rows = _history(Path(exporter.active_run.dir).parent)
+    assert [row["ampguard/fp8/layers.3.mlp/input/amax"] for row in rows] == [12.0, 16.0]
+    assert len({k.split("/")[2] for row in rows for k in row if k.startswith("ampguard/fp8/")}) == M.FP8_MODULES + 1
+    assert [row["ampguard/fp8/_other/weight/nonfinite"] for row in rows] == [0.0, 1.0]
