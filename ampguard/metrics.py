@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .records import ANOMALY_KINDS, SKIP_REASONS, RunInfo
+from .records import ANOMALY_KINDS, FP8_ROLES, SKIP_REASONS, RunInfo
 
 __all__ = [
     "ANOMALIES",
@@ -33,6 +33,14 @@ __all__ = [
     "DEVICE_MEMORY_PEAK",
     "EXPORTER_ERRORS",
     "EXPORTER_UP",
+    "FP8",
+    "FP8_AMAX",
+    "FP8_DYNAMIC_RANGE",
+    "FP8_MODULES",
+    "FP8_NONFINITE",
+    "FP8_OTHER",
+    "FP8_SCALE",
+    "FP8_UNDERFLOW",
     "MEMORY_KINDS",
     "GRAD_NORM",
     "GRAD_ZERO_FRACTION",
@@ -273,6 +281,54 @@ RUN_INFO = Metric(
     "The run: id, precision, backend, world size and versions (value always 1).",
 )
 
+#: At most this many fp8 modules get a ``module`` label value of their own (the first seen, in the model's
+#: order); the casts of every other module fold into ``module="_other"`` (:data:`FP8_OTHER`).
+FP8_MODULES = 16
+FP8_OTHER = "_other"
+_FP8_LABELS = ("module", "role")
+_FP8_VALUES: tuple[tuple[str, ...], ...] = ((), FP8_ROLES)
+_FP8_FOLD = f"(at most {FP8_MODULES} modules by name, the rest folded into module=\"{FP8_OTHER}\"; "
+FP8_AMAX = Metric(
+    "ampguard_fp8_amax",
+    "gauge",
+    "max|x| of the high-precision tensor of each torchao float8 cast at the last step " + _FP8_FOLD + "max).",
+    labels=_FP8_LABELS,
+    label_values=_FP8_VALUES,
+)
+FP8_SCALE = Metric(
+    "ampguard_fp8_scale",
+    "gauge",
+    "Scale of each torchao float8 cast at the last step " + _FP8_FOLD + "min).",
+    labels=_FP8_LABELS,
+    label_values=_FP8_VALUES,
+)
+FP8_UNDERFLOW = Metric(
+    "ampguard_fp8_underflow_ratio",
+    "gauge",
+    "Fraction of each float8 cast's non-zero elements flushed to zero, at the last sampled step " + _FP8_FOLD
+    + "max).",
+    labels=_FP8_LABELS,
+    label_values=_FP8_VALUES,
+)
+FP8_DYNAMIC_RANGE = Metric(
+    "ampguard_fp8_dynamic_range_log2",
+    "gauge",
+    "log2(amax / min nonzero |x|) of each float8 cast's input, at the last sampled step " + _FP8_FOLD + "max).",
+    labels=_FP8_LABELS,
+    label_values=_FP8_VALUES,
+)
+FP8_NONFINITE = Metric(
+    "ampguard_fp8_nonfinite_total",
+    "counter",
+    "float8 casts whose amax or scale was non-finite (or scale <= 0) " + _FP8_FOLD + "summed).",
+    labels=_FP8_LABELS,
+    label_values=_FP8_VALUES,
+    unit="{cast}",
+)
+#: The fp8 cast metrics (filled from ``StepReport.fp8`` when fp8 monitoring is on); module label bounded
+#: by :data:`FP8_MODULES`.
+FP8 = (FP8_AMAX, FP8_SCALE, FP8_UNDERFLOW, FP8_DYNAMIC_RANGE, FP8_NONFINITE)
+
 #: Labels of :data:`RUN_INFO` beyond :data:`RANK_LABELS`: the fields of ``RunInfo`` of the same
 #: name, and ``<package>_version`` from ``RunInfo.versions`` ("" when not known).
 RUN_INFO_LABELS = (
@@ -311,6 +367,7 @@ CATALOGUE: tuple[Metric, ...] = (
     MODULE_GRAD_NORM,
     MODULE_UPDATE_RATIO,
     RUN_INFO,
+    *FP8,
 )
 
 

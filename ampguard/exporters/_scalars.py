@@ -9,6 +9,7 @@ from typing import Any
 
 from ..errors import BackendUnavailableError
 from ..records import Anomaly, RunInfo, StepReport
+from ._fp8 import fp8_scalars
 
 __all__ = ["KEY_PREFIX", "STEP_KEY", "optional_module", "run_params", "step_scalars"]
 
@@ -41,6 +42,7 @@ def step_scalars(report: StepReport, anomalies: Sequence[Anomaly]) -> dict[str, 
     for field in _PER_NAME:
         for name, value in getattr(report, field) or ():
             out[f"{KEY_PREFIX}{field}/{name}"] = float(value)
+    out.update(fp8_scalars(report.fp8, KEY_PREFIX))  # bounded: metrics.FP8_MODULES modules + "_other"
     out[KEY_PREFIX + "anomalies"] = float(len(anomalies))
     return out
 

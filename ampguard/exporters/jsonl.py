@@ -41,6 +41,7 @@ first, in order, once writing works again.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
 import queue
@@ -52,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from ..records import Anomaly, RunInfo, StepReport
+from ._fp8 import fp8_log_casts
 
 __all__ = ["JsonlExporter", "rank_path", "torn_record", "torn_tail"]
 
@@ -236,6 +238,9 @@ class JsonlExporter:
                 self._queue.task_done()
 
     def _write_step(self, report: StepReport) -> None:
+        fp8 = fp8_log_casts(report.fp8)  # a healthy unsampled step: the bounded fold of its fp8 casts
+        if fp8 is not report.fp8:
+            report = dataclasses.replace(report, fp8=fp8)
         self._write({"event": "step", **report.to_dict()}, sync=False)
         self._unsynced += 1
         if self._unsynced >= self.fsync_every:

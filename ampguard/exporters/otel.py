@@ -31,6 +31,7 @@ from .. import metrics as M
 from .._version import __version__
 from ..records import Anomaly, RunInfo, StepReport
 from ..vocab import AnomalyKind, Cause, SkipReason
+from ._fp8 import fp8_series
 from ._scalars import optional_module
 from .base import ExporterHealth
 from .memory import MemoryPeaks
@@ -62,6 +63,7 @@ class OtelExporter:
         """Per family, per values of its own labels: the counter's total or the gauge's last value."""
         self._health: Mapping[str, ExporterHealth] = {}
         self._health_seen: dict[str, tuple[bool, int]] = {}
+        self._fp8_known: list[str] = []
         _otel_metrics()  # fail at construction, naming the extra, when opentelemetry is missing
 
     def watch_exporters(self, health: Mapping[str, ExporterHealth]) -> None:
@@ -80,6 +82,7 @@ class OtelExporter:
         self._memory = MemoryPeaks(info.device)
         for stored in self._values.values():
             stored.clear()
+        self._fp8_known.clear()
         for metric in M.CATALOGUE:
             if metric.type == "counter" and metric not in M.PER_EXPORTER:
                 for combo in M.label_combinations(metric):
@@ -159,6 +162,12 @@ class OtelExporter:
                               (M.MODULE_UPDATE_RATIO, report.module_update_ratios)):
             for module, value in pairs or ():
                 self._set(metric, value, module)
+        for series in fp8_series(report.fp8, self._fp8_known):  # bounded: metrics.FP8_MODULES modules + "_other"
+            for metric, value in series.values():
+                if metric.type == "counter":
+                    self._add(metric, series.module, series.role, amount=value)
+                else:
+                    self._set(metric, value, series.module, series.role)
         self._report_health()
 
     def _report_health(self) -> None:

@@ -29,6 +29,7 @@ from .. import metrics as M
 from ..errors import AmpGuardError
 from ..records import Anomaly, RunInfo, StepReport
 from ..vocab import AnomalyKind, Cause, SkipReason
+from ._fp8 import fp8_series
 from .base import ExporterHealth
 from .memory import MemoryPeaks
 
@@ -126,6 +127,9 @@ class PrometheusExporter:
         self._memory: MemoryPeaks | None = None
         self._health: Mapping[str, ExporterHealth] = {type(self).__name__: ExporterHealth(type(self).__name__)}
         self._health_bound: list[tuple[ExporterHealth, Any, Any, list[int]]] = []
+        self._rank: tuple[str, str] = ("0", "0")
+        self._fp8_known: list[str] = []  # modules with an fp8 series of their own (metrics.FP8_MODULES at most)
+        self._fp8_children: dict[tuple[str, str, str], Any] = {}
 
     # ------------------------------------------------------------------ server
     @property
@@ -181,7 +185,7 @@ class PrometheusExporter:
         ``port + info.local_rank``."""
         if not self._m:
             self._m = _register(self.registry)
-        rank = (str(info.rank), str(info.local_rank))
+        rank = self._rank = (str(info.rank), str(info.local_rank))
         children = {
             metric.name: {
                 combo: self._m[metric.name].labels(*combo, *rank) for combo in M.label_combinations(metric)
@@ -263,7 +267,22 @@ class PrometheusExporter:
                 gauge = gauges.get(module)
                 if gauge is not None:
                     gauge.set(value)
+        if report.fp8:
+            self._export_fp8(report)
         self._report_health()
+
+    def _export_fp8(self, report: StepReport) -> None:
+        """The fp8 casts' series: bounded (:mod:`ampguard.exporters._fp8`), label children bound on first use."""
+        for s in fp8_series(report.fp8, self._fp8_known):
+            for metric, value in s.values():
+                key = (metric.name, s.module, s.role)
+                child = self._fp8_children.get(key)
+                if child is None:
+                    child = self._fp8_children[key] = self._m[metric.name].labels(s.module, s.role, *self._rank)
+                if metric.type == "counter":
+                    child.inc(value)
+                else:
+                    child.set(value)
 
     def _report_health(self) -> None:
         for health, up, errors, seen in self._health_bound:

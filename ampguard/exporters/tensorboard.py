@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import BackendUnavailableError
 from ..records import Anomaly, RunInfo, StepReport
+from ._fp8 import fp8_scalars
 
 __all__ = ["TensorBoardExporter"]
 
@@ -110,6 +111,9 @@ class TensorBoardExporter:
             for module, value in values or ():
                 if math.isfinite(value):
                     w.add_scalar(prefix + module, value, s, walltime=t)
+        for tag, value in fp8_scalars(report.fp8).items():  # ampguard/fp8/<module>/<role>/amax ..., bounded
+            if math.isfinite(value):
+                w.add_scalar(tag, value, s, walltime=t)
         every = self.histogram_every
         if every is not None and report.param_norms is not None and s % every == 0:
             self._histograms(report)

@@ -114,6 +114,8 @@ def test_every_label_combination_exists_at_zero_before_the_first_step(prom):
     # every family in the catalogue, and nothing else, is exposed
     names = {k[0] for k in s}
     for metric in M.CATALOGUE:
+        if metric in M.FP8:  # series appear with the first fp8 cast (fp8 monitoring on; tests/unit/test_fp8_publish.py)
+            continue
         assert metric.name in names or metric.name + "_count" in names, metric.name
     for name in names:
         assert M.by_name(name), name

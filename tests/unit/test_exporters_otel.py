@@ -19,7 +19,7 @@ from ampguard import metrics as M
 from ampguard.errors import BackendUnavailableError
 from ampguard.exporters import MultiExporter, OtelExporter
 from ampguard.exporters.memory import MemoryPeaks
-from ampguard.records import RunInfo, StepReport
+from ampguard.records import Fp8Cast, RunInfo, StepReport
 
 from ._tracked_run import train
 
@@ -114,7 +114,8 @@ def test_every_catalogue_family_is_an_instrument_with_its_name_unit_and_kind():
                             grad_norm=0.5, nonfinite_grads=0, nonfinite_loss=False, wall_time=1.0,
                             grad_zero_fraction=0.25, group_zero_fractions=(0.25,), headroom_log2=3.0,
                             module_grad_norms=(("fc", 0.5),),
-                            module_update_ratios=(("fc", 0.01),)), ())
+                            module_update_ratios=(("fc", 0.01),),
+                            fp8=(Fp8Cast("fc", "input", 2.0, 224.0, 0.0, None, 8.0),)), ())
     data = reader.get_metrics_data()
     assert data is not None
     got = {m.name: (m.unit, type(m.data).__name__) for rm in data.resource_metrics for sm in rm.scope_metrics
