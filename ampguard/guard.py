@@ -189,7 +189,8 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         params = self._pipeline.params()
         chosen = params if parameters is None else (
             [parameters] if isinstance(parameters, torch.Tensor) else list(parameters))
-        same = len(chosen) == len(params) and {id(p) for p in chosen} == {id(p) for p in params}
+        # the guarded parameters, frozen ones aside (their gradient is None: torch's clip skips them too)
+        same = {id(p) for p in chosen if p.requires_grad} == {id(p) for p in params}
         foldable = (same and float(norm_type) == 2.0 and self.config.clip_grad_norm is None
                     and self.config.zclip is None)
         measured = self._measured

@@ -47,6 +47,7 @@ Wrapping before ``prepare`` (``accelerator.prepare(ampguard.wrap(optimizer))``) 
 
 from __future__ import annotations
 
+import math
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -274,9 +275,11 @@ class _AcceleratorHooks:
         def clip(parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
             # On a step boundary, the parameters of one guard: the guard's clip (on the fused fast
             # path folded into its step: no unscale_, no pass over the gradients here).
+            # Frozen parameters do not count (the Trainer passes model.parameters()).
+            # max_norm=inf (the Trainer's norm for logging, no clip) stays accelerate's.
             params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            if accelerator.sync_gradients and not kwargs:
-                ids = {id(p) for p in params}
+            if accelerator.sync_gradients and not kwargs and 0 < max_norm < math.inf:
+                ids = {id(p) for p in params if p.requires_grad}
                 for guard in self.open_guards():
                     if ids == {id(p) for p in guard._pipeline.params()}:
                         return guard.clip_grad_norm_(max_norm, norm_type, parameters=params)
