@@ -8,8 +8,9 @@ the readers and the state dict; the work is done by the rooms it delegates to
 from __future__ import annotations
 
 import enum
+import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -171,6 +172,45 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         self._check_open("unscale_")
         if self._measured is None:
             self._measured = self._measure()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        parameters: Iterable[torch.Tensor] | torch.Tensor | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` for this step's gradients (``parameters``: None, the
+        guarded ones): returns the total norm of the unscaled gradients before clipping, a device
+        tensor (no host sync). On the fused fast path, the first call of a step with ``norm_type=2``
+        over the guarded parameters (and no ``GuardConfig.clip_grad_norm``/``zclip``) is *folded*:
+        the norm is the guard's own measurement of the still-scaled gradients, and the coefficient
+        ``min(1, max_norm / (norm + 1e-6))`` goes into the fused optimizer's ``grad_scale``: no pass
+        over the gradients here. Otherwise (and on a second call in the step, which first applies the
+        folded clip) it unscales (:meth:`unscale_`) and calls torch's ``clip_grad_norm_``, as the
+        plain loop does. The report's ``clip_coef`` is the first call's coefficient."""
+        self._check_open("clip_grad_norm_")
+        max_norm = _clip_max_norm(max_norm)
+        params = self._pipeline.params()
+        chosen = params if parameters is None else (
+            [parameters] if isinstance(parameters, torch.Tensor) else list(parameters))
+        # the guarded parameters, frozen ones aside (their gradient is None: torch's clip skips them too)
+        same = {id(p) for p in chosen if p.requires_grad} == {id(p) for p in params}
+        foldable = (same and float(norm_type) == 2.0 and self.config.clip_grad_norm is None
+                    and self.config.zclip is None)
+        measured = self._measured
+        if measured is None and foldable:
+            measured = self._measured = self._measure(fast=True)
+            if measured.scaled:
+                measured.clip_norm = max_norm
+                return torch.linalg.vector_norm(measured.norms, 2.0)
+        elif measured is not None and measured.scaled:  # a second call: apply the folded clip first
+            first = self._pipeline.measure(self)  # GradScaler's unscale_, as the plain loop's
+            first.numerics, first.clip_norm, first.clip_applied = measured.numerics, measured.clip_norm, True
+            self._measured = first
+            torch.nn.utils.clip_grad_norm_(params, measured.clip_norm)  # type: ignore[arg-type]
+            foldable = False
+        self.unscale_()
+        total = torch.nn.utils.clip_grad_norm_(chosen, max_norm, norm_type)
+        measured = self._measured
+        if foldable and measured.clip_norm is None:  # the report's clip_coef: this clip's
+            measured.clip_norm, measured.clip_applied = max_norm, True
+        return total
 
     def step(self, closure: Callable[[], Any] | None = None, *, replay: bool = False) -> Any:  # type: ignore[override]
         """The guarded step: unscale, statistics, one all-gather, decision, inner step or skip,
@@ -457,3 +497,14 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         if self._scaler is not None:
             self._scaler.scaled_since_step = False
 
+
+def _clip_max_norm(max_norm: Any) -> float:
+    """``clip_grad_norm_``'s ``max_norm`` as a float; a clear error for anything but a finite number > 0."""
+    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:
+        max_norm = max_norm.item()
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+        raise TypeError(f"clip_grad_norm_(max_norm={max_norm!r}): expects a number, e.g. max_norm=1.0")
+    if not (math.isfinite(max_norm) and max_norm > 0):
+        raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): allowed: a finite number > 0 (e.g. 1.0); to not "
+                         "clip, do not call it. Nothing was changed.")
+    return float(max_norm)

@@ -79,6 +79,12 @@ class Measured:
     scaled: bool = False
     """The fused fast path: the gradients are still scaled, ``found_inf`` comes from the norms,
     and the fused optimizer unscales (and clips) them in its kernel (:meth:`StepPipeline.measure`)."""
+    clip_norm: float | None = None
+    """``GuardedOptimizer.clip_grad_norm_``'s ``max_norm`` this step (None: not called): the decision
+    clips to it as to ``GuardConfig.clip_grad_norm`` (on the fast path folded into ``grad_scale``)."""
+    clip_applied: bool = False
+    """The clip to ``clip_norm`` was already applied to ``.grad`` (torch's ``clip_grad_norm_``): the
+    decision still reports its coefficient, the clip stage does not apply it again."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -141,9 +147,21 @@ class StepPipeline:
         self.scale_state = ScaleState.fresh(state_device)
         """The decision's carried state lives where the decision is taken (host: no sync to read it)."""
         self.graph = DecisionGraph(switches.cuda_graph)
+        self._clip_configs: dict[float, GuardConfig] = {}
         self.numerics = Numerics(config.numerics_every, device=device,
                                  headroom=adapter is not None and adapter.scaler.is_enabled())
         """The sampled fp16 numerics (``GuardConfig.numerics_every``)."""
+
+    def config_for(self, measured: Measured) -> GuardConfig:
+        """The configuration this step decides with: the guard's, with ``clip_grad_norm`` set to a
+        ``clip_grad_norm_`` call's ``max_norm`` (one cached config per value: no validation per step)."""
+        norm = measured.clip_norm
+        if norm is None:
+            return self.config
+        config = self._clip_configs.get(norm)
+        if config is None:
+            config = self._clip_configs[norm] = dataclasses.replace(self.config, clip_grad_norm=norm)
+        return config
 
     def params(self) -> list[torch.Tensor]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -256,19 +274,22 @@ class StepPipeline:
         step's measurement, whose norms (and sampled numerics) the host decision copies to the
         host with the gathered matrix."""
         view: ScalerView | None = self.adapter.view() if self.adapter is not None else None
+        config = self.config_for(measured)
         if self.host_decision:
             # off the CPU: the step's one sync
             copied = HostCopy.read(gathered, measured.norms, measured.numerics, view, self.device)
-            values, tracker = decide_host(copied.gathered, config=self.config, spikes=self.spikes,
+            values, tracker = decide_host(copied.gathered, config=config, spikes=self.spikes,
                                           scale_state=self.scale_state, scaler=copied.view,
                                           grads_sharded=self.backend.grads_sharded)
             return Decision(host_tensor(values), tracker, values, copied)
 
         def run(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return decide(g, config=self.config, spikes=self.spikes, scale_state=self.scale_state, scaler=view,
+            return decide(g, config=config, spikes=self.spikes, scale_state=self.scale_state, scaler=view,
                           grads_sharded=self.backend.grads_sharded)
 
-        key = None if view is None else (view.growth_factor, view.backoff_factor, view.growth_interval)
+        # the clip norm is a constant of the captured rule: part of the graph's key
+        key = (None if view is None else (view.growth_factor, view.backoff_factor, view.growth_interval),
+               measured.clip_norm)
         return Decision(*self.graph.run(run, gathered, key))
 
     def payload(self, decision: Decision, gathered: torch.Tensor, measured: Measured,
@@ -279,7 +300,7 @@ class StepPipeline:
                     copied=decision.copied)
 
     def clip(self, measured: Measured, decision: Decision) -> None:
-        if not uses_clipping(self.config) or measured.scaled:
+        if not uses_clipping(self.config_for(measured)) or measured.scaled or measured.clip_applied:
             return  # the fast path folds the coefficient into the fused optimizer's grad_scale
         host = decision.host
         if host is not None and host[Dec.CLIP_COEF] == 1.0:
@@ -351,7 +372,7 @@ class StepPipeline:
         adapter.force_found_inf(measured.found_inf_per_device, skip)  # GradScaler's record: the decision
         scale = adapter.scale
         grad_scale = scale
-        if uses_clipping(self.config):
+        if uses_clipping(self.config_for(measured)):
             host = decision.host
             if host is None or host[Dec.CLIP_COEF] != 1.0:
                 grad_scale = scale / decision.vector[Dec.CLIP_COEF].to(scale.device, non_blocking=True)

@@ -32,7 +32,7 @@ from .forensics.sentinel import Sentinel
 from .indicators import Indicators
 from .integrity import nonfinite_names
 from .payload import Layout, Packed, Unpacked
-from .policies import uses_clipping, uses_grad_detector
+from .policies import uses_grad_detector
 from .records import Anomaly, History, StepReport
 from .stats import REASONS, Dec, Loc, origin_ranks
 from .vocab import AnomalyKind, Phase, SkipReason
@@ -230,7 +230,7 @@ class Reporter:
             loss=None if unknown else d[Dec.LOSS], loss_scale=d[Dec.SCALE], next_loss_scale=d[Dec.NEXT_SCALE],
             grad_norm=d[Dec.GRAD_NORM],
             nonfinite_grads=int(d[Dec.NONFINITE_TENSORS]), nonfinite_loss=loss_nonfinite, nonfinite_ranks=ranks,
-            clip_coef=d[Dec.CLIP_COEF] if uses_clipping(config) else 1.0,
+            clip_coef=d[Dec.CLIP_COEF],  # 1.0 where nothing clipped (also a clip_grad_norm_ call's)
             grad_spike=d[Dec.GRAD_SPIKE] > 0, loss_spike=d[Dec.LOSS_SPIKE] > 0, world_size=world, rank=self.rank,
             param_norms=tuple(norms) if want_norms else None, wall_time=time.time(),
             scale_backoff=d[Dec.BACKOFF] > 0, scale_growth=d[Dec.GROWTH] > 0,

@@ -19,7 +19,12 @@ in the Accelerator (``save_state``/``load_state``, ``optimizer_step_was_skipped`
   decides, steps or skips, and sets the next loss scale itself.
 - ``optimizer.step_was_skipped`` (so ``accelerator.optimizer_step_was_skipped``) is the guard's:
   the ``AcceleratedScheduler`` holds the learning rate exactly on the skipped steps.
-- ``accelerator.clip_grad_norm_`` measures through the guard first: in fp16 accelerate's own
+- ``accelerator.clip_grad_norm_`` over a guard's parameters, on a step boundary, is the guard's
+  :meth:`~ampguard.GuardedOptimizer.clip_grad_norm_` (an instance attribute, like ``backward``):
+  with a fused optimizer in fp16 it is folded into the guarded step (2 passes over the gradients
+  instead of accelerate's 4: unscale_, the norm, the clip, the step). Other calls are accelerate's,
+  which
+  measures through the guard first: in fp16 accelerate's own
   ``scaler.unscale_`` is the guard's ``unscale_``; without a scaler (bf16, fp32) accelerate unscales
   nothing, and the integration has the guard measure first. Clipping sees unscaled gradients and
   the report's ``grad_norm`` is the norm before clipping. Clipping on a micro-step that does not
@@ -42,6 +47,7 @@ Wrapping before ``prepare`` (``accelerator.prepare(ampguard.wrap(optimizer))``) 
 
 from __future__ import annotations
 
+import math
 import types
 import warnings
 from collections.abc import Callable, Sequence
@@ -232,12 +238,12 @@ class _AcceleratorHooks:
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
         self.guards: list[GuardedOptimizer] = []
-        names = ("backward", "save_state") if accelerator.scaler is not None else (
-            "backward", "save_state", "unscale_gradients")
+        names = ("backward", "save_state", "clip_grad_norm_") + (
+            () if accelerator.scaler is not None else ("unscale_gradients",))
         self.previous = {name: accelerator.__dict__.get(name) for name in names}
-        backward_, unscale_gradients_, save_state_ = (
+        backward_, unscale_gradients_, save_state_, clip_grad_norm_ = (
             self.previous.get(n) or types.MethodType(getattr(Accelerator, n), accelerator)
-            for n in ("backward", "unscale_gradients", "save_state"))
+            for n in ("backward", "unscale_gradients", "save_state", "clip_grad_norm_"))
 
         def save_state(*args: Any, **kwargs: Any) -> Any:
             # Before accelerate touches the disk (it rotates old checkpoints out first): a state with a
@@ -266,8 +272,22 @@ class _AcceleratorHooks:
                         guard.unscale_()
             return unscale_gradients_(optimizer)
 
+        def clip(parameters: Any, max_norm: float, norm_type: float = 2, **kwargs: Any) -> Any:
+            # On a step boundary, the parameters of one guard: the guard's clip (on the fused fast
+            # path folded into its step: no unscale_, no pass over the gradients here).
+            # Frozen parameters do not count (the Trainer passes model.parameters()).
+            # max_norm=inf (the Trainer's norm for logging, no clip) stays accelerate's.
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            if accelerator.sync_gradients and not kwargs and 0 < max_norm < math.inf:
+                ids = {id(p) for p in params if p.requires_grad}
+                for guard in self.open_guards():
+                    if ids == {id(p) for p in guard._pipeline.params()}:
+                        return guard.clip_grad_norm_(max_norm, norm_type, parameters=params)
+            return clip_grad_norm_(params, max_norm, norm_type, **kwargs)
+
         accelerator.backward = backward  # type: ignore[method-assign]
         accelerator.save_state = save_state  # type: ignore[method-assign]
+        accelerator.clip_grad_norm_ = clip  # type: ignore[method-assign]
         if "unscale_gradients" in names:
             accelerator.unscale_gradients = unscale_gradients  # type: ignore[method-assign]
 

@@ -19,9 +19,10 @@ What changes against the plain ``Trainer`` (everything else is the Trainer's own
   ``fp32`` (also ``fp16=True`` where accelerate builds no scaler and no autocast, e.g. on CPU).
 - A non-finite step is skipped on device; ``accelerator.optimizer_step_was_skipped`` is the
   guard's decision, so the Trainer holds the LR scheduler on that step.
-- ``max_grad_norm``: the Trainer still clips (``accelerator.clip_grad_norm_``); the guard
-  measures the gradients first (through ``accelerator.unscale_gradients``, see the accelerate
-  integration), so its ``grad_norm`` is the norm before clipping.
+- ``max_grad_norm``: the Trainer's ``accelerator.clip_grad_norm_`` is the guard's
+  ``clip_grad_norm_`` (see the accelerate integration): with a fused optimizer in fp16
+  (``optim="adamw_torch_fused"``) folded into the guarded step, otherwise the guard measures the
+  gradients first and torch clips; the report's ``grad_norm`` is the norm before clipping.
 - Loss: the report's loss is the loss of the optimizer step: the sum of the micro-batch losses
   as the Trainer back-propagates them through ``accelerator.backward`` (each already divided by
   the accumulation steps, or normalised by the items of the whole accumulated batch), observed by
