@@ -79,8 +79,8 @@ def cast_stats(x: torch.Tensor, dtype: torch.dtype, *, rowwise: bool, pow2: bool
         scales = torch.exp2(torch.floor(torch.log2(scales)))
     amax, scale = row_amax.amax(), scales.amin()
     if rowwise:  # a NaN row: amax() propagates it; the scale of that row is NaN and amin() propagates it too
-        amax = torch.where(row_amax.isnan().any(), row_amax.new_tensor(math.nan), amax)
-    nan = amax.new_tensor(math.nan)
+        amax = torch.where(row_amax.isnan().any(), torch.full_like(amax, math.nan), amax)
+    nan = torch.full_like(amax, math.nan)  # a fill on device: new_tensor() would copy from the host (a sync)
     if not sampled:
         return torch.stack([torch.ones_like(amax), amax, scale, nan, nan])
     fmax = torch.finfo(dtype).max
