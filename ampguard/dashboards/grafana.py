@@ -6,7 +6,18 @@ import json
 from typing import Any
 
 from .. import metrics as M
-from .panels import _DS, _JOB, _below, _indicator_panels, _numerics_panels, _panel, _precision_panels, _q, _target
+from .panels import (
+    _DS,
+    _JOB,
+    _below,
+    _indicator_panels,
+    _integrity_panels,
+    _numerics_panels,
+    _panel,
+    _precision_panels,
+    _q,
+    _target,
+)
 
 DASHBOARD_UID = "ampguard-numerics"
 DASHBOARD_FILE = "ampguard.json"
@@ -158,7 +169,7 @@ def build_dashboard() -> dict[str, Any]:
             ],
         ),
     ]
-    for row in (_precision_panels, _numerics_panels, _indicator_panels):  # the numerics rows, each below the last
+    for row in (_precision_panels, _numerics_panels, _indicator_panels, _integrity_panels):  # each below the last
         panels += row(*_below(panels))
     annotations = [
         {

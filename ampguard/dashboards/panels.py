@@ -147,3 +147,30 @@ def _indicator_panels(pid: int, y: int) -> list[dict[str, Any]]:
         for i, (metric, (title, description)) in enumerate(what.items())
     )]
 
+
+
+def _integrity_panels(pid: int, y: int) -> list[dict[str, Any]]:
+    """Run integrity (docs/integrity.md): weights the parameter check found non-finite, and replicas
+    the consistency check found holding other bits, per rank and interval."""
+    rate = "$__rate_interval"
+    poisoned = _q(M.ANOMALIES, selector=_SEL + ', kind="nonfinite_params"')
+    return [
+        _panel(pid, "row", "Run integrity", "GuardConfig.param_check_every (non-finite weights after an update) and "
+               "consistency_every (replicas compared bit for bit); any non-zero bar is a run to stop resuming from "
+               "(docs/integrity.md).", "none", [], (0, y, 24, 1), collapsed=False),
+        _panel(
+            pid + 1, "timeseries", "Non-finite weights found",
+            "Checked steps whose updated weights held a NaN/Inf, per rank (the nonfinite_params anomaly: the ladder "
+            "rolled back, or training stopped; the anomaly names the parameters). AmpguardNonFiniteParams fires on it.",
+            "short", [_target(f"sum by (rank) (increase({poisoned}[{rate}]))", "rank {{rank}}")],
+            (0, y + 1, 12, 8),
+        ),
+        _panel(
+            pid + 2, "timeseries", "Replica mismatches",
+            "Failed consistency checks per rank: step/skip counts, loss scale or the parameters' bits differ between "
+            "replicas (a flipped bit shows; the anomaly names the parameters and ranks). AmpguardRankDivergence "
+            "fires on it.",
+            "short", [_target(f"sum by (rank) (increase({_q(M.RANK_DIVERGENCE)}[{rate}]))", "rank {{rank}}")],
+            (12, y + 1, 12, 8),
+        ),
+    ]
