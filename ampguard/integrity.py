@@ -174,7 +174,8 @@ def check_weights(verdict: Verdict, named_params: Sequence[tuple[str, torch.Tens
             f"the model's weights are not the ones the optimizer state loaded (saved at step {verdict.step}) was "
             f"saved with: {len(differ)} parameter(s) differ bitwise ({', '.join(differ[:5])}"
             f"{' ...' if len(differ) > 5 else ''}). Load the model's weights from the same checkpoint (before the "
-            "first step after loading); this step changed nothing")
+            "first step after loading); to go on from other weights on purpose, load the state without its verdict "
+            "(del state_dict['ampguard']['verdict']). This step changed nothing")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

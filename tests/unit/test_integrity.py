@@ -221,6 +221,11 @@ def test_an_optimizer_state_stepped_on_other_weights_is_refused(tmp_path):
     with pytest.raises(ampguard.CheckpointError, match=r"4 parameter\(s\) differ bitwise \(fc1.weight"):
         _train(opt, model, 1)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and opt.step_count == 3
+    model, opt = _fresh()  # on purpose: the state without its verdict goes on from other weights
+    del state["opt"]["ampguard"]["verdict"]
+    opt.load_state_dict(state["opt"])
+    _train(opt, model, 1)
+    assert opt.step_count == 4 and not opt.history[3].skipped
 
 
 def test_a_malformed_verdict_is_refused(tmp_path):
