@@ -172,6 +172,17 @@ def build_rule_tests(
     replace(s, M.ANOMALIES.name, {**r0, "kind": "nonfinite_params"}, "0x10 1x10")
     case(s, quiet(9, "AmpguardNonFiniteParams"), fires(12, "AmpguardNonFiniteParams", {"job": job}, "1"))
 
+    # 6c. fp8: a non-finite cast in one module and role; then that role's underflow rising from 0.1% to 5%
+    cast = {**r0, "module": "blocks.0.mlp.fc1", "role": "grad_output"}
+    s = healthy(r0, 20)
+    replace(s, M.FP8_NONFINITE.name, cast, "0x10 1x10")
+    case(s, quiet(9, "AmpguardFp8NonFiniteAmax"),
+         fires(12, "AmpguardFp8NonFiniteAmax", {"job": job, "module": cast["module"], "role": "grad_output"}, "1"))
+    s = healthy(r0, 80)
+    replace(s, M.FP8_UNDERFLOW.name, cast, "0.001x40 0.05x40")
+    case(s, quiet(35, "AmpguardFp8UnderflowRising"),
+         fires(70, "AmpguardFp8UnderflowRising", {"job": job, "module": cast["module"], "role": "grad_output"}, "5%"))
+
     # 7. rank 1's JSONL exporter fails from minute 5 (disk full) and works again at minute 20
     s = healthy(r0, 30) + healthy(r1, 30)
     down = {**r1, "exporter": "JsonlExporter"}

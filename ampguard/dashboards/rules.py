@@ -41,6 +41,8 @@ ALERTS = (
     "AmpguardLossScaleAtFloor",
     "AmpguardModuleGradNormGrowth",
     "AmpguardNonFiniteParams",
+    "AmpguardFp8NonFiniteAmax",
+    "AmpguardFp8UnderflowRising",
 )
 
 # Recording rule names (level:metric:operations).
@@ -125,6 +127,9 @@ def build_rules(
     last = _sel(M.LAST_STEP_TIMESTAMP.name, s)
     divergence = _sel(M.RANK_DIVERGENCE.name, s)
     poisoned = _sel(M.ANOMALIES.name, ", ".join(x for x in (s.strip().rstrip(","), 'kind="nonfinite_params"') if x))
+    fp8_bad, fp8_under = _sel(M.FP8_NONFINITE.name, s), _sel(M.FP8_UNDERFLOW.name, s)
+    under_now = f"max by (job, module, role) (avg_over_time({fp8_under}[10m]))"
+    under_before = f"max by (job, module, role) (avg_over_time({fp8_under}[10m] offset 30m))"
     exporter_up = _sel(M.EXPORTER_UP.name, s)
     floor = _sel(M.LOSS_SCALE_FLOOR.name, s)
     module_norm = _sel(M.MODULE_GRAD_NORM.name, s)
@@ -266,6 +271,26 @@ def build_rules(
             "ampguard's parameter check (GuardConfig.param_check_every) found NaN/Inf weights after an update from "
             "finite gradients ({{ $value }} times in 10 minutes): the ladder rolled back, or training stopped. Do not "
             "resume from a checkpoint written after it; the anomaly names the parameters (docs/integrity.md).",
+        ),
+        alert(
+            "AmpguardFp8NonFiniteAmax",
+            f"max by (job, module, role) (increase({fp8_bad}[5m])) > 0",
+            "0s",
+            "critical",
+            "Non-finite fp8 cast in {{ $labels.module }} ({{ $labels.role }}) on {{ $labels.job }}",
+            "A torchao float8 cast of {{ $labels.module }}, role {{ $labels.role }}, had a NaN/Inf amax or a "
+            "scale of 0/NaN ({{ $value }} times in 5 minutes): one bad element poisons the whole cast tensor "
+            "(docs/fp8.md).",
+        ),
+        alert(
+            "AmpguardFp8UnderflowRising",
+            f"{under_now} > 0.01 and {under_now} > 2 * {under_before}",
+            "10m",
+            "warning",
+            "fp8 underflow rising in {{ $labels.module }} ({{ $labels.role }}) on {{ $labels.job }}",
+            "The fraction of {{ $labels.module }}'s {{ $labels.role }} elements flushed to zero by its fp8 cast "
+            "averaged {{ $value | humanizePercentage }} over 10 minutes, more than 1% and twice its level 30 minutes "
+            "before: consider rowwise scaling, or keeping that layer in bf16 (docs/fp8.md).",
         ),
     ]
     if fors:
