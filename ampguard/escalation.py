@@ -99,20 +99,32 @@ class Ladder:
             return Observed([], None, False)
         count = len(self.recent)
         self.recent.clear()
-        # a snapshot wanted but not yet taken counts: it is taken before the rollback is carried out
-        can_roll = self.on_rollback is not None or self.snapshot is not None or self.pending_snapshot is not None
-        if self.rollbacks < c.max_rollbacks and can_roll:
-            last = self.pending_snapshot if self.pending_snapshot is not None else self.snapshot_step
-            target = "your on_rollback checkpoint" if self.on_rollback else f"the snapshot after step {last}"
-            anomaly = Anomaly(report.step, AnomalyKind.ROLLBACK,
-                              f"{count} non-finite steps within {c.window} steps: rolling back to {target} "
-                              f"(rollback {self.rollbacks + 1} of {c.max_rollbacks})", report.nonfinite_ranks)
-            self.pending_rollback = anomaly
+        anomaly = self.request_rollback(report.step, f"{count} non-finite steps within {c.window} steps",
+                                        report.nonfinite_ranks)
+        if anomaly is not None:
             return Observed([anomaly], None, False)
-        why = ("no snapshot to roll back to (set Escalation.snapshot_every or pass on_rollback)" if not can_roll
-               else f"{self.rollbacks} rollback(s) did not help")
+        why = ("no snapshot to roll back to (set Escalation.snapshot_every or pass on_rollback)"
+               if not self.can_roll_back() else f"{self.rollbacks} rollback(s) did not help")
         diagnosis = self.diagnose(report, count, why, anomalies)
         return Observed([Anomaly(report.step, AnomalyKind.ABORT, diagnosis, report.nonfinite_ranks)], diagnosis, False)
+
+    def can_roll_back(self) -> bool:
+        """There is something to roll back to: ``on_rollback``, a snapshot, or one wanted but not yet
+        taken (it is taken before the rollback is carried out)."""
+        return self.on_rollback is not None or self.snapshot is not None or self.pending_snapshot is not None
+
+    def request_rollback(self, step: int, why: str, ranks: tuple[int, ...] = ()) -> Anomaly | None:
+        """Ask for a rollback at the next fixed point, because of ``why`` (a phrase), on ``step``:
+        the ``rollback`` anomaly, or None where none can be done (nothing to roll back to, or
+        ``max_rollbacks`` spent). Decides only; the outcome carries it out."""
+        c = self.config
+        if self.rollbacks >= c.max_rollbacks or not self.can_roll_back():
+            return None
+        last = self.pending_snapshot if self.pending_snapshot is not None else self.snapshot_step
+        target = "your on_rollback checkpoint" if self.on_rollback else f"the snapshot after step {last}"
+        self.pending_rollback = Anomaly(step, AnomalyKind.ROLLBACK, f"{why}: rolling back to {target} "
+                                        f"(rollback {self.rollbacks + 1} of {c.max_rollbacks})", ranks)
+        return self.pending_rollback
 
     def diagnose(self, report: StepReport, count: int, why: str, anomalies: Sequence[Anomaly]) -> str:
         return (f"training stopped at step {report.step}: {count} non-finite steps within {self.config.window} steps "
@@ -124,7 +136,7 @@ class Ladder:
         """Copy the model and optimizer state, and the state of the schedulers and EMAs registered
         with ``opt.schedule()``/``opt.track_ema()`` (``schedules``), so a rollback rewinds them too."""
         self.pending_snapshot = None
-        params = [p for p in model.parameters()]
+        params = list(model.parameters())
         if params and not torch.isfinite(amax_per_tensor(params)).all():  # one read; a snapshot syncs anyway
             return  # never snapshot poison (an update from finite gradients can leave NaN weights): keep the last
         device = self.config.snapshot_device

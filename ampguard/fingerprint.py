@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .stats import local_tensor
+
 __all__ = ["WORDS", "param_fingerprints", "params_digest"]
 
 _INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -48,8 +50,7 @@ def _weights(device: torch.device, n: int, step: int, start: int) -> torch.Tenso
 
 def _ints(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bits as integers of its width (a plain tensor of this rank: a DTensor's local shard)."""
-    to_local = getattr(t, "to_local", None)
-    x = (to_local() if callable(to_local) else t).detach()
+    x = local_tensor(t).detach()
     if x.is_complex():
         x = torch.view_as_real(x)
     x = x.contiguous()
@@ -59,11 +60,6 @@ def _ints(t: torch.Tensor) -> torch.Tensor:
     if width not in _INT_OF_WIDTH:
         raise TypeError(f"no integer view for a tensor of dtype {x.dtype}")
     return x.view(_INT_OF_WIDTH[width])
-
-
-def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """``[plain sum, position-weighted sum]`` of ``t``'s integer view, int64 (module docstring)."""
-    return _sums(_ints(t))
 
 
 def _sums(x: torch.Tensor) -> torch.Tensor:
@@ -92,7 +88,7 @@ def param_fingerprints(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.zeros((0, WORDS), dtype=torch.int64)
     device = tensors[0].device
-    return torch.stack([_fingerprint(t).to(device) for t in tensors])
+    return torch.stack([_sums(_ints(t)).to(device) for t in tensors])
 
 
 _CHUNK = 1 << 22

@@ -387,13 +387,19 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         and ``load_state_dict()`` refuses an unhealthy one. One pass over the parameters and the
         optimizer state on device, then a host read (a sync). This rank's state; also after
         :meth:`close`. See docs/integrity.md."""
+        return self._verdict()
+
+    def _verdict(self, fingerprints: bool = True) -> Verdict:
+        """:meth:`verify`; ``fingerprints=False``: health only (the integrations' refusal to save,
+        before the framework's own ``state_dict()`` call takes the full verdict)."""
         self._outcome.catch_up()
         rep = self._outcome.records
         last = rep.history[-1] if len(rep.history) else None
         bad_update = any(a.kind == AnomalyKind.NONFINITE_PARAMS and last is not None and a.step == last.step
                          for a in rep.anomalies)
         finite = last is None or not (last.nonfinite or bad_update)
-        return integrity.verify(self._named_params(), self.optimizer, step=self._step, last_step_finite=finite)
+        return integrity.verify(self._named_params(), self.optimizer, step=self._step, last_step_finite=finite,
+                                fingerprints=fingerprints)
 
     def state_dict(self) -> dict[str, Any]:
         """Inner optimizer, scaler and every piece of guard state, as plain Python values (plus the

@@ -24,9 +24,10 @@ import torch
 
 from .errors import CheckpointError
 from .fingerprint import param_fingerprints
+from .stats import local_tensor
 
-__all__ = ["Verdict", "amax_per_tensor", "check_loaded", "check_weights", "nonfinite_names", "state_tensors",
-           "verify"]
+__all__ = ["Verdict", "amax_per_tensor", "check_loaded", "check_weights", "listed", "nonfinite_names",
+           "refuse_unhealthy", "state_tensors", "verify"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,8 +59,7 @@ class Verdict:
             return f"healthy at step {self.step} ({len(self.fingerprints)} parameters fingerprinted)"
         parts = []
         if self.nonfinite:
-            more = f" and {len(self.nonfinite) - 5} more" if len(self.nonfinite) > 5 else ""
-            parts.append(f"non-finite: {', '.join(self.nonfinite[:5])}{more}")
+            parts.append(f"non-finite: {listed(self.nonfinite)}")
         if not self.last_step_finite:
             parts.append("the last step was non-finite")
         return f"unhealthy at step {self.step}: " + "; ".join(parts)
@@ -115,7 +115,7 @@ def amax_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.zeros(0)
     device = tensors[0].device
-    local = [_local(t) for t in tensors]
+    local = [local_tensor(t).detach() for t in tensors]
     out: list[torch.Tensor | None] = [None] * len(local)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(local):
@@ -135,17 +135,32 @@ def nonfinite_names(amax: Sequence[float], names: Sequence[str]) -> tuple[str, .
 
 
 def verify(named_params: Sequence[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer, *, step: int,
-           last_step_finite: bool) -> Verdict:
-    """The verdict on the live state (one host read for every tensor; two for the fingerprints)."""
+           last_step_finite: bool, fingerprints: bool = True) -> Verdict:
+    """The verdict on the live state (one host read for every tensor; two with the fingerprints;
+    ``fingerprints=False``: health only, as a save's refusal needs)."""
     labels = {id(p): n for n, p in named_params}
     state = state_tensors({id(p): s for p, s in optimizer.state.items()}, labels)
     named = [(n, p.detach()) for n, p in named_params] + state
     floats = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
     amax = amax_per_tensor([t for _, t in floats]).tolist()
     params = [p for _, p in named_params]
-    fps = param_fingerprints(params).tolist() if params else []
+    fps = param_fingerprints(params).tolist() if params and fingerprints else []
     return Verdict(step, last_step_finite, nonfinite_names(amax, [n for n, _ in floats]),
                    tuple((int(a), int(b)) for a, b in fps), tuple(n for n, _ in named_params))
+
+
+def listed(names: Sequence[str], shown: int = 5) -> str:
+    """``names`` for a message: the first ``shown``, then how many more."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def refuse_unhealthy(verdict: Verdict, refused: str) -> None:
+    """Before a checkpoint is written: a state holding a NaN/Inf raises CheckpointError, which begins
+    with ``refused`` (who refused what) and names the tensors; nothing is written by then."""
+    if not verdict.healthy:
+        raise CheckpointError(f"{refused}: the guarded state is {verdict.describe()}. Nothing was written; the last "
+                              "checkpoint on disk is the last good one")
 
 
 def check_loaded(verdict: Verdict | None, optimizer_state: Mapping[Any, Any]) -> None:
@@ -161,8 +176,8 @@ def check_loaded(verdict: Verdict | None, optimizer_state: Mapping[Any, Any]) ->
         amax = amax_per_tensor([t for _, t in state]).tolist()
         bad = nonfinite_names(amax, [n for n, _ in state])
         if bad:
-            raise CheckpointError(f"refusing to load a checkpoint whose optimizer state is non-finite: "
-                                  f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; nothing was loaded")
+            raise CheckpointError(f"refusing to load a checkpoint whose optimizer state is non-finite: {listed(bad)}; "
+                                  "nothing was loaded")
 
 
 def check_weights(verdict: Verdict, named_params: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -172,13 +187,7 @@ def check_weights(verdict: Verdict, named_params: Sequence[tuple[str, torch.Tens
     if differ:
         raise CheckpointError(
             f"the model's weights are not the ones the optimizer state loaded (saved at step {verdict.step}) was "
-            f"saved with: {len(differ)} parameter(s) differ bitwise ({', '.join(differ[:5])}"
-            f"{' ...' if len(differ) > 5 else ''}). Load the model's weights from the same checkpoint (before the "
-            "first step after loading); to go on from other weights on purpose, load the state without its verdict "
-            "(del state_dict['ampguard']['verdict']). This step changed nothing")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return (to_local() if callable(to_local) else t).detach()
+            f"saved with: {len(differ)} parameter(s) differ bitwise ({listed(differ)}). Load the model's weights from "
+            "the same checkpoint (before the first step after loading); to go on from other weights on purpose, "
+            "load the state without its verdict (del state_dict['ampguard']['verdict']). This step changed nothing")
 

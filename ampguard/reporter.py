@@ -30,7 +30,7 @@ from .forensics.arming import annotate
 from .forensics.localizer import Finding
 from .forensics.sentinel import Sentinel
 from .indicators import Indicators
-from .integrity import nonfinite_names
+from .integrity import listed, nonfinite_names
 from .payload import Layout, Packed, Unpacked
 from .policies import uses_grad_detector
 from .records import Anomaly, History, StepReport
@@ -253,28 +253,16 @@ class Reporter:
     def _poisoned(self, report: StepReport, params: tuple[str, ...]) -> list[Anomaly]:
         """A checked step whose update left non-finite parameters: the ladder's rollback where it
         can roll back, else a stop (NonFiniteError at the next fixed point)."""
-        names = ", ".join(params[:5]) + (f" and {len(params) - 5} more" if len(params) > 5 else "")
         how = "from finite gradients" if not report.nonfinite else "on a non-finite step"
-        what = (f"{len(params)} parameter(s) non-finite after step {report.step}'s update {how}: {names} "
+        what = (f"{len(params)} parameter(s) non-finite after step {report.step}'s update {how}: {listed(params)} "
                 "(AdamW with eps=0 on a zero gradient, an LR or a schedule gone inf, a bit flip...)")
         ladder = self.ladder
-        can_roll = ladder is not None and (ladder.on_rollback is not None or ladder.snapshot is not None
-                                           or ladder.pending_snapshot is not None)
-        rollback = None
-        if ladder is not None and can_roll and ladder.rollbacks < ladder.config.max_rollbacks:
-            target = ("your on_rollback checkpoint" if ladder.on_rollback is not None
-                      else f"the snapshot after step {ladder.snapshot_step}")
-            rollback = ladder.pending_rollback = Anomaly(
-                report.step, AnomalyKind.ROLLBACK, f"non-finite parameters: rolling back to {target} "
-                f"(rollback {ladder.rollbacks + 1} of {ladder.config.max_rollbacks})")
-            action = "rolling back"
-        elif self.actions.stop is None:
+        rollback = ladder.request_rollback(report.step, "non-finite parameters") if ladder is not None else None
+        action = "rolling back" if rollback is not None else "training stops"
+        if rollback is None and self.actions.stop is None:
             self.actions.stop = NonFiniteError(f"training stopped at step {report.step}: {what}. Every later loss "
                                                "would be non-finite; resume from the last healthy checkpoint "
                                                "(opt.verify() before saving)", report)
-            action = "training stops"
-        else:
-            action = "training stops"
         found = Anomaly(report.step, AnomalyKind.NONFINITE_PARAMS, f"{what}; {action}", params=params[:8])
         return [found] if rollback is None else [found, rollback]
 

@@ -55,8 +55,9 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, GuardStateError
+from ..errors import GuardStateError
 from ..guard import GuardedOptimizer
+from ..integrity import refuse_unhealthy
 from ..vocab import Precision
 from ._versions import require
 
@@ -231,7 +232,7 @@ class _AcceleratorHooks:
       without a GradScaler: on a step boundary the guards measure the gradients before the caller
       clips (with one, accelerate's own ``scaler.unscale_`` already reaches the guard).
     - ``save_state()``: refused (``CheckpointError``) before anything is written, or rotated out,
-      when a guard's state holds a NaN/Inf (``GuardedOptimizer.verify()``)."""
+      when a guard's state holds a NaN/Inf (``integrity.refuse_unhealthy``)."""
 
     _ATTR = "_ampguard_hooks"
 
@@ -249,10 +250,7 @@ class _AcceleratorHooks:
             # Before accelerate touches the disk (it rotates old checkpoints out first): a state with a
             # NaN/Inf is refused, and the last good checkpoint stays (docs/integrity.md).
             for guard in self.open_guards():
-                verdict = guard.verify()
-                if not verdict.healthy:
-                    raise CheckpointError(f"accelerator.save_state refused: the guarded state is {verdict.describe()}. "
-                                          "Nothing was written; the last checkpoint on disk is the last good one")
+                refuse_unhealthy(guard._verdict(fingerprints=False), "accelerator.save_state refused")
             return save_state_(*args, **kwargs)
 
         def backward(loss: Any, **kwargs: Any) -> Any:

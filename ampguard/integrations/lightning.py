@@ -38,10 +38,11 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 
 from ..config import GuardConfig  # noqa: E402
-from ..errors import CheckpointError, GuardStateError  # noqa: E402
+from ..errors import GuardStateError  # noqa: E402
 from ..exporters.base import Exporter, MultiExporter  # noqa: E402
 from ..factory import wrap  # noqa: E402
 from ..guard import GuardedOptimizer  # noqa: E402
+from ..integrity import refuse_unhealthy  # noqa: E402
 
 __all__ = ["AmpGuardPrecision", "HeldScheduler"]
 
@@ -245,10 +246,7 @@ class AmpGuardPrecision(MixedPrecision):
         anything: refused (``CheckpointError`` naming the tensors) when the guarded state holds a
         NaN/Inf, so ``ModelCheckpoint`` writes nothing and the last good checkpoint stays."""
         if self.guard is not None and not self.guard._closed:
-            verdict = self.guard.verify()
-            if not verdict.healthy:
-                raise CheckpointError(f"Lightning checkpoint refused: the guarded state is {verdict.describe()}. "
-                                      "Nothing was written; the last checkpoint on disk is the last good one")
+            refuse_unhealthy(self.guard._verdict(fingerprints=False), "Lightning checkpoint refused")
         return super().state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -54,10 +54,11 @@ from typing import Any
 import torch
 
 from ..config import GuardConfig
-from ..errors import CheckpointError, GuardStateError
+from ..errors import GuardStateError
 from ..exporters.base import Exporter, MultiExporter
 from ..factory import wrap
 from ..guard import GuardedOptimizer
+from ..integrity import refuse_unhealthy
 from ._versions import require
 
 require("transformers")
@@ -162,11 +163,8 @@ class GuardedTrainer(Trainer):
         is written when the guarded state holds a NaN/Inf: the last checkpoint on disk stays the last
         good one (docs/integrity.md)."""
         if self.guard is not None:
-            verdict = self.guard.verify()
-            if not verdict.healthy:
-                raise CheckpointError(f"GuardedTrainer refused to save checkpoint-{self.state.global_step}: the "
-                                      f"guarded state is {verdict.describe()}. Nothing was written; resume from the "
-                                      "last checkpoint on disk")
+            refuse_unhealthy(self.guard._verdict(fingerprints=False),
+                             f"GuardedTrainer refused to save checkpoint-{self.state.global_step}")
         super()._save_checkpoint(model, trial)
 
     # ------------------------------------------------------------------ logs
