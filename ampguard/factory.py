@@ -17,6 +17,7 @@ from ._version import __version__
 from .config import GuardConfig
 from .errors import GuardStateError
 from .exporters.base import Exporter
+from .fp8 import Fp8Monitor, float8_modules
 from .guard import GuardedOptimizer
 from .hardware import check_precision
 from .optimizer_view import param_names
@@ -102,6 +103,23 @@ def _is_accelerated(optimizer: torch.optim.Optimizer) -> bool:
     return any(cls.__module__.startswith("accelerate.") for cls in type(optimizer).__mro__)
 
 
+def _fp8_monitor(fp8: bool | None, model: torch.nn.Module | None, config: GuardConfig) -> Fp8Monitor | None:
+    """``wrap(fp8=...)``'s monitor: hooks on the model's torchao ``Float8Linear`` modules (see :func:`wrap`)."""
+    if fp8 is not None and not isinstance(fp8, bool):
+        raise TypeError(f"wrap(fp8={fp8!r}); allowed: None (on when the model holds a torchao Float8Linear) | "
+                        "True | False")
+    if fp8 is False or (fp8 is None and (model is None or not float8_modules(model))):
+        return None
+    if model is None:
+        raise ValueError("wrap(fp8=True) without model=: fp8 monitoring hooks the model's torchao Float8Linear "
+                         "modules; pass wrap(model=model, fp8=True). Nothing was changed.")
+    return Fp8Monitor(model, numerics_every=config.numerics_every or FP8_SAMPLE_EVERY)
+
+
+FP8_SAMPLE_EVERY = 10
+"""Steps between two fp8 underflow samples (and published fp8 statistics) when ``numerics_every`` is None."""
+
+
 # Long (~80 lines) because of its docstring, the user-facing contract; the body is the checks in order.
 def wrap(
     optimizer: torch.optim.Optimizer,
@@ -116,6 +134,7 @@ def wrap(
     on_abort: Callable[[Any, str], None] | None = None,
     collective: Any = None,
     accelerator: object | None = None,
+    fp8: bool | None = None,
 ) -> Any:
     """Wrap ``optimizer`` so every step is checked, agreed across ranks, and reported.
 
@@ -143,6 +162,10 @@ def wrap(
       ``ampguard.wrap(accelerator.prepare(optimizer), accelerator=accelerator)``: the guard shares
       its GradScaler and precision, and the returned ``GuardedAcceleratedOptimizer`` takes the
       prepared optimizer's place in it (see :mod:`ampguard.integrations.accelerate`).
+    - ``fp8``: measure every torchao float8 cast of ``model`` (:class:`ampguard.fp8.Fp8Monitor`: amax and scale
+      per module and role each step, the underflow every ``GuardConfig.numerics_every`` steps, 10 if None) and
+      skip, on every rank, a step where one went non-finite. None (default): on when ``model`` holds a torchao
+      ``Float8Linear``; True: required (an error without one); False: off. See ``docs/fp8.md``.
 
     collective: in a distributed run every rank must call ``wrap()`` (it agrees on a run id).
     Raises ``TypeError``/``ValueError``/``GuardStateError``/
@@ -192,11 +215,18 @@ def wrap(
         from .backends import select_backend
 
         backend = select_backend(optimizer)
+    monitor = _fp8_monitor(fp8, model, config)  # the last check (torchao's version, Float8Linear modules)
     if scaler is not None:
         GradScalerAdapter(scaler).ensure_initialized(device)  # so the state is complete before step 0
-    guard = GuardedOptimizer(optimizer, precision=resolved, scaler=scaler, config=config, model=model,
-                             exporters=exporters, backend=backend, device=device,
-                             run_info=_run_info(resolved, device), on_rollback=on_rollback, on_abort=on_abort)
+    try:
+        guard = GuardedOptimizer(optimizer, precision=resolved, scaler=scaler, config=config, model=model,
+                                 exporters=exporters, backend=backend, device=device,
+                                 run_info=_run_info(resolved, device), on_rollback=on_rollback,
+                                 on_abort=on_abort, fp8=monitor)
+    except BaseException:
+        if monitor is not None:  # a refused wrap leaves no hook on the model
+            monitor.close()
+        raise
     if prepared is None:
         return guard
     return accelerate.attach(prepared, guard, accelerator)  # type: ignore[arg-type]

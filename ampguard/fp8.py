@@ -1,7 +1,8 @@
 """Per-layer statistics of torchao float8 casts, measured on device.
 
-:class:`Fp8Monitor` puts a forward hook and a full-backward hook on each torchao ``Float8Linear`` of a model (no
-torchao function is patched) and measures, per role (``input``, ``weight``, ``grad_output``, :data:`FP8_ROLES`):
+:class:`Fp8Monitor` puts a forward hook on each torchao ``Float8Linear`` of a model, and from it a gradient hook on
+the layer's output (no torchao function is patched; no module backward hook, which would wrap every input and
+output), and measures, per role (``input``, ``weight``, ``grad_output``, :data:`FP8_ROLES`):
 
 - ``amax``: ``torch.linalg.vector_norm(x, ord=inf)`` of the high-precision tensor the layer casts (with rowwise
   scaling the largest over rows);
@@ -33,7 +34,7 @@ from .records import FP8_ROLES, Fp8Cast
 __all__ = ["Fp8Monitor", "float8_modules"]
 
 _EPS = 1e-12  # torchao.float8.float8_utils.EPS
-_WIDTH = 5  # ran (1 where the cast ran this step, NaN where not), amax, scale, underflow, dynamic range
+_WIDTH = 5  # order (k >= 1: the k-th cast measured this step; NaN: did not run), amax, scale, underflow, dyn. range
 
 
 def float8_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -65,8 +66,9 @@ def _rowwise(module: Any, role: str) -> bool:
 
 
 @torch.no_grad()
-def cast_stats(x: torch.Tensor, dtype: torch.dtype, *, rowwise: bool, pow2: bool, sampled: bool) -> torch.Tensor:
-    """``[1, amax, scale, underflow, dynamic_range]`` of one cast of ``x`` to ``dtype`` by torchao's dynamic
+def cast_stats(x: torch.Tensor, dtype: torch.dtype, *, rowwise: bool, pow2: bool, sampled: bool,
+               order: int = 1) -> torch.Tensor:
+    """``[order, amax, scale, underflow, dynamic_range]`` of one cast of ``x`` to ``dtype`` by torchao's dynamic
     scaling, on ``x``'s device (the last two NaN unless ``sampled``)."""
     hp = x.detach().float()
     rows = hp.reshape(-1, hp.shape[-1]) if hp.dim() > 0 else hp.reshape(1, 1)
@@ -82,14 +84,14 @@ def cast_stats(x: torch.Tensor, dtype: torch.dtype, *, rowwise: bool, pow2: bool
         amax = torch.where(row_amax.isnan().any(), torch.full_like(amax, math.nan), amax)
     nan = torch.full_like(amax, math.nan)  # a fill on device: new_tensor() would copy from the host (a sync)
     if not sampled:
-        return torch.stack([torch.ones_like(amax), amax, scale, nan, nan])
+        return torch.stack([torch.full_like(amax, order), amax, scale, nan, nan])
     fmax = torch.finfo(dtype).max
     cast = (rows * scales).clamp(-fmax, fmax).to(dtype).float()
     nonzero = rows != 0
     underflow = (nonzero & (cast == 0)).sum().float() / max(rows.numel(), 1)
     smallest = torch.where(nonzero, rows.abs(), torch.full_like(rows, math.inf)).amin()
     dynamic_range = torch.log2(amax / smallest)
-    return torch.stack([torch.ones_like(amax), amax, scale, underflow, dynamic_range])
+    return torch.stack([torch.full_like(amax, order), amax, scale, underflow, dynamic_range])
 
 
 class Fp8Monitor:
@@ -118,23 +120,29 @@ class Fp8Monitor:
         self.names: list[tuple[str, str]] = [(name, role) for name, _ in self.modules for role in FP8_ROLES]
         self._slots: list[torch.Tensor | None] = [None] * len(self.names)
         self._sampled = False
+        self._order = 0  # casts measured this step: each cast's rank in the order they ran
         self._handles: list[Any] = []
         for index, (_, module) in enumerate(self.modules):
             self._handles.append(module.register_forward_hook(self._forward_hook(index)))
-            self._handles.append(module.register_full_backward_hook(self._backward_hook(index)))
 
     def _measure(self, module: Any, index: int, role: str, x: torch.Tensor) -> None:
         slot = 3 * index + FP8_ROLES.index(role)
+        self._order += 1
         stats = cast_stats(x, _dtype(module, role), rowwise=_rowwise(module, role),
-                           pow2=bool(module.config.round_scales_to_power_of_2), sampled=self._sampled)
+                           pow2=bool(module.config.round_scales_to_power_of_2), sampled=self._sampled,
+                           order=self._order)
         old = self._slots[slot]
         if old is not None:  # a second forward in the step: the worst of both
-            stats = torch.stack([stats[0], torch.maximum(old[1], stats[1]), torch.minimum(old[2], stats[2]),
+            stats = torch.stack([old[0], torch.maximum(old[1], stats[1]), torch.minimum(old[2], stats[2]),
                                  torch.fmax(old[3], stats[3]), torch.fmax(old[4], stats[4])])
         self._slots[slot] = stats
 
     def _forward_hook(self, index: int) -> Any:
         def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
+            if not torch.is_grad_enabled():  # an evaluation's forward: no step follows it
+                return
+            if isinstance(output, torch.Tensor) and output.requires_grad:  # the grad_output cast, in the backward
+                output.register_hook(self._backward_hook(module, index))
             x = args[0]
             if torch.is_autocast_enabled(x.device.type):  # Float8Linear casts the autocast dtype's tensor
                 x = x.to(torch.get_autocast_dtype(x.device.type))
@@ -145,20 +153,20 @@ class Fp8Monitor:
             self._measure(module, index, "weight", weight)
         return hook
 
-    def _backward_hook(self, index: int) -> Any:
-        def hook(module: Any, grad_input: Any, grad_output: Sequence[torch.Tensor | None]) -> None:
-            if grad_output and grad_output[0] is not None:
-                self._measure(module, index, "grad_output", grad_output[0])
+    def _backward_hook(self, module: Any, index: int) -> Any:
+        def hook(grad_output: torch.Tensor) -> None:  # a hook on the layer's output: its gradient, as cast
+            self._measure(module, index, "grad_output", grad_output)
         return hook
 
     def begin_step(self, step: int) -> None:
         """Start a step: forget the last one's casts; ``step`` decides whether this one is sampled."""
         self._slots = [None] * len(self.names)
+        self._order = 0
         self._sampled = step % self.numerics_every == 0
 
     def collect(self) -> torch.Tensor:
-        """``[n_casts, 5]`` float32 on device: ran, amax, scale, underflow, dynamic range (NaN rows for casts
-        that did not run this step, e.g. a frozen layer's grad_output)."""
+        """``[n_casts, 5]`` float32 on device: order, amax, scale, underflow, dynamic range (``order`` k: the k-th
+        cast measured this step; NaN rows for casts that did not run, e.g. a frozen layer's grad_output)."""
         device = next((s.device for s in self._slots if s is not None), None)
         if device is None:
             device = next(self.modules[0][1].parameters()).device
@@ -167,21 +175,22 @@ class Fp8Monitor:
 
     def nonfinite(self, collected: torch.Tensor) -> torch.Tensor:
         """0-dim float32 on device: 1.0 where a cast that ran has a non-finite amax or a non-finite or zero scale."""
-        ran = collected[:, 0] == 1
+        ran = collected[:, 0] >= 1
         bad = ~collected[:, 1].isfinite() | ~collected[:, 2].isfinite() | (collected[:, 2] == 0)
         return (ran & bad).any().float()
 
     def decode(self, rows: Sequence[Sequence[float]]) -> tuple[Fp8Cast, ...]:
-        """The records of the casts that ran, from the host copy of :meth:`collect`."""
+        """The records of the casts that ran, from the host copy of :meth:`collect`, in the order they ran (the
+        forward's casts, then the backward's: the first non-finite one is where the non-finite values entered)."""
         casts = []
-        for (module, role), (ran, amax, scale, underflow, dynamic_range) in zip(self.names, rows):
-            if ran != 1:  # a cast that did not run this step
+        for (module, role), (order, amax, scale, underflow, dynamic_range) in zip(self.names, rows):
+            if not order >= 1:  # a cast that did not run this step (NaN)
                 continue
-            casts.append(Fp8Cast(module=module, role=role, amax=float(amax), scale=float(scale),
+            casts.append((order, Fp8Cast(module=module, role=role, amax=float(amax), scale=float(scale),
                                  underflow=None if math.isnan(underflow) else float(underflow),
                                  saturation=None,
-                                 dynamic_range=None if math.isnan(dynamic_range) else float(dynamic_range)))
-        return tuple(casts)
+                                 dynamic_range=None if math.isnan(dynamic_range) else float(dynamic_range))))
+        return tuple(cast for _, cast in sorted(casts, key=lambda c: c[0]))
 
     @staticmethod
     def describe(cast: Fp8Cast) -> str:

@@ -23,6 +23,7 @@ from .ema import EMA
 from .errors import GuardStateError
 from .escalation import OnAbort, OnRollback
 from .exporters.base import Exporter, MultiExporter
+from .fp8 import Fp8Monitor
 from .indicators import Indicators
 from .integrity import Verdict, amax_per_tensor
 from .optimizer_view import InnerOptimizerView, param_names
@@ -67,7 +68,8 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
     def __init__(self, optimizer: torch.optim.Optimizer, *, precision: str, scaler: torch.amp.GradScaler | None,
                  config: GuardConfig, model: torch.nn.Module | None, exporters: Sequence[Exporter] | Exporter,
                  backend: Backend, device: torch.device, run_info: Callable[[GuardedOptimizer], RunInfo],
-                 on_rollback: OnRollback | None = None, on_abort: OnAbort | None = None) -> None:
+                 on_rollback: OnRollback | None = None, on_abort: OnAbort | None = None,
+                 fp8: Fp8Monitor | None = None) -> None:
         if config.scale_policy == "headroom" and (scaler is None or not scaler.is_enabled()):
             raise ValueError(f"GuardConfig.scale_policy='headroom' with precision={precision!r} and no enabled "
                              "GradScaler: the headroom policy sets an fp16 loss scale; allowed: precision='fp16' "
@@ -88,6 +90,10 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         out = self._outcome  # the rooms the step calls itself
         self._reporter, self._forensics, self._exporter = out.records, out.forensics, out.exporter
         self._reporter.indicators = self._indicators
+        self._fp8 = self._reporter.fp8 = fp8
+        """torchao float8 casts measured per module and role (``wrap(fp8=...)``); None: off."""
+        if fp8 is not None:
+            fp8.begin_step(0)
         self._stage = Stage.READY
         self._step = 0  # step() calls completed = index of the step being prepared
         self._loss = LossMeter()
@@ -250,8 +256,12 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         measured = self._measured if self._measured is not None else self._measure(fast=True)
         pipe = self._pipeline
         sentinel = self._forensics.sentinel
+        fp8 = fp8_bad = None
+        if self._fp8 is not None:  # this step's fp8 casts, and whether one was non-finite: on device
+            fp8 = self._fp8.collect()
+            fp8_bad = self._fp8.nonfinite(fp8)
         gathered = pipe.gather(measured, self._loss.value(), no_grads=not fresh,
-                               sentinel=sentinel.value() if sentinel is not None else None)
+                               sentinel=sentinel.value() if sentinel is not None else None, fp8=fp8_bad)
         decided = pipe.decide(gathered, measured)  # the decision, and the path it was taken on
         decision = decided.vector
         if self._forensics.armed:  # armed only after an anomaly
@@ -270,7 +280,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             self._forensics.replay_if_nonfinite(self._step, closure, decision, gathered, self.optimizer, self._scaler)
         check = self.config.param_check_every  # the updated parameters' max|p|, on device, in the report
         params = amax_per_tensor(pipe.params()) if check is not None and self._step % check == 0 else None
-        self._reporter.enqueue(self._step, pipe.payload(decided, gathered, measured, tail, params),
+        self._reporter.enqueue(self._step, pipe.payload(decided, gathered, measured, tail, params, fp8),
                                measured.groups.index, self._outcome.batch_ids)
         self._end_step(measured)
         every = self.config.consistency_every
@@ -375,6 +385,8 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             if self._scaler is not None:
                 self._scaler.detach()
             self._outcome.close()  # forensics hooks, schedulers handed back, exporters, backend hooks
+            if self._fp8 is not None:
+                self._fp8.close()
         self._summary = self._outcome.summary(self.run_info, self._step, closed=True)
         return self._summary
 
@@ -502,6 +514,8 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         self._marks = grad_marks(params) if measured is None else marks_after_step(measured.groups, params)
         if self._scaler is not None:
             self._scaler.scaled_since_step = False
+        if self._fp8 is not None:  # the next forward's casts are the next step's
+            self._fp8.begin_step(self._step)
 
 
 def _clip_max_norm(max_norm: Any) -> float:

@@ -75,6 +75,7 @@ LEVELS: dict[str, int] = {
     AnomalyKind.ROLLBACK: logging.WARNING,
     AnomalyKind.ABORT: logging.ERROR,
     AnomalyKind.NO_GRADIENTS: logging.ERROR,
+    AnomalyKind.FP8_NONFINITE: logging.WARNING,
 }
 """Level of each anomaly kind's message."""
 
@@ -96,11 +97,16 @@ ADVICE: dict[str, str] = {
     AnomalyKind.NO_GRADIENTS: "the loss reached none of the optimizer's parameters: is the optimizer built on this "
                               "model's parameters (model.parameters() of the model that computed the loss)? Is the "
                               "output detached (.detach(), torch.no_grad(), .item())?",
+    AnomalyKind.FP8_NONFINITE: "one non-finite element poisons a whole fp8 cast (torchao scales by max/amax): "
+                               "find where the NaN/Inf entered (GuardConfig(sentinel='top'), wrap(model=...)); if it "
+                               "keeps coming from one layer, keep that layer in bf16 (convert_to_float8_training's "
+                               "module_filter_fn)",
 }
 """What to do about each anomaly kind (appended to its message)."""
 
 KIND_OF_REASON: dict[str, str] = {SkipReason.NONFINITE_LOSS: AnomalyKind.NONFINITE_LOSS,
                                    SkipReason.NO_GRADIENTS: AnomalyKind.NO_GRADIENTS,
+                                   SkipReason.NONFINITE_FP8: AnomalyKind.FP8_NONFINITE,
                                    SkipReason.GRAD_SPIKE: AnomalyKind.GRAD_SPIKE,
                                    SkipReason.LOSS_SPIKE: AnomalyKind.LOSS_SPIKE}
 """The anomaly kind whose advice fits a skip reason (non-finite gradients otherwise)."""

@@ -4,7 +4,7 @@ once on the host.
 Everything the host report needs from one step travels as ONE float32 vector (one copy)::
 
     decision (DECISION_K) | gathered (world x LOCAL_K) | norms (n) | numerics (0 or 2+G) | indicators (0 or 2M)
-        | params (0 or P)
+        | params (0 or P) | fp8 (0 or 5C)
 
 - ``decision``: :class:`~ampguard.stats.Dec`, the same on every rank;
 - ``gathered``: every rank's local vector (:class:`~ampguard.stats.Loc`), the step's one collective;
@@ -12,7 +12,9 @@ Everything the host report needs from one step travels as ONE float32 vector (on
 - ``numerics``: a step sampled by ``GuardConfig.numerics_every``: :meth:`ampguard.numerics.Numerics.measure`;
 - ``indicators``: a sampled step's leading indicators (:meth:`ampguard.indicators.Indicators.after_step`);
 - ``params``: on a step checked by ``GuardConfig.param_check_every``, max|p| of every parameter after
-  the update (:func:`ampguard.integrity.amax_per_tensor`), in ``param_groups`` order.
+  the update (:func:`ampguard.integrity.amax_per_tensor`), in ``param_groups`` order;
+- ``fp8``: with fp8 monitoring on, every step, the ``[C, 5]`` rows of the model's C torchao float8 casts
+  (:meth:`ampguard.fp8.Fp8Monitor.collect`), flattened.
 
 :class:`Layout` is the header: the counts of each part, known on the host from shapes (nothing
 extra rides the vector, no sync to learn them), kept beside the vector until it is decoded.
@@ -49,12 +51,16 @@ class Layout(NamedTuple):
     """The leading indicators (0: not sampled, or off)."""
     params: int = 0
     """The parameters' max|p| (0: not a checked step)."""
+    fp8: int = 0
+    """The fp8 casts' rows, flattened (0: fp8 monitoring off)."""
 
     @classmethod
     def of(cls, gathered: torch.Tensor, norms: torch.Tensor, numerics: torch.Tensor | None = None,
-           indicators: torch.Tensor | None = None, params: torch.Tensor | None = None) -> Layout:
+           indicators: torch.Tensor | None = None, params: torch.Tensor | None = None,
+           fp8: torch.Tensor | None = None) -> Layout:
         return cls(gathered.shape[0], norms.numel(), 0 if numerics is None else numerics.numel(),
-                   0 if indicators is None else indicators.numel(), 0 if params is None else params.numel())
+                   0 if indicators is None else indicators.numel(), 0 if params is None else params.numel(),
+                   0 if fp8 is None else fp8.numel())
 
     @property
     def statistics(self) -> slice:
@@ -63,7 +69,7 @@ class Layout(NamedTuple):
 
     @property
     def size(self) -> int:
-        return self.statistics.stop + self.indicators + self.params
+        return self.statistics.stop + self.indicators + self.params + self.fp8
 
     def unpack(self, values: Sequence[float]) -> Unpacked:
         """Cut ``values`` (the whole vector, as host floats) into its parts, once."""
@@ -74,8 +80,9 @@ class Layout(NamedTuple):
         numerics_at = at + self.norms
         indicators_at = numerics_at + self.numerics
         params_at = indicators_at + self.indicators
+        fp8_at = params_at + self.params
         return Unpacked(values[:DECISION_K], rows, values[at:numerics_at], values[numerics_at:indicators_at],
-                        values[indicators_at:params_at], values[params_at:])
+                        values[indicators_at:params_at], values[params_at:fp8_at], values[fp8_at:])
 
 
 class Unpacked(NamedTuple):
@@ -93,6 +100,8 @@ class Unpacked(NamedTuple):
     """``[module grad norms..., module update ratios...]``, or empty."""
     params: Sequence[float] = ()
     """max|p| of every parameter after the update (``param_groups`` order), or empty."""
+    fp8: Sequence[float] = ()
+    """The fp8 casts' rows, flattened (5 floats a cast, :meth:`ampguard.fp8.Fp8Monitor.collect`), or empty."""
 
 
 class Packed(NamedTuple):
@@ -103,22 +112,23 @@ class Packed(NamedTuple):
 
 
 def pack(decision: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor, numerics: torch.Tensor | None = None,
-         indicators: torch.Tensor | None = None, params: torch.Tensor | None = None, *,
-         copied: HostCopy | None = None) -> Packed:
+         indicators: torch.Tensor | None = None, params: torch.Tensor | None = None,
+         fp8: torch.Tensor | None = None, *, copied: HostCopy | None = None) -> Packed:
     """The step's payload: one ``torch.cat`` of its parts, in :class:`Layout` order (no sync).
     ``copied``: a host decision's copy, whose statistics section is already on the host: the
     payload is then built there from it and the host ``decision`` (nothing copied twice, nothing
     to wait for); a sampled step's indicators, computed after the inner step, are then copied
     to the host (off the CPU: a wait for the inner step, on sampled steps only), and so are a checked
-    step's ``params``."""
-    layout = Layout.of(gathered, norms, numerics, indicators, params)
+    step's ``params`` and the fp8 rows."""
+    layout = Layout.of(gathered, norms, numerics, indicators, params, fp8)
     if copied is None or copied.statistics is None:
         parts = [decision, *_statistics(gathered, norms, numerics)]
     else:
         parts = [decision, copied.statistics]
         indicators = None if indicators is None else indicators.float().cpu()
         params = None if params is None else params.float().cpu()
-    parts += [t.to(parts[0].device) for t in (indicators, params) if t is not None]
+        fp8 = None if fp8 is None else fp8.float().cpu()
+    parts += [t.reshape(-1).to(parts[0].device) for t in (indicators, params, fp8) if t is not None]
     return Packed(torch.cat(parts), layout)
 
 

@@ -259,14 +259,16 @@ class StepPipeline:
         return Measured(found, found_inf, groups, norms, scaled=True)
 
     def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False,
-               sentinel: torch.Tensor | None = None) -> torch.Tensor:
+               sentinel: torch.Tensor | None = None, fp8: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's statistics, all-gathered: ``[world_size, LOCAL_K]`` on device. collective:
         every rank gathers, also one whose backward reached no parameter (``no_grads``): the
         decision then skips the step on every rank. ``sentinel``:
-        :meth:`ampguard.forensics.sentinel.Sentinel.value` (None: off)."""
+        :meth:`ampguard.forensics.sentinel.Sentinel.value` (None: off). ``fp8``:
+        :meth:`ampguard.fp8.Fp8Monitor.nonfinite` (None: off)."""
         vec = local_vector(loss=loss, tensor_norms=measured.norms, found_inf=measured.found_inf,
                            pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads,
-                           sentinel=sentinel, headroom=None if measured.numerics is None else measured.numerics[1])
+                           sentinel=sentinel, headroom=None if measured.numerics is None else measured.numerics[1],
+                           fp8=fp8)
         return self.backend.all_gather(vec).wait()  # type: ignore[no-any-return]
 
     def decide(self, gathered: torch.Tensor, measured: Measured) -> Decision:
@@ -293,10 +295,12 @@ class StepPipeline:
         return Decision(*self.graph.run(run, gathered, key))
 
     def payload(self, decision: Decision, gathered: torch.Tensor, measured: Measured,
-                indicators: torch.Tensor | None = None, params: torch.Tensor | None = None) -> Packed:
+                indicators: torch.Tensor | None = None, params: torch.Tensor | None = None,
+                fp8: torch.Tensor | None = None) -> Packed:
         """The step's report payload (:func:`ampguard.payload.pack`); after a host decision, built
-        on the host from the copy the decision read. ``params``: a checked step's max|p| per parameter."""
-        return pack(decision.vector, gathered, measured.norms, measured.numerics, indicators, params,
+        on the host from the copy the decision read. ``params``: a checked step's max|p| per parameter;
+        ``fp8``: the fp8 monitor's ``[casts, 5]`` rows (:meth:`ampguard.fp8.Fp8Monitor.collect`)."""
+        return pack(decision.vector, gathered, measured.norms, measured.numerics, indicators, params, fp8,
                     copied=decision.copied)
 
     def clip(self, measured: Measured, decision: Decision) -> None:

@@ -156,7 +156,10 @@ def rule(
     nonfinite_tensors = csum[Loc.NONFINITE_TENSORS]
     grad_bad = (nonfinite_tensors > 0) | (cmax[Loc.FOUND_INF] > 0) | o.not_(o.isfinite(grad_norm))
     no_grads = cmax[Loc.NO_GRADS] > 0  # on any rank: the step is skipped everywhere
-    blocked = loss_bad | grad_bad | no_grads  # skipped whatever the detectors say
+    # An fp8 cast whose amax or scale was non-finite (or the scale 0) on any rank: its whole tensor was poisoned
+    # (torchao's scale = max / amax), whatever the gradients show. Skipped; the scale is held, not backed off.
+    fp8_bad = cmax[Loc.FP8_NONFINITE] > 0
+    blocked = loss_bad | grad_bad | no_grads | fp8_bad  # skipped whatever the detectors say
 
     grad_spike = loss_spike = rebase = clip_rebase = o.false
     spike_threshold = clip_threshold = o.nan
@@ -180,7 +183,7 @@ def rule(
     skip = (blocked | spike) if config.spikes.action == "skip" else blocked
 
     # Indices into stats.REASONS, in order of precedence.
-    reason = o.first([(loss_bad, 1.0), (grad_bad, 2.0), (no_grads, 5.0), (skip & grad_spike, 3.0),
+    reason = o.first([(loss_bad, 1.0), (fp8_bad, 6.0), (grad_bad, 2.0), (no_grads, 5.0), (skip & grad_spike, 3.0),
                       (skip & loss_spike, 4.0)], 0.0)
 
     if spikes_on:  # running averages of healthy steps (only kept when a detector needs them)

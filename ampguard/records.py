@@ -129,8 +129,8 @@ class StepReport:
 
     @property
     def nonfinite(self) -> bool:
-        """True when the loss or any gradient was non-finite."""
-        return self.nonfinite_loss or self.nonfinite_grads > 0
+        """True when the loss, any gradient or (fp8 monitoring) an fp8 cast on some rank was non-finite."""
+        return self.nonfinite_loss or self.nonfinite_grads > 0 or self.reason == SkipReason.NONFINITE_FP8
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (non-finite floats become the strings "nan", "inf", "-inf")."""

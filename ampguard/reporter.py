@@ -29,13 +29,14 @@ from .exporters.base import MultiExporter
 from .forensics.arming import annotate
 from .forensics.localizer import Finding
 from .forensics.sentinel import Sentinel
+from .fp8 import Fp8Monitor
 from .indicators import Indicators
 from .integrity import listed, nonfinite_names
 from .payload import Layout, Packed, Unpacked
 from .policies import uses_grad_detector
-from .records import Anomaly, History, StepReport
+from .records import Anomaly, Fp8Cast, History, StepReport
 from .stats import REASONS, Dec, Loc, origin_ranks
-from .vocab import AnomalyKind, Phase, SkipReason
+from .vocab import AnomalyKind, Cause, Phase, SkipReason
 
 __all__ = ["Actions", "Reporter"]
 
@@ -104,6 +105,8 @@ class Reporter:
         """The opt-in sentinel, whose slot of the gathered vector names a block on its own step."""
         self.indicators: Indicators | None = None
         """The leading indicators, whose values end the payload on sampled steps."""
+        self.fp8: Fp8Monitor | None = None
+        """fp8 monitoring (``wrap(fp8=...)``): its casts end every step's payload."""
         self._blocks: dict[int, str] = {}
         self.actions = Actions()
         self._pending: deque[_Pending] = deque()
@@ -225,6 +228,7 @@ class Reporter:
         numerics = payload.numerics  # a sampled step's [zero fraction, headroom, per group...]
         modules = self.indicators.modules if self.indicators is not None else ()
         tail = payload.indicators if len(payload.indicators) == 2 * len(modules) else ()
+        casts, fp8_ranks = self._fp8_casts(step, payload.fp8, rows)
         report = StepReport(
             step=step, skipped=d[Dec.SKIP] > 0, reason=REASONS[int(d[Dec.REASON])],
             loss=None if unknown else d[Dec.LOSS], loss_scale=d[Dec.SCALE], next_loss_scale=d[Dec.NEXT_SCALE],
@@ -241,14 +245,57 @@ class Reporter:
             module_update_ratios=tuple(zip(modules, tail[len(modules) :])) if tail else None,
             spike_threshold=d[Dec.SPIKE_THRESHOLD] if uses_grad_detector(config) else None,
             clip_threshold=d[Dec.CLIP_THRESHOLD] if config.zclip is not None else None,
+            fp8=casts,
         )
         anomalies = self._anomalies(report, d, ranks, bad_params, rows)
+        if fp8_ranks:  # before the gradients' anomaly: the cast is where the non-finite values came from
+            anomalies.insert(1 if report.nonfinite_loss else 0, self._fp8_anomaly(report, casts or (), fp8_ranks))
         if self.sentinel is not None and anomalies and report.nonfinite:
             anomalies[0] = self._sentinel_named(step, anomalies[0], rows, ranks)
         poisoned = nonfinite_names(payload.params, names)
         if poisoned:
             anomalies.extend(self._poisoned(report, poisoned))
         return report, anomalies
+
+    def _fp8_casts(self, step: int, flat: Sequence[float],
+                   rows: list[Sequence[float]]) -> tuple[tuple[Fp8Cast, ...] | None, tuple[int, ...]]:
+        """This rank's fp8 casts (on a sampled step, or a step where a cast went non-finite on some rank: else
+        None, no host work), and the ranks where one did."""
+        monitor = self.fp8
+        if monitor is None or not flat:
+            return None, ()
+        ranks = tuple(r for r, row in enumerate(rows) if row[Loc.FP8_NONFINITE] > 0)
+        if not ranks and step % monitor.numerics_every:
+            return None, ()
+        return monitor.decode([flat[k : k + 5] for k in range(0, len(flat), 5)]), ranks
+
+    def _fp8_anomaly(self, report: StepReport, casts: Sequence[Fp8Cast], ranks: tuple[int, ...]) -> Anomaly:
+        """The anomaly of a step where an fp8 cast's amax or scale was non-finite: the module, role and values
+        of this rank's bad casts (the first in the model's order first), or the ranks where they were."""
+        bad = [c for c in casts if not c.finite]
+        on = f" on rank(s) {list(ranks)}" if self.world_size > 1 else ""
+        held = f"; loss scale held at {report.loss_scale:g}" if self.scaled and not report.scale_backoff else ""
+        if not bad:  # another rank's
+            return Anomaly(report.step, AnomalyKind.FP8_NONFINITE, f"an fp8 cast's amax or scale was non-finite{on}; "
+                           f"step skipped on every rank{held}", ranks)
+        first = bad[0]
+        others = tuple(f"{c.module} {c.role}" for c in bad[1:])
+        more = f" (and {len(others)} more: {listed(others)})" if others else ""
+        if math.isnan(first.amax):
+            why = (f"a NaN reached {first.module}'s {first.role}: torchao's scale max/amax is NaN, so the whole "
+                   "cast is NaN")
+            cause: Cause | None = Cause.NAN
+        elif math.isinf(first.amax):
+            why = (f"an Inf reached {first.module}'s {first.role}: torchao's scale max/amax is 0, which zeroes "
+                   "every finite element of that tensor (or row) and turns the Inf into NaN")
+            cause = Cause.OVERFLOW if first.role == "grad_output" and self.scaled else Cause.NAN
+        else:
+            why = "the scale itself was not finite and positive"
+            cause = None
+        phase = Phase.BACKWARD if first.role == "grad_output" else Phase.FORWARD
+        return Anomaly(report.step, AnomalyKind.FP8_NONFINITE,
+                       f"fp8 cast non-finite{on}: {Fp8Monitor.describe(first)}{more}; {why}; step skipped on every "
+                       f"rank{held}", ranks, module=first.module, phase=phase, cause=cause)
 
     def _poisoned(self, report: StepReport, params: tuple[str, ...]) -> list[Anomaly]:
         """A checked step whose update left non-finite parameters: the ladder's rollback where it

@@ -80,6 +80,9 @@ class Loc:
     HEADROOM = 8
     """This rank's log2(65504 / max|scaled grad|) on a step sampled by ``GuardConfig.numerics_every``
     (fp16), NaN on other steps: the headroom scale policy decides on the minimum over ranks."""
+    FP8_NONFINITE = 9
+    """1.0 when one of this rank's torchao float8 casts had a non-finite amax or a non-finite or zero scale
+    this step (:meth:`ampguard.fp8.Fp8Monitor.nonfinite`; 0 when fp8 monitoring is off)."""
 
 
 LOCAL_K = _count(Loc)
@@ -116,7 +119,7 @@ DECISION_K = _count(Dec)
 #: ``Dec.REASON`` values, as written by :func:`ampguard.policies.decide`.
 REASONS: tuple[SkipReason | None, ...] = (
     None, SkipReason.NONFINITE_LOSS, SkipReason.NONFINITE_GRAD, SkipReason.GRAD_SPIKE, SkipReason.LOSS_SPIKE,
-    SkipReason.NO_GRADIENTS,
+    SkipReason.NO_GRADIENTS, SkipReason.NONFINITE_FP8,
 )
 
 
@@ -262,12 +265,14 @@ def local_vector(
     no_grads: bool = False,
     sentinel: torch.Tensor | None = None,
     headroom: torch.Tensor | None = None,
+    fp8: torch.Tensor | None = None,
     host: bool | None = None,
 ) -> torch.Tensor:
     """Pack this rank's statistics into the ``LOCAL_K`` vector (:class:`Loc`). ``loss``: this
     step's loss on device (None: no loss was given for this step). ``no_grads``: no parameter
     received a gradient on this rank (known on the host, from the gradients' version counters).
-    ``headroom``: this rank's sampled headroom (None: not sampled, NaN).
+    ``headroom``: this rank's sampled headroom (None: not sampled, NaN). ``fp8``: the fp8 monitor's
+    non-finite flag (None: monitoring off, 0).
 
     The layout is written once, here; ``host`` picks how its values are made: on the CPU
     (default there) read as host floats and packed by one buffer (a 0-d tensor read costs
@@ -288,6 +293,7 @@ def local_vector(
         x.const(1.0 if no_grads else 0.0),  # Loc.NO_GRADS
         x.value(sentinel, -1.0),  # Loc.SENTINEL
         x.value(headroom, math.nan),  # Loc.HEADROOM
+        x.value(fp8, 0.0),  # Loc.FP8_NONFINITE
     ])
 
 

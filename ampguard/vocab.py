@@ -25,8 +25,8 @@ class _StrEnum(str, enum.Enum):
 
 
 class SkipReason(_StrEnum):
-    """Why a step was skipped (``StepReport.reason``). Where several apply, the first of
-    nonfinite_loss, nonfinite_grad, no_gradients, grad_spike, loss_spike (:func:`ampguard.policies.decide`);
+    """Why a step was skipped (``StepReport.reason``). Where several apply, the first of nonfinite_loss,
+    nonfinite_fp8, nonfinite_grad, no_gradients, grad_spike, loss_spike (:func:`ampguard.policies.decide`);
     new words are appended, so the order of the old ones (and of their label series) stays."""
 
     NONFINITE_LOSS = "nonfinite_loss"
@@ -36,6 +36,9 @@ class SkipReason(_StrEnum):
     ROLLBACK = "rollback"
     NO_GRADIENTS = "no_gradients"
     """No parameter of the optimizer received a gradient on some rank (a detached output)."""
+    NONFINITE_FP8 = "nonfinite_fp8"
+    """A torchao float8 cast had a non-finite amax or a non-finite or zero scale on some rank (fp8 monitoring,
+    ``wrap(fp8=...)``): one bad element poisons the whole cast. Precedes ``nonfinite_grad``."""
 
 
 class AnomalyKind(_StrEnum):
@@ -68,6 +71,9 @@ class AnomalyKind(_StrEnum):
     NONFINITE_PARAMS = "nonfinite_params"
     """A parameter held a NaN/Inf after an update from finite gradients (``GuardConfig.param_check_every``):
     the ladder rolls back where it can, else training stops (NonFiniteError)."""
+    FP8_NONFINITE = "fp8_nonfinite"
+    """A torchao float8 cast's amax or scale was non-finite (or the scale 0): the anomaly names the module, the
+    role (input, weight, grad_output) and the rank; the step was skipped on every rank."""
 
 
 class Phase(_StrEnum):

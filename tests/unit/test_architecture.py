@@ -112,10 +112,12 @@ def test_collective_is_a_deprecated_alias_of_backend():
 # The strings users see in JSONL records and Prometheus labels, as round 1 wrote them (new words
 # are appended: no_gradients, issue 15).
 _SEEN = {
-    SkipReason: ["nonfinite_loss", "nonfinite_grad", "grad_spike", "loss_spike", "rollback", "no_gradients"],
+    SkipReason: ["nonfinite_loss", "nonfinite_grad", "grad_spike", "loss_spike", "rollback", "no_gradients",
+                   "nonfinite_fp8"],  # issue 28
     AnomalyKind: ["nonfinite_loss", "nonfinite_grad", "overflow", "grad_spike", "loss_spike", "scale_floor",
                   "rank_divergence", "rollback", "abort", "no_gradients", "rebaseline",
-                  "nonfinite_params"],  # issue 27
+                  "nonfinite_params",  # issue 27
+                  "fp8_nonfinite"],  # issue 28
     Phase: ["forward", "backward", "loss", "input"],  # "input": issue 14
     Cause: ["overflow", "nan", "transient", "not_reproduced"],  # "not_reproduced": issue 14
 }
