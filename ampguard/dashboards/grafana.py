@@ -10,6 +10,7 @@ from .panels import (
     _DS,
     _JOB,
     _below,
+    _fp8_panels,
     _indicator_panels,
     _integrity_panels,
     _numerics_panels,
@@ -169,7 +170,8 @@ def build_dashboard() -> dict[str, Any]:
             ],
         ),
     ]
-    for row in (_precision_panels, _numerics_panels, _indicator_panels, _integrity_panels):  # each below the last
+    rows = (_precision_panels, _numerics_panels, _indicator_panels, _integrity_panels, _fp8_panels)
+    for row in rows:  # each below the last
         panels += row(*_below(panels))
     annotations = [
         {

@@ -1,13 +1,13 @@
 """The dashboard's building blocks: targets and panels on the dashboard's datasource and variables, and
 the rows below the run-level panels (skips by precision and loss-scale floor, fp16 numerics, leading
-indicators), each placed below the last."""
+indicators, run integrity, fp8 casts), each placed below the last."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .. import metrics as M
-from .rules import _REC_SKIP_RATE_PRECISION
+from .rules import _REC_SKIP_RATE_PRECISION, FP8_UNDERFLOW_THRESHOLD
 
 _DS = {"type": "prometheus", "uid": "${datasource}"}
 _SEL = 'job=~"$job", rank=~"$rank"'
@@ -174,3 +174,51 @@ def _integrity_panels(pid: int, y: int) -> list[dict[str, Any]]:
             (12, y + 1, 12, 8),
         ),
     ]
+
+
+def _fp8_panels(pid: int, y: int) -> list[dict[str, Any]]:
+    """The fp8 row (docs/fp8.md): the torchao float8 casts per module, role and rank (the catalogue's
+    labels; at most ``metrics.FP8_MODULES`` modules by name, the rest in ``module="_other"``): amax,
+    scale (log2), the sampled underflow ratio against AmpguardFp8UnderflowRising's threshold, the
+    sampled dynamic range, and non-finite casts per interval."""
+    by = "by (module, role, rank)"
+    threshold = {"min": 0, "custom": {"thresholdsStyle": {"mode": "line"}},
+                 "thresholds": {"mode": "absolute", "steps": [{"color": "green", "value": None},
+                                                              {"color": "red", "value": FP8_UNDERFLOW_THRESHOLD}]}}
+    # title, description, unit, query, (x, row below the row's header, width), field defaults
+    what: list[tuple[str, str, str, str, tuple[int, int, int], dict[str, Any]]] = [
+        ("fp8 amax per module and role",
+         "max|x| of the high-precision tensor each cast scales, at the last step (log axis; gaps: NaN/inf, which the "
+         "non-finite panel counts). An amax jumping by orders of magnitude on one module and role is where a bad "
+         "value enters; a dynamic scale follows the amax, so amax alone never saturates.",
+         "short", f"max {by} ({_q(M.FP8_AMAX)})", (0, 1, 12),
+         {"custom": {"scaleDistribution": {"type": "log", "log": 10}}}),
+        ("fp8 scale per module and role",
+         "The scale each cast multiplied by, fp8 max / amax (log2 axis): it falls as the amax grows. 0 (an Inf amax: "
+         "the cast zeroed the tensor) and NaN are gaps here and count as non-finite casts.",
+         "short", f"min {by} ({_q(M.FP8_SCALE)})", (12, 1, 12),
+         {"custom": {"scaleDistribution": {"type": "log", "log": 2}}}),
+        ("fp8 underflow ratio",
+         "Fraction of each cast's non-zero elements flushed to zero by the cast, at the last sampled step "
+         "(GuardConfig.numerics_every). The red line is AmpguardFp8UnderflowRising's threshold "
+         f"({FP8_UNDERFLOW_THRESHOLD:.0%}, over a 10-minute average that also doubled in 30 minutes). A rising "
+         "grad_output ratio is gradients lost to fp8: consider rowwise scaling, or that layer in bf16.",
+         "percentunit", f"max {by} ({_q(M.FP8_UNDERFLOW)})", (0, 9, 8), threshold),
+        ("fp8 dynamic range (log2)",
+         "log2(amax / smallest non-zero |x|) of each cast's tensor at the last sampled step: the binades it spans. "
+         "Beyond what its fp8 format holds (about 18 for e4m3, 32 for e5m2) the smallest values underflow.",
+         "none", f"max {by} ({_q(M.FP8_DYNAMIC_RANGE)})", (8, 9, 8), {}),
+        ("fp8 non-finite casts",
+         "Casts per interval whose amax or scale was NaN/Inf (or the scale 0): one bad element poisons the whole "
+         "cast. AmpguardFp8NonFiniteAmax fires on any.",
+         "short", f"sum {by} (increase({_q(M.FP8_NONFINITE)}[$__rate_interval]))", (16, 9, 8), {}),
+    ]
+    row = _panel(pid, "row", "fp8 casts (torchao float8)", "Every cast of each torchao Float8Linear, per module, role "
+                 f"(input, weight, grad_output) and rank; at most {M.FP8_MODULES} modules by name, the others folded "
+                 f"into module=\"{M.FP8_OTHER}\" (docs/fp8.md). Empty when fp8 monitoring is off.", "none", [],
+                 (0, y, 24, 1), collapsed=False)
+    return [row, *(
+        _panel(pid + 1 + i, "timeseries", title, description, unit,
+               [_target(query, "{{module}} {{role}} rank {{rank}}")], (x, y + dy, w, 8), defaults=defaults)
+        for i, (title, description, unit, query, (x, dy, w), defaults) in enumerate(what)
+    )]

@@ -26,6 +26,9 @@ DEFAULT_SKIP_RATE_THRESHOLDS: dict[str, float] = {"fp16": 0.01, "bf16": 0.0, "fp
 #: this factor above its median over the window before.
 DEFAULT_GRAD_GROWTH_FACTOR = 10.0
 DEFAULT_GRAD_GROWTH_WINDOW = "30m"
+#: AmpguardFp8UnderflowRising: a module and role's underflow ratio (10-minute average) above this
+#: fraction, and above twice its level 30 minutes before. The dashboard's fp8 row draws it.
+FP8_UNDERFLOW_THRESHOLD = 0.01
 RULES_FILE = "ampguard.rules.yml"
 
 #: Alert names, in the order the rules file lists them.
@@ -284,13 +287,14 @@ def build_rules(
         ),
         alert(
             "AmpguardFp8UnderflowRising",
-            f"{under_now} > 0.01 and {under_now} > 2 * {under_before}",
+            f"{under_now} > {FP8_UNDERFLOW_THRESHOLD!r} and {under_now} > 2 * {under_before}",
             "10m",
             "warning",
             "fp8 underflow rising in {{ $labels.module }} ({{ $labels.role }}) on {{ $labels.job }}",
             "The fraction of {{ $labels.module }}'s {{ $labels.role }} elements flushed to zero by its fp8 cast "
-            "averaged {{ $value | humanizePercentage }} over 10 minutes, more than 1% and twice its level 30 minutes "
-            "before: consider rowwise scaling, or keeping that layer in bf16 (docs/fp8.md).",
+            "averaged {{ $value | humanizePercentage }} over 10 minutes, more than "
+            f"{FP8_UNDERFLOW_THRESHOLD:.0%} and twice its level 30 minutes before: consider rowwise scaling, or "
+            "keeping that layer in bf16 (docs/fp8.md).",
         ),
     ]
     if fors:

@@ -96,8 +96,9 @@ def figure(run: Run, *, width_px: int = 1600, height_px: int = 1200) -> Any:
     ``matplotlib.pyplot.close(fig)``): aligned panels sharing the step axis: a strip of anomaly
     notes (when there are anomalies); loss; loss scale per rank (log2); gradient norm (log); when
     the run sampled them (``GuardConfig.indicators_every``), the leading indicators per top-level
-    module; non-finite counts per rank; when sampled, the fp16 numerics (zero fraction, headroom)
-    last. Skipped steps are shaded and anomalies drawn as vertical lines across every panel.
+    module; non-finite counts per rank; when sampled, the fp16 numerics (zero fraction, headroom);
+    when the log holds torchao float8 casts (``StepReport.fp8``), the fp8 panel last. Skipped
+    steps are shaded and anomalies drawn as vertical lines across every panel.
 
     Every anomaly is named in the strip: each note gives the kind, where it was localised and its
     origin ranks; anomalies too close together for notes of their own share one (``steps A-B: 3
@@ -108,18 +109,21 @@ def figure(run: Run, *, width_px: int = 1600, height_px: int = 1200) -> Any:
     story = _Story(run, plt.get_cmap("tab10"))
     numerics = _has_numerics(run)
     indicators = _indicator_log(story) is not None
+    fp8 = _fp8_log(story) is not None
     strip = bool(run.anomalies)
     ratios = [*([_STRIP_RATIO] if strip else []), 3, 2.2, 2.2, *([2.6] if indicators else []),
-              0.9 + 0.35 * max(len(run.ranks), 1), *([2.2] if numerics else [])]
+              0.9 + 0.35 * max(len(run.ranks), 1), *([2.2] if numerics else []), *([2.6] if fp8 else [])]
     fig, all_axes = plt.subplots(
         len(ratios), 1, sharex=True,
-        figsize=(width_px / _DPI, (height_px + 250 * indicators + 300 * numerics) / _DPI),
+        figsize=(width_px / _DPI, (height_px + 250 * indicators + 300 * numerics + 320 * fp8) / _DPI),
         dpi=_DPI, gridspec_kw={"height_ratios": ratios, "hspace": 0.3},
     )
     ax_strip, axes = (all_axes[0], all_axes[1:]) if strip else (None, all_axes)
     ax_loss, ax_scale, ax_norm, ax_nf = axes[0], axes[1], axes[2], axes[3 + indicators]
     if numerics:
-        _numerics_panel(axes[-1], story)
+        _numerics_panel(axes[4 + indicators], story)
+    if fp8:
+        _fp8_panel(axes[-1], story)
     _mark_skips_and_anomalies(all_axes, story, width_px)
     _loss_panel(ax_loss, story)
     _scale_panel(ax_scale, story)
@@ -129,10 +133,10 @@ def figure(run: Run, *, width_px: int = 1600, height_px: int = 1200) -> Any:
     _nonfinite_panel(ax_nf, story)
     _finish_axes(axes, multi=len(story.ranks) > 1)
     _legend_and_title(fig, story)
-    if numerics:  # the step axis label under the last panel; room for the headroom axis on the right
+    if numerics or fp8:  # the step axis label under the last panel; room for its right axis
         ax_nf.set_xlabel("")
         axes[-1].set_xlabel("step")
-    right = 0.94 if indicators else 0.955 if numerics else 0.985
+    right = 0.94 if indicators else 0.955 if numerics or fp8 else 0.985
     fig.subplots_adjust(left=0.07, right=right, top=0.915, bottom=0.055)
     _fit_left_margin(fig, all_axes)
     if ax_strip is not None:
@@ -308,6 +312,73 @@ def _numerics_panel(ax: Any, story: _Story) -> None:
     if handles:
         ax.legend(handles=handles, **_LEGEND)
     ax.set_title("fp16 numerics (sampled steps): gradient zero fraction, loss-scale headroom", **_TITLE)
+
+
+_ROLE_COLORS = {"input": "#1f77b4", "weight": "#2ca02c", "grad_output": "#d62728"}
+
+
+def _fp8_log(story: _Story) -> RankLog | None:
+    """The lowest rank whose log holds fp8 casts (they are rank-local), or None."""
+    return next((log for log in story.ranks if any(r.fp8 for r in log.reports)), None)
+
+
+def _fp8_panel(ax: Any, story: _Story) -> None:
+    """The torchao float8 casts of one rank, per role (one colour each): the amax of the worst module
+    (the largest finite amax over the step's casts of that role; solid, left log axis; a step's log
+    line holds every cast, or on a healthy unsampled step the bounded fold whose ``_other`` keeps the
+    largest), the underflow ratio of the worst module on sampled steps (dashed, right axis), and the
+    steps with a non-finite cast of that role (NaN/inf amax, NaN/0 scale) marked on the top edge."""
+    log = _fp8_log(story)
+    assert log is not None  # internal: figure() asks first
+    reports = [r for r in log.reports if r.fp8]
+    roles = list(dict.fromkeys(c.role for r in reports for c in r.fp8 or ()))
+    colors = {role: _ROLE_COLORS.get(role, story.color(3 + i)) for i, role in enumerate(roles)}
+    right = ax.twinx()
+    worst_under = 0.0
+    drawn: list[str] = []
+    for i, (role, color) in enumerate(colors.items()):
+        amax, under, bad = [], [], []
+        for r in reports:
+            casts = [c for c in r.fp8 or () if c.role == role]
+            if not casts:
+                continue
+            finite = [c.amax for c in casts if c.finite and c.amax > 0]
+            if finite:
+                amax.append((r.step, max(finite)))
+            sampled = [c.underflow for c in casts if c.underflow is not None and math.isfinite(c.underflow)]
+            if sampled:
+                under.append((r.step, max(sampled)))
+            if not all(c.finite for c in casts):
+                bad.append(r.step)
+        if amax:
+            ax.plot([x for x, _ in amax], [y for _, y in amax], "-", lw=1.4, color=color, label=f"{role} amax")
+        if under:
+            worst_under = max(worst_under, *(y for _, y in under))
+            right.plot([x for x, _ in under], [y for _, y in under], "--o", lw=1.1, ms=3, color=color,
+                       label=f"{role} underflow")
+        if bad:  # on the top edge, one row per role so that two roles' marks at one step both show
+            ax.plot(bad, [0.97 - 0.09 * i] * len(bad), "X", color=color, mec="black", mew=0.6, ms=9, zorder=4,
+                    transform=ax.get_xaxis_transform(), clip_on=False, label=f"{role} non-finite cast")
+        if amax or under or bad:
+            drawn.append(role)
+    if any(line.get_label().endswith(" amax") for line in ax.get_lines()):
+        ax.set_yscale("log")
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import PercentFormatter
+
+    right.set_ylim(0, max(0.01, 1.1 * worst_under))
+    right.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_ylabel("amax (log)", fontsize=9)
+    right.set_ylabel("underflow ratio", fontsize=9)
+    right.tick_params(labelsize=9)
+    where = f" (rank {log.rank})" if len(story.ranks) > 1 else ""
+    ax.set_title(f"fp8 casts{where}, the worst module per role", **_TITLE)
+    # the legend: a colour per role, a style per quantity (the lines keep their own labels)
+    keys = [Line2D([], [], color=colors[role], lw=3, label=role) for role in drawn]
+    keys += [Line2D([], [], color="#444444", lw=1.4, label="amax"),
+             Line2D([], [], color="#444444", ls="--", marker="o", ms=3, lw=1.1, label="underflow (sampled steps)"),
+             Line2D([], [], color="#444444", ls="", marker="X", mec="black", ms=8, label="non-finite cast")]
+    ax.legend(handles=keys, ncol=len(keys), **_LEGEND_ABOVE)
 
 
 def _finish_axes(axes: Sequence[Any], multi: bool) -> None:

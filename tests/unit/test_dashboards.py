@@ -233,14 +233,49 @@ def test_rule_tests_cover_every_alert_firing_and_silent():
     assert doc["rule_files"] == [dashboards.RULES_FILE]
 
 
-def test_leading_indicator_panels_sit_in_a_row_of_their_own_below_the_rest():
+def _row(title: str) -> list[dict]:
+    """The panels of the row ``title`` (up to the next row), checked to sit below every panel before it."""
     panels = DASH["panels"]
-    row = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == "Leading indicators")
-    mine = panels[row + 1 : row + 3]
+    row = next(i for i, p in enumerate(panels) if p["type"] == "row" and p["title"] == title)
+    end = next((i for i in range(row + 1, len(panels)) if panels[i]["type"] == "row"), len(panels))
+    above = panels[:row]
+    assert panels[row]["gridPos"]["y"] >= max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in above), title
+    assert all(p["gridPos"]["y"] > panels[row]["gridPos"]["y"] for p in panels[row + 1 : end]), title
+    return panels[row + 1 : end]
+
+
+def test_leading_indicator_panels_sit_in_a_row_of_their_own_below_the_rest():
+    mine = _row("Leading indicators")
     assert [p["title"] for p in mine] == ["Gradient norm per module", "Update ratio per module"]
     for p, metric in zip(mine, M.PER_MODULE):
         assert [t["expr"] for t in p["targets"]] == [f'max by (module) ({metric.name}{{job=~"$job", rank=~"$rank"}})']
         assert p["targets"][0]["legendFormat"] == "{{module}}"
         assert p["fieldConfig"]["defaults"]["custom"]["scaleDistribution"]["type"] == "log"
-    above = panels[:row]
-    assert panels[row]["gridPos"]["y"] >= max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in above)
+
+
+def test_fp8_row_shows_each_fp8_metric_of_the_catalogue_per_module_role_and_rank():
+    mine = _row("fp8 casts (torchao float8)")
+    assert DASH["panels"][-1] is mine[-1]  # the last row
+    titles = ["fp8 amax per module and role", "fp8 scale per module and role", "fp8 underflow ratio",
+              "fp8 dynamic range (log2)", "fp8 non-finite casts"]
+    assert [p["title"] for p in mine] == titles
+    exprs = [[t["expr"] for t in p["targets"]] for p in mine]
+    assert all(len(e) == 1 for e in exprs)
+    # one catalogue metric per panel (test_queries_use_only_catalogue_metrics... checks every name is the
+    # catalogue's): the five fp8 metrics, in the catalogue's order, grouped by the catalogue's labels
+    named = [METRIC.findall(e[0]) for e in exprs]
+    assert [M.by_name(n[0]) for n in named] == list(M.FP8) and all(len(n) == 1 for n in named)
+    for p, metric in zip(mine, M.FP8):
+        assert set(metric.labels) | set(M.RANK_LABELS) >= {"module", "role", "rank"}
+        assert " by (module, role, rank) " in p["targets"][0]["expr"], p["title"]
+        assert p["targets"][0]["legendFormat"] == "{{module}} {{role}} rank {{rank}}"
+    assert exprs[4] == [f'sum by (module, role, rank) (increase({M.FP8_NONFINITE.name}{{job=~"$job", rank=~"$rank"}}'
+                        '[$__rate_interval]))']
+    amax, scale, under = (p["fieldConfig"]["defaults"] for p in mine[:3])
+    assert amax["custom"]["scaleDistribution"]["type"] == "log"
+    assert scale["custom"]["scaleDistribution"] == {"type": "log", "log": 2}
+    # the underflow ratio's red line is the threshold AmpguardFp8UnderflowRising uses
+    assert under["unit"] == "percentunit" and under["custom"]["thresholdsStyle"] == {"mode": "line"}
+    line = under["thresholds"]["steps"][-1]["value"]
+    rule = _alert(dashboards.build_rules(), "AmpguardFp8UnderflowRising")["expr"]
+    assert f") > {line!r} and " in rule and line == dashboards.FP8_UNDERFLOW_THRESHOLD
