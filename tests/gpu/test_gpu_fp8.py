@@ -10,7 +10,7 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-              pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")]
+              ]
 
 torchao_float8 = pytest.importorskip("torchao.float8")
 
@@ -84,3 +84,36 @@ def test_a_compiled_monitored_model_does_not_recompile_per_step():
     before = dict(counters["stats"])
     _steps(compiled, monitor, batches[3:])
     assert counters["stats"].get("unique_graphs", 0) == before.get("unique_graphs", 0)
+
+
+def test_the_guarded_fp8_step_adds_no_sync_and_skips_a_nan_batch_on_the_step_itself():
+    import ampguard
+
+    model = _model()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model, precision="bf16",
+                        config={"numerics_every": 2})
+    assert opt._fp8 is not None
+    batches = [torch.randn(64, 256, device="cuda") for _ in range(6)]
+    batches[4][0, 0] = math.nan
+
+    def run(xs):
+        for x in xs:
+            with opt.autocast():
+                loss = model(x).float().square().mean()
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+
+    run(batches[:1])  # warm-up (lazy init, the decision's graph capture) outside the sync check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run(batches[1:])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    reports = list(opt.history)
+    assert [r.skipped for r in reports] == [False, False, False, False, True, False]
+    assert reports[4].reason == "nonfinite_loss" and reports[2].fp8 is not None and reports[3].fp8 is None
+    fp8 = [a for a in opt.anomalies if a.kind == "fp8_nonfinite"]
+    assert len(fp8) == 1 and fp8[0].step == 4 and fp8[0].module == "0" and "0, input: amax nan" in fp8[0].detail
+    opt.close()

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issues 28 and 27 on the H200: the fp8 and integrity GPU tests, the guarded fp8 cost (eager, then compiled), and the
+# replica digest's variants. Run through the device tool with the torchao wheel carried in .whl/:
+#   OUT=$OUT bash benchmarks/gpu_issue28.sh TAG
+set -uo pipefail
+TAG=${1:-now}
+pip install -q --no-index --no-deps --target /tmp/site .whl/torchao-*.whl >/dev/null 2>&1
+export PYTHONPATH=$PWD:/tmp/site
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu_$TAG.txt"
+python -c "import torch, torchao; print(torch.__version__, torchao.__version__)" | tee -a "$OUT/gpu_$TAG.txt"
+git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu_$TAG.txt"
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout 150 python -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_fp8.py tests/gpu/test_gpu_integrity.py 2>&1 \
+    | tail -25 | tee "$OUT/tests_$TAG.txt"
+fi
+if [ "${DIGEST:-1}" = 1 ]; then
+  timeout 90 python benchmarks/digest_variants.py --device cuda --model gpt2 --reps 30 --out "$OUT/digest_$TAG.json" 2>&1 \
+    | grep -v Warning | tee "$OUT/digest_$TAG.txt"
+fi
+for run in ${FP8_RUNS:-1 2}; do
+  timeout 120 python benchmarks/fp8_cost.py --device cuda --blocks 30 --steps 5 --out "$OUT/fp8_cost_${TAG}_$run.json" 2>&1 \
+    | grep -v -i warn | tail -6 | tee "$OUT/fp8_cost_${TAG}_$run.txt"
+done
+if [ "${COMPILE:-1}" = 1 ]; then
+  timeout 200 python benchmarks/fp8_cost.py --device cuda --blocks 20 --steps 5 --compile \
+    --out "$OUT/fp8_cost_${TAG}_compiled.json" 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/fp8_cost_${TAG}_compiled.txt"
+fi
