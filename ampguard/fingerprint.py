@@ -19,7 +19,9 @@ is widened to float64. Meant for a periodic check (every N steps), as Megatron's
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -97,43 +99,113 @@ model of many small tensors costs a few reductions, not a few per tensor (and at
 elements of temporary memory per chunk)."""
 
 
+class _Block(NamedTuple):
+    """One reduction of :func:`params_digest`: ``parts`` (flat integer views, concatenated when several) read as
+    ``[rows, cols]``; a ``rows == 1`` block is a chunk's tail, or a short chunk."""
+
+    parts: tuple[torch.Tensor, ...]
+    start: int
+    """Where the block starts in its concatenation (a tail: after its chunk's rows)."""
+    rows: int
+    cols: int
+
+
+class _Plan(NamedTuple):
+    """How :func:`params_digest` reads one list of tensors, made once per list (their storage and shapes) and
+    reused: the integer views, the blocks, and the int64 weights of all row sums and all column sums laid end to
+    end (element ``(i, j)`` of a block at offset ``o`` has position ``o + i*cols + j + 1``:
+    ``sum (o + i*cols) * rowsum_i + sum (j + 1) * colsum_j``)."""
+
+    key: tuple[tuple[int, int, torch.dtype], ...]
+    blocks: tuple[_Block, ...]
+    row_weights: torch.Tensor
+    col_weights: torch.Tensor
+
+
+_PLANS: dict[int, _Plan] = {}
+"""The last plan per first tensor of a list (a guard digests one list: its parameters), kept only while that tensor
+lives: a plan's views keep the tensors' storage alive, so a deleted model must take its plan with it."""
+
+
+def _plan(tensors: Sequence[torch.Tensor], device: torch.device) -> _Plan:
+    views = [_ints(t).reshape(-1) for t in tensors]
+    key = tuple((v.data_ptr(), v.numel(), v.dtype) for v in views)
+    cached = _PLANS.get(id(tensors[0]))
+    if cached is not None and cached.key == key and all(v.device == device for v in views):
+        return cached
+    by_width: dict[torch.dtype, list[torch.Tensor]] = {}
+    for v in views:
+        by_width.setdefault(v.dtype, []).append(v.to(device))
+    chunks: list[list[torch.Tensor]] = []
+    for dtype in sorted(by_width, key=str):  # one stream: the widths one after the other
+        pending: list[torch.Tensor] = []
+        size = 0
+        for x in by_width[dtype]:
+            if x.numel() >= _CHUNK:
+                if pending:
+                    chunks.append(pending)
+                    pending, size = [], 0
+                chunks.append([x])
+                continue
+            pending.append(x)
+            size += x.numel()
+            if size >= _CHUNK:
+                chunks.append(pending)
+                pending, size = [], 0
+        if pending:
+            chunks.append(pending)
+    blocks: list[_Block] = []
+    row_w: list[torch.Tensor] = []
+    col_w: list[torch.Tensor] = []
+    offset = 0
+    for parts in chunks:
+        n = sum(x.numel() for x in parts)
+        if n == 0:
+            continue
+        cols = min(n, _ROW)
+        rows = n // cols
+        spans = [(0, rows, cols)] + ([(rows * cols, 1, n - rows * cols)] if rows * cols < n else [])
+        for start, r, c in spans:
+            blocks.append(_Block(tuple(parts), start, r, c))
+            row_w.append(torch.arange(r, device=device, dtype=torch.int64) * c + (offset + start))
+            col_w.append(torch.arange(1, c + 1, device=device, dtype=torch.int64))
+        offset += n
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    plan = _Plan(key, tuple(blocks), torch.cat(row_w) if row_w else empty, torch.cat(col_w) if col_w else empty)
+    if device.type != "cpu" or all(v.device == device for v in views):  # views on another device: not kept
+        if id(tensors[0]) not in _PLANS:  # dropped with that tensor (its id may be reused after)
+            weakref.finalize(tensors[0], _PLANS.pop, id(tensors[0]), None)
+        _PLANS[id(tensors[0])] = plan
+    return plan
+
+
 def params_digest(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``[WORDS]`` int64: the plain and position-weighted sums of the bits of all ``tensors`` laid
     end to end (grouped by integer width, in order within a width). Bitwise like
     :func:`param_fingerprints` (a flipped bit, two swapped elements or two swapped tensors change
     it) but one pass over chunks of up to ``_CHUNK`` elements instead of a few kernels per tensor:
-    what :mod:`ampguard.consistency` compares every N steps. No host sync."""
+    what :mod:`ampguard.consistency` compares every N steps. Each chunk costs its concatenation and two
+    reductions (row and column sums in int64); the weights are applied once to all of them together, from
+    a plan made once per list of tensors (the same storage each call: a training run's parameters). No
+    host sync."""
     if not tensors:
         return torch.zeros(WORDS, dtype=torch.int64)
     device = tensors[0].device
-    by_width: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        x = _ints(t).reshape(-1).to(device)
-        by_width.setdefault(x.dtype, []).append(x)
-    plain = torch.zeros((), dtype=torch.int64, device=device)
-    weighted = torch.zeros((), dtype=torch.int64, device=device)
-    offset = 0
-    for dtype in sorted(by_width, key=str):  # one stream: the widths one after the other
-        pending: list[torch.Tensor] = []
-        size = 0
-        chunks: list[torch.Tensor] = []
-        for x in by_width[dtype]:
-            if x.numel() >= _CHUNK:
-                if pending:
-                    chunks.append(torch.cat(pending))
-                    pending, size = [], 0
-                chunks.append(x)
-                continue
-            pending.append(x)
-            size += x.numel()
-            if size >= _CHUNK:
-                chunks.append(torch.cat(pending))
-                pending, size = [], 0
-        if pending:
-            chunks.append(torch.cat(pending))
-        for chunk in chunks:
-            s = _sums(chunk)  # positions from 1 within the chunk: shifted by the elements before it
-            plain = plain + s[0]
-            weighted = weighted + s[1] + offset * s[0]
-            offset += chunk.numel()
-    return torch.stack([plain, weighted])
+    plan = _plan(tensors, device)
+    if not plan.blocks:
+        return torch.zeros(WORDS, dtype=torch.int64, device=device)
+    row_sums: list[torch.Tensor] = []
+    col_sums: list[torch.Tensor] = []
+    joined: tuple[tuple[torch.Tensor, ...], torch.Tensor] | None = None
+    for block in plan.blocks:
+        if len(block.parts) == 1:
+            flat = block.parts[0]
+        else:  # a chunk's rows and then its tail read the same concatenation: made once
+            if joined is None or joined[0] is not block.parts:
+                joined = (block.parts, torch.cat(block.parts))
+            flat = joined[1]
+        m = flat[block.start : block.start + block.rows * block.cols].view(block.rows, block.cols)
+        row_sums.append(m.sum(1, dtype=torch.int64))
+        col_sums.append(m.sum(0, dtype=torch.int64))
+    rows, cols = torch.cat(row_sums), torch.cat(col_sums)
+    return torch.stack([rows.sum(), (rows * plan.row_weights).sum() + (cols * plan.col_weights).sum()])

@@ -59,6 +59,10 @@ def _dtype(module: Any, role: str) -> torch.dtype:
     return dtype if dtype is not None else e4m3_dtype
 
 
+def _pow2(module: Any) -> bool:
+    return bool(module.config.round_scales_to_power_of_2)
+
+
 def _rowwise(module: Any, role: str) -> bool:
     from torchao.float8.config import ScalingGranularity
 
@@ -67,7 +71,7 @@ def _rowwise(module: Any, role: str) -> bool:
 
 @torch.no_grad()
 def cast_stats(x: torch.Tensor, dtype: torch.dtype, *, rowwise: bool, pow2: bool, sampled: bool,
-               order: int = 1) -> torch.Tensor:
+               order: float = 1.0) -> torch.Tensor:
     """``[order, amax, scale, underflow, dynamic_range]`` of one cast of ``x`` to ``dtype`` by torchao's dynamic
     scaling, on ``x``'s device (the last two NaN unless ``sampled``)."""
     hp = x.detach().float()
@@ -119,19 +123,41 @@ class Fp8Monitor:
         self.numerics_every = numerics_every
         self.names: list[tuple[str, str]] = [(name, role) for name, _ in self.modules for role in FP8_ROLES]
         self._slots: list[torch.Tensor | None] = [None] * len(self.names)
+        """Per cast this step: its 5 statistics (sampled steps), or its float32 amax alone (other steps)."""
+        self._orders: list[float] = [math.nan] * len(self.names)
+        """Per cast: k where it was the k-th cast measured this step (NaN: not run), known on the host."""
+        self._rounded: dict[int, torch.dtype] = {}
+        """Casts whose amax was taken before the autocast dtype's rounding (rounded in collect())."""
         self._sampled = False
         self._order = 0  # casts measured this step: each cast's rank in the order they ran
+        self._consts: dict[Any, torch.Tensor] = {}
+        """Device constants of :meth:`collect`, made once per device and pattern (a pinned copy, no sync)."""
+        self._fmax = [torch.finfo(_dtype(m, role)).max for _, m in self.modules for role in FP8_ROLES]
+        self._pow2 = [_pow2(m) for _, m in self.modules for _ in FP8_ROLES]
         self._handles: list[Any] = []
         for index, (_, module) in enumerate(self.modules):
             self._handles.append(module.register_forward_hook(self._forward_hook(index)))
 
-    def _measure(self, module: Any, index: int, role: str, x: torch.Tensor) -> None:
+    def _measure(self, module: Any, index: int, role: str, x: torch.Tensor, cast_to: torch.dtype | None) -> None:
+        """``x``: the tensor the layer casts, or its high-precision original when ``cast_to`` (the autocast dtype)
+        says the layer casts ``x.to(cast_to)`` first."""
         slot = 3 * index + FP8_ROLES.index(role)
-        self._order += 1
-        stats = cast_stats(x, _dtype(module, role), rowwise=_rowwise(module, role),
-                           pow2=bool(module.config.round_scales_to_power_of_2), sampled=self._sampled,
-                           order=self._order)
         old = self._slots[slot]
+        if old is None:
+            self._order += 1
+            self._orders[slot] = float(self._order)
+        if not self._sampled:
+            # One reduction: amax, in float32 (rounding is monotone, so the amax of x.to(cast_to) is the amax of x
+            # rounded to cast_to: done in collect(), for all casts at once). The scale, from the amax, there too.
+            amax = torch.linalg.vector_norm(x.detach(), ord=math.inf, dtype=torch.float32)
+            if cast_to is not None and cast_to != x.dtype:
+                self._rounded[slot] = cast_to
+            self._slots[slot] = amax if old is None else torch.maximum(old, amax)
+            return
+        if cast_to is not None and cast_to != x.dtype:
+            x = x.to(cast_to)
+        stats = cast_stats(x, _dtype(module, role), rowwise=_rowwise(module, role),
+                           pow2=_pow2(module), sampled=True)
         if old is not None:  # a second forward in the step: the worst of both
             stats = torch.stack([old[0], torch.maximum(old[1], stats[1]), torch.minimum(old[2], stats[2]),
                                  torch.fmax(old[3], stats[3]), torch.fmax(old[4], stats[4])])
@@ -143,24 +169,23 @@ class Fp8Monitor:
                 return
             if isinstance(output, torch.Tensor) and output.requires_grad:  # the grad_output cast, in the backward
                 output.register_hook(self._backward_hook(module, index))
-            x = args[0]
-            if torch.is_autocast_enabled(x.device.type):  # Float8Linear casts the autocast dtype's tensor
-                x = x.to(torch.get_autocast_dtype(x.device.type))
-            self._measure(module, index, "input", x)
-            weight = module.weight
-            if torch.is_autocast_enabled(weight.device.type):
-                weight = weight.to(torch.get_autocast_dtype(weight.device.type))
-            self._measure(module, index, "weight", weight)
+            x, weight = args[0], module.weight
+            kind = x.device.type  # Float8Linear casts the autocast dtype's tensors
+            cast_to = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+            self._measure(module, index, "input", x, cast_to)
+            self._measure(module, index, "weight", weight, cast_to)
         return hook
 
     def _backward_hook(self, module: Any, index: int) -> Any:
         def hook(grad_output: torch.Tensor) -> None:  # a hook on the layer's output: its gradient, as cast
-            self._measure(module, index, "grad_output", grad_output)
+            self._measure(module, index, "grad_output", grad_output, None)
         return hook
 
     def begin_step(self, step: int) -> None:
         """Start a step: forget the last one's casts; ``step`` decides whether this one is sampled."""
         self._slots = [None] * len(self.names)
+        self._orders = [math.nan] * len(self.names)
+        self._rounded = {}
         self._order = 0
         self._sampled = step % self.numerics_every == 0
 
@@ -170,8 +195,40 @@ class Fp8Monitor:
         device = next((s.device for s in self._slots if s is not None), None)
         if device is None:
             device = next(self.modules[0][1].parameters()).device
-        nan = torch.full((_WIDTH,), math.nan, device=device)
-        return torch.stack([s if s is not None else nan for s in self._slots])
+        if self._sampled:
+            nan = self._const(device, ("nan", _WIDTH), [math.nan] * _WIDTH)
+            rows = torch.stack([s if s is not None else nan for s in self._slots])
+            return torch.cat([self._const(device, ("order", *self._orders), self._orders).unsqueeze(1), rows[:, 1:]], 1)
+        # An unsampled step: one stack of the amaxes, then every scale at once (torchao's formula, as cast_stats)
+        nan = self._const(device, ("nan",), [math.nan])[0]
+        amax = torch.stack([s if s is not None else nan for s in self._slots])
+        for dtype in set(self._rounded.values()):
+            mask = self._const(device, ("round", dtype, *sorted(self._rounded.items(), key=lambda kv: kv[0])),
+                               [1.0 if self._rounded.get(k) is dtype else 0.0 for k in range(len(self._slots))])
+            amax = torch.where(mask > 0, amax.to(dtype).float(), amax)
+        scale = (self._const(device, ("fmax",), self._fmax, torch.float64)
+                 / torch.clamp(amax.double(), min=_EPS)).float()
+        if any(self._pow2):
+            pow2 = self._const(device, ("pow2",), [1.0 if p else 0.0 for p in self._pow2])
+            scale = torch.where(pow2 > 0, torch.exp2(torch.floor(torch.log2(scale))), scale)
+        order = self._const(device, ("order", *self._orders), self._orders)
+        none = self._const(device, ("nans", len(self._slots)), [math.nan] * len(self._slots))
+        return torch.stack([order, amax, scale, none, none], 1)
+
+    def _const(self, device: torch.device, key: tuple[Any, ...], values: Sequence[float],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``values`` as a tensor on ``device``, made once per key (a pinned copy, not waited for); a model's casts
+        run in the same order every step, so the keys repeat. Kept: at most 64."""
+        full = (device, dtype, *key)
+        t = self._consts.get(full)
+        if t is None:
+            if len(self._consts) >= 64:
+                self._consts.clear()
+            host = torch.tensor(list(values), dtype=dtype)
+            if device.type == "cuda":
+                host = host.pin_memory()
+            t = self._consts[full] = host.to(device, non_blocking=True)
+        return t
 
     def nonfinite(self, collected: torch.Tensor) -> torch.Tensor:
         """0-dim float32 on device: 1.0 where a cast that ran has a non-finite amax or a non-finite or zero scale."""

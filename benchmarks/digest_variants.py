@@ -1,11 +1,14 @@
 """Variants of the replica digest (``ampguard.fingerprint.params_digest``), timed alone on one model's
 parameters: which one reads the bits fastest (issue 27: the digest at N=100 must cost at most 0.1 % of a step).
 
-- ``main``: the code on main (chunks of ``_CHUNK`` elements, row and column sums of each chunk in int64);
-- ``chunk16M`` / ``chunk64M``: the same with larger chunks (fewer kernels, more temporary memory);
-- ``rows``: one read per chunk: row sums only, weighted by the row (a swap within a row of 4096 is not seen;
-  a flipped bit and a swap across rows are);
+- ``before``: the digest before its plan (chunks of ``_CHUNK`` elements, each reduced and weighted on its own:
+  about 14 kernels a chunk, launch-bound on a GPU);
+- ``main``: the code on main (a plan made once per parameter list; per chunk its concatenation and two
+  reductions; the weights applied once to all row and column sums). Bitwise the same digest;
 - ``tensors``: no concatenation: each tensor summed on its own (the per-parameter fingerprints, folded).
+
+Run ``a`` (2026-12-04) timed the first version's larger chunks and a row-sums-only variant instead; see
+benchmarks/RESULTS.md.
 
     python benchmarks/digest_variants.py --device cuda --model gpt2 --reps 30 --out digest.json
 """
@@ -28,35 +31,46 @@ import overhead
 from ampguard import fingerprint as F
 
 
-def _rows_sums(x: torch.Tensor) -> torch.Tensor:
-    n = x.numel()
-    cols = min(n, 4096)
-    rows = n // cols
-    main = x[: rows * cols].view(rows, cols)
-    row_sums = main.sum(1, dtype=torch.int64)
-    plain = row_sums.sum()
-    weighted = (row_sums * F._weights(x.device, rows, 1, 1)).sum()
-    if rows * cols < n:
-        tail = x[rows * cols :].to(torch.int64)
-        plain, weighted = plain + tail.sum(), weighted + tail.sum() * (rows + 1)
+def _before(tensors) -> torch.Tensor:
+    """``params_digest`` as it was before its plan (commit c158234): per chunk, a concatenation, ``_sums`` (row and
+    column sums, weighted there) and the offset folded in, about 14 kernels a chunk."""
+    device = tensors[0].device
+    by_width: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        x = F._ints(t).reshape(-1).to(device)
+        by_width.setdefault(x.dtype, []).append(x)
+    plain = torch.zeros((), dtype=torch.int64, device=device)
+    weighted = torch.zeros((), dtype=torch.int64, device=device)
+    offset = 0
+    for dtype in sorted(by_width, key=str):
+        pending: list[torch.Tensor] = []
+        size = 0
+        chunks: list[torch.Tensor] = []
+        for x in by_width[dtype]:
+            if x.numel() >= F._CHUNK:
+                if pending:
+                    chunks.append(torch.cat(pending))
+                    pending, size = [], 0
+                chunks.append(x)
+                continue
+            pending.append(x)
+            size += x.numel()
+            if size >= F._CHUNK:
+                chunks.append(torch.cat(pending))
+                pending, size = [], 0
+        if pending:
+            chunks.append(torch.cat(pending))
+        for chunk in chunks:
+            s = F._sums(chunk)
+            plain = plain + s[0]
+            weighted = weighted + s[1] + offset * s[0]
+            offset += chunk.numel()
     return torch.stack([plain, weighted])
 
 
-def _digest(tensors, chunk: int, sums) -> torch.Tensor:
-    old, old_sums = F._CHUNK, F._sums
-    F._CHUNK, F._sums = chunk, sums
-    try:
-        return F.params_digest(tensors)
-    finally:
-        F._CHUNK, F._sums = old, old_sums
-
-
 VARIANTS = {
+    "before": _before,
     "main": lambda ts: F.params_digest(ts),
-    "chunk16M": lambda ts: _digest(ts, 1 << 24, F._sums),
-    "chunk64M": lambda ts: _digest(ts, 1 << 26, F._sums),
-    "rows": lambda ts: _digest(ts, 1 << 22, _rows_sums),
-    "rows64M": lambda ts: _digest(ts, 1 << 26, _rows_sums),
     "tensors": lambda ts: F.param_fingerprints(ts).sum(0),
 }
 
@@ -73,8 +87,9 @@ def main() -> None:
     params = [q.detach() for q in model.parameters()]
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times: dict[str, list[float]] = {k: [] for k in VARIANTS}
-    for fn in VARIANTS.values():  # warm-up
+    for fn in VARIANTS.values():  # warm-up (and main's plan)
         fn(params)
+    assert torch.equal(VARIANTS["before"](params), VARIANTS["main"](params))
     for r in range(args.reps):
         for name in list(VARIANTS)[r % len(VARIANTS):] + list(VARIANTS)[: r % len(VARIANTS)]:
             sync()

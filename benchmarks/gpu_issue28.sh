@@ -17,11 +17,16 @@ if [ "${DIGEST:-1}" = 1 ]; then
   timeout 90 python benchmarks/digest_variants.py --device cuda --model gpt2 --reps 30 --out "$OUT/digest_$TAG.json" 2>&1 \
     | grep -v Warning | tee "$OUT/digest_$TAG.txt"
 fi
-for run in ${FP8_RUNS:-1 2}; do
+if [ "${INTEGRITY:-0}" = 1 ]; then
+  timeout 170 python benchmarks/integrity_cost.py --device cuda --model gpt2 --blocks 12 --block 8 --reps 20 \
+    --out "$OUT/integrity_$TAG.json" 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/integrity_$TAG.txt"
+fi
+for run in ${FP8_RUNS-1 2}; do
   timeout 120 python benchmarks/fp8_cost.py --device cuda --blocks 30 --steps 5 --out "$OUT/fp8_cost_${TAG}_$run.json" 2>&1 \
     | grep -v -i warn | tail -6 | tee "$OUT/fp8_cost_${TAG}_$run.txt"
 done
-if [ "${COMPILE:-1}" = 1 ]; then
+for run in ${COMPILE_RUNS-1}; do
   timeout 200 python benchmarks/fp8_cost.py --device cuda --blocks 20 --steps 5 --compile \
-    --out "$OUT/fp8_cost_${TAG}_compiled.json" 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/fp8_cost_${TAG}_compiled.txt"
-fi
+    --out "$OUT/fp8_cost_${TAG}_compiled_$run.json" 2>&1 | grep -v -i "warn\|Configuration class\|loss_type" | tail -12 \
+    | tee "$OUT/fp8_cost_${TAG}_compiled_$run.txt"
+done

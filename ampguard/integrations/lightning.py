@@ -13,11 +13,15 @@ The plugin is Lightning's own :class:`~lightning.pytorch.plugins.precision.Mixed
   state is ``guard.state_dict()`` (inner optimizer, scaler, guard counters).
 - A step runs Lightning's fp16 order with the guard in GradScaler's place, in both precisions:
   ``scaler.scale(loss)`` in ``pre_backward`` (fp16), the closure, ``guard.unscale_()`` (unscale
-  in fp16, and measure), the hooks and clipping, ``guard.step()`` (which also sets the next loss
+  in fp16, and measure) where an ``on_before_optimizer_step`` hook (the module's or a callback's)
+  may read the gradients, the hooks and clipping, ``guard.step()`` (which also sets the next loss
   scale: Lightning's ``scaler.step``/``scaler.update`` are not called).
-- Clipping (``Trainer(gradient_clip_val=...)``, norm or value, or ``self.clip_gradients`` in
-  manual optimization) is Lightning's own, on gradients the guard has already unscaled and
-  measured: reports show the norm before clipping.
+- Clipping by norm (``Trainer(gradient_clip_val=...)``, or ``self.clip_gradients`` in manual
+  optimization) is the guard's :meth:`~ampguard.GuardedOptimizer.clip_grad_norm_`: with a fused
+  optimizer and a GradScaler, and no hook that reads the gradients first, it is folded into the
+  fused step (no unscale pass, no clip pass: issue 26); otherwise it unscales and clips as torch
+  does. Clipping by value is Lightning's own, on gradients the guard unscaled first. Either way the
+  reports show the norm before clipping.
 - LR schedulers with ``interval="step"`` are wrapped in :class:`HeldScheduler`: a scheduler step
   that follows a skipped optimizer step is held, so the schedule counts the steps taken (with no
   host sync in automatic optimization: the guard steps the scheduler itself).
@@ -288,8 +292,8 @@ class AmpGuardPrecision(MixedPrecision):
                                   "guard: step the optimizer configure_optimizers returned (self.optimizers()).")
         result = closure()
         backward_ran = not (result is None and model.automatic_optimization)
-        if backward_ran:
-            guard.unscale_()  # measure before the hooks and clipping change the gradients
+        if backward_ran and _hooks_read_grads(model):
+            guard.unscale_()  # unscaled for the hooks, and measured before they or the clip change the gradients
         self._after_closure(model, guard)
         if backward_ran:
             guard.step(**kwargs)
@@ -308,9 +312,13 @@ class AmpGuardPrecision(MixedPrecision):
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: int | float = 0.0,
                        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
-        """Lightning's clipping, on gradients the guard unscaled and measured first (also in
-        manual optimization, where Lightning's own fp16 path would clip scaled gradients)."""
+        """By norm: the guard's ``clip_grad_norm_`` (folded into a fused step where it can be; see the module
+        docstring). By value: Lightning's, on gradients the guard unscaled and measured first (also in manual
+        optimization, where Lightning's own fp16 path would clip scaled gradients)."""
         if clip_val > 0 and self.guard is not None:
+            if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
+                self.guard.clip_grad_norm_(clip_val)
+                return
             self.guard.unscale_()
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
@@ -319,3 +327,16 @@ class AmpGuardPrecision(MixedPrecision):
         if self.guard is not None:
             self.guard.close()
         super().teardown()
+
+
+def _hooks_read_grads(model: Any) -> bool:
+    """Whether an ``on_before_optimizer_step`` hook may read the gradients before the step: the module's own, or a
+    callback's (Lightning documents the gradients as unscaled there). Without one, the guard measures them in
+    ``step()`` itself, still scaled on the fused fast path (and folds a clip by norm)."""
+    import lightning.pytorch as pl
+
+    if type(model).on_before_optimizer_step is not pl.LightningModule.on_before_optimizer_step:
+        return True
+    trainer = getattr(model, "_trainer", None)
+    callbacks = getattr(trainer, "callbacks", ()) if trainer is not None else ()
+    return any(type(cb).on_before_optimizer_step is not pl.Callback.on_before_optimizer_step for cb in callbacks)

@@ -356,6 +356,55 @@ def test_fused_optimizer_can_be_clipped() -> None:
     assert max(r.grad_norm for r in plugin.guard.history if not r.skipped) > 0.5  # type: ignore[union-attr]
 
 
+class _ReadsGrads(L.Callback):
+    """A callback that looks at the gradients before the step, as Lightning documents them (unscaled)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in pl_module.parameters()]))))
+
+
+def test_norm_clipping_of_a_fused_optimizer_is_folded_into_its_step(monkeypatch) -> None:
+    """Issue 26: ``gradient_clip_val`` by norm with a fused optimizer and fp16 goes through the guard's
+    ``clip_grad_norm_``, folded into the fused step (no unscale pass, no torch clip), where no
+    ``on_before_optimizer_step`` hook reads the gradients; with such a hook the gradients are unscaled for it
+    first and torch clips them. Both train to the same weights, up to the fold's rounding."""
+    class Fused(Net):
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+    calls: list[int] = []
+    real = torch.nn.utils.clip_grad_norm_
+
+    def counted(*args: Any, **kw: Any) -> torch.Tensor:
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", counted)
+    runs = {}
+    for name, callbacks in (("folded", []), ("hooked", [_ReadsGrads()])):
+        calls.clear()
+        plugin = fp16_plugins()[0]
+        module = Fused()
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, plugins=[plugin], enable_progress_bar=False,
+                            logger=False, enable_model_summary=False, enable_checkpointing=False,
+                            num_sanity_val_steps=0, gradient_clip_val=0.05, callbacks=callbacks)
+        trainer.fit(module, train_dataloaders=loader(6))
+        guard = plugin.guard
+        assert guard is not None and guard.step_count == 6
+        runs[name] = ([p.detach().clone() for p in module.parameters()], [r.clip_coef for r in guard.history],
+                      [r.grad_norm for r in guard.history], len(calls), callbacks)
+    folded, f_coefs, f_norms, f_calls, _ = runs["folded"]
+    hooked, h_coefs, h_norms, h_calls, (reader,) = runs["hooked"]
+    assert f_calls == 0 and h_calls == 6  # folded: torch's clip never ran
+    assert all(c < 1.0 for c in f_coefs) and f_coefs == pytest.approx(h_coefs, rel=1e-5)
+    assert f_norms == pytest.approx(h_norms, rel=1e-5) == reader.norms  # the hook saw unscaled gradients
+    for a, b in zip(folded, hooked):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 # ---------------------------------------------------------------------- checkpoints
 def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path: Path) -> None:
     """fp16 + step scheduler, NaNs at steps 1 and 4, two epochs of 3 steps, a checkpoint each

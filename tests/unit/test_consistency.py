@@ -93,3 +93,28 @@ def test_the_same_nan_bits_agree_and_other_nan_bits_do_not() -> None:
 def test_fingerprint_sees_swapped_parameters() -> None:
     a, b = torch.randn(4), torch.randn(4)
     assert not torch.equal(params_digest([a, b]), params_digest([b, a]))
+
+
+def test_the_digest_plan_is_reused_sees_every_change_and_goes_with_its_model():
+    import gc
+    import weakref
+
+    from ampguard import fingerprint
+
+    model = torch.nn.Sequential(torch.nn.Linear(70, 90), torch.nn.Linear(90, 3)).to(torch.bfloat16)
+    params = list(model.parameters())
+    first = params_digest(params)
+    plan = fingerprint._PLANS[id(params[0])]
+    with torch.no_grad():  # an optimizer's in-place update: the same storage, the plan reused, the change seen
+        params[1].view(torch.int16)[5] ^= 1
+    second = params_digest(params)
+    assert fingerprint._PLANS[id(params[0])] is plan and not torch.equal(first, second)
+    # a bitwise fold of the per-parameter sums (laid end to end) gives the same plain sum
+    assert second[0] == param_fingerprints(params)[:, 0].sum()
+    model[0].bias = torch.nn.Parameter(params[1].detach().clone())  # replaced storage: a new plan, same digest
+    assert torch.equal(params_digest(list(model.parameters())), second)
+    alive = weakref.ref(params[0])
+    key = id(params[0])
+    del model, params, plan
+    gc.collect()
+    assert alive() is None and key not in fingerprint._PLANS  # the plan did not keep the model alive

@@ -115,3 +115,30 @@ def test_a_model_without_float8_layers_or_a_bad_sampling_period_is_refused():
         Fp8Monitor(torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match="numerics_every"):
         Fp8Monitor(_model(), numerics_every=0)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_an_unsampled_step_measures_the_same_amax_and_scale_with_one_reduction_a_cast(recipe, autocast):
+    """Unsampled steps take each cast's amax in one reduction (the autocast rounding and torchao's scale applied to
+    all casts at once in collect()); sampled steps run the whole cast_stats. Same batch, same weights: the same
+    amax and scale, bitwise, also with a NaN and an Inf in the batch."""
+    model = _model(recipe)
+    monitor = Fp8Monitor(model, numerics_every=2)
+    x = torch.randn(8, 16) * 3
+    x[1, 2], x[5, 7] = 1e-3, 7.25e4
+    for bad in (None, math.nan, math.inf):
+        if bad is not None:
+            x[4, 4] = bad
+        rows = []
+        for step in (0, 1):  # sampled, then not
+            monitor.begin_step(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = model(x)
+            out.float().square().mean().backward()
+            model.zero_grad()
+            rows.append(monitor.collect())
+        sampled, unsampled = rows
+        assert torch.allclose(sampled[:, :3], unsampled[:, :3], rtol=0, atol=0, equal_nan=True)  # bitwise
+        assert monitor.nonfinite(sampled).item() == monitor.nonfinite(unsampled).item() == (bad is not None)
+        assert unsampled[:, 3:].isnan().all() and not sampled[:, 3].isnan().any()
