@@ -22,7 +22,6 @@ import math
 import statistics
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -252,26 +251,23 @@ def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], An
                scaler=scaler, config=GuardConfig(min_scale=2.0**-14, forensics=False, history_size=max(steps, 1)))
     watch.begin(precision)
     times = []
-    with warnings.catch_warnings():
-        # the fp8 monitor's full-backward hooks on a layer whose inputs need no grad (the trial's own hooks)
-        warnings.filterwarnings("ignore", "Full backward hook is firing", UserWarning)
-        for i in range(steps):
-            watch.step_starts(precision)
-            started = time.perf_counter()
-            batch = batch_fn(i)
-            if casts is not None:
-                casts.begin(i)
-            with opt.autocast():
-                loss = loss_fn(model, batch)
-            opt.backward(loss)
-            if casts is not None:
-                casts.after_backward(i)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize(device)  # a trial: the step's real time, not its launch
-            times.append(time.perf_counter() - started)
-            watch.step(precision, times[-1])
+    for i in range(steps):
+        watch.step_starts(precision)
+        started = time.perf_counter()
+        batch = batch_fn(i)
+        if casts is not None:
+            casts.begin(i)
+        with opt.autocast():
+            loss = loss_fn(model, batch)
+        opt.backward(loss)
+        if casts is not None:
+            casts.after_backward(i)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)  # a trial: the step's real time, not its launch
+        times.append(time.perf_counter() - started)
+        watch.step(precision, times[-1])
     opt.flush()
     peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
     reports = list(opt.history)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ._versions import require
-from .records import FP8_ROLES
+from .records import FP8_ROLES, Fp8Cast
 
 __all__ = ["FP8_UNDERFLOW_LIMIT", "Fp8Advice", "Fp8CastStats", "Fp8Trial", "advise", "setup"]
 
@@ -183,7 +183,7 @@ class Fp8Trial:
         self.monitor = Fp8Monitor(self.model, numerics_every=1)  # every step sampled: the trial is short
         self.converted = tuple(name for name, _ in layers)
         self.dtypes = {(name, role): _dtype(module, role) for name, module in layers for role in FP8_ROLES}
-        self._rows: list[tuple[int, list[list[float]]]] = []
+        self._steps: list[tuple[int, tuple[Fp8Cast, ...]]] = []
         self.casts: tuple[Fp8CastStats, ...] = ()
         """The worst of each cast over the trial, once :meth:`close` has run."""
 
@@ -193,32 +193,34 @@ class Fp8Trial:
 
     def after_backward(self, step: int) -> None:
         """After the step's backward: keep its casts (a host copy: the trial synchronises freely)."""
-        self._rows.append((step, self.monitor.collect().tolist()))
+        self._steps.append((step, self.monitor.decode(self.monitor.collect().tolist())))
 
     def close(self) -> tuple[Fp8CastStats, ...]:
         """Remove the hooks; the worst of each cast over the trial (kept in :attr:`casts`)."""
         self.monitor.close()
         out = []
-        for index, (module, role) in enumerate(self.monitor.names):
-            ran = [(step, rows[index]) for step, rows in self._rows if rows[index][0] == 1]
+        for module, role in self.monitor.names:
+            ran = [(step, c) for step, casts in self._steps for c in casts if (c.module, c.role) == (module, role)]
             dtype = self.dtypes[(module, role)]
-            amaxes = [r[1] for _, r in ran]
-            scales = [r[2] for _, r in ran]
-            bad = [(step, r) for step, r in ran if not (math.isfinite(r[1]) and math.isfinite(r[2]) and r[2] > 0)]
+            bad = [(step, c) for step, c in ran if not c.finite]
             # a non-finite cast's own "underflow" (a zero scale zeroes every finite element) is its non-finiteness,
             # counted once, in nonfinite_steps
-            finite = [r for step, r in ran if step not in {s for s, _ in bad}]
-            underflows = [r[3] for r in finite if not math.isnan(r[3])]
-            ranges = [r[4] for r in finite if math.isfinite(r[4])]
+            underflows = [c.underflow for _, c in ran if c.finite and c.underflow is not None]
+            ranges = [c.dynamic_range for _, c in ran
+                      if c.finite and c.dynamic_range is not None and math.isfinite(c.dynamic_range)]
             out.append(Fp8CastStats(
                 module=module, role=role, dtype=str(dtype).removeprefix("torch."), steps=len(ran),
-                amax=_worst(amaxes, max), scale=_worst(scales, min),
+                amax=_worst([c.amax for _, c in ran], max), scale=_worst([c.scale for _, c in ran], min),
                 underflow=max(underflows) if underflows else None,
                 dynamic_range=max(ranges) if ranges else None,
                 format_range=format_range(dtype), nonfinite_steps=len(bad),
-                first_nonfinite=f"step {bad[0][0]}: amax {bad[0][1][1]:g} → scale {bad[0][1][2]:g}" if bad else None))
+                first_nonfinite=_first(bad)))
         self.casts = tuple(out)
         return self.casts
+
+
+def _first(bad: Sequence[tuple[int, Fp8Cast]]) -> str | None:
+    return f"step {bad[0][0]}: amax {bad[0][1].amax:g} → scale {bad[0][1].scale:g}" if bad else None
 
 
 def _worst(values: Sequence[float], pick: Callable[[Sequence[float]], float]) -> float:
