@@ -251,23 +251,34 @@ def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], An
                scaler=scaler, config=GuardConfig(min_scale=2.0**-14, forensics=False, history_size=max(steps, 1)))
     watch.begin(precision)
     times = []
-    for i in range(steps):
-        watch.step_starts(precision)
-        started = time.perf_counter()
-        batch = batch_fn(i)
-        if casts is not None:
-            casts.begin(i)
-        with opt.autocast():
-            loss = loss_fn(model, batch)
-        opt.backward(loss)
-        if casts is not None:
-            casts.after_backward(i)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(device)  # a trial: the step's real time, not its launch
-        times.append(time.perf_counter() - started)
-        watch.step(precision, times[-1])
+    try:
+        for i in range(steps):
+            watch.step_starts(precision)
+            started = time.perf_counter()
+            batch = batch_fn(i)
+            if casts is not None:
+                casts.begin(i)
+            with opt.autocast():
+                loss = loss_fn(model, batch)
+            opt.backward(loss)
+            if casts is not None:
+                casts.after_backward(i)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize(device)  # a trial: the step's real time, not its launch
+            times.append(time.perf_counter() - started)
+            watch.step(precision, times[-1])
+    except RuntimeError as exc:
+        if casts is None or "divisible by 16" not in str(exc):
+            raise
+        opt.close()
+        casts.close()
+        return failed(f"torchao's fp8 matmul (torch._scaled_mm) refused a shape: {exc}. It needs the dimensions "
+                      "it multiplies to be multiples of 16: leave out the layers whose in_features or "
+                      "out_features are not (fp8_filter=lambda m, fqn: m.in_features % 16 == 0 and "
+                      "m.out_features % 16 == 0); where it is the batch's token count (the weight gradient's "
+                      "inner dimension), fp8_config=Float8LinearConfig(pad_inner_dim=True) pads it")
     opt.flush()
     peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
     reports = list(opt.history)
