@@ -153,3 +153,27 @@ def test_a_nonfinite_cast_keeps_its_layer_in_bf16_unless_the_bf16_trial_went_non
     assert both.trials[0].overflow_steps == 1 and both.fp8 is not None
     assert both.fp8.keep_bf16 == {} and list(both.fp8.nonfinite_in_bf16_too) == ["0", "2"]
     assert "not fp8's doing" in str(both)
+
+
+def test_the_command_takes_fp8_and_its_json_holds_the_advice(tmp_path, capsys):
+    import json
+    import textwrap
+
+    from ampguard import cli
+
+    (tmp_path / "train.py").write_text(textwrap.dedent("""
+        import torch
+        def make_preflight():
+            def model_fn():
+                torch.manual_seed(0)
+                return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+            return {"model_fn": model_fn, "batch_fn": lambda i: (torch.randn(8, 16), torch.randn(8, 16)),
+                    "optimizer_fn": lambda p: torch.optim.SGD(p, lr=0.01)}
+    """))
+    rc = cli.main(["preflight", "--script", f"{tmp_path / 'train.py'}:make_preflight", "--steps", "5",
+                   "--precision", "bf16,fp8", "--device", "cpu", "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    rec = json.loads(out.out)
+    assert rec["precision"] == "fp8" and rec["fp8"]["converted"] == ["0", "2"] and rec["fp8"]["keep_bf16"] == {}
+    assert len(rec["fp8"]["casts"]) == 6 and all(c["steps"] == 5 for c in rec["fp8"]["casts"])
