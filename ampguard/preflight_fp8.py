@@ -96,7 +96,8 @@ class Fp8Advice:
     loss_vs_bf16: float | None = None
     """The fp8 trial's last loss minus the bf16 trial's (None unless both ran)."""
     time_vs_bf16: float | None = None
-    """The fp8 trial's median step time over the bf16 trial's (below 1: faster; None unless both ran)."""
+    """The fp8 trial's median step time over the bf16 trial's (below 1: faster; None unless both ran). Not a forecast
+    of fp8's speed: the trial runs torchao eagerly (no ``torch.compile``) and measures every cast on every step."""
 
     def module_filter_fn(self, module: torch.nn.Module, fqn: str) -> bool:
         """``convert_to_float8_training``'s filter: True for a layer the trial converted and found fit for fp8."""
@@ -118,8 +119,9 @@ class Fp8Advice:
         if self.loss_vs_bf16 is not None or self.time_vs_bf16 is not None:
             loss = f"loss {self.loss_vs_bf16:+.4g} vs bf16" if self.loss_vs_bf16 is not None else ""
             time = f"step time {self.time_vs_bf16:.2f}x bf16's" if self.time_vs_bf16 is not None else ""
-            out.append("        " + ", ".join(p for p in (loss, time) if p)
-                       + (" (emulated: not fp8's speed)" if self.emulated and time else ""))
+            note = ("emulated: not fp8's speed" if self.emulated else
+                    "eager torchao, every cast measured each step: not compiled fp8's speed")
+            out.append("        " + ", ".join(p for p in (loss, time) if p) + (f" ({note})" if time else ""))
         if self.emulated:
             out.append(f"        emulated: {self.emulated}")
         out.append(f"        saturation {SATURATION}")
