@@ -170,7 +170,9 @@ def _preflight(_: argparse.Namespace, argv: list[str]) -> int:
     )
     p.add_argument("--script", required=True, help="FILE.py:FUNCTION")
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--precision", default="fp16,bf16", help="comma-separated candidates (default: fp16,bf16)")
+    p.add_argument("--precision", default="fp16,bf16",
+                   help="comma-separated candidates of fp16, bf16, fp32 and fp8 (torchao float8 under bf16 "
+                   "autocast, emulated where the device has no fp8 matmul) (default: fp16,bf16)")
     p.add_argument("--device", default=None)
     p.add_argument("--json", action="store_true", help="print the recommendation as JSON")
     p.add_argument("--warn-after", type=float, default=WARN_AFTER_S, metavar="S",

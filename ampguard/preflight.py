@@ -7,6 +7,11 @@ trial, divided by ``2**margin``), a growth interval, and a :class:`~ampguard.Gua
 straight to :func:`~ampguard.wrap`. It measures (never estimates) the overflow rate, the
 gradient-norm range and, on CUDA, the peak memory against an fp32 trial. Your own model and
 optimizer are never touched: everything is built fresh by the factories.
+
+The candidate ``"fp8"`` is torchao float8 training (:mod:`ampguard.preflight_fp8`): the fresh model
+converted with ``convert_to_float8_training`` and trained under bf16 autocast, every cast measured
+per layer and role; the recommendation's :class:`~ampguard.preflight_fp8.Fp8Advice` says which
+layers should stay in bf16 and why.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -24,8 +30,12 @@ import torch
 from .config import GuardConfig
 from .errors import AmpGuardError
 from .hardware import UnsupportedPrecisionError, check_precision
+from .preflight_fp8 import Filter, Fp8Advice, Fp8CastStats, Fp8Trial, Setup, advise, setup
 
-__all__ = ["Recommendation", "Trial", "preflight"]
+__all__ = ["PRECISIONS", "Fp8Advice", "Fp8CastStats", "Recommendation", "Trial", "preflight"]
+
+PRECISIONS = ("fp16", "bf16", "fp32", "fp8")
+"""The candidates ``preflight(precision=)`` takes; "fp8" is torchao float8 training under bf16 autocast."""
 
 _PROBE_SCALE = 2.0**24  # start high: the backoffs in the first steps find the usable scale
 WARN_AFTER_S = 120.0
@@ -140,11 +150,16 @@ class Trial:
     error: str | None = None
     """Why the trial could not run (e.g. the device cannot run this precision)."""
     first_anomaly: str | None = None
+    step_time_s: float | None = None
+    """The median step time after the first step (which pays warm-up), in seconds."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Recommendation:
-    """The preflight's advice. ``opt = ampguard.wrap(optimizer, model=model, **rec.wrap_kwargs())``."""
+    """The preflight's advice. ``opt = ampguard.wrap(optimizer, model=model, **rec.wrap_kwargs())``.
+
+    ``precision`` "fp8": convert the model first with ``convert_to_float8_training(model, config=...,
+    module_filter_fn=rec.fp8.module_filter_fn)``; the guard then runs at "bf16" (:meth:`wrap_kwargs` says so)."""
 
     precision: str
     init_scale: float | None
@@ -153,6 +168,8 @@ class Recommendation:
     trials: tuple[Trial, ...]
     fp32_peak_memory_bytes: int | None
     reason: str
+    fp8: Fp8Advice | None = None
+    """What the fp8 trial measured per layer and role, and which layers should stay in bf16 (None without one)."""
 
     def scaler_kwargs(self) -> dict[str, Any]:
         """Arguments for ``torch.amp.GradScaler(device, **kwargs)`` ({} without loss scaling)."""
@@ -161,8 +178,10 @@ class Recommendation:
         return {"init_scale": self.init_scale, "growth_interval": self.growth_interval}
 
     def wrap_kwargs(self, device: str | torch.device = "cuda") -> dict[str, Any]:
-        """``precision``, ``config`` and (fp16) a ``scaler`` built from :meth:`scaler_kwargs`."""
-        kw: dict[str, Any] = {"precision": self.precision, "config": self.config}
+        """``precision``, ``config`` and (fp16) a ``scaler`` built from :meth:`scaler_kwargs`. For "fp8" the
+        precision is "bf16": torchao float8 trains under bf16 autocast."""
+        kw: dict[str, Any] = {"precision": "bf16" if self.precision == "fp8" else self.precision,
+                              "config": self.config}
         if self.precision == "fp16":
             kw["scaler"] = torch.amp.GradScaler(torch.device(device).type, **self.scaler_kwargs())
         return kw
@@ -187,20 +206,28 @@ class Recommendation:
                 f"  {t.precision:>4}: {t.steps} steps, {t.skipped} skipped ({t.settle_steps} settling the scale), "
                 f"overflow rate {t.overflow_rate:.3f}{scale}, grad norm {t.grad_norm_min:.3g}..{t.grad_norm_max:.3g}, "
                 f"loss {t.loss_first:.4g} -> {t.loss_last:.4g}{mem}"
+                + (f", {t.step_time_s * 1e3:.3g} ms/step" if t.step_time_s is not None else "")
                 + (f"; first anomaly: {t.first_anomaly}" if t.first_anomaly else "")
             )
+        if self.fp8 is not None:
+            lines += self.fp8.lines()
         return "\n".join(lines)
 
 
 def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], Any],
            optimizer_fn: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer], loss_fn: Callable[..., Any],
-           precision: str, steps: int, device: torch.device, growth_interval: int, watch: _Watch) -> Trial:
+           precision: str, steps: int, device: torch.device, growth_interval: int, watch: _Watch,
+           fp8: Setup | None = None) -> tuple[Trial, Fp8Trial | None]:
+    """One precision's trial; for "fp8" (``fp8`` set) also its measured casts."""
     from .factory import wrap
 
+    def failed(why: str) -> tuple[Trial, None]:
+        return Trial(precision, 0, 0, 0, 0, math.nan, None, math.nan, math.nan, math.nan, math.nan, None, why), None
+
     try:
-        check_precision(precision, device)
+        check_precision("bf16" if precision == "fp8" else precision, device)
     except UnsupportedPrecisionError as exc:
-        return Trial(precision, 0, 0, 0, 0, math.nan, None, math.nan, math.nan, math.nan, math.nan, None, str(exc))
+        return failed(str(exc))
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
@@ -209,29 +236,55 @@ def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], An
         # cannot be restored). Preflight is a trial run of its own; the guard never resets it.
         torch.cuda.reset_peak_memory_stats(device)
     model = model_fn().to(device)
+    casts = None
+    if fp8 is not None:
+        try:
+            casts = Fp8Trial(model, fp8)
+        except ValueError as exc:
+            return failed(str(exc))
+        model = casts.model
     inner = optimizer_fn(model.parameters())
     scaler = None
     if precision == "fp16":
         scaler = torch.amp.GradScaler(device.type, init_scale=_PROBE_SCALE, growth_interval=growth_interval)
-    opt = wrap(inner, model=model, precision=precision, scaler=scaler,  # type: ignore[arg-type]
-               config=GuardConfig(min_scale=2.0**-14, forensics=False, history_size=max(steps, 1)))
+    opt = wrap(inner, model=model, precision="bf16" if precision == "fp8" else precision,  # type: ignore[arg-type]
+               scaler=scaler, config=GuardConfig(min_scale=2.0**-14, forensics=False, history_size=max(steps, 1)))
     watch.begin(precision)
-    for i in range(steps):
-        watch.step_starts(precision)
-        started = time.perf_counter()
-        batch = batch_fn(i)
-        with opt.autocast():
-            loss = loss_fn(model, batch)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize(device)  # a trial: the step's real time, not its launch
-        watch.step(precision, time.perf_counter() - started)
+    times = []
+    try:
+        for i in range(steps):
+            watch.step_starts(precision)
+            started = time.perf_counter()
+            batch = batch_fn(i)
+            if casts is not None:
+                casts.begin(i)
+            with opt.autocast():
+                loss = loss_fn(model, batch)
+            opt.backward(loss)
+            if casts is not None:
+                casts.after_backward(i)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize(device)  # a trial: the step's real time, not its launch
+            times.append(time.perf_counter() - started)
+            watch.step(precision, times[-1])
+    except RuntimeError as exc:
+        if casts is None or "divisible by 16" not in str(exc):
+            raise
+        opt.close()
+        casts.close()
+        return failed(f"torchao's fp8 matmul (torch._scaled_mm) refused a shape: {exc}. It needs the dimensions "
+                      "it multiplies to be multiples of 16: leave out the layers whose in_features or "
+                      "out_features are not (fp8_filter=lambda m, fqn: m.in_features % 16 == 0 and "
+                      "m.out_features % 16 == 0); where it is the batch's token count (the weight gradient's "
+                      "inner dimension), fp8_config=Float8LinearConfig(pad_inner_dim=True) pads it")
     opt.flush()
     peak = int(torch.cuda.max_memory_allocated(device)) if cuda else None
     reports = list(opt.history)
     opt.close()
+    if casts is not None:
+        casts.close()
     settle = 0
     if precision == "fp16":
         for r in reports:
@@ -244,7 +297,7 @@ def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], An
     norms = [r.grad_norm for r in clean if math.isfinite(r.grad_norm)]
     losses = [r.loss for r in clean if r.loss is not None and math.isfinite(r.loss)]
     anomalies = [a for a in opt.anomalies if a.step >= settle]
-    return Trial(
+    trial = Trial(
         precision=precision,
         steps=len(reports),
         skipped=sum(r.skipped for r in reports),
@@ -258,7 +311,9 @@ def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], An
         loss_last=losses[-1] if losses else math.nan,
         peak_memory_bytes=peak,
         first_anomaly=f"step {anomalies[0].step}: {anomalies[0].detail}" if anomalies else None,
+        step_time_s=statistics.median(times[1:]) if len(times) > 1 else None,
     )
+    return trial, casts
 
 
 def _largest_clean(reports: Sequence[Any]) -> float:
@@ -291,6 +346,8 @@ def preflight(
     growth_interval: int = 2000,
     warn_after_s: float | None = WARN_AFTER_S,
     progress: Progress | None = None,
+    fp8_config: Any = None,
+    fp8_filter: Filter | None = None,
 ) -> Recommendation:
     """Try each candidate precision on one device for ``steps`` steps and recommend one.
 
@@ -306,6 +363,12 @@ def preflight(
       preflight's steps); with the estimate and what to change. None: never.
     - ``progress(done, total, precision)``: called as each trial starts and after each of its steps
       (``ampguard preflight`` draws its progress bar from it).
+    - ``precision`` "fp8": torchao float8 training under bf16 autocast (``pip install 'ampguard[fp8]'``;
+      checked before any trial runs). ``fp8_config``: the ``torchao.float8.Float8LinearConfig`` to try
+      (default: torchao's default), emulated (``emulate=True``) where the device has no fp8 matmul (a CPU,
+      CUDA below compute capability 8.9), as ``rec.fp8.emulated`` says; ``fp8_filter``: the
+      ``module_filter_fn`` to convert with (default: every ``nn.Linear``). ``rec.fp8`` holds each cast's
+      worst amax, scale, underflow and dynamic range over the trial, and the layers to keep in bf16.
 
     Runs on one device (default: CUDA if available, else CPU); synchronises freely: it is a
     trial, not a training run. Also runs an fp32 trial on CUDA to measure the memory saved; on CUDA
@@ -314,31 +377,40 @@ def preflight(
     """
     if isinstance(precision, str):
         precision = (precision,)
-    bad = [p for p in precision if p not in ("fp16", "bf16", "fp32")]
+    bad = [p for p in precision if p not in PRECISIONS]
     if bad or not precision:
-        raise ValueError(f"preflight precision={tuple(precision)!r}; allowed: a sequence of 'fp16', 'bf16', 'fp32'")
+        raise ValueError(f"preflight precision={tuple(precision)!r}; allowed: a sequence of "
+                         + ", ".join(repr(p) for p in PRECISIONS))
     if not (isinstance(steps, int) and steps >= 5):
         raise ValueError(f"preflight steps={steps!r}; allowed: an int >= 5")
     if warn_after_s is not None and not (isinstance(warn_after_s, (int, float)) and warn_after_s > 0):
         raise ValueError(f"preflight warn_after_s={warn_after_s!r}; allowed: None or a number of seconds > 0")
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    fp8 = None
+    if "fp8" in precision:
+        fp8 = setup(fp8_config, fp8_filter, dev)  # a missing or untested torchao is refused before any trial
+    elif fp8_config is not None or fp8_filter is not None:
+        raise ValueError("preflight fp8_config= and fp8_filter= set up the fp8 trial: add 'fp8' to precision, "
+                         "or leave them out")
     loss_fn = loss_fn or _default_loss
     extra = min(steps, 5) if dev.type == "cuda" and "fp32" not in precision else 0
     watch = _Watch(steps * len(precision) + extra, len(precision), steps, dev, warn_after_s, progress)
     try:
-        trials = [_trial(model_fn, batch_fn, optimizer_fn, loss_fn, p, steps, dev, growth_interval, watch)
-                  for p in precision]
+        outcomes = [_trial(model_fn, batch_fn, optimizer_fn, loss_fn, p, steps, dev, growth_interval, watch,
+                           fp8 if p == "fp8" else None) for p in precision]
+        trials = [t for t, _ in outcomes]
+        fp8_trial = next((c for _, c in outcomes if c is not None), None)
         fp32_peak = None
         if dev.type == "cuda":
             fp32 = next((t for t in trials if t.precision == "fp32"), None) or _trial(
-                model_fn, batch_fn, optimizer_fn, loss_fn, "fp32", min(steps, 5), dev, growth_interval, watch)
+                model_fn, batch_fn, optimizer_fn, loss_fn, "fp32", min(steps, 5), dev, growth_interval, watch)[0]
             fp32_peak = fp32.peak_memory_bytes
     finally:
         watch.close()
 
     usable = [t for t in trials if t.error is None and t.steps and t.overflow_rate < 0.05
               and math.isfinite(t.loss_last)]
-    order = {"bf16": 0, "fp16": 1, "fp32": 2}  # bf16 needs no scaler; fp16 next; fp32 last
+    order = {"fp8": 0, "bf16": 1, "fp16": 2, "fp32": 3}  # fp8 when asked and clean; bf16 needs no scaler; fp32 last
     if not usable:
         ran = [t for t in trials if t.error is None]
         if not ran:
@@ -350,7 +422,7 @@ def preflight(
     else:
         choice = min(usable, key=lambda t: order[t.precision])
         reason = f"{choice.precision} trained {choice.steps} steps with {choice.overflow_rate:.1%} non-finite steps"
-        if choice.precision == "bf16":
+        if choice.precision in ("bf16", "fp8"):
             reason += " and needs no loss scaling"
     init_scale = interval = None
     if choice.precision == "fp16":
@@ -359,4 +431,25 @@ def preflight(
         interval = growth_interval
         reason += f"; init_scale {init_scale:g} = largest clean scale {largest:g} / 2**{margin}"
     config = GuardConfig(hysteresis=2 if choice.precision == "fp16" else 1)
-    return Recommendation(choice.precision, init_scale, interval, config, tuple(trials), fp32_peak, reason)
+    advice = None
+    if fp8 is not None and fp8_trial is not None:
+        advice = _fp8_advice(fp8, fp8_trial, trials)
+        if choice.precision == "fp8":
+            kept = ", ".join(advice.keep_bf16) if advice.keep_bf16 else "no layer"
+            reason += (f"; convert with rec.fp8.module_filter_fn ({kept} kept in bf16), the guard at "
+                       f"precision='bf16'")
+    return Recommendation(choice.precision, init_scale, interval, config, tuple(trials), fp32_peak, reason, advice)
+
+
+def _fp8_advice(fp8: Setup, casts: Fp8Trial, trials: Sequence[Trial]) -> Fp8Advice:
+    """The fp8 trial's advice, compared with the bf16 trial where both ran."""
+    f8 = next(t for t in trials if t.precision == "fp8")
+    bf16 = next((t for t in trials if t.precision == "bf16" and t.error is None), None)
+    loss = time_ratio = None
+    if bf16 is not None:
+        if math.isfinite(f8.loss_last) and math.isfinite(bf16.loss_last):
+            loss = f8.loss_last - bf16.loss_last
+        if f8.step_time_s and bf16.step_time_s:
+            time_ratio = f8.step_time_s / bf16.step_time_s
+    return advise(casts.casts, casts.converted, fp8, bf16_nonfinite=None if bf16 is None else bf16.overflow_steps > 0,
+                  loss_vs_bf16=loss, time_vs_bf16=time_ratio)

@@ -69,8 +69,8 @@ def test_preflight_prefers_bf16_when_it_runs_and_reports_both():
 
 
 def test_preflight_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="allowed: a sequence of 'fp16', 'bf16', 'fp32'"):
-        ampguard.preflight(model_fn, batch_fn, optimizer_fn, precision=("fp8",))
+    with pytest.raises(ValueError, match="allowed: a sequence of 'fp16', 'bf16', 'fp32', 'fp8'"):
+        ampguard.preflight(model_fn, batch_fn, optimizer_fn, precision=("fp4",))
     with pytest.raises(ValueError, match="steps=2"):
         ampguard.preflight(model_fn, batch_fn, optimizer_fn, steps=2)
 
