@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..errors import BackendError
 from .base import AttachedGuard, GatherHandle, LocalBackend
 
-__all__ = ["FlaggingCommHook", "TorchDistBackend", "compose_comm_hook"]
+__all__ = ["FlaggingCommHook", "Replicas", "TorchDistBackend", "compose_comm_hook"]
 
 
 # torch >= 2.10 names it all_gather_single (all_gather_into_tensor warns there); older: the latter.
@@ -135,6 +135,17 @@ def _is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+class Replicas(NamedTuple):
+    """What :meth:`TorchDistBackend.replicas` finds: where the replicas of one shard live (HSDP)."""
+
+    backend: TorchDistBackend
+    """The guard's collectives over the replicate dimension's process group."""
+    members: tuple[int, ...]
+    """The replicated parameters (indices into the guard's parameter list)."""
+    ranks: tuple[int, ...]
+    """The global rank of each rank of that group, by group rank."""
+
+
 class TorchDistBackend(LocalBackend):
     """The guard's collective over a torch.distributed process group (NCCL, Gloo, ...).
 
@@ -186,6 +197,8 @@ class TorchDistBackend(LocalBackend):
         self._flag: torch.Tensor | None = None
         self._comm_hook: FlaggingCommHook | None = None
         self._handles: list[Any] = []
+        self._replicas: dict[tuple[int, int], Replicas] = {}
+        """HSDP's replicate groups by (mesh, dimension): :meth:`replicas`, made once."""
 
     # ------------------------------------------------------------------ collectives
     def all_gather(self, vec: torch.Tensor) -> GatherHandle:
@@ -291,6 +304,35 @@ class TorchDistBackend(LocalBackend):
             self._comm_hook.reset()
         if self._flag is not None:
             self._flag.zero_()
+
+    def replicas(self, params: Sequence[torch.Tensor]) -> Replicas | None:
+        """HSDP (FSDP2 on a mesh with a ``Replicate`` dimension): the parameters that are replicated along a mesh
+        dimension (``params`` indices) and that dimension's process group, in which every rank holds the same
+        shard, so ``consistency_every`` compares their bits there (every rank is in one such group). None where
+        no parameter is a DTensor with a ``Replicate`` placement: plain DDP compares over this backend's own group,
+        and FSDP shards differ by design."""
+        found: tuple[int, int] | None = None
+        mesh: Any = None
+        index = []
+        for i, p in enumerate(params):
+            if not _is_dtensor(p):
+                continue
+            dims = [d for d, placement in enumerate(p.placements) if placement.is_replicate()]  # type: ignore[attr-defined]
+            if not dims:
+                continue
+            key = (id(p.device_mesh), dims[0])  # type: ignore[attr-defined]
+            if found is None:
+                found, mesh = key, p.device_mesh  # type: ignore[attr-defined]
+            if key == found:
+                index.append(i)
+        if found is None:
+            return None
+        replicas = self._replicas.get(found)
+        if replicas is None:
+            group = mesh.get_group(mesh_dim=found[1])
+            replicas = self._replicas[found] = Replicas(
+                TorchDistBackend(group, pre_reduction=False), (), tuple(dist.get_process_group_ranks(group)))
+        return Replicas(replicas.backend, tuple(index), replicas.ranks)
 
     def close(self) -> None:
         for h in self._handles:
