@@ -232,7 +232,8 @@ class Voice:
         advice = ADVICE.get(kind)
         self._say(kind, anomaly.step, LEVELS.get(kind, logging.WARNING),
                   lambda: f"{kind}{where}: {anomaly.detail}" + (f". What to do: {advice}" if advice else ""))
-        if anomaly.module is not None or anomaly.cause is not None:
+        if (anomaly.module is not None or anomaly.cause is not None) and kind != AnomalyKind.FP8_NONFINITE:
+            # (an fp8 anomaly's module is where the fp8 monitor saw the cast, not a forensics finding)
             key = (anomaly.module, anomaly.phase, anomaly.cause)
             if key not in self._findings:
                 self._findings.add(key)

@@ -36,7 +36,7 @@ from .payload import Layout, Packed, Unpacked
 from .policies import uses_grad_detector
 from .records import Anomaly, Fp8Cast, History, StepReport
 from .stats import REASONS, Dec, Loc, origin_ranks
-from .vocab import AnomalyKind, Cause, Phase, SkipReason
+from .vocab import AnomalyKind, Phase, SkipReason
 
 __all__ = ["Actions", "Reporter"]
 
@@ -284,18 +284,18 @@ class Reporter:
         if math.isnan(first.amax):
             why = (f"a NaN reached {first.module}'s {first.role}: torchao's scale max/amax is NaN, so the whole "
                    "cast is NaN")
-            cause: Cause | None = Cause.NAN
         elif math.isinf(first.amax):
             why = (f"an Inf reached {first.module}'s {first.role}: torchao's scale max/amax is 0, which zeroes "
                    "every finite element of that tensor (or row) and turns the Inf into NaN")
-            cause = Cause.OVERFLOW if first.role == "grad_output" and self.scaled else Cause.NAN
+            if self.scaled:  # fp16: the likely Inf is a value beyond 65504 (a cast, a scaled gradient)
+                why += " (in fp16 a value beyond 65504 is Inf: an fp16 overflow before this cast is the likely source)"
         else:
             why = "the scale itself was not finite and positive"
-            cause = None
+        # module and phase are where the cast is; the cause is left to forensics (its recompute can tell)
         phase = Phase.BACKWARD if first.role == "grad_output" else Phase.FORWARD
         return Anomaly(report.step, AnomalyKind.FP8_NONFINITE,
                        f"fp8 cast non-finite{on}: {Fp8Monitor.describe(first)}{more}; {why}; step skipped on every "
-                       f"rank{held}", ranks, module=first.module, phase=phase, cause=cause)
+                       f"rank{held}", ranks, module=first.module, phase=phase)
 
     def _poisoned(self, report: StepReport, params: tuple[str, ...]) -> list[Anomaly]:
         """A checked step whose update left non-finite parameters: the ladder's rollback where it
