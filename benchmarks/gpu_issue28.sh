@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issues 28 and 27 on the H200: the fp8 and integrity GPU tests, the guarded fp8 cost (eager, then compiled), and the
-# replica digest's variants. Run through the device tool with the torchao wheel carried in .whl/:
+# Issues 28 and 27 on the H200: the fp8 and integrity GPU tests, the guarded fp8 cost (eager, then compiled), the
+# replica digest's variants; FRAMEWORKS=1: issue 26's frameworks benchmark. Run through the device tool with the torchao wheel carried in .whl/:
 #   OUT=$OUT bash benchmarks/gpu_issue28.sh TAG
 set -uo pipefail
 TAG=${1:-now}
@@ -17,6 +17,11 @@ if [ "${DIGEST:-1}" = 1 ]; then
   timeout 90 python benchmarks/digest_variants.py --device cuda --model gpt2 --reps 30 --out "$OUT/digest_$TAG.json" 2>&1 \
     | grep -v Warning | tee "$OUT/digest_$TAG.txt"
 fi
+if [ "${FRAMEWORKS:-0}" = 1 ]; then  # issue 26: the frameworks with their clip folded (Lightning's too, no clip there)
+  timeout 230 python benchmarks/frameworks_cost.py --device cuda --frameworks accelerate,transformers,lightning \
+    --blocks 20 --budget-s 200 --out "$OUT/frameworks_$TAG.json" 2>&1 | grep -v -i warn | tail -30 \
+    | tee "$OUT/frameworks_$TAG.txt"
+fi
 if [ "${INTEGRITY:-0}" = 1 ]; then
   timeout 170 python benchmarks/integrity_cost.py --device cuda --model gpt2 --blocks 12 --block 8 --reps 20 \
     --out "$OUT/integrity_$TAG.json" 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/integrity_$TAG.txt"
@@ -26,7 +31,7 @@ for run in ${FP8_RUNS-1 2}; do
     | grep -v -i warn | tail -6 | tee "$OUT/fp8_cost_${TAG}_$run.txt"
 done
 for run in ${COMPILE_RUNS-1}; do
-  timeout 200 python benchmarks/fp8_cost.py --device cuda --blocks 20 --steps 5 --compile \
+  timeout ${FP8_TIMEOUT:-200} python benchmarks/fp8_cost.py --device cuda --blocks ${FP8_BLOCKS:-20} --steps ${FP8_STEPS:-5} --compile \
     --out "$OUT/fp8_cost_${TAG}_compiled_$run.json" 2>&1 | grep -v -i "warn\|Configuration class\|loss_type" | tail -12 \
     | tee "$OUT/fp8_cost_${TAG}_compiled_$run.txt"
 done
