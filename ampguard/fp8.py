@@ -23,6 +23,7 @@ and only when a monitor is made (its version checked against ``ampguard._version
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -130,6 +131,9 @@ class Fp8Monitor:
         """Casts whose amax was taken before the autocast dtype's rounding (rounded in collect())."""
         self._sampled = False
         self._order = 0  # casts measured this step: each cast's rank in the order they ran
+        self.compiled = False
+        """A forward ran inside ``torch.compile``: its grad_output casts are not measured (warned once)."""
+        self._warned = False
         self._consts: dict[Any, torch.Tensor] = {}
         """Device constants of :meth:`collect`, made once per device and pattern (a pinned copy, no sync)."""
         self._fmax = [torch.finfo(_dtype(m, role)).max for _, m in self.modules for role in FP8_ROLES]
@@ -167,8 +171,12 @@ class Fp8Monitor:
         def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
             if not torch.is_grad_enabled():  # an evaluation's forward: no step follows it
                 return
-            if isinstance(output, torch.Tensor) and output.requires_grad:  # the grad_output cast, in the backward
-                output.register_hook(self._backward_hook(module, index))
+            if torch.compiler.is_compiling():
+                # A gradient hook registered inside a compiled region breaks its graph (dynamo cannot trace a hook
+                # that writes the monitor's state): there, only the forward's casts are measured.
+                self.compiled = True
+            elif isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(self._backward_hook(module, index))  # the grad_output cast, in the backward
             x, weight = args[0], module.weight
             kind = x.device.type  # Float8Linear casts the autocast dtype's tensors
             cast_to = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
@@ -192,6 +200,11 @@ class Fp8Monitor:
     def collect(self) -> torch.Tensor:
         """``[n_casts, 5]`` float32 on device: order, amax, scale, underflow, dynamic range (``order`` k: the k-th
         cast measured this step; NaN rows for casts that did not run, e.g. a frozen layer's grad_output)."""
+        if self.compiled and not self._warned:
+            self._warned = True
+            warnings.warn("ampguard fp8 monitoring inside torch.compile measures the input and weight casts of each "
+                          "Float8Linear, not its grad_output casts: a gradient hook would break the compiled graph. "
+                          "A non-finite grad_output still shows in the gradients the guard checks.", stacklevel=2)
         device = next((s.device for s in self._slots if s is not None), None)
         if device is None:
             device = next(self.modules[0][1].parameters()).device

@@ -142,3 +142,34 @@ def test_an_unsampled_step_measures_the_same_amax_and_scale_with_one_reduction_a
         assert torch.allclose(sampled[:, :3], unsampled[:, :3], rtol=0, atol=0, equal_nan=True)  # bitwise
         assert monitor.nonfinite(sampled).item() == monitor.nonfinite(unsampled).item() == (bad is not None)
         assert unsampled[:, 3:].isnan().all() and not sampled[:, 3].isnan().any()
+
+
+def test_a_compiled_model_keeps_one_graph_and_its_forward_casts_are_still_checked():
+    """Inside torch.compile a gradient hook would break the graph (dynamo cannot trace a hook that writes the
+    monitor's state): the monitor measures the forward's casts there, warns once that grad_output is not, and a
+    NaN in the batch is still flagged. (aot_eager: the compiled autograd graphs, without a C++ build.)"""
+    model = _model()
+    monitor = Fp8Monitor(model, numerics_every=2)
+
+    def loss_of(x):
+        return model(x).float().square().mean()
+
+    explained = torch._dynamo.explain(loss_of)(torch.randn(8, 16))
+    assert explained.graph_break_count == 0
+    compiled = torch.compile(model, backend="aot_eager")
+    flags = []
+    for step in range(3):
+        x = torch.randn(8, 16)
+        if step == 2:
+            x[1, 1] = math.nan
+        monitor.begin_step(step)
+        compiled(x).float().square().mean().backward()
+        model.zero_grad()
+        if step == 0:
+            with pytest.warns(UserWarning, match="not its grad_output casts"):
+                collected = monitor.collect()
+        else:
+            collected = monitor.collect()
+        flags.append(monitor.nonfinite(collected).item())
+        assert {c.role for c in monitor.decode(collected.tolist())} == {"input", "weight"}
+    assert flags == [0.0, 0.0, 1.0]
