@@ -12,9 +12,20 @@ The digest is exact (integer sums of the parameters' bits: any flipped bit shows
 bits give the same words on every device), so replicas that agree agree bitwise. Its int64 words
 travel through the float64 all-gather as raw bits (``Tensor.view``), never as values.
 
+HSDP (FSDP2 on a ``("replicate", "shard")`` mesh; ``replicas=``, from the backend's optional
+``replicas(params)``): the ranks of one replicate group hold the same shard, so the digest of the
+replicated parameters' local shards is gathered and compared within that group (and, on a mismatch,
+the second exchange runs there and names the parameters); then one world-wide all-gather carries
+every rank's step count, skipped count, loss scale and whether its group found it odd, so every rank
+takes the same finding (the same odd ranks; the ranks of the group that differs also name the
+parameters).
+
 Cost: one read of the parameters on device (an int64 temporary of the largest tensor), one
 all-gather of ``len(FIELDS)`` float64 words per rank, one host read of the gathered matrix; on a
-mismatch only, one more all-gather of two int64 words per parameter.
+mismatch only, one more all-gather of two int64 words per parameter. HSDP: the digest's two words
+are gathered over the replicate group (the second exchange too), and the world-wide all-gather
+carries four float64 words per rank (step, skipped, scale, odd): one more all-gather, and a second
+host read, per checked step.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ from .records import Anomaly
 from .vocab import AnomalyKind
 
 if TYPE_CHECKING:
+    from .backends.torch_dist import Replicas
     from .config import GuardConfig
     from .outcome import Outcome
     from .scaling import GradScalerAdapter
@@ -55,10 +67,15 @@ class Divergence:
     fields: tuple[str, ...]
     """Names (from :data:`FIELDS`) of the values that differed."""
     values: tuple[tuple[float | int, ...], ...]
-    """Every rank's gathered vector, by rank (the digest words as ints)."""
+    """Every rank's gathered vector, by rank (the digest words as ints; HSDP: step, skipped, scale, and 1.0 where
+    its replicate group found its parameter bits odd)."""
     params: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """Each parameter whose bits differ across ranks, with the ranks that hold other bits than the
-    majority (found by the second exchange; empty where the parameters agree)."""
+    majority (found by the second exchange; empty where the parameters agree, and, under HSDP, on the ranks of a
+    replicate group whose replicas agree)."""
+    group: tuple[int, ...] = ()
+    """HSDP: the global ranks of the replicate group the parameters were compared in (this rank's group, which
+    is the one that differs where :attr:`params` names any); empty where they were compared across every rank."""
 
     def describe(self) -> str:
         parts = []
@@ -71,9 +88,11 @@ class Divergence:
         if self.params:
             shown = "; ".join(f"{name} on rank(s) {list(ranks)}" for name, ranks in self.params[:5])
             more = f" and {len(self.params) - 5} more" if len(self.params) > 5 else ""
-            parts.append(f"parameter bits: {len(self.params)} parameter(s) differ ({shown}{more})")
+            within = f" in the replicate group of ranks {list(self.group)}" if self.group else ""
+            parts.append(f"parameter bits: {len(self.params)} parameter(s) differ{within} ({shown}{more})")
         elif any(FIELDS.index(n) >= _HEAD for n in self.fields):
-            parts.append("parameter bits (the digests differ)")
+            parts.append("parameter bits (compared within each replicate group: the ranks of the group that differs "
+                         "name the parameters)" if self.group else "parameter bits (the digests differ)")
         return f"rank(s) {list(self.ranks)} differ from the others in " + "; ".join(parts)
 
 
@@ -95,6 +114,7 @@ def check(
     device: torch.device,
     compare_params: bool = True,
     names: Sequence[str] = (),
+    replicas: Replicas | None = None,
 ) -> Divergence | None:
     """Gather the state of every rank and compare it. Returns None when every rank agrees.
 
@@ -103,14 +123,22 @@ def check(
     host (reads the gathered values). ``compare_params=False`` leaves the parameters out (sharded
     parameters, where every rank legitimately holds different values). ``names``: the parameters'
     names, for the second exchange's finding (default ``param{i}``).
+
+    ``replicas`` (HSDP: :meth:`ampguard.backends.torch_dist.TorchDistBackend.replicas`): the parameters
+    ``params[i]`` for ``i`` in ``replicas.members`` are compared within ``replicas.backend``'s group (every rank
+    of it holds the same shard), the rest of the fields across ``backend``; the result is the same on every rank
+    but for :attr:`Divergence.params`, named by the ranks of the replicate group that differs. Ranks are those of
+    ``backend`` (the world, as ``wrap()`` builds it), parameters' ranks ``replicas.ranks`` (global).
     """
     scale_t = scale if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
-    head = torch.tensor([float(step), float(skipped)], dtype=torch.float64, device=device)
+    head = torch.cat([torch.tensor([float(step), float(skipped)], dtype=torch.float64, device=device),
+                      scale_t.detach().reshape(1).to(device=device, dtype=torch.float64)])
+    if replicas is not None and compare_params and replicas.members:
+        return _check_replicated(backend, replicas, head, params, device, names)
     compared = compare_params and len(params) > 0
     words = params_digest(list(params)).to(device) if compared else torch.zeros(0, dtype=torch.int64, device=device)
     words = words if compared else torch.zeros(_DIGEST, dtype=torch.int64, device=device)
-    vec = torch.cat([head, scale_t.detach().reshape(1).to(device=device, dtype=torch.float64),
-                     words.view(torch.float64)])  # the int64 words as raw bits: exact through the gather
+    vec = torch.cat([head, words.view(torch.float64)])  # the int64 words as raw bits: exact through the gather
     gathered = backend.all_gather(vec).wait().cpu()
     heads = gathered[:, :_HEAD].tolist()
     digests = gathered[:, _HEAD:].contiguous().view(torch.int64).tolist()
@@ -125,6 +153,38 @@ def check(
     if compared and any(FIELDS.index(f) >= _HEAD for f in differing):  # only now: a fingerprint per parameter
         found = _which_params(backend, param_fingerprints(list(params)).to(device), names)
     return Divergence(ranks=odd, fields=differing, values=tuple(rows), params=found)
+
+
+def _check_replicated(backend: Backend, replicas: Replicas, head: torch.Tensor, params: Sequence[torch.Tensor],
+                      device: torch.device, names: Sequence[str]) -> Divergence | None:
+    """:func:`check` under HSDP: the replicated parameters' digest within the replicate group, then one
+    world-wide all-gather of ``head`` (step, skipped, scale) and whether this rank is odd, so every rank finds the
+    same odd ranks. collective (the second exchange: on the ranks of a group whose digests differ only)."""
+    members = replicas.members
+    local = [params[i] for i in members]
+    local_names = [names[i] if i < len(names) else f"param{i}" for i in members]
+    words = params_digest(local).to(device).view(torch.float64)  # raw bits, as in check()
+    digests = replicas.backend.all_gather(words).wait().cpu().contiguous().view(torch.int64).tolist()
+    keys = [tuple(d) for d in digests]
+    odd: tuple[int, ...] = ()
+    found: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    if len(set(keys)) > 1:  # this group's replicas differ: name the parameters, in this group
+        odd = _odd_ones_out(keys)
+        found = tuple((name, tuple(replicas.ranks[r] for r in rs)) for name, rs in
+                      _which_params(replicas.backend, param_fingerprints(local).to(device), local_names))
+    mine = torch.tensor([1.0 if replicas.backend.rank in odd else 0.0], dtype=torch.float64, device=device)
+    vec = torch.cat([head, mine])
+    gathered = backend.all_gather(vec).wait().cpu().tolist()  # every rank: its head, and whether it is odd
+    keys_head = [tuple(v if v == v else "nan" for v in row[:_HEAD]) for row in gathered]
+    flagged = {r for r, row in enumerate(gathered) if row[_HEAD] != 0.0}
+    if len(set(keys_head)) <= 1 and not flagged:
+        return None
+    differing = tuple(FIELDS[i] for i in range(_HEAD) if len({k[i] for k in keys_head}) > 1)
+    if flagged:
+        differing += (FIELDS[_HEAD],)
+    ranks = set(_odd_ones_out(keys_head)) if len(set(keys_head)) > 1 else set()
+    return Divergence(ranks=tuple(sorted(ranks | flagged)), fields=differing,
+                      values=tuple(tuple(row) for row in gathered), params=found, group=replicas.ranks)
 
 
 def _which_params(backend: Backend, fps: torch.Tensor, names: Sequence[str]) -> tuple[tuple[str, tuple[int, ...]], ...]:
@@ -145,10 +205,14 @@ def check_outcome(outcome: Outcome, step: int, scale: GradScalerAdapter | None, 
     """Run :func:`check` after a guard's step (``step``: steps so far): a mismatch becomes a
     ``rank_divergence`` anomaly on the step just taken, in ``outcome``'s records (naming the
     parameters whose bits differ), and raises per ``config.on_divergence``. collective; synchronises
-    the host."""
+    the host. Sharded parameters (FSDP) are compared only where the backend's optional ``replicas(params)``
+    finds replicated ones (HSDP: within each replicate group)."""
     rep, backend = outcome.records, outcome.backend
+    find = getattr(backend, "replicas", None) if backend.grads_sharded else None  # optional: HSDP's replicate groups
+    replicas = find(params) if find is not None else None
     div = check(backend, step=step, skipped=rep.skipped_total, scale=scale.scale if scale else 1.0,
-                params=params, device=device, compare_params=not backend.grads_sharded, names=rep.names())
+                params=params, device=device, compare_params=not backend.grads_sharded or replicas is not None,
+                names=rep.names(), replicas=replicas)
     if div is None:
         return
     rep.divergence = Anomaly(step - 1, AnomalyKind.RANK_DIVERGENCE, div.describe(), div.ranks,

@@ -308,11 +308,13 @@ class TorchDistBackend(LocalBackend):
     def replicas(self, params: Sequence[torch.Tensor]) -> Replicas | None:
         """HSDP (FSDP2 on a mesh with a ``Replicate`` dimension): the parameters that are replicated along a mesh
         dimension (``params`` indices) and that dimension's process group, in which every rank holds the same
-        shard, so ``consistency_every`` compares their bits there (every rank is in one such group). None where
-        no parameter is a DTensor with a ``Replicate`` placement: plain DDP compares over this backend's own group,
-        and FSDP shards differ by design."""
-        found: tuple[int, int] | None = None
-        mesh: Any = None
+        shard, so ``consistency_every`` compares their bits there (every rank is in one such group). FSDP2's
+        ``fully_shard`` on a 2-D mesh ``("replicate", "shard")`` gives every parameter the placements
+        ``(Replicate(), Shard(0))``. Parameters are grouped by that group's ranks (the same layout on several
+        mesh objects is one group); where parameters are replicated over different groups, those of the first
+        parameter's group are taken. None where no parameter is a DTensor with a ``Replicate`` placement: plain
+        DDP compares over this backend's own group, and FSDP shards differ by design."""
+        found: Replicas | None = None
         index = []
         for i, p in enumerate(params):
             if not _is_dtensor(p):
@@ -320,19 +322,25 @@ class TorchDistBackend(LocalBackend):
             dims = [d for d, placement in enumerate(p.placements) if placement.is_replicate()]  # type: ignore[attr-defined]
             if not dims:
                 continue
-            key = (id(p.device_mesh), dims[0])  # type: ignore[attr-defined]
+            group = self._replica_group(p.device_mesh, dims[0])  # type: ignore[attr-defined]
             if found is None:
-                found, mesh = key, p.device_mesh  # type: ignore[attr-defined]
-            if key == found:
+                found = group
+            if group.ranks == found.ranks:
                 index.append(i)
         if found is None:
             return None
-        replicas = self._replicas.get(found)
+        return Replicas(found.backend, tuple(index), found.ranks)
+
+    def _replica_group(self, mesh: Any, dim: int) -> Replicas:
+        """The backend and global ranks of ``mesh``'s dimension ``dim`` (no members), made once per group."""
+        key = (id(mesh), dim)
+        replicas = self._replicas.get(key)
         if replicas is None:
-            group = mesh.get_group(mesh_dim=found[1])
-            replicas = self._replicas[found] = Replicas(
-                TorchDistBackend(group, pre_reduction=False), (), tuple(dist.get_process_group_ranks(group)))
-        return Replicas(replicas.backend, tuple(index), replicas.ranks)
+            group = mesh.get_group(mesh_dim=dim)
+            ranks = tuple(dist.get_process_group_ranks(group))
+            same = next((r for r in self._replicas.values() if r.ranks == ranks), None)
+            replicas = self._replicas[key] = same or Replicas(TorchDistBackend(group, pre_reduction=False), (), ranks)
+        return replicas
 
     def close(self) -> None:
         for h in self._handles:

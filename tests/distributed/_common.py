@@ -91,6 +91,17 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
     )
 
 
+def fsdp2_model(mesh: Any, seed: int = 0) -> torch.nn.Module:
+    """:func:`tiny_model` under FSDP2: ``fully_shard`` on each Linear and on the root, over ``mesh``."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = tiny_model(seed)
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def batch(rank: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)  # different data per rank
     return torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)

@@ -15,7 +15,7 @@ import ampguard
 from ampguard import faults
 from ampguard.backends.torch_dist import TorchDistBackend, compose_comm_hook
 
-from ._common import assert_same_everywhere, spawn, standard_faults, tiny_model, train
+from ._common import assert_same_everywhere, fsdp2_model, spawn, standard_faults, tiny_model, train
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(240)]
 
@@ -156,23 +156,15 @@ def test_ddp_one_decision_on_every_rank(fused: bool) -> None:
 # ---------------------------------------------------------------------------------- FSDP2
 def _run_fsdp2(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world_size,))
     out: dict[str, Any] = {}
-
-    def build() -> torch.nn.Module:
-        model = tiny_model()
-        for layer in (model[0], model[2], model[4]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
 
     # faults on rank 1 only. FSDP2's sharded parameters get their gradients from the
     # reduce-scatter, so the before-reduction gradient fault is faults.backward on the first ReLU
     # (an inf in the gradient its backward hands the first Linear, on rank 1 at step 4), not
     # faults.grad.
-    model = build()
+    model = fsdp2_model(mesh)
     opt = ampguard.wrap(_adamw(model, fused), model=model, precision="fp16", config={"consistency_every": 1})
     assert opt.backend.grads_sharded
 
@@ -188,7 +180,7 @@ def _run_fsdp2(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
     opt.close()
 
     # the global norm of sharded gradients equals the unsharded model's (checked in the parent)
-    model = build()
+    model = fsdp2_model(mesh)
     opt = ampguard.wrap(_adamw(model, fused), model=model, precision="bf16")
     x = torch.ones(4, 8)
     with opt.autocast():
@@ -199,7 +191,7 @@ def _run_fsdp2(rank: int, world_size: int, fused: bool) -> dict[str, Any]:
     opt.close()
 
     # escalation
-    model = build()
+    model = fsdp2_model(mesh)
     opt = ampguard.wrap(_adamw(model, fused), model=model, precision="bf16", config={"max_consecutive_skips": 2})
     with faults.inject(opt, model, faults.loss("inf", steps=range(1, 100), ranks=[1])):
         out["escalate"] = train(opt, model, rank, 5)

@@ -9,8 +9,9 @@ import math
 import torch
 
 from ampguard.backends.base import ReadyHandle
+from ampguard.backends.torch_dist import Replicas
 from ampguard.consistency import FIELDS, check
-from ampguard.fingerprint import param_fingerprints, params_digest
+from ampguard.fingerprint import WORDS, param_fingerprints, params_digest
 
 
 class _Ranks:
@@ -80,6 +81,75 @@ def test_tie_keeps_the_lowest_rank_as_reference() -> None:
 
 def test_sharded_parameters_are_left_out() -> None:
     assert _run([(128.0, _params()), (128.0, [p + 1 for p in _params()])], compare_params=False) is None
+
+
+class _Group(_Ranks):
+    """A replicate group (HSDP): the digest's words alone, then (second exchange) the fingerprints."""
+
+    def __init__(self, states: list[tuple[float, list[torch.Tensor]]], rank: int) -> None:
+        super().__init__(states)
+        self.rank = rank
+
+    def all_gather(self, vec: torch.Tensor) -> ReadyHandle:
+        if vec.numel() != WORDS:
+            return super().all_gather(vec)
+        self.calls += 1
+        return ReadyHandle(torch.stack([params_digest(params).view(torch.float64) for _, params in self.states]))
+
+
+class _World:
+    """The world-wide gather under HSDP: this rank's vector at its row, the other ranks' ``(step, skipped, scale,
+    odd)`` as given."""
+
+    def __init__(self, rank: int, others: dict[int, list[float]]) -> None:
+        self.rank, self.others, self.world_size, self.calls = rank, others, len(others) + 1, 0
+
+    def all_gather(self, vec: torch.Tensor) -> ReadyHandle:
+        self.calls += 1
+        rows = [vec if r == self.rank else torch.tensor(self.others[r], dtype=torch.float64)
+                for r in range(self.world_size)]
+        return ReadyHandle(torch.stack(rows))
+
+
+def _hsdp(me: int, group: tuple[int, ...], states: list[tuple[float, list[torch.Tensor]]],
+          others: dict[int, list[float]]) -> tuple[object, _World, _Group]:
+    """Global rank ``me``, in the replicate group ``group`` (global ranks) whose ranks hold ``states``; both
+    parameters replicated."""
+    inner = _Group(states, group.index(me))
+    world = _World(me, others)
+    replicas = Replicas(inner, (0, 1), group)  # type: ignore[arg-type]
+    div = check(world, step=5, skipped=1, scale=128.0, params=states[group.index(me)][1],  # type: ignore[arg-type]
+                device=torch.device("cpu"), names=["w", "b"], replicas=replicas)
+    return div, world, inner
+
+
+def test_hsdp_agreement_is_none_in_two_gathers() -> None:
+    div, world, inner = _hsdp(1, (1, 3), [(128.0, _params()), (128.0, _params())],
+                              {r: [5.0, 1.0, 128.0, 0.0] for r in (0, 2, 3)})
+    assert div is None and world.calls == 1 and inner.calls == 1
+
+
+def test_hsdp_the_group_that_differs_names_the_parameter_and_the_global_rank() -> None:
+    flipped = _params()
+    flipped[0].view(-1).view(torch.int32)[4] ^= 1
+    others = {0: [5.0, 1.0, 128.0, 0.0], 2: [5.0, 1.0, 128.0, 0.0], 3: [5.0, 1.0, 128.0, 1.0]}
+    div, world, inner = _hsdp(1, (1, 3), [(128.0, _params()), (128.0, flipped)], others)
+    assert div is not None and div.ranks == (3,) and div.params == (("w", (3,)),)  # type: ignore[attr-defined]
+    assert inner.calls == 2 and world.calls == 1  # the second exchange within the group
+    assert "differ in the replicate group of ranks [1, 3] (w on rank(s) [3])" in div.describe()  # type: ignore[attr-defined]
+
+
+def test_hsdp_another_group_learns_the_odd_rank_and_its_head_fields_still_count() -> None:
+    others = {1: [5.0, 1.0, 128.0, 0.0], 2: [5.0, 1.0, 128.0, 0.0], 3: [5.0, 1.0, 128.0, 1.0]}
+    div, _, inner = _hsdp(0, (0, 2), [(128.0, _params()), (128.0, _params())], others)
+    assert div is not None and div.ranks == (3,) and div.params == () and inner.calls == 1  # type: ignore[attr-defined]
+    assert div.fields == ("parameter bits",)  # type: ignore[attr-defined]
+    assert "the ranks of the group that differs name the parameters" in div.describe()  # type: ignore[attr-defined]
+    # a skipped count that differs world-wide (rank 2) and a flagged rank (3): both named
+    others[2] = [5.0, 2.0, 128.0, 0.0]
+    div, _, _ = _hsdp(0, (0, 2), [(128.0, _params()), (128.0, _params())], others)
+    assert div is not None and div.ranks == (2, 3)  # type: ignore[attr-defined]
+    assert div.fields == ("skipped count", "parameter bits")  # type: ignore[attr-defined]
 
 
 def test_the_same_nan_bits_agree_and_other_nan_bits_do_not() -> None:
