@@ -265,10 +265,11 @@ class StepPipeline:
         decision then skips the step on every rank. ``sentinel``:
         :meth:`ampguard.forensics.sentinel.Sentinel.value` (None: off). ``fp8``:
         :meth:`ampguard.fp8.Fp8Monitor.nonfinite` (None: off)."""
+        replicas = getattr(self.backend, "grad_replicas", 1) if self.backend.grads_sharded else 1
         vec = local_vector(loss=loss, tensor_norms=measured.norms, found_inf=measured.found_inf,
                            pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads,
                            sentinel=sentinel, headroom=None if measured.numerics is None else measured.numerics[1],
-                           fp8=fp8)
+                           fp8=fp8, norm_share=replicas**-0.5 if replicas > 1 else None)
         return self.backend.all_gather(vec).wait()  # type: ignore[no-any-return]
 
     def decide(self, gathered: torch.Tensor, measured: Measured) -> Decision:

@@ -266,13 +266,16 @@ def local_vector(
     sentinel: torch.Tensor | None = None,
     headroom: torch.Tensor | None = None,
     fp8: torch.Tensor | None = None,
+    norm_share: float | None = None,
     host: bool | None = None,
 ) -> torch.Tensor:
     """Pack this rank's statistics into the ``LOCAL_K`` vector (:class:`Loc`). ``loss``: this
     step's loss on device (None: no loss was given for this step). ``no_grads``: no parameter
     received a gradient on this rank (known on the host, from the gradients' version counters).
     ``headroom``: this rank's sampled headroom (None: not sampled, NaN). ``fp8``: the fp8 monitor's
-    non-finite flag (None: monitoring off, 0).
+    non-finite flag (None: monitoring off, 0). ``norm_share``: the factor on this rank's norm where several
+    ranks hold the same gradient shard (HSDP: ``1/sqrt(replicas)``, so the sum of squares over ranks counts each
+    shard once); None: 1.
 
     The layout is written once, here; ``host`` picks how its values are made: on the CPU
     (default there) read as host floats and packed by one buffer (a 0-d tensor read costs
@@ -281,6 +284,8 @@ def local_vector(
     (bitwise ``clip_grad_norm_``'s)."""
     x: _PackOps = _HOST if (device.type == "cpu" if host is None else host) else _DeviceOps(device)
     total = torch.linalg.vector_norm(tensor_norms, 2.0) if tensor_norms.numel() else None
+    if total is not None and norm_share is not None:
+        total = total * norm_share
     value = x.value(loss, math.nan)
     grad_norm = x.value(total, 0.0)
     return x.pack([

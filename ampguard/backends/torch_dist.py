@@ -135,6 +135,20 @@ def _is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
+def _replication(params: Sequence[Any]) -> int:
+    """The number of ranks holding the same shard of the first DTensor parameter: the product of its mesh's sizes
+    along its ``Replicate`` dimensions (HSDP: the replicate dimension; FSDP2: 1)."""
+    for p in params:
+        if _is_dtensor(p):
+            mesh = p.device_mesh
+            n = 1
+            for dim, placement in enumerate(p.placements):
+                if placement.is_replicate():
+                    n *= mesh.size(dim)
+            return n
+    return 1
+
+
 class Replicas(NamedTuple):
     """What :meth:`TorchDistBackend.replicas` finds: where the replicas of one shard live (HSDP)."""
 
@@ -197,6 +211,9 @@ class TorchDistBackend(LocalBackend):
         self._flag: torch.Tensor | None = None
         self._comm_hook: FlaggingCommHook | None = None
         self._handles: list[Any] = []
+        self.grad_replicas = 1
+        """How many ranks hold each gradient shard (HSDP: the replicate dimension's size; else 1). The global norm
+        of sharded gradients adds every rank's sum of squares: each rank's share is its norm over sqrt of this."""
         self._replicas: dict[tuple[int, int], Replicas] = {}
         """HSDP's replicate groups by (mesh, dimension): :meth:`replicas`, made once."""
 
@@ -234,6 +251,7 @@ class TorchDistBackend(LocalBackend):
         """Detect sharded gradients (FSDP2) and install the pre-reduction check."""
         params = [p for group in guard.optimizer.param_groups for p in group["params"]]
         self.grads_sharded = any(_is_dtensor(p) for p in params) or _is_sharded_fsdp1(guard.model)
+        self.grad_replicas = _replication(params)
         device = guard.device
         self._flag = torch.zeros((), dtype=torch.float32, device=device)
         if not self._want_pre_reduction:

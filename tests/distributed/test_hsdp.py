@@ -46,6 +46,19 @@ def _run_hsdp(rank: int, world_size: int) -> dict[str, Any]:
                         config={"consistency_every": 1, "on_divergence": "raise"})
     out["raise"] = train(opt, model, rank, FLIP_STEP + 2, before_step=flip(model))
     opt.close()
+
+    # the global gradient norm counts each shard once, not once per replica: torch's own norm of the DTensor
+    # gradients (full_tensor: a collective) is the reference
+    model = fsdp2_model(mesh)
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, precision="bf16")
+    g = torch.Generator().manual_seed(7 + rank)
+    opt.backward(model(torch.randn(4, 8, generator=g)).square().mean())
+    norms = [p.grad.full_tensor().norm() for p in model.parameters()]
+    out["norm_ref"] = float(torch.linalg.vector_norm(torch.stack(norms)))
+    out["replicas_factor"] = opt.backend.grad_replicas  # type: ignore[attr-defined]
+    opt.step()
+    out["norm"] = opt.last_report.grad_norm  # type: ignore[union-attr]
+    opt.close()
     return out
 
 
@@ -67,3 +80,4 @@ def test_hsdp_replicas_compared_one_finding_on_every_rank() -> None:
             assert detail.startswith("rank(s) [3] differ from the others in parameter bits (compared within"), detail
         assert out["flip"]["error"] is None and out["flip"]["skipped"] == []
         assert out["raise"]["error"] == ("RankDivergenceError", FLIP_STEP), (r, out["raise"])
+        assert out["replicas_factor"] == 2 and out["norm"] == pytest.approx(out["norm_ref"], rel=1e-5), out
