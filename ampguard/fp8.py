@@ -1,7 +1,8 @@
 """Per-layer statistics of torchao float8 casts, measured on device.
 
-:class:`Fp8Monitor` puts a forward hook on each torchao ``Float8Linear`` of a model, and from it a gradient hook on
-the layer's output (no torchao function is patched; no module backward hook, which would wrap every input and
+:class:`Fp8Monitor` puts a forward pre-hook (input and weight, as the layer is about to cast them: under FSDP2 the
+weight is whole then) and a forward hook on each torchao ``Float8Linear`` of a model, and from the latter a gradient
+hook on the layer's output (no torchao function is patched; no module backward hook, which would wrap every input and
 output), and measures, per role (``input``, ``weight``, ``grad_output``, :data:`FP8_ROLES`):
 
 - ``amax``: ``torch.linalg.vector_norm(x, ord=inf)`` of the high-precision tensor the layer casts (with rowwise
@@ -31,6 +32,7 @@ import torch
 
 from ._versions import require
 from .records import FP8_ROLES, Fp8Cast
+from .stats import local_tensor
 
 __all__ = ["Fp8Monitor", "float8_modules"]
 
@@ -140,12 +142,16 @@ class Fp8Monitor:
         self._pow2 = [_pow2(m) for _, m in self.modules for _ in FP8_ROLES]
         self._handles: list[Any] = []
         for index, (_, module) in enumerate(self.modules):
+            # before the forward: the input and the weight as the layer casts them (under FSDP2 the weight is then
+            # unsharded; after the forward it is a shard again); after it: the gradient hook for grad_output
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(index)))
             self._handles.append(module.register_forward_hook(self._forward_hook(index)))
 
     def _measure(self, module: Any, index: int, role: str, x: torch.Tensor, cast_to: torch.dtype | None) -> None:
         """``x``: the tensor the layer casts, or its high-precision original when ``cast_to`` (the autocast dtype)
         says the layer casts ``x.to(cast_to)`` first."""
         slot = 3 * index + FP8_ROLES.index(role)
+        x = local_tensor(x)  # a DTensor (a shard, or tensor-parallel activations): this rank's part
         old = self._slots[slot]
         if old is None:
             self._order += 1
@@ -167,6 +173,17 @@ class Fp8Monitor:
                                  torch.fmax(old[3], stats[3]), torch.fmax(old[4], stats[4])])
         self._slots[slot] = stats
 
+    def _pre_forward_hook(self, index: int) -> Any:
+        def hook(module: Any, args: tuple[Any, ...]) -> None:
+            if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
+                return  # an evaluation's forward (no step follows it), or an input the layer does not cast
+            x, weight = args[0], module.weight
+            kind = x.device.type  # Float8Linear casts the autocast dtype's tensors
+            cast_to = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+            self._measure(module, index, "input", x, cast_to)
+            self._measure(module, index, "weight", weight, cast_to)
+        return hook
+
     def _forward_hook(self, index: int) -> Any:
         def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
             if not torch.is_grad_enabled():  # an evaluation's forward: no step follows it
@@ -177,11 +194,6 @@ class Fp8Monitor:
                 self.compiled = True
             elif isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(self._backward_hook(module, index))  # the grad_output cast, in the backward
-            x, weight = args[0], module.weight
-            kind = x.device.type  # Float8Linear casts the autocast dtype's tensors
-            cast_to = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-            self._measure(module, index, "input", x, cast_to)
-            self._measure(module, index, "weight", weight, cast_to)
         return hook
 
     def _backward_hook(self, module: Any, index: int) -> Any:
