@@ -89,7 +89,8 @@ def test_preflight_cli(tmp_path):
                     "optimizer_fn": lambda p: torch.optim.SGD(p, lr=0.01)}
     """))
     out = subprocess.run([sys.executable, "-m", "ampguard.cli", "preflight", "--script", f"{script}:make_preflight",
-                          "--steps", "8", "--precision", "fp16,bf16"], capture_output=True, text=True, timeout=300)
+                          "--steps", "8", "--precision", "fp16,bf16", "--device", "cpu"],  # its batches are CPU
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "preflight recommendation: precision=bf16" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "ampguard.cli", "preflight", "--script", f"{script}:nope"],
