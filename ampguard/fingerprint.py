@@ -130,8 +130,11 @@ lives: a plan's views keep the tensors' storage alive, so a deleted model must t
 def _plan(tensors: Sequence[torch.Tensor], device: torch.device) -> _Plan:
     views = [_ints(t).reshape(-1) for t in tensors]
     key = tuple((v.data_ptr(), v.numel(), v.dtype) for v in views)
-    cached = _PLANS.get(id(tensors[0]))
-    if cached is not None and cached.key == key and all(v.device == device for v in views):
+    # Only views of the tensors themselves may be kept: a tensor on another device is read through a copy, which
+    # a kept plan would go on reading after the tensor changed.
+    keep = all(v.device == device for v in views)
+    cached = _PLANS.get(id(tensors[0])) if keep else None
+    if cached is not None and cached.key == key:
         return cached
     by_width: dict[torch.dtype, list[torch.Tensor]] = {}
     for v in views:
@@ -165,14 +168,15 @@ def _plan(tensors: Sequence[torch.Tensor], device: torch.device) -> _Plan:
         cols = min(n, _ROW)
         rows = n // cols
         spans = [(0, rows, cols)] + ([(rows * cols, 1, n - rows * cols)] if rows * cols < n else [])
+        joined = tuple(parts)  # one tuple for the chunk's blocks: params_digest concatenates it once
         for start, r, c in spans:
-            blocks.append(_Block(tuple(parts), start, r, c))
+            blocks.append(_Block(joined, start, r, c))
             row_w.append(torch.arange(r, device=device, dtype=torch.int64) * c + (offset + start))
             col_w.append(torch.arange(1, c + 1, device=device, dtype=torch.int64))
         offset += n
     empty = torch.zeros(0, dtype=torch.int64, device=device)
     plan = _Plan(key, tuple(blocks), torch.cat(row_w) if row_w else empty, torch.cat(col_w) if col_w else empty)
-    if device.type != "cpu" or all(v.device == device for v in views):  # views on another device: not kept
+    if keep:
         if id(tensors[0]) not in _PLANS:  # dropped with that tensor (its id may be reused after)
             weakref.finalize(tensors[0], _PLANS.pop, id(tensors[0]), None)
         _PLANS[id(tensors[0])] = plan
