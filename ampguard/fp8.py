@@ -34,10 +34,12 @@ from ._versions import require
 from .records import FP8_ROLES, Fp8Cast
 from .stats import local_tensor
 
-__all__ = ["Fp8Monitor", "float8_modules"]
+__all__ = ["WIDTH", "Fp8Monitor", "float8_modules"]
 
 _EPS = 1e-12  # torchao.float8.float8_utils.EPS
-_WIDTH = 5  # order (k >= 1: the k-th cast measured this step; NaN: did not run), amax, scale, underflow, dyn. range
+WIDTH = 5
+"""Floats per cast in :meth:`Fp8Monitor.collect`: order (k >= 1: the k-th cast measured this step; NaN: did not run),
+amax, scale, underflow, dynamic range."""
 
 
 def float8_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -72,33 +74,37 @@ def _rowwise(module: Any, role: str) -> bool:
     return _cast_config(module, role).scaling_granularity is ScalingGranularity.AXISWISE
 
 
+def _scale(amax: torch.Tensor, fmax: float | torch.Tensor, pow2: bool | torch.Tensor) -> torch.Tensor:
+    """torchao's dynamic scale from float32 amaxes: ``fmax / clamp(amax, min=1e-12)`` in float64, then float32, rounded
+    down to a power of 2 where ``pow2`` (a bool, or a bool mask over the amaxes) says so."""
+    scale = (fmax / torch.clamp(amax.double(), min=_EPS)).float()
+    if isinstance(pow2, torch.Tensor):
+        return torch.where(pow2, torch.exp2(torch.floor(torch.log2(scale))), scale)
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
 @torch.no_grad()
-def cast_stats(x: torch.Tensor, dtype: torch.dtype, *, rowwise: bool, pow2: bool, sampled: bool,
-               order: float = 1.0) -> torch.Tensor:
-    """``[order, amax, scale, underflow, dynamic_range]`` of one cast of ``x`` to ``dtype`` by torchao's dynamic
-    scaling, on ``x``'s device (the last two NaN unless ``sampled``)."""
+def cast_stats(x: torch.Tensor, dtype: torch.dtype, *, rowwise: bool, pow2: bool) -> torch.Tensor:
+    """``[1, amax, scale, underflow, dynamic_range]`` of one cast of ``x`` to ``dtype`` by torchao's dynamic
+    scaling, on ``x``'s device: a sampled step's whole statistics (:meth:`Fp8Monitor.collect` puts the cast's order
+    in the first column)."""
     hp = x.detach().float()
     rows = hp.reshape(-1, hp.shape[-1]) if hp.dim() > 0 else hp.reshape(1, 1)
     if rowwise:
         row_amax = torch.linalg.vector_norm(rows, ord=math.inf, dim=-1, keepdim=True)
     else:
         row_amax = torch.linalg.vector_norm(rows, ord=math.inf).reshape(1, 1)
-    scales = (torch.finfo(dtype).max / torch.clamp(row_amax.double(), min=_EPS)).float()
-    if pow2:
-        scales = torch.exp2(torch.floor(torch.log2(scales)))
+    scales = _scale(row_amax, torch.finfo(dtype).max, pow2)
     amax, scale = row_amax.amax(), scales.amin()
     if rowwise:  # a NaN row: amax() propagates it; the scale of that row is NaN and amin() propagates it too
         amax = torch.where(row_amax.isnan().any(), torch.full_like(amax, math.nan), amax)
-    nan = torch.full_like(amax, math.nan)  # a fill on device: new_tensor() would copy from the host (a sync)
-    if not sampled:
-        return torch.stack([torch.full_like(amax, order), amax, scale, nan, nan])
     fmax = torch.finfo(dtype).max
     cast = (rows * scales).clamp(-fmax, fmax).to(dtype).float()
     nonzero = rows != 0
     underflow = (nonzero & (cast == 0)).sum().float() / max(rows.numel(), 1)
     smallest = torch.where(nonzero, rows.abs(), torch.full_like(rows, math.inf)).amin()
     dynamic_range = torch.log2(amax / smallest)
-    return torch.stack([torch.full_like(amax, order), amax, scale, underflow, dynamic_range])
+    return torch.stack([torch.ones_like(amax), amax, scale, underflow, dynamic_range])
 
 
 class Fp8Monitor:
@@ -166,8 +172,7 @@ class Fp8Monitor:
             return
         if cast_to is not None and cast_to != x.dtype:
             x = x.to(cast_to)
-        stats = cast_stats(x, _dtype(module, role), rowwise=_rowwise(module, role),
-                           pow2=_pow2(module), sampled=True)
+        stats = cast_stats(x, _dtype(module, role), rowwise=_rowwise(module, role), pow2=_pow2(module))
         if old is not None:  # a second forward in the step: the worst of both
             stats = torch.stack([old[0], torch.maximum(old[1], stats[1]), torch.minimum(old[2], stats[2]),
                                  torch.fmax(old[3], stats[3]), torch.fmax(old[4], stats[4])])
@@ -221,7 +226,7 @@ class Fp8Monitor:
         if device is None:
             device = next(self.modules[0][1].parameters()).device
         if self._sampled:
-            nan = self._const(device, ("nan", _WIDTH), [math.nan] * _WIDTH)
+            nan = self._const(device, ("nan", WIDTH), [math.nan] * WIDTH)
             rows = torch.stack([s if s is not None else nan for s in self._slots])
             return torch.cat([self._const(device, ("order", *self._orders), self._orders).unsqueeze(1), rows[:, 1:]], 1)
         # An unsampled step: one stack of the amaxes, then every scale at once (torchao's formula, as cast_stats)
@@ -231,11 +236,8 @@ class Fp8Monitor:
             mask = self._const(device, ("round", dtype, *sorted(self._rounded.items(), key=lambda kv: kv[0])),
                                [1.0 if self._rounded.get(k) is dtype else 0.0 for k in range(len(self._slots))])
             amax = torch.where(mask > 0, amax.to(dtype).float(), amax)
-        scale = (self._const(device, ("fmax",), self._fmax, torch.float64)
-                 / torch.clamp(amax.double(), min=_EPS)).float()
-        if any(self._pow2):
-            pow2 = self._const(device, ("pow2",), [1.0 if p else 0.0 for p in self._pow2])
-            scale = torch.where(pow2 > 0, torch.exp2(torch.floor(torch.log2(scale))), scale)
+        pow2 = self._const(device, ("pow2",), [1.0 if p else 0.0 for p in self._pow2]) > 0 if any(self._pow2) else False
+        scale = _scale(amax, self._const(device, ("fmax",), self._fmax, torch.float64), pow2)
         order = self._const(device, ("order", *self._orders), self._orders)
         none = self._const(device, ("nans", len(self._slots)), [math.nan] * len(self._slots))
         return torch.stack([order, amax, scale, none, none], 1)

@@ -29,7 +29,7 @@ from .exporters.base import MultiExporter
 from .forensics.arming import annotate
 from .forensics.localizer import Finding
 from .forensics.sentinel import Sentinel
-from .fp8 import Fp8Monitor
+from .fp8 import WIDTH, Fp8Monitor
 from .indicators import Indicators
 from .integrity import listed, nonfinite_names
 from .payload import Layout, Packed, Unpacked
@@ -267,7 +267,7 @@ class Reporter:
         ranks = tuple(r for r, row in enumerate(rows) if row[Loc.FP8_NONFINITE] > 0)
         if not ranks and step % monitor.numerics_every:
             return None, ()
-        return monitor.decode([flat[k : k + 5] for k in range(0, len(flat), 5)]), ranks
+        return monitor.decode([flat[k : k + WIDTH] for k in range(0, len(flat), WIDTH)]), ranks
 
     def _fp8_anomaly(self, report: StepReport, casts: Sequence[Fp8Cast], ranks: tuple[int, ...]) -> Anomaly:
         """The anomaly of a step where an fp8 cast's amax or scale was non-finite: the module, role and values
