@@ -247,8 +247,10 @@ def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], An
     scaler = None
     if precision == "fp16":
         scaler = torch.amp.GradScaler(device.type, init_scale=_PROBE_SCALE, growth_interval=growth_interval)
+    # an fp8 trial: the guard's own fp8 monitoring samples every cast on every step (underflow included)
     opt = wrap(inner, model=model, precision="bf16" if precision == "fp8" else precision,  # type: ignore[arg-type]
-               scaler=scaler, config=GuardConfig(min_scale=2.0**-14, forensics=False, history_size=max(steps, 1)))
+               scaler=scaler, config=GuardConfig(min_scale=2.0**-14, forensics=False, history_size=max(steps, 1),
+                                                 numerics_every=1 if casts is not None else None))
     watch.begin(precision)
     times = []
     try:
@@ -256,13 +258,9 @@ def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], An
             watch.step_starts(precision)
             started = time.perf_counter()
             batch = batch_fn(i)
-            if casts is not None:
-                casts.begin(i)
             with opt.autocast():
                 loss = loss_fn(model, batch)
             opt.backward(loss)
-            if casts is not None:
-                casts.after_backward(i)
             opt.step()
             opt.zero_grad(set_to_none=True)
             if cuda:
@@ -273,7 +271,6 @@ def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], An
         if casts is None or "divisible by 16" not in str(exc):
             raise
         opt.close()
-        casts.close()
         return failed(f"torchao's fp8 matmul (torch._scaled_mm) refused a shape: {exc}. It needs the dimensions "
                       "it multiplies to be multiples of 16: leave out the layers whose in_features or "
                       "out_features are not (fp8_filter=lambda m, fqn: m.in_features % 16 == 0 and "
@@ -284,7 +281,7 @@ def _trial(model_fn: Callable[[], torch.nn.Module], batch_fn: Callable[[int], An
     reports = list(opt.history)
     opt.close()
     if casts is not None:
-        casts.close()
+        casts.close(reports)
     settle = 0
     if precision == "fp16":
         for r in reports:

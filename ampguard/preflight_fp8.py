@@ -2,8 +2,9 @@
 
 ``preflight(..., precision=(..., "fp8"))`` runs its fp8 trial through :class:`Fp8Trial`: the fresh model from the
 user's factory is converted with ``torchao.float8.convert_to_float8_training`` and trained under bf16 autocast
-(the guard at ``precision="bf16"``), while an :class:`~ampguard.fp8.Fp8Monitor` measures every cast on every
-step (underflow included: the trial is short). Each cast's worst over the trial becomes an :class:`Fp8CastStats`;
+(the guard at ``precision="bf16"``), whose own fp8 monitoring (on for a model holding ``Float8Linear`` layers)
+samples every cast on every step (``numerics_every=1``: underflow included, the trial is short) and puts it in
+each step's report. Each cast's worst over the trial becomes an :class:`Fp8CastStats`;
 :func:`advise` turns them into an :class:`Fp8Advice`: which layers should stay in bf16, each with its measured
 reason, and the ``module_filter_fn`` that keeps them there.
 
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from ._versions import require
-from .records import FP8_ROLES, Fp8Cast
+from .records import FP8_ROLES, Fp8Cast, StepReport
 
 __all__ = ["FP8_UNDERFLOW_LIMIT", "Fp8Advice", "Fp8CastStats", "Fp8Trial", "advise", "setup"]
 
@@ -170,39 +171,31 @@ def setup(config: Any, module_filter: Filter | None, device: torch.device) -> Se
 
 
 class Fp8Trial:
-    """Converts the trial's fresh model and measures its casts on every step (the monitor's underflow included)."""
+    """Converts the trial's fresh model; :meth:`close` reads its casts from the guard's reports (the trial's guard
+    samples them on every step: ``GuardConfig(numerics_every=1)``)."""
 
     def __init__(self, model: torch.nn.Module, setup: Setup) -> None:
         from torchao.float8 import convert_to_float8_training
 
-        from .fp8 import Fp8Monitor, _dtype, float8_modules
+        from .fp8 import _dtype, float8_modules
 
         self.model = convert_to_float8_training(model, config=setup.config, module_filter_fn=setup.filter)
         layers = float8_modules(self.model)
         if not layers:
             raise ValueError("convert_to_float8_training converted no layer of model_fn()'s model (it converts "
                              "torch.nn.Linear layers that fp8_filter accepts): nothing to try in fp8")
-        self.monitor = Fp8Monitor(self.model, numerics_every=1)  # every step sampled: the trial is short
         self.converted = tuple(name for name, _ in layers)
         self.dtypes = {(name, role): _dtype(module, role) for name, module in layers for role in FP8_ROLES}
-        self._steps: list[tuple[int, tuple[Fp8Cast, ...]]] = []
         self.casts: tuple[Fp8CastStats, ...] = ()
         """The worst of each cast over the trial, once :meth:`close` has run."""
 
-    def begin(self, step: int) -> None:
-        """Before the step's forward."""
-        self.monitor.begin_step(step)
-
-    def after_backward(self, step: int) -> None:
-        """After the step's backward: keep its casts (a host copy: the trial synchronises freely)."""
-        self._steps.append((step, self.monitor.decode(self.monitor.collect().tolist())))
-
-    def close(self) -> tuple[Fp8CastStats, ...]:
-        """Remove the hooks; the worst of each cast over the trial (kept in :attr:`casts`)."""
-        self.monitor.close()
+    def close(self, reports: Sequence[StepReport]) -> tuple[Fp8CastStats, ...]:
+        """The worst of each cast over the trial's ``reports`` (each step's ``StepReport.fp8``), kept in
+        :attr:`casts`."""
+        steps = [(r.step, r.fp8) for r in reports if r.fp8 is not None]
         out = []
-        for module, role in self.monitor.names:
-            ran = [(step, c) for step, casts in self._steps for c in casts if (c.module, c.role) == (module, role)]
+        for module, role in ((name, role) for name in self.converted for role in FP8_ROLES):
+            ran = [(step, c) for step, casts in steps for c in casts if (c.module, c.role) == (module, role)]
             dtype = self.dtypes[(module, role)]
             bad = [(step, c) for step, c in ran if not c.finite]
             # a non-finite cast's own "underflow" (a zero scale zeroes every finite element) is its non-finiteness,
