@@ -96,6 +96,11 @@ class Divergence:
         return f"rank(s) {list(self.ranks)} differ from the others in " + "; ".join(parts)
 
 
+def _key(values: Sequence[float | int]) -> tuple[object, ...]:
+    """A rank's gathered values as a comparable key: NaN == NaN here (a NaN scale on every rank agrees)."""
+    return tuple(v if v == v else "nan" for v in values)
+
+
 def _odd_ones_out(keys: Sequence[object]) -> tuple[int, ...]:
     """The ranks whose key differs from the majority's (a tie: the group holding the lowest rank)."""
     counts = Counter(keys)
@@ -144,7 +149,7 @@ def check(
     digests = gathered[:, _HEAD:].contiguous().view(torch.int64).tolist()
     rows = [tuple(h) + tuple(d) for h, d in zip(heads, digests)]
     n = len(FIELDS) if compare_params else _HEAD
-    keys = [tuple(v if v == v else "nan" for v in row[:n]) for row in rows]  # NaN == NaN here
+    keys = [_key(row[:n]) for row in rows]
     if len(set(keys)) <= 1:
         return None
     odd = _odd_ones_out(keys)
@@ -175,7 +180,7 @@ def _check_replicated(backend: Backend, replicas: Replicas, head: torch.Tensor, 
     mine = torch.tensor([1.0 if replicas.backend.rank in odd else 0.0], dtype=torch.float64, device=device)
     vec = torch.cat([head, mine])
     gathered = backend.all_gather(vec).wait().cpu().tolist()  # every rank: its head, and whether it is odd
-    keys_head = [tuple(v if v == v else "nan" for v in row[:_HEAD]) for row in gathered]
+    keys_head = [_key(row[:_HEAD]) for row in gathered]
     flagged = {r for r, row in enumerate(gathered) if row[_HEAD] != 0.0}
     if len(set(keys_head)) <= 1 and not flagged:
         return None
