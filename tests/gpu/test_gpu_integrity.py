@@ -12,22 +12,19 @@ import torch.nn.functional as F
 import ampguard
 from ampguard.fingerprint import param_fingerprints, params_digest
 
+from ..unit.test_integrity import _Gated
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-class _Gated(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(64, 256), nn.Linear(256, 10)
-        self.gate = nn.Parameter(torch.zeros(8))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x))) + 0 * self.gate.sum()
+def _gated() -> nn.Module:
+    """The unit tests' model (a parameter the loss never reaches), at a GPU's size."""
+    return _Gated((64, 256, 10, 8))
 
 
 def _run(eps: float, steps: int) -> tuple[ampguard.GuardedOptimizer, BaseException | None]:
     torch.manual_seed(0)
-    model = _Gated().cuda()
+    model = _gated().cuda()
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps, fused=True), model=model,
                         precision="fp16", scaler=torch.amp.GradScaler("cuda"),
                         config=ampguard.GuardConfig(param_check_every=1))

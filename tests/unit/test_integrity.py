@@ -19,10 +19,11 @@ from ampguard.fingerprint import param_fingerprints
 class _Gated(nn.Module):
     """A tiny MLP with a parameter the loss never reaches: its gradient is exactly zero."""
 
-    def __init__(self) -> None:
+    def __init__(self, sizes: tuple[int, int, int, int] = (8, 16, 2, 3)) -> None:  # in, hidden, out, gate
         super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 2)
-        self.gate = nn.Parameter(torch.zeros(3))
+        d_in, hidden, d_out, gate = sizes
+        self.fc1, self.fc2 = nn.Linear(d_in, hidden), nn.Linear(hidden, d_out)
+        self.gate = nn.Parameter(torch.zeros(gate))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(torch.tanh(self.fc1(x))) + 0 * self.gate.sum()
