@@ -34,7 +34,7 @@ from ._versions import require
 from .records import FP8_ROLES, Fp8Cast
 from .stats import local_tensor
 
-__all__ = ["WIDTH", "Fp8Monitor", "float8_modules"]
+__all__ = ["WIDTH", "Fp8Monitor", "float8_modules", "is_float8_linear", "layer_cast_stats"]
 
 _EPS = 1e-12  # torchao.float8.float8_utils.EPS
 WIDTH = 5
@@ -44,13 +44,18 @@ amax, scale, underflow, dynamic range."""
 
 def float8_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The torchao ``Float8Linear`` modules of ``model``, by qualified name (empty without torchao's float8)."""
+    return [(name, m) for name, m in model.named_modules() if is_float8_linear(m)]
+
+
+def is_float8_linear(module: torch.nn.Module) -> bool:
+    """``module`` is a torchao ``Float8Linear`` (never imports torchao for a model that cannot hold one)."""
     import sys
 
-    if "torchao.float8" not in sys.modules:  # never imports torchao for a model that cannot hold its modules
-        return []
+    if "torchao.float8" not in sys.modules:
+        return False
     from torchao.float8.float8_linear import Float8Linear
 
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+    return isinstance(module, Float8Linear)
 
 
 def _cast_config(module: Any, role: str) -> Any:
@@ -105,6 +110,12 @@ def cast_stats(x: torch.Tensor, dtype: torch.dtype, *, rowwise: bool, pow2: bool
     smallest = torch.where(nonzero, rows.abs(), torch.full_like(rows, math.inf)).amin()
     dynamic_range = torch.log2(amax / smallest)
     return torch.stack([torch.ones_like(amax), amax, scale, underflow, dynamic_range])
+
+
+def layer_cast_stats(module: torch.nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
+    """:func:`cast_stats` of ``x`` cast as the ``Float8Linear`` ``module`` casts it for ``role`` (its fp8 dtype,
+    tensorwise or rowwise, power-of-2 scales or not)."""
+    return cast_stats(x, _dtype(module, role), rowwise=_rowwise(module, role), pow2=_pow2(module))
 
 
 class Fp8Monitor:

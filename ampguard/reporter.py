@@ -251,7 +251,12 @@ class Reporter:
         if fp8_ranks:  # before the gradients' anomaly: the cast is where the non-finite values came from
             anomalies.insert(1 if report.nonfinite_loss else 0, self._fp8_anomaly(report, casts or (), fp8_ranks))
         if self.sentinel is not None and anomalies and report.nonfinite:
-            anomalies[0] = self._sentinel_named(step, anomalies[0], rows, ranks)
+            # the first anomaly other than the fp8 one, whose module and phase stay the cast's
+            at = next((i for i, a in enumerate(anomalies) if a.kind != AnomalyKind.FP8_NONFINITE), 0)
+            named = self._sentinel_named(step, anomalies[at], rows, ranks)
+            if named.kind == AnomalyKind.FP8_NONFINITE:
+                named = dataclasses.replace(named, module=anomalies[at].module, phase=anomalies[at].phase)
+            anomalies[at] = named
         poisoned = nonfinite_names(payload.params, names)
         if poisoned:
             anomalies.extend(self._poisoned(report, poisoned))

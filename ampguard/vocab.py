@@ -100,6 +100,9 @@ class Cause(_StrEnum):
     """Non-finite in fp32 too: a genuine NaN/inf (bad input or math)."""
     TRANSIENT = "transient"
     """A replay of the same batch was clean: suspect hardware or a race."""
+    FP8 = "fp8"
+    """A torchao ``Float8Linear`` recomputed on its saved inputs: non-finite in its own fp8 recipe, finite in the
+    run's high precision (the same layer without fp8) and in fp32: the fp8 casts or the fp8 GEMM made it."""
     NOT_REPRODUCED = "not_reproduced"
     """Recomputing the culprit on its saved inputs was finite in the run's precision and in
     fp32, and no replay said more: an injected value, a race, hardware, or state the recompute

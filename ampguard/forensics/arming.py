@@ -34,10 +34,23 @@ _NONFINITE_KINDS = (AnomalyKind.NONFINITE_LOSS, AnomalyKind.NONFINITE_GRAD, Anom
 
 def annotate(anomalies: list[Anomaly], finding: Finding | None) -> list[Anomaly]:
     """The step's first non-finite anomaly, with what forensics found (module, phase, cause; the
-    parameter it names first among the anomaly's parameters)."""
-    if finding is None or not anomalies or anomalies[0].kind not in _NONFINITE_KINDS:
+    parameter it names first among the anomaly's parameters); and the step's fp8 anomaly, which keeps
+    the cast it names (module, phase) and gains the cause and where the non-finite value came from."""
+    if finding is None:
         return anomalies
-    first = anomalies[0]
+    at = next((i for i, a in enumerate(anomalies) if a.kind in _NONFINITE_KINDS), None)
+    if at is not None:
+        anomalies[at] = _found(anomalies[at], finding)
+    for i, anomaly in enumerate(anomalies):
+        if anomaly.kind == AnomalyKind.FP8_NONFINITE:
+            where = f"the first non-finite value arose at {finding.module or 'the model'} ({finding.phase}): " if (
+                finding.phase is not None and finding.phase != Phase.INPUT) else ""
+            anomalies[i] = dataclasses.replace(anomaly, cause=finding.cause,
+                                               detail=f"{anomaly.detail}. Forensics: {where}{finding.detail}")
+    return anomalies
+
+
+def _found(first: Anomaly, finding: Finding) -> Anomaly:
     kind = first.kind
     if kind == AnomalyKind.OVERFLOW and finding.cause in (Cause.NAN, Cause.TRANSIENT):
         kind = AnomalyKind.NONFINITE_GRAD  # fp16, but forensics found a NaN the scale did not cause
@@ -47,11 +60,10 @@ def annotate(anomalies: list[Anomaly], finding: Finding | None) -> list[Anomaly]
     # A finding that says nothing of where (a clean replay of an unobserved step) keeps what the
     # sentinel saw on this step, or nothing; else module and phase are the finding's, None included.
     module, phase = (finding.module, finding.phase) if finding.phase is not None else (first.module, first.phase)
-    anomalies[0] = dataclasses.replace(
+    return dataclasses.replace(
         first, kind=kind, module=module, phase=phase, cause=finding.cause,
         params=params, detail=f"{first.detail}. Forensics: {finding.detail}",
     )
-    return anomalies
 
 
 class Forensics:

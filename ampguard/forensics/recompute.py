@@ -6,18 +6,27 @@ arguments (a KV cache, kept as it was at the call by :meth:`ampguard.forensics.c
 again, its module's buffers cloned. A recompute that appends to a cache or writes in place changes
 nothing of the run, and the second recompute sees what the call saw, not what the first left. A
 saved tensor written in place during or after the call (its version moved) is not recomputed on:
-the cause is then None, and the detail says which input changed."""
+the cause is then None, and the detail says which input changed.
+
+A torchao ``Float8Linear`` is a leaf recomputed three ways: in its own fp8 recipe (its forward, in the call's
+autocast state), as the same layer without fp8 in the run's high precision (``F.linear`` under that autocast),
+and as that layer in fp32. The fp8 recipe alone non-finite is ``Cause.FP8`` (its casts or its GEMM made it); the
+recipe and the high precision non-finite and fp32 finite is the run's precision overflowing; all three a genuine
+NaN. The detail carries what the layer's casts of these inputs come to (amax, scale, underflow), so an fp8 range
+problem is told apart from a NaN in the data."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
+from ..fp8 import is_float8_linear, layer_cast_stats
 from ..vocab import Cause
-from .calls import FP16_MAX, HALF, Call, copy_tensors, floats
+from .calls import FP16_MAX, HALF, Call, copy_tensors, first_tensor, floats
 
 __all__ = ["classify"]
 
@@ -35,15 +44,15 @@ def classify(module: torch.nn.Module, call: Call,
     ac = call.autocast
     run_label = (f"{str(ac[1]).removeprefix('torch.')} autocast" if ac is not None
                  else call.out_dtype.removeprefix("torch."))
+    on = "on its saved inputs" + (f" (copies of {', '.join(call.copied)} as at the call)" if call.copied else "")
+    if is_float8_linear(module):
+        return _classify_fp8(module, call, quietly, run_label, on)
     run, run_err = _recompute(quietly, module, call, fp32=False)
     fp32, fp32_err = _recompute(quietly, module, call, fp32=True)
-    if run_err is not None or fp32_err is not None:
-        said = [f"recomputed in {label} it is {'finite' if res[0] else 'non-finite'}" if err is None
-                else f"the {label} recompute failed ({err})"
-                for label, res, err in ((run_label, run, run_err), ("fp32", fp32, fp32_err))]
-        return None, "; ".join(said)
+    failed = _failed(((run_label, run, run_err), ("fp32", fp32, fp32_err)))
+    if failed is not None:
+        return None, failed
     run_ok, fp32_ok, fp32_max = run[0], fp32[0], fp32[1]
-    on = "on its saved inputs" + (f" (copies of {', '.join(call.copied)} as at the call)" if call.copied else "")
     if not run_ok and fp32_ok:
         return Cause.OVERFLOW, (f"recomputed {on} it is non-finite in {run_label} and finite in "
                                 f"fp32 (max |y| = {fp32_max:.4g}): the run's precision overflowed (fp16 ends at "
@@ -56,6 +65,76 @@ def classify(module: torch.nn.Module, call: Call,
     return Cause.NOT_REPRODUCED, (f"recomputed {on} it is finite in {run_label} and in fp32: not "
                                   "reproducible by recompute (an injected value, a race, hardware, or state the "
                                   "recompute does not see)")
+
+
+def _failed(passes: tuple[tuple[str, tuple[bool, float], str | None], ...]) -> str | None:
+    """None where every recompute ran; else what each showed or why it failed (the cause is then None)."""
+    if all(err is None for _, _, err in passes):
+        return None
+    return "; ".join(f"recomputed in {label} it is {'finite' if res[0] else 'non-finite'}" if err is None
+                     else f"the {label} recompute failed ({err})" for label, res, err in passes)
+
+
+def _classify_fp8(module: torch.nn.Module, call: Call, quietly: Callable[[], AbstractContextManager[None]],
+                  run_label: str, on: str) -> tuple[Cause | None, str]:
+    """A torchao ``Float8Linear`` culprit: its fp8 recipe, the same layer without fp8 in the run's precision, and
+    in fp32 (module docstring), and what its casts of these inputs come to."""
+    linear = _as_linear(module)
+    recipe, recipe_err = _recompute(quietly, module, call, fp32=False)
+    high, high_err = _recompute(quietly, module, call, fp32=False, forward=linear)
+    fp32, fp32_err = _recompute(quietly, module, call, fp32=True, forward=linear)
+    recipe_label, high_label = f"its fp8 recipe ({run_label})", f"{run_label} without fp8"
+    casts = _casts(module, call)
+    failed = _failed(((recipe_label, recipe, recipe_err), (high_label, high, high_err), ("fp32", fp32, fp32_err)))
+    if failed is not None:
+        return None, f"{failed}; {casts}"
+    if not recipe[0] and high[0] and fp32[0]:
+        return Cause.FP8, (f"recomputed {on} it is non-finite in {recipe_label} and finite as the same layer "
+                           f"without fp8, in {run_label} (max |y| = {high[1]:.4g}) and in fp32: its fp8 casts or "
+                           f"fp8 GEMM made it; {casts}")
+    if not recipe[0] and fp32[0]:
+        return Cause.OVERFLOW, (f"recomputed {on} it is non-finite in {recipe_label} and in {high_label}, finite in "
+                                f"fp32 (max |y| = {fp32[1]:.4g}): the run's precision overflowed, not fp8 (fp16 ends "
+                                f"at ±{FP16_MAX:g}); {casts}")
+    if not recipe[0]:
+        return Cause.NAN, (f"recomputed {on} it is non-finite in {recipe_label}, in {high_label} and in fp32: a "
+                           f"genuine NaN/inf (a non-finite weight, bad data), not fp8; {casts}")
+    if not (high[0] and fp32[0]):
+        return Cause.NAN, (f"recomputed {on} it is finite in {recipe_label} but non-finite "
+                           f"{'without fp8' if not high[0] else 'in fp32'}; {casts}")
+    return Cause.NOT_REPRODUCED, (f"recomputed {on} it is finite in {recipe_label}, in {high_label} and in fp32: "
+                                  "not reproducible by recompute (an injected value, a race, hardware, a compiled "
+                                  f"kernel); {casts}")
+
+
+def _as_linear(module: Any) -> Callable[..., Any]:
+    """The forward of ``module`` as the plain ``nn.Linear`` it replaced: ``F.linear`` of its (state's) weight and
+    bias, no fp8."""
+
+    def forward(state: dict[str, torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        x = args[0] if args else kwargs["input"]
+        return torch.nn.functional.linear(x, state.get("weight", module.weight),
+                                          state.get("bias", module.bias))
+
+    return forward
+
+
+def _casts(module: Any, call: Call) -> str:
+    """``"its fp8 casts of these inputs: input amax … → scale …, underflow … %; weight …"``: the layer's input
+    and weight cast as it casts them (in the call's autocast dtype, its recipe's scaling)."""
+    x = first_tensor(list(floats((call.args, call.kwargs))))
+    if x is None:
+        return "its fp8 casts: no input to measure"
+    dtype = call.autocast[1] if call.autocast is not None else None
+    said = []
+    try:
+        for role, t in (("input", x), ("weight", module.weight)):
+            t = t.detach()
+            stats = layer_cast_stats(module, role, t.to(dtype) if dtype is not None else t).tolist()
+            said.append(f"{role} amax {stats[1]:.4g} → scale {stats[2]:.4g}, underflow {100 * stats[3]:.3g} %")
+    except Exception as exc:  # a layout the statistics do not know: say so, guess nothing
+        return f"its fp8 casts could not be measured ({type(exc).__name__}: {str(exc)[:120]})"
+    return "its fp8 casts of these inputs: " + "; ".join(said)
 
 
 def _unchanged(call: Call) -> str | None:
@@ -72,10 +151,11 @@ def _unchanged(call: Call) -> str | None:
 
 
 def _recompute(quietly: Callable[[], AbstractContextManager[None]], module: torch.nn.Module, call: Call, *,
-               fp32: bool) -> tuple[tuple[bool, float], str | None]:
+               fp32: bool, forward: Callable[..., Any] | None = None) -> tuple[tuple[bool, float], str | None]:
     """(outputs all finite, max |output|), or the error that stopped the recompute. Buffers
     are copies (a BatchNorm's running stats stay as they were); the RNG is forked (a dropout
-    inside does not shift the run's masks)."""
+    inside does not shift the run's masks). ``forward(state, args, kwargs)``: what to run instead of the
+    module's own forward (a ``Float8Linear`` as a plain linear layer)."""
 
     def prep(t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -103,7 +183,8 @@ def _recompute(quietly: Callable[[], AbstractContextManager[None]], module: torc
                 device_type=ac[0] if ac is not None and not fp32 else device_type,
                 dtype=ac[1] if ac is not None and not fp32 else None,
                 enabled=ac is not None and not fp32):
-            out = torch.func.functional_call(module, state, args, kwargs, strict=False)
+            out = (forward(state, args, kwargs) if forward is not None
+                   else torch.func.functional_call(module, state, args, kwargs, strict=False))
         outs = list(floats(out))
         if not outs:
             return (True, math.nan), "no floating-point output"
