@@ -117,3 +117,45 @@ def test_the_guarded_fp8_step_adds_no_sync_and_skips_a_nan_batch_on_the_step_its
     fp8 = [a for a in opt.anomalies if a.kind == "fp8_nonfinite"]
     assert len(fp8) == 1 and fp8[0].step == 4 and fp8[0].module == "0" and "0, input: amax nan" in fp8[0].detail
     opt.close()
+
+
+def test_forensics_on_real_fp8_matmuls_tells_an_fp16_overflow_from_a_nan_weight():
+    """tests/unit/test_fp8_forensics.py on real fp8 GEMMs (torch._scaled_mm): a layer whose fp16 output passes
+    65504 is ``overflow`` (not fp8) and explains the next layer's Inf cast; a weight made NaN by a flipped bit is
+    ``nan``."""
+    import ampguard
+
+    model = _model()
+    with torch.no_grad():
+        model[0].weight.mul_(40.0)
+    opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.0), model=model,
+                        scaler=torch.amp.GradScaler("cuda"))
+    x = torch.randn(64, 256, device="cuda")
+    x[2] = 6e4
+
+    def until_found(batch):
+        for _ in range(8):  # armed after the first non-finite step's report (decoded a step or two late on CUDA)
+            with opt.autocast():
+                loss = model(batch).float().square().mean()
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            opt.flush()
+            found = [a for a in opt.anomalies if a.kind == "fp8_nonfinite" and a.cause is not None]
+            if found:
+                return found[-1]
+        raise AssertionError([(a.kind, a.detail) for a in opt.anomalies])
+
+    a = until_found(x)
+    assert a.module == "2" and a.cause == "overflow" and "arose at 0 (forward)" in a.detail, a.detail
+    assert "finite in fp32" in a.detail and "not fp8" in a.detail
+    opt.close()
+
+    model = _model()
+    with torch.no_grad():
+        model[2].weight.view(torch.int32)[3, 5] |= 0x7FC00000  # a bit flip in memory: a NaN weight
+    opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.0), model=model, precision="bf16",
+                        config={"param_check_every": None})
+    a = until_found(torch.randn(64, 256, device="cuda"))
+    assert a.module == "2" and a.cause == "nan" and "2, weight: amax nan" in a.detail, a.detail
+    opt.close()
