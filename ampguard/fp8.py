@@ -3,7 +3,8 @@
 :class:`Fp8Monitor` puts a forward pre-hook (input and weight, as the layer is about to cast them: under FSDP2 the
 weight is whole then) and a forward hook on each torchao ``Float8Linear`` of a model, and from the latter a gradient
 hook on the layer's output (no torchao function is patched; no module backward hook, which would wrap every input and
-output), and measures, per role (``input``, ``weight``, ``grad_output``, :data:`FP8_ROLES`):
+output; inside ``torch.compile``, where a gradient hook would break the graph, a probe: :class:`_GradProbe`), and
+measures, per role (``input``, ``weight``, ``grad_output``, :data:`FP8_ROLES`):
 
 - ``amax``: ``torch.linalg.vector_norm(x, ord=inf)`` of the high-precision tensor the layer casts (with rowwise
   scaling the largest over rows);
@@ -118,6 +119,21 @@ def layer_cast_stats(module: torch.nn.Module, role: str, x: torch.Tensor) -> tor
     return cast_stats(x, _dtype(module, role), rowwise=_rowwise(module, role), pow2=_pow2(module))
 
 
+class _GradProbe(torch.autograd.Function):
+    """The identity on a ``Float8Linear``'s output in the forward; in the backward, the float32 amax of the gradient
+    arriving there (the tensor torchao casts as grad_output) becomes the gradient of ``probe``, a 0-dim leaf the
+    monitor owns and no optimizer holds. A pure function of the graph (nothing written outside it), so
+    ``torch.compile`` traces it into the compiled backward where a gradient hook would break the graph."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.linalg.vector_norm(grad, ord=math.inf, dtype=torch.float32)
+
+
 class Fp8Monitor:
     """Measures every fp8 cast of the ``Float8Linear`` modules of ``model`` (see the module docstring).
 
@@ -151,7 +167,15 @@ class Fp8Monitor:
         self._sampled = False
         self._order = 0  # casts measured this step: each cast's rank in the order they ran
         self.compiled = False
-        """A forward ran inside ``torch.compile``: its grad_output casts are not measured (warned once)."""
+        """A forward ran inside ``torch.compile`` with a DTensor output: its grad_output casts are not measured
+        (warned once)."""
+        self.probed = False
+        """A forward ran inside ``torch.compile``: its grad_output amaxes come back through the probes."""
+        self._probes = [torch.zeros((), dtype=torch.float32, device=next(m.parameters()).device, requires_grad=True)
+                        for _, m in self.modules]
+        """Per module, a 0-dim leaf whose gradient a compiled backward sets to the grad_output amax
+        (:class:`_GradProbe`; summed over the forwards of a step: with gradient accumulation under compile, an upper
+        bound)."""
         self._warned = False
         self._consts: dict[Any, torch.Tensor] = {}
         """Device constants of :meth:`collect`, made once per device and pattern (a pinned copy, no sync)."""
@@ -201,21 +225,47 @@ class Fp8Monitor:
         return hook
 
     def _forward_hook(self, index: int) -> Any:
-        def hook(module: Any, args: tuple[Any, ...], output: Any) -> None:
-            if not torch.is_grad_enabled():  # an evaluation's forward: no step follows it
-                return
-            if torch.compiler.is_compiling():
-                # A gradient hook registered inside a compiled region breaks its graph (dynamo cannot trace a hook
-                # that writes the monitor's state): there, only the forward's casts are measured.
-                self.compiled = True
-            elif isinstance(output, torch.Tensor) and output.requires_grad:
+        def hook(module: Any, args: tuple[Any, ...], output: Any) -> Any:
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+                return None  # an evaluation's forward (no step follows it), or an output no gradient reaches
+            if not torch.compiler.is_compiling():
                 output.register_hook(self._backward_hook(module, index))  # the grad_output cast, in the backward
+                return None
+            if hasattr(output, "placements"):  # a DTensor output (tensor parallel) inside torch.compile
+                self.compiled = True
+                return None
+            # A gradient hook registered inside a compiled region breaks its graph (dynamo cannot trace a hook that
+            # writes the monitor's state): the probe, a pure function, carries the amax out as a gradient instead.
+            self.probed = True
+            return _GradProbe.apply(output, self._probes[index])
         return hook
 
     def _backward_hook(self, module: Any, index: int) -> Any:
         def hook(grad_output: torch.Tensor) -> None:  # a hook on the layer's output: its gradient, as cast
             self._measure(module, index, "grad_output", grad_output, None)
         return hook
+
+    def _take_probes(self, device: torch.device) -> None:
+        """The grad_output amaxes the probes carried out of a compiled backward, in backward order (the reverse of
+        the modules'), as the slots of those casts (the scale from the amax; no underflow: a probe carries one
+        float). Each probe's gradient is cleared for the next step."""
+        for index in range(len(self.modules) - 1, -1, -1):
+            probe = self._probes[index]
+            amax = probe.grad
+            if amax is None:
+                continue
+            probe.grad = None
+            slot = 3 * index + FP8_ROLES.index("grad_output")
+            if self._slots[slot] is not None:  # measured by the eager hook (a forward outside the compiled region)
+                continue
+            self._order += 1
+            self._orders[slot] = float(self._order)
+            if not self._sampled:
+                self._slots[slot] = amax.to(device)
+                continue
+            scale = _scale(amax.to(device), self._fmax[slot], self._pow2[slot])
+            nan = self._const(device, ("nan",), [math.nan])[0]
+            self._slots[slot] = torch.stack([torch.ones_like(scale), amax.to(device), scale, nan, nan])
 
     def begin_step(self, step: int) -> None:
         """Start a step: forget the last one's casts; ``step`` decides whether this one is sampled."""
@@ -224,18 +274,23 @@ class Fp8Monitor:
         self._rounded = {}
         self._order = 0
         self._sampled = step % self.numerics_every == 0
+        if self.probed:  # a probe's gradient from a step that was never collected
+            for probe in self._probes:
+                probe.grad = None
 
     def collect(self) -> torch.Tensor:
         """``[n_casts, 5]`` float32 on device: order, amax, scale, underflow, dynamic range (``order`` k: the k-th
         cast measured this step; NaN rows for casts that did not run, e.g. a frozen layer's grad_output)."""
         if self.compiled and not self._warned:
             self._warned = True
-            warnings.warn("ampguard fp8 monitoring inside torch.compile measures the input and weight casts of each "
-                          "Float8Linear, not its grad_output casts: a gradient hook would break the compiled graph. "
-                          "A non-finite grad_output still shows in the gradients the guard checks.", stacklevel=2)
+            warnings.warn("ampguard fp8 monitoring inside torch.compile does not measure the grad_output casts of a "
+                          "Float8Linear whose output is a DTensor (tensor parallel). A non-finite grad_output still "
+                          "shows in the gradients the guard checks.", stacklevel=2)
         device = next((s.device for s in self._slots if s is not None), None)
         if device is None:
             device = next(self.modules[0][1].parameters()).device
+        if self.probed:
+            self._take_probes(device)
         if self._sampled:
             nan = self._const(device, ("nan", WIDTH), [math.nan] * WIDTH)
             rows = torch.stack([s if s is not None else nan for s in self._slots])

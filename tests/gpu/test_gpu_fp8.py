@@ -82,8 +82,11 @@ def test_a_compiled_monitored_model_does_not_recompile_per_step():
     batches = [torch.randn(64, 256, device="cuda") for _ in range(8)]
     _steps(compiled, monitor, batches[:3])  # sampled and unsampled steps both compiled
     before = dict(counters["stats"])
-    _steps(compiled, monitor, batches[3:])
+    rows = _steps(compiled, monitor, batches[3:])
     assert counters["stats"].get("unique_graphs", 0) == before.get("unique_graphs", 0)
+    # the grad_output casts too, through the probes traced into the compiled backward (inductor)
+    casts = monitor.decode(rows[-1][:-1].reshape(-1, 5).tolist())
+    assert {c.role for c in casts} == {"input", "weight", "grad_output"} and all(c.finite for c in casts)
 
 
 def test_the_guarded_fp8_step_adds_no_sync_and_skips_a_nan_batch_on_the_step_itself():
