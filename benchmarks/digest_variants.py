@@ -1,16 +1,37 @@
 """Variants of the replica digest (``ampguard.fingerprint.params_digest``), timed alone on one model's
-parameters: which one reads the bits fastest (issue 27: the digest at N=100 must cost at most 0.1 % of a step).
+parameters: which one reads the bits fastest (issue 27: the digest at N=100 must cost at most 0.1 % of a step,
+about 2.5 ms for GPT-2 124M on an H200).
+
+Each variant is a function of the parameter list that returns a digest, of one of three kinds (``Variant.kind``):
+``same``, the two int64 words of ``main`` bit for bit (asserted at warm-up); ``low32``, ``main``'s two words
+modulo 2**32 (asserted); ``different``, another fingerprint (what it sees is in its docstring).
 
 - ``before``: the digest before its plan (chunks of ``_CHUNK`` elements, each reduced and weighted on its own:
-  about 14 kernels a chunk, launch-bound on a GPU);
+  about 14 kernels a chunk, launch-bound on a GPU). same;
 - ``main``: the code on main (a plan made once per parameter list; per chunk its concatenation and two
-  reductions; the weights applied once to all row and column sums). Bitwise the same digest;
-- ``tensors``: no concatenation: each tensor summed on its own (the per-parameter fingerprints, folded).
+  reductions; the weights applied once to all row and column sums). The reference;
+- ``tensors``: no concatenation: each tensor summed on its own (the per-parameter fingerprints, folded). different;
+- ``widen``: ``main``, but each chunk widened to int64 once (the concatenation written straight into int64) and
+  both reductions read that: ``sum(dtype=torch.int64)`` of an int32 tensor first copies it to int64
+  (``make_reduction``'s ``self.to(in_dtype)``), so ``main`` widens every element twice. same;
+- ``int32wrap``: ``main``'s plan, the sums accumulated in int32 (no widening copy for fp32; 16-bit views still
+  widen). low32;
+- ``pairs``: ``main`` over the bits read as int64 words (two fp32 or four bf16 elements a word; no widening copy,
+  half or a quarter of the elements). different;
+- ``compiled``: each tensor's plain and position-weighted sums in one ``torch.compile``d function (inductor reads
+  each int view once, widens in registers and fuses both sums), folded with the tensors' offsets. same;
+- ``graph``, ``graph_widen``, ``graph_pairs``, ``compiled_graph``: ``main``, ``widen``, ``pairs``, ``compiled``
+  captured once in a CUDA graph and replayed (no launches, no plan lookup; the output in a static tensor). CUDA only.
+
+``setup`` is each variant's first call (plan, compile or capture), outside the timed reps; ``+reserved`` what that
+left reserved on the device (a graph's pool keeps its temporaries). ``main: _plan lookup`` is the host time of the
+plan check alone, which every call of ``main``, ``widen`` and ``int32wrap`` pays.
 
 Run ``a`` (2026-12-04) timed the first version's larger chunks and a row-sums-only variant instead; see
 benchmarks/RESULTS.md.
 
     python benchmarks/digest_variants.py --device cuda --model gpt2 --reps 30 --out digest.json
+    python benchmarks/digest_variants.py --device cuda --variants main,compiled,compiled_graph
 """
 
 from __future__ import annotations
@@ -20,6 +41,8 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import overhead
 
 from ampguard import fingerprint as F
+
+Digest = Callable[[Sequence[torch.Tensor]], torch.Tensor]
 
 
 def _before(tensors) -> torch.Tensor:
@@ -68,42 +93,338 @@ def _before(tensors) -> torch.Tensor:
     return torch.stack([plain, weighted])
 
 
-VARIANTS = {
-    "before": _before,
-    "main": lambda ts: F.params_digest(ts),
-    "tensors": lambda ts: F.param_fingerprints(ts).sum(0),
+def _key(tensors: Sequence[torch.Tensor]) -> tuple:
+    """What a cached view list or graph depends on: the tensors' storage, sizes and dtypes (host only, cheap)."""
+    return tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors)
+
+
+class _PerList:
+    """The last value of ``make(tensors)``, kept while ``_key(tensors)`` is unchanged."""
+
+    def __init__(self, make: Callable[[Sequence[torch.Tensor]], object]) -> None:
+        self.make = make
+        self.key: tuple | None = None
+        self.value: object = None
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> object:
+        key = _key(tensors)
+        if key != self.key:
+            self.key, self.value = None, self.make(tensors)
+            self.key = key
+        return self.value
+
+
+def _ordered(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The flat integer views in ``main``'s order: grouped by width (``sorted(str(dtype))``), in order within one."""
+    device = tensors[0].device
+    by_width: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        v = F._ints(t).reshape(-1)
+        by_width.setdefault(v.dtype, []).append(v.to(device))
+    return [v for dtype in sorted(by_width, key=str) for v in by_width[dtype]]
+
+
+def _matrices(plan: F._Plan, join: Callable[[tuple[torch.Tensor, ...]], torch.Tensor]) -> Iterator[torch.Tensor]:
+    """``params_digest``'s loop over its plan's blocks: each block's ``[rows, cols]`` matrix, read from
+    ``join(parts)``, made once for a chunk's rows and its tail."""
+    joined: tuple[tuple[torch.Tensor, ...], torch.Tensor] | None = None
+    for block in plan.blocks:
+        if joined is None or joined[0] is not block.parts:
+            joined = (block.parts, join(block.parts))
+        yield joined[1][block.start : block.start + block.rows * block.cols].view(block.rows, block.cols)
+
+
+def _cat(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _cat64(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The chunk widened to int64 in one kernel: a lone tensor ``.to``, several concatenated into an int64 buffer."""
+    if len(parts) == 1:
+        return parts[0].to(torch.int64)
+    n = sum(x.numel() for x in parts)
+    return torch.cat(parts, out=torch.empty(n, dtype=torch.int64, device=parts[0].device))
+
+
+def _widen(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``main``'s plan and arithmetic, each chunk widened to int64 once. ``main`` reduces an int32 chunk twice with
+    ``sum(dtype=torch.int64)``, and each of those first copies the chunk to int64 (``make_reduction``:
+    ``self.to(in_dtype)``): per element 4 + 2 x (4 read, 8 written, 8 read) bytes, after the concatenation's
+    4 + 4. Here the concatenation is written straight into an int64 buffer (``torch.cat(out=)``; a lone tensor:
+    ``.to(torch.int64)``) and both sums read it: 4 + 8 + 8 + 8. Bitwise-equivalent to ``main``: the same integers
+    summed modulo 2**64."""
+    if not tensors:
+        return torch.zeros(F.WORDS, dtype=torch.int64)
+    plan = F._plan(tensors, tensors[0].device)
+    if not plan.blocks:
+        return torch.zeros(F.WORDS, dtype=torch.int64, device=tensors[0].device)
+    row_sums: list[torch.Tensor] = []
+    col_sums: list[torch.Tensor] = []
+    for m in _matrices(plan, _cat64):  # one chunk's int64 copy alive at a time
+        row_sums.append(m.sum(1))
+        col_sums.append(m.sum(0))
+    rows, cols = torch.cat(row_sums), torch.cat(col_sums)
+    return torch.stack([rows.sum(), (rows * plan.row_weights).sum() + (cols * plan.col_weights).sum()])
+
+
+_WEIGHTS32: dict[int, tuple[F._Plan, torch.Tensor, torch.Tensor]] = {}
+
+
+def _int32wrap(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``main``'s plan and arithmetic in int32, wrapping: the row and column sums ``sum(dtype=torch.int32)`` (an
+    int32 view is read as it is, no widening copy; an int16 view is still copied to int32), the weights taken
+    modulo 2**32. ``[2]`` int32: ``main``'s two words modulo 2**32 (``low32`` kind, asserted at warm-up: integer
+    sums and products wrap the same way in any order). A 32-bit fingerprint: a flipped bit changes an element by
+    +-2**b, b < 32, so the plain word always changes; a swap of elements i, j changes the weighted word by
+    (i - j)(x_j - x_i), unseen when that is a multiple of 2**32 (``main``'s 64 bits see every swap of unequal
+    elements of up to 32 bits among fewer than 2**31 positions)."""
+    if not tensors:
+        return torch.zeros(F.WORDS, dtype=torch.int32)
+    plan = F._plan(tensors, tensors[0].device)
+    if not plan.blocks:
+        return torch.zeros(F.WORDS, dtype=torch.int32, device=tensors[0].device)
+    w = _WEIGHTS32.get(id(plan))
+    if w is None or w[0] is not plan:
+        _WEIGHTS32.clear()
+        # int64 -> int32 keeps the low 32 bits (two's complement): the weights modulo 2**32
+        w = _WEIGHTS32[id(plan)] = (plan, plan.row_weights.to(torch.int32), plan.col_weights.to(torch.int32))
+    row_sums: list[torch.Tensor] = []
+    col_sums: list[torch.Tensor] = []
+    for m in _matrices(plan, _cat):
+        row_sums.append(m.sum(1, dtype=torch.int32))
+        col_sums.append(m.sum(0, dtype=torch.int32))
+    rows, cols = torch.cat(row_sums), torch.cat(col_sums)
+    weighted = (rows * w[1]).sum(dtype=torch.int32) + (cols * w[2]).sum(dtype=torch.int32)
+    return torch.stack([rows.sum(dtype=torch.int32), weighted])
+
+
+def _words(v: torch.Tensor) -> list[torch.Tensor]:
+    """A flat integer view of width < 8 as views only: the leading elements before an 8-byte boundary, the int64
+    words (``view(torch.int64)``), the trailing elements after the last whole word."""
+    width = v.element_size()
+    if width >= 8 or v.numel() == 0:
+        return [v]
+    per = 8 // width
+    lead = min(v.numel(), ((-v.data_ptr()) % 8) // width)
+    body = (v.numel() - lead) // per * per
+    pieces = [v[:lead], v[lead : lead + body].view(torch.int64), v[lead + body :]]
+    return [x for x in pieces if x.numel()]
+
+
+_pair_views = _PerList(lambda ts: [w for v in _ordered(ts) for w in _words(v)])
+
+
+def _pairs(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``main`` (``params_digest``) over the bits read as int64 words: each fp32 tensor as pairs of elements, each
+    bf16/fp16 tensor as quads (``view(torch.int64)``, no copy), the few elements before an 8-byte boundary or after
+    the last whole word kept as they are. No widening copy and a half (fp32) or a quarter (16-bit) of the
+    elements to reduce. A different fingerprint: a flipped bit b of a word's element h changes the word by
+    +-2**(b + 32h) (fp32), nonzero modulo 2**64, so the plain word always changes; a swap within a word changes
+    it (``lo + 2**32 hi`` against ``hi + 2**32 lo``: they differ by (hi - lo)(2**32 - 1), 2**32 - 1 odd). The
+    weighted word is weaker than ``main``'s: swapping two high halves (odd fp32 positions) i, j words apart
+    changes it by (i - j)(d)2**32, unseen when (i - j) d is a multiple of 2**32 (e.g. fp32 values with 16 zero low
+    mantissa bits, as bf16-rounded ones, 2**16 words apart); swaps of low halves, or of whole words whose low
+    halves differ, are always seen. The view list is kept per parameter list (storage unchanged)."""
+    if not tensors:
+        return torch.zeros(F.WORDS, dtype=torch.int64)
+    return F.params_digest(_pair_views(tensors))  # type: ignore[arg-type]
+
+
+def _compiled_sums(views: list[torch.Tensor], offsets: torch.Tensor) -> torch.Tensor:
+    plain = []
+    local = []
+    for v in views:
+        x = v.to(torch.int64)  # in registers: inductor fuses the cast into the reductions
+        plain.append(x.sum())
+        local.append((x * torch.arange(1, v.numel() + 1, device=v.device, dtype=torch.int64)).sum())
+    p = torch.stack(plain)
+    return torch.stack([p.sum(), (torch.stack(local) + p * offsets).sum()])
+
+
+_compiled_fn: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor] | None = None
+
+
+def _compiled_inputs(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    views = [v for v in _ordered(tensors) if v.numel()]
+    starts = [0]
+    for v in views[:-1]:
+        starts.append(starts[-1] + v.numel())
+    return views, torch.tensor(starts, dtype=torch.int64, device=tensors[0].device)
+
+
+_compiled_views = _PerList(_compiled_inputs)
+
+
+def _compiled(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``params_digest``'s arithmetic, ``torch.compile``d (``fullgraph``, static shapes): per tensor its plain sum
+    and its sum weighted by its own positions (k + 1), in one kernel that reads the int view once and widens in
+    registers; then ``plain = sum p_t``, ``weighted = sum (w_t + o_t p_t)`` with o_t the tensor's offset in
+    ``main``'s order (position o_t + k + 1). All in int64, wrapping modulo 2**64 like ``main``'s sums:
+    bitwise-equivalent (asserted). The views and offsets are kept per parameter list; the first call compiles
+    (``setup``)."""
+    global _compiled_fn
+    if not tensors:
+        return torch.zeros(F.WORDS, dtype=torch.int64)
+    views, offsets = _compiled_views(tensors)  # type: ignore[misc]
+    if not views:
+        return torch.zeros(F.WORDS, dtype=torch.int64, device=tensors[0].device)
+    if _compiled_fn is None:
+        _compiled_fn = torch.compile(_compiled_sums, fullgraph=True, dynamic=False)
+    return _compiled_fn(views, offsets)
+
+
+class _Graphed:
+    """``fn`` captured in a CUDA graph per parameter list (``_key``) and replayed; the digest is the graph's static
+    output (read it before the next call). Warm-up on a side stream, then capture, as torch's CUDA graph docs say.
+    The same words as ``fn``."""
+
+    def __init__(self, fn: Digest) -> None:
+        self.fn = fn
+        self.key: tuple | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        key = _key(tensors)
+        if key != self.key or self.graph is None or self.out is None:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    self.fn(tensors)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self.fn(tensors)
+            self.key = key
+        self.graph.replay()
+        return self.out
+
+
+@dataclass(frozen=True)
+class Variant:
+    fn: Digest
+    kind: str
+    """``same`` (main's two int64 words), ``low32`` (main's words modulo 2**32) or ``different``."""
+    cuda: bool = False
+    """CUDA only (skipped on another device)."""
+
+
+def _main(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return F.params_digest(tensors)
+
+
+def _tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The per-parameter fingerprints folded: the plain word is ``main``'s, the weighted one sums each tensor's
+    own position-weighted sum (no offsets). Different: a flipped bit or a swap within a tensor is seen, two
+    swapped tensors of one shape are not."""
+    return F.param_fingerprints(tensors).sum(0)
+
+
+VARIANTS: dict[str, Variant] = {
+    "before": Variant(_before, "same"),
+    "main": Variant(_main, "same"),
+    "tensors": Variant(_tensors, "different"),
+    "widen": Variant(_widen, "same"),
+    "int32wrap": Variant(_int32wrap, "low32"),
+    "pairs": Variant(_pairs, "different"),
+    "compiled": Variant(_compiled, "same"),
+    "graph": Variant(_Graphed(_main), "same", cuda=True),
+    "graph_widen": Variant(_Graphed(_widen), "same", cuda=True),
+    "graph_pairs": Variant(_Graphed(_pairs), "different", cuda=True),
+    "compiled_graph": Variant(_Graphed(_compiled), "same", cuda=True),
 }
 
 
-def main() -> None:
+def low32(x: torch.Tensor) -> torch.Tensor:
+    """A digest's words modulo 2**32, as int64 in [0, 2**32)."""
+    return x.to(torch.int64) & 0xFFFFFFFF
+
+
+def check(name: str, digest: torch.Tensor, reference: torch.Tensor) -> None:
+    """Assert that ``digest`` is what variant ``name``'s kind promises against ``main``'s ``reference``."""
+    kind = VARIANTS[name].kind
+    if kind == "same":
+        assert torch.equal(digest, reference), (name, digest, reference)
+    elif kind == "low32":
+        assert torch.equal(low32(digest), low32(reference)), (name, digest, reference)
+
+
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--model", default="gpt2", choices=sorted(overhead.SIZES))
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--variants", default=None, help=f"comma list (default: all): {','.join(VARIANTS)}")
     p.add_argument("--out", type=Path)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     device = torch.device(args.device)
+    names = args.variants.split(",") if args.variants else list(VARIANTS)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variants {unknown}; known: {','.join(VARIANTS)}")
+    skipped = [n for n in names if VARIANTS[n].cuda and device.type != "cuda"]
+    names = [n for n in names if n not in skipped]
+    if skipped:
+        print(f"skipped (CUDA only): {','.join(skipped)}")
     model = overhead.build_model(overhead.SIZES[args.model], device)
     params = [q.detach() for q in model.parameters()]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {k: [] for k in VARIANTS}
-    for fn in VARIANTS.values():  # warm-up (and main's plan)
+    on_cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+    reserved = torch.cuda.memory_reserved if on_cuda else (lambda: 0)
+    reference = F.params_digest(params).clone()  # main's words, and its plan
+    t = time.perf_counter()
+    for _ in range(20):
+        F._plan(params, device)
+    plan_ms = (time.perf_counter() - t) / 20 * 1e3
+    setup: dict[str, dict[str, float]] = {}
+    for name in names:  # warm-up: plan, compile or capture (timed apart), then the check against main
+        fn = VARIANTS[name].fn
+        sync()
+        before_reserved = reserved()
+        t = time.perf_counter()
         fn(params)
-    assert torch.equal(VARIANTS["before"](params), VARIANTS["main"](params))
+        sync()
+        setup[name] = {"ms": (time.perf_counter() - t) * 1e3, "reserved_mb": (reserved() - before_reserved) / 2**20}
+        check(name, fn(params).clone(), reference)
+    times: dict[str, list[float]] = {k: [] for k in names}
     for r in range(args.reps):
-        for name in list(VARIANTS)[r % len(VARIANTS):] + list(VARIANTS)[: r % len(VARIANTS)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            fn = VARIANTS[name].fn
             sync()
             t = time.perf_counter()
-            VARIANTS[name](params)
+            fn(params)
             sync()
             times[name].append((time.perf_counter() - t) * 1e3)
-    out = {"n_params": sum(q.numel() for q in params), "tensors": len(params), "ms": {}}
+    out: dict = {
+        "device": str(device),
+        "model": args.model,
+        "n_params": sum(q.numel() for q in params),
+        "tensors": len(params),
+        "torch": torch.__version__,
+        "plan_lookup_ms": plan_ms,
+        "ms": {},
+    }
+    print(f"{out['n_params']} parameters in {len(params)} tensors on {device}; torch {torch.__version__}")
+    print(f"main: _plan lookup (host only) {plan_ms:.3f} ms a call")
     for name, xs in times.items():
-        q = statistics.quantiles(xs, n=4)
-        out["ms"][name] = {"p25": q[0], "median": statistics.median(xs), "p75": q[2]}
-        print(f"{name:10s} p25 {q[0]:8.3f}  median {statistics.median(xs):8.3f}  p75 {q[2]:8.3f} ms")
+        q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+        s = setup[name]
+        out["ms"][name] = {
+            "p25": q[0],
+            "median": statistics.median(xs),
+            "p75": q[2],
+            "kind": VARIANTS[name].kind,
+            "setup_ms": s["ms"],
+            "setup_reserved_mb": s["reserved_mb"],
+        }
+        print(
+            f"{name:15s} p25 {q[0]:8.3f}  median {statistics.median(xs):8.3f}  p75 {q[2]:8.3f} ms"
+            f"   [{VARIANTS[name].kind:9s}] setup {s['ms']:9.1f} ms  +reserved {s['reserved_mb']:7.1f} MB"
+        )
     if args.out:
         args.out.write_text(json.dumps(out, indent=2))
+    return out
 
 
 if __name__ == "__main__":
