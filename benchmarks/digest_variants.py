@@ -99,7 +99,8 @@ def _key(tensors: Sequence[torch.Tensor]) -> tuple:
 
 
 class _PerList:
-    """The last value of ``make(tensors)``, kept while ``_key(tensors)`` is unchanged."""
+    """The last value of ``make(tensors)``, kept while ``_key(tensors)`` is unchanged, and only when its views are
+    the tensors' own (every tensor contiguous and not bool: ``_ints`` copies the others)."""
 
     def __init__(self, make: Callable[[Sequence[torch.Tensor]], object]) -> None:
         self.make = make
@@ -110,7 +111,8 @@ class _PerList:
         key = _key(tensors)
         if key != self.key:
             self.key, self.value = None, self.make(tensors)
-            self.key = key
+            if all(t.is_contiguous() and t.dtype != torch.bool for t in tensors):
+                self.key = key
         return self.value
 
 
@@ -230,47 +232,16 @@ def _pairs(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return F.params_digest(_pair_views(tensors))  # type: ignore[arg-type]
 
 
-def _compiled_sums(views: list[torch.Tensor], offsets: torch.Tensor) -> torch.Tensor:
-    plain = []
-    local = []
-    for v in views:
-        x = v.to(torch.int64)  # in registers: inductor fuses the cast into the reductions
-        plain.append(x.sum())
-        local.append((x * torch.arange(1, v.numel() + 1, device=v.device, dtype=torch.int64)).sum())
-    p = torch.stack(plain)
-    return torch.stack([p.sum(), (torch.stack(local) + p * offsets).sum()])
-
-
-_compiled_fn: Callable[[list[torch.Tensor], torch.Tensor], torch.Tensor] | None = None
-
-
-def _compiled_inputs(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    views = [v for v in _ordered(tensors) if v.numel()]
-    starts = [0]
-    for v in views[:-1]:
-        starts.append(starts[-1] + v.numel())
-    return views, torch.tensor(starts, dtype=torch.int64, device=tensors[0].device)
-
-
-_compiled_views = _PerList(_compiled_inputs)
-
-
 def _compiled(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``params_digest``'s arithmetic, ``torch.compile``d (``fullgraph``, static shapes): per tensor its plain sum
-    and its sum weighted by its own positions (k + 1), in one kernel that reads the int view once and widens in
-    registers; then ``plain = sum p_t``, ``weighted = sum (w_t + o_t p_t)`` with o_t the tensor's offset in
-    ``main``'s order (position o_t + k + 1). All in int64, wrapping modulo 2**64 like ``main``'s sums:
-    bitwise-equivalent (asserted). The views and offsets are kept per parameter list; the first call compiles
-    (``setup``)."""
-    global _compiled_fn
-    if not tensors:
-        return torch.zeros(F.WORDS, dtype=torch.int64)
-    views, offsets = _compiled_views(tensors)  # type: ignore[misc]
-    if not views:
-        return torch.zeros(F.WORDS, dtype=torch.int64, device=tensors[0].device)
-    if _compiled_fn is None:
-        _compiled_fn = torch.compile(_compiled_sums, fullgraph=True, dynamic=False)
-    return _compiled_fn(views, offsets)
+    """``ampguard.fingerprint._params_digest_compiled`` (a prototype, not wired in): ``params_digest``'s arithmetic,
+    ``torch.compile``d (``fullgraph``, static shapes): per tensor of ``_SMALL`` elements or more its plain sum and
+    its sum weighted by its own positions (k + 1), in one kernel that reads the int view once and widens in
+    registers, then ``plain = sum p_t``, ``weighted = sum (w_t + o_t p_t)`` with o_t the tensor's offset in
+    ``main``'s order (position o_t + k + 1); the smaller tensors concatenated (one eager ``torch.cat``, ~0.1 % of
+    GPT-2's elements) and weighted by their positions in ``main``'s order, kept in an int64 tensor. All in int64,
+    wrapping modulo 2**64 like ``main``'s sums: bitwise-equivalent (asserted). The views, offsets and positions are
+    kept per parameter list (a cheap host key: no views made to check it); the first call compiles (``setup``)."""
+    return F._params_digest_compiled(tensors)
 
 
 class _Graphed:

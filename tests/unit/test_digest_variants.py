@@ -8,6 +8,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -38,6 +39,7 @@ def _tensors() -> list[torch.Tensor]:
         torch.randn(1001, generator=g),  # odd length: a word's trailing element
         torch.randn(2051, generator=g)[1:],  # starts off an 8-byte boundary: leading elements
         torch.randn(3, generator=g, dtype=torch.float64),
+        torch.randn(6, 10, generator=g).t(),  # not contiguous: read through a copy, which must not be kept
     ]
 
 
@@ -45,9 +47,13 @@ def _cpu_variants(bench) -> list[str]:
     return [name for name, v in bench.VARIANTS.items() if not v.cuda]
 
 
-@pytest.mark.parametrize("chunk", [F._CHUNK, 1 << 10])  # one chunk a width, or several with tails
-def test_equivalent_variants_match_params_digest(bench, monkeypatch, chunk) -> None:
+@pytest.mark.parametrize(
+    ("chunk", "small"),
+    [(F._CHUNK, 1 << 16), (1 << 10, 500)],  # one chunk a width, all packed; several chunks with tails, some not
+)
+def test_equivalent_variants_match_params_digest(bench, monkeypatch, chunk, small) -> None:
     monkeypatch.setattr(F, "_CHUNK", chunk)
+    monkeypatch.setattr(F, "_SMALL", small)
     ts = _tensors()
     reference = F.params_digest(ts)
     checked = []
@@ -61,19 +67,31 @@ def test_equivalent_variants_match_params_digest(bench, monkeypatch, chunk) -> N
 def _flip(t: torch.Tensor, k: int, b: int) -> None:
     ints = t.view(torch.int32 if t.element_size() == 4 else torch.int16)
     bits = 8 * ints.element_size()
-    ints[k] ^= (1 << b) - (1 << bits if b == bits - 1 else 0)  # the sign bit as a negative value of the width
+    ints[tuple(int(i) for i in np.unravel_index(k, ints.shape))] ^= (1 << b) - (
+        1 << bits if b == bits - 1 else 0
+    )  # the sign bit as a negative value of the width
 
 
 @pytest.mark.parametrize(
     ("index", "k", "b"),
-    [(0, 0, 0), (0, 4000, 31), (1, 299, 15), (2, 34, 15), (3, 999, 31), (3, 1000, 7), (4, 0, 3), (4, 2049, 22)],
+    [
+        (0, 0, 0),
+        (0, 4000, 31),
+        (1, 299, 15),
+        (2, 34, 15),
+        (3, 999, 31),
+        (3, 1000, 7),
+        (4, 0, 3),
+        (4, 2049, 22),
+        (6, 13, 30),
+    ],
 )
 def test_every_variant_sees_a_flipped_bit(bench, index, k, b) -> None:
     ts = _tensors()
     names = _cpu_variants(bench)
     assert {"tensors", "pairs"} <= {n for n in names if bench.VARIANTS[n].kind == "different"}
     before = {name: bench.VARIANTS[name].fn(ts).clone() for name in names}
-    _flip(ts[index].view(-1), k, b)
+    _flip(ts[index], k, b)
     for name in names:
         assert not torch.equal(bench.VARIANTS[name].fn(ts), before[name]), name
 
