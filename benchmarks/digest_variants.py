@@ -350,18 +350,26 @@ def main(argv: list[str] | None = None) -> dict:
         F._plan(params, device)
     plan_ms = (time.perf_counter() - t) / 20 * 1e3
     setup: dict[str, dict[str, float]] = {}
+    failed: dict[str, str] = {}
     for name in names:  # warm-up: plan, compile or capture (timed apart), then the check against main
         fn = VARIANTS[name].fn
-        sync()
-        before_reserved = reserved()
-        t = time.perf_counter()
-        fn(params)
-        sync()
-        setup[name] = {"ms": (time.perf_counter() - t) * 1e3, "reserved_mb": (reserved() - before_reserved) / 2**20}
-        digest = fn(params).clone()
-        check(name, digest, reference)
-        if isinstance(fn, _Graphed):  # a replay gives its eager function's words (graph_pairs: not main's)
-            assert torch.equal(digest, fn.fn(params)), name
+        try:
+            sync()
+            before_reserved = reserved()
+            t = time.perf_counter()
+            fn(params)
+            sync()
+            ms, mb = (time.perf_counter() - t) * 1e3, (reserved() - before_reserved) / 2**20
+            digest = fn(params).clone()
+            check(name, digest, reference)
+            if isinstance(fn, _Graphed):  # a replay gives its eager function's words (graph_pairs: not main's)
+                assert torch.equal(digest, fn.fn(params)), name
+        except Exception as e:  # one run decides: a variant that fails (or differs from main) is reported, not fatal
+            failed[name] = f"{type(e).__name__}: {e}"[:500]
+            print(f"FAILED {name}: {failed[name]}")
+            continue
+        setup[name] = {"ms": ms, "reserved_mb": mb}
+    names = [n for n in names if n not in failed]
     times: dict[str, list[float]] = {k: [] for k in names}
     for r in range(args.reps):
         for name in names[r % len(names) :] + names[: r % len(names)]:
@@ -378,6 +386,7 @@ def main(argv: list[str] | None = None) -> dict:
         "tensors": len(params),
         "torch": torch.__version__,
         "plan_lookup_ms": plan_ms,
+        "failed": failed,
         "ms": {},
     }
     where = torch.cuda.get_device_name(device) if on_cuda else str(device)
@@ -406,4 +415,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["failed"] else 0)

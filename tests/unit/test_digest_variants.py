@@ -102,3 +102,11 @@ def test_pairs_sees_a_swap_within_a_word(bench) -> None:
     flat = ts[3].view(-1)
     flat[10], flat[11] = flat[11].clone(), flat[10].clone()
     assert not torch.equal(bench.VARIANTS["pairs"].fn(ts), before)
+
+
+def test_a_variant_that_differs_from_main_is_reported_not_fatal(bench, monkeypatch, capsys) -> None:
+    wrong = bench.Variant(lambda ts: torch.zeros(2, dtype=torch.int64), "same")
+    monkeypatch.setitem(bench.VARIANTS, "widen", wrong)
+    out = bench.main(["--device", "cpu", "--model", "mlp-small", "--reps", "3", "--variants", "main,widen,int32wrap"])
+    assert set(out["failed"]) == {"widen"} and set(out["ms"]) == {"main", "int32wrap"}
+    assert "FAILED widen: AssertionError" in capsys.readouterr().out
