@@ -10,22 +10,26 @@ bits (a NaN payload, a flipped mantissa bit, a -0.0 against a +0.0) shows.
 
 The position-weighted sum is not computed element by element: the tensor is viewed as rows of C
 (its last dimension, or 4096), and ``sum_k (k + 1) x_k = sum_i i*C * rowsum_i + sum_j (j + 1) * colsum_j``
-(exact in int64), so each tensor costs two reductions that accumulate its integer view in int64
-(``sum(dtype=torch.int64)``: no int64 copy of the tensor) and a few ops on vectors of R and C
-entries. Nothing is copied to the host (the caller reads the result when it needs it) and nothing
+(exact in int64), so each tensor costs two reductions that accumulate its integer view in int64 and a few ops on
+vectors of R and C entries. (``sum(dtype=torch.int64)`` of an int32 view copies it to int64 first, inside ATen's
+``make_reduction``: :func:`params_digest` therefore widens each chunk to int64 once, and both reductions read that
+copy.) Nothing is copied to the host (the caller reads the result when it needs it) and nothing
 is widened to float64. Meant for a periodic check (every N steps), as Megatron's
 ``check_param_hashes_across_dp_replicas`` is, not for every step.
 """
 
 from __future__ import annotations
 
+import gc
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from .stats import local_tensor
+from .switches import implementation_switches
 
 __all__ = ["WORDS", "param_fingerprints", "params_digest"]
 
@@ -116,7 +120,7 @@ class _Plan(NamedTuple):
     end (element ``(i, j)`` of a block at offset ``o`` has position ``o + i*cols + j + 1``:
     ``sum (o + i*cols) * rowsum_i + sum (j + 1) * colsum_j``)."""
 
-    key: tuple[tuple[int, int, torch.dtype], ...]
+    key: tuple[tuple[int, int, torch.dtype, bool], ...]
     blocks: tuple[_Block, ...]
     row_weights: torch.Tensor
     col_weights: torch.Tensor
@@ -127,15 +131,21 @@ _PLANS: dict[int, _Plan] = {}
 lives: a plan's views keep the tensors' storage alive, so a deleted model must take its plan with it."""
 
 
+def _key(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, int, torch.dtype, bool], ...]:
+    """What a kept plan depends on, read on the host without making a view: each tensor's storage address, size,
+    dtype and contiguity (on the H200's host, making the views took ~2.5 ms for GPT-2's 148 tensors)."""
+    return tuple((x.data_ptr(), x.numel(), x.dtype, x.is_contiguous()) for x in map(local_tensor, tensors))
+
+
 def _plan(tensors: Sequence[torch.Tensor], device: torch.device) -> _Plan:
-    views = [_ints(t).reshape(-1) for t in tensors]
-    key = tuple((v.data_ptr(), v.numel(), v.dtype) for v in views)
-    # Only views of the tensors themselves may be kept: a tensor on another device is read through a copy, which
-    # a kept plan would go on reading after the tensor changed.
-    keep = all(v.device == device for v in views)
-    cached = _PLANS.get(id(tensors[0])) if keep else None
+    key = _key(tensors)
+    cached = _PLANS.get(id(tensors[0]))
     if cached is not None and cached.key == key:
         return cached
+    views = [_ints(t).reshape(-1) for t in tensors]
+    # Only views of the tensors themselves may be kept: a tensor on another device, a non-contiguous one and a bool
+    # one are read through a copy, which a kept plan would go on reading after the tensor changed.
+    keep = all(v.device == device for v in views) and all(k[3] and k[2] != torch.bool for k in key)
     by_width: dict[torch.dtype, list[torch.Tensor]] = {}
     for v in views:
         by_width.setdefault(v.dtype, []).append(v.to(device))
@@ -178,9 +188,14 @@ def _plan(tensors: Sequence[torch.Tensor], device: torch.device) -> _Plan:
     plan = _Plan(key, tuple(blocks), torch.cat(row_w) if row_w else empty, torch.cat(col_w) if col_w else empty)
     if keep:
         if id(tensors[0]) not in _PLANS:  # dropped with that tensor (its id may be reused after)
-            weakref.finalize(tensors[0], _PLANS.pop, id(tensors[0]), None)
+            weakref.finalize(tensors[0], _drop, id(tensors[0]))
         _PLANS[id(tensors[0])] = plan
     return plan
+
+
+def _drop(first: int) -> None:
+    _PLANS.pop(first, None)
+    _REPLAYS.pop(first, None)
 
 
 def params_digest(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -188,31 +203,90 @@ def params_digest(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     end to end (grouped by integer width, in order within a width). Bitwise like
     :func:`param_fingerprints` (a flipped bit, two swapped elements or two swapped tensors change
     it) but one pass over chunks of up to ``_CHUNK`` elements instead of a few kernels per tensor:
-    what :mod:`ampguard.consistency` compares every N steps. Each chunk costs its concatenation and two
-    reductions (row and column sums in int64); the weights are applied once to all of them together, from
-    a plan made once per list of tensors (the same storage each call: a training run's parameters). No
-    host sync."""
+    what :mod:`ampguard.consistency` compares every N steps. Each chunk is concatenated straight into an int64
+    buffer (widened once) and reduced twice (row and column sums); the weights are applied once to all of them
+    together, from a plan made once per list of tensors (the same storage each call: a training run's parameters,
+    checked on the host by :func:`_key`). On CUDA, with a kept plan, those kernels are captured once in a CUDA graph
+    and replayed (:func:`_replayed`). No host sync after the first call."""
     if not tensors:
         return torch.zeros(WORDS, dtype=torch.int64)
     device = tensors[0].device
     plan = _plan(tensors, device)
     if not plan.blocks:
         return torch.zeros(WORDS, dtype=torch.int64, device=device)
+    if device.type == "cuda" and _PLANS.get(id(tensors[0])) is plan:
+        out = _replayed(id(tensors[0]), plan)
+        if out is not None:
+            return out
+    return _words(plan)
+
+
+def _words(plan: _Plan) -> torch.Tensor:
+    """The two words of a plan, eagerly (each chunk widened to int64 once: one chunk's copy alive at a time)."""
     row_sums: list[torch.Tensor] = []
     col_sums: list[torch.Tensor] = []
     joined: tuple[tuple[torch.Tensor, ...], torch.Tensor] | None = None
     for block in plan.blocks:
-        if len(block.parts) == 1:
-            flat = block.parts[0]
-        else:  # a chunk's rows and then its tail read the same concatenation: made once
-            if joined is None or joined[0] is not block.parts:
-                joined = (block.parts, torch.cat(block.parts))
-            flat = joined[1]
-        m = flat[block.start : block.start + block.rows * block.cols].view(block.rows, block.cols)
-        row_sums.append(m.sum(1, dtype=torch.int64))
-        col_sums.append(m.sum(0, dtype=torch.int64))
+        if joined is None or joined[0] is not block.parts:  # a chunk's rows and then its tail: widened once
+            parts = block.parts
+            wide = parts[0].to(torch.int64) if len(parts) == 1 else torch.cat(
+                parts, out=torch.empty(sum(x.numel() for x in parts), dtype=torch.int64, device=parts[0].device))
+            joined = (parts, wide)
+        m = joined[1][block.start : block.start + block.rows * block.cols].view(block.rows, block.cols)
+        row_sums.append(m.sum(1))
+        col_sums.append(m.sum(0))
     rows, cols = torch.cat(row_sums), torch.cat(col_sums)
     return torch.stack([rows.sum(), (rows * plan.row_weights).sum() + (cols * plan.col_weights).sum()])
+
+
+class _Replay(NamedTuple):
+    plan: _Plan
+    graph: Any
+    out: torch.Tensor
+
+
+_REPLAYS: dict[int, _Replay | None] = {}
+"""Per first tensor of a list, its plan's kernels captured in a CUDA graph (None: capture failed or is switched
+off: eager), dropped with that tensor as ``_PLANS``. The graph's memory pool keeps one chunk's temporaries (an int64
+copy of up to ``_CHUNK`` elements, 32 MiB) for as long as the parameters live: the digest runs only where the user
+turned ``consistency_every`` on."""
+
+
+def _replayed(first: int, plan: _Plan) -> torch.Tensor | None:
+    """The digest of a kept plan from its CUDA graph (captured on the first call for this plan: three eager runs on a
+    side stream, then the capture, as torch's CUDA graph notes say; the garbage collector paused for the capture, as
+    :mod:`ampguard.decision_graph` explains); a copy of the graph's static output. None: run eagerly
+    (``AMPGUARD_CUDA_GRAPH=0``, or the capture failed: warned once)."""
+    if first in _REPLAYS and _REPLAYS[first] is None:
+        return None
+    replay = _REPLAYS.get(first)
+    if replay is None or replay.plan is not plan:
+        if not implementation_switches().cuda_graph:
+            _REPLAYS[first] = None
+            return None
+        gc_was_on = gc.isenabled()
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    _words(plan)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            gc.disable()
+            with torch.cuda.graph(graph):  # records the kernels; a one-time sync
+                out = _words(plan)
+        except Exception as exc:  # an optimisation: never fail a check over it
+            _REPLAYS[first] = None
+            warnings.warn(f"ampguard: CUDA graph capture of the replica digest failed ({exc}); computing it eagerly "
+                          "(AMPGUARD_CUDA_GRAPH=0 silences this)", RuntimeWarning, stacklevel=3)
+            return None
+        finally:
+            if gc_was_on:
+                gc.enable()
+        replay = _REPLAYS[first] = _Replay(plan, graph, out)
+    replay.graph.replay()
+    return replay.out.clone()
 
 
 # -- Prototype (issue 27), not wired in: params_digest's words from one torch.compile'd function. ---------------------

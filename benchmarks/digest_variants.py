@@ -8,8 +8,11 @@ modulo 2**32 (asserted); ``different``, another fingerprint (what it sees is in 
 
 - ``before``: the digest before its plan (chunks of ``_CHUNK`` elements, each reduced and weighted on its own:
   about 14 kernels a chunk, launch-bound on a GPU). same;
-- ``main``: the code on main (a plan made once per parameter list; per chunk its concatenation and two
-  reductions; the weights applied once to all row and column sums). The reference;
+- ``main``: ``params_digest`` on main, the reference: since run ``f``, ``widen``'s arithmetic, the plan checked
+  by a host-only key, and on CUDA its kernels replayed from a CUDA graph captured on the first call;
+- ``summed``: ``main`` as it was at run ``f`` (a plan made once per parameter list, its check making a view of
+  every tensor; per chunk its concatenation and two reductions; the weights applied once to all row and column
+  sums), eagerly. same;
 - ``tensors``: no concatenation: each tensor summed on its own (the per-parameter fingerprints, folded). different;
 - ``widen``: ``main``, but each chunk widened to int64 once (the concatenation written straight into int64) and
   both reductions read that: ``sum(dtype=torch.int64)`` of an int32 tensor first copies it to int64
@@ -20,7 +23,7 @@ modulo 2**32 (asserted); ``different``, another fingerprint (what it sees is in 
   half or a quarter of the elements). different;
 - ``compiled``: each tensor's plain and position-weighted sums in one ``torch.compile``d function (inductor reads
   each int view once, widens in registers and fuses both sums), folded with the tensors' offsets. same;
-- ``graph``, ``graph_widen``, ``graph_pairs``, ``compiled_graph``: ``main``, ``widen``, ``pairs``, ``compiled``
+- ``graph``, ``graph_widen``, ``graph_pairs``, ``compiled_graph``: ``summed``, ``widen``, ``pairs``, ``compiled``
   captured once in a CUDA graph and replayed (no launches, no plan lookup; the output in a static tensor). CUDA only.
 
 ``setup`` is each variant's first call (plan, compile or capture), outside the timed reps; ``+reserved`` what that
@@ -172,6 +175,17 @@ def _widen(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 _WEIGHTS32: dict[int, tuple[F._Plan, torch.Tensor, torch.Tensor]] = {}
 
 
+def _row_col_sums(plan: F._Plan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """All row sums and all column sums of a plan's blocks, each chunk concatenated in its own width and reduced
+    with ``sum(dtype=dtype)``."""
+    row_sums: list[torch.Tensor] = []
+    col_sums: list[torch.Tensor] = []
+    for m in _matrices(plan, _cat):
+        row_sums.append(m.sum(1, dtype=dtype))
+        col_sums.append(m.sum(0, dtype=dtype))
+    return torch.cat(row_sums), torch.cat(col_sums)
+
+
 def _int32wrap(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """``main``'s plan and arithmetic in int32, wrapping: the row and column sums ``sum(dtype=torch.int32)`` (an
     int32 view is read as it is, no widening copy; an int16 view is still copied to int32), the weights taken
@@ -190,12 +204,7 @@ def _int32wrap(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         _WEIGHTS32.clear()
         # int64 -> int32 keeps the low 32 bits (two's complement): the weights modulo 2**32
         w = _WEIGHTS32[id(plan)] = (plan, plan.row_weights.to(torch.int32), plan.col_weights.to(torch.int32))
-    row_sums: list[torch.Tensor] = []
-    col_sums: list[torch.Tensor] = []
-    for m in _matrices(plan, _cat):
-        row_sums.append(m.sum(1, dtype=torch.int32))
-        col_sums.append(m.sum(0, dtype=torch.int32))
-    rows, cols = torch.cat(row_sums), torch.cat(col_sums)
+    rows, cols = _row_col_sums(plan, torch.int32)
     weighted = (rows * w[1]).sum(dtype=torch.int32) + (cols * w[2]).sum(dtype=torch.int32)
     return torch.stack([rows.sum(dtype=torch.int32), weighted])
 
@@ -285,6 +294,14 @@ def _main(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return F.params_digest(tensors)
 
 
+def _summed(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``params_digest`` as it was at run ``f`` (main ``694cac1``): the plan, each chunk concatenated in its own width
+    and reduced twice with ``sum(dtype=torch.int64)`` (each a widening copy), eagerly. same."""
+    plan = F._plan(tensors, tensors[0].device)
+    rows, cols = _row_col_sums(plan, torch.int64)
+    return torch.stack([rows.sum(), (rows * plan.row_weights).sum() + (cols * plan.col_weights).sum()])
+
+
 def _tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The per-parameter fingerprints folded: the plain word is ``main``'s, the weighted one sums each tensor's
     own position-weighted sum (no offsets). Different: a flipped bit or a swap within a tensor is seen, two
@@ -295,12 +312,13 @@ def _tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 VARIANTS: dict[str, Variant] = {
     "before": Variant(_before, "same"),
     "main": Variant(_main, "same"),
+    "summed": Variant(_summed, "same"),
     "tensors": Variant(_tensors, "different"),
     "widen": Variant(_widen, "same"),
     "int32wrap": Variant(_int32wrap, "low32"),
     "pairs": Variant(_pairs, "different"),
     "compiled": Variant(_compiled, "same"),
-    "graph": Variant(_Graphed(_main), "same", cuda=True),
+    "graph": Variant(_Graphed(_summed), "same", cuda=True),
     "graph_widen": Variant(_Graphed(_widen), "same", cuda=True),
     "graph_pairs": Variant(_Graphed(_pairs), "different", cuda=True),
     "compiled_graph": Variant(_Graphed(_compiled), "same", cuda=True),

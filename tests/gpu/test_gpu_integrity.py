@@ -62,3 +62,25 @@ def test_a_fingerprint_is_the_same_on_the_gpu_and_the_cpu() -> None:
     ts = [torch.randn(300, 77), torch.randn(5000).half(), torch.randn(33, 4096).bfloat16(), torch.randn(7)]
     assert torch.equal(param_fingerprints(ts), param_fingerprints([t.cuda() for t in ts]).cpu())
     assert torch.equal(params_digest(ts), params_digest([t.cuda() for t in ts]).cpu())
+
+
+def test_the_digest_replayed_from_a_cuda_graph_is_the_eager_one_sees_every_flip_and_adds_no_sync() -> None:
+    from ampguard import fingerprint
+
+    torch.manual_seed(0)
+    ts = [torch.randn(300, 77), torch.randn(5000).half(), torch.randn(5_000_000), torch.randn(33, 4096).bfloat16()]
+    gpu = [t.cuda() for t in ts]
+    first = params_digest(gpu)  # captured here
+    assert fingerprint._REPLAYS.get(id(gpu[0])) is not None  # the graph, not the eager fallback
+    assert torch.equal(first.cpu(), params_digest(ts))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.no_grad():
+            gpu[2].view(torch.int32)[123_457] ^= 1 << 3  # an in-place flip: the same storage, the graph replayed
+        second = params_digest(gpu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ts[2].view(torch.int32)[123_457] ^= 1 << 3
+    assert not torch.equal(first, second) and torch.equal(second.cpu(), params_digest(ts))
+    assert torch.equal(second.cpu(), fingerprint._words(fingerprint._plan(gpu, gpu[0].device)).cpu())

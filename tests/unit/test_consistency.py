@@ -188,3 +188,22 @@ def test_the_digest_plan_is_reused_sees_every_change_and_goes_with_its_model():
     del model, params, plan
     gc.collect()
     assert alive() is None and key not in fingerprint._PLANS  # the plan did not keep the model alive
+
+
+def test_the_digest_sees_a_flip_in_a_tensor_it_reads_through_a_copy():
+    """The plan is checked by a host-only key (storage address, size, dtype, contiguity) and kept only where its
+    views are the tensors' own: a transposed (non-contiguous) tensor or a bool one is read through a copy, which a
+    kept plan would go on reading after the tensor changed."""
+    from ampguard import fingerprint
+
+    w = torch.randn(64, 48)
+    mask = torch.zeros(33, dtype=torch.bool)
+    tensors = [w.t(), torch.randn(10), mask]
+    first = params_digest(tensors)
+    assert id(tensors[0]) not in fingerprint._PLANS
+    w.view(torch.int32)[7, 3] ^= 1 << 4  # a bit flipped in the storage the transposed view reads
+    second = params_digest(tensors)
+    mask[5] = True
+    third = params_digest(tensors)
+    assert not torch.equal(first, second) and not torch.equal(second, third)
+    assert torch.equal(third, params_digest([w.t().contiguous(), tensors[1], mask.clone()]))
