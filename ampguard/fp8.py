@@ -7,7 +7,8 @@ output; inside ``torch.compile``, where a gradient hook would break the graph, a
 measures, per role (``input``, ``weight``, ``grad_output``, :data:`FP8_ROLES`):
 
 - ``amax``: ``torch.linalg.vector_norm(x, ord=inf)`` of the high-precision tensor the layer casts (with rowwise
-  scaling the largest over rows);
+  scaling the largest over rows); on unsampled steps inside ``torch.compile``, the same value from the ops torchao
+  runs on it (``_torchao_amax``), which AOTAutograd's common-subexpression elimination merges with torchao's own;
 - ``scale``: torchao's dynamic scale for the layer's config, ``finfo(fp8).max / clamp(amax, min=1e-12)`` in
   float64 rounded to float32 (and down to a power of 2 where the config says so); rowwise: the smallest over rows;
 - on sampled steps (every ``numerics_every``-th): the underflow fraction (elements non-zero in high precision and
@@ -87,6 +88,31 @@ def _scale(amax: torch.Tensor, fmax: float | torch.Tensor, pow2: bool | torch.Te
     if isinstance(pow2, torch.Tensor):
         return torch.where(pow2, torch.exp2(torch.floor(torch.log2(scale))), scale)
     return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
+def _torchao_amax(x: torch.Tensor, role: str, *, rowwise: bool) -> torch.Tensor:
+    """The amax of the ``role`` tensor ``x`` (the input already in the autocast dtype) from the aten ops torchao 0.18's
+    ``Float8Linear`` runs on it to scale it: ``tensor_to_amax`` (``torch.max(torch.abs(x))``; rowwise,
+    ``torch.amax(torch.abs(x), dim, keepdim=True)``), then ``amax_to_scale``'s ``amax.to(torch.float64)``. The
+    weight is cast as ``self.weight.t()``, rowwise over dim 0; the input as it comes, rowwise over dim -1;
+    grad_output as ``reshape(-1, n)``, rowwise over dim -1. Under ``torch.compile``, AOTAutograd's
+    common-subexpression elimination (``torch._functorch.config.cse``) merges these ops with torchao's, so the amax
+    costs no second read of ``x`` (tests/unit/test_fp8_compile_cse.py); rowwise, the largest row amax is one more
+    reduction, over one value a row.
+
+    A 0-dim float64 tensor holding a float32 value (bitwise ``vector_norm(x, inf, dtype=float32)``), and never
+    torchao's reduction itself: a node whose result is a graph output is not merged (``fx_graph_cse`` keeps nodes
+    that alias an output), and inductor removes a copy (a ``clone``, a float32-to-float32 ``to``) before the CSE
+    runs, so the tensor returned is a conversion (tensorwise) or a reduction (rowwise) of torchao's nodes."""
+    if role == "weight":
+        x, dim = x.t(), 0
+    elif role == "grad_output":
+        x, dim = x.reshape(-1, x.shape[-1]), -1
+    else:
+        dim = -1
+    if rowwise:
+        return torch.amax(torch.abs(x), dim=dim, keepdim=True).to(torch.float64).amax()
+    return torch.max(torch.abs(x)).to(torch.float64)
 
 
 @torch.no_grad()
@@ -200,9 +226,14 @@ class Fp8Monitor:
         if not self._sampled:
             # One reduction: amax, in float32 (rounding is monotone, so the amax of x.to(cast_to) is the amax of x
             # rounded to cast_to: done in collect(), for all casts at once). The scale, from the amax, there too.
-            amax = torch.linalg.vector_norm(x.detach(), ord=math.inf, dtype=torch.float32)
             if cast_to is not None and cast_to != x.dtype:
                 self._rounded[slot] = cast_to
+            if torch.compiler.is_compiling():  # torchao's own reduction, which AOTAutograd's CSE merges with it
+                with torch.no_grad():
+                    amax = _torchao_amax(x.to(cast_to) if role == "input" and cast_to is not None else x, role,
+                                         rowwise=_rowwise(module, role))
+            else:
+                amax = torch.linalg.vector_norm(x.detach(), ord=math.inf, dtype=torch.float32)
             self._slots[slot] = amax if old is None else torch.maximum(old, amax)
             return
         if cast_to is not None and cast_to != x.dtype:
@@ -297,7 +328,7 @@ class Fp8Monitor:
             return torch.cat([self._const(device, ("order", *self._orders), self._orders).unsqueeze(1), rows[:, 1:]], 1)
         # An unsampled step: one stack of the amaxes, then every scale at once (torchao's formula, as cast_stats)
         nan = self._const(device, ("nan",), [math.nan])[0]
-        amax = torch.stack([s if s is not None else nan for s in self._slots])
+        amax = torch.stack([s if s is not None else nan for s in self._slots]).float()  # compiled: float64 amaxes
         for dtype in set(self._rounded.values()):
             mask = self._const(device, ("round", dtype, *sorted(self._rounded.items(), key=lambda kv: kv[0])),
                                [1.0 if self._rounded.get(k) is dtype else 0.0 for k in range(len(self._slots))])

@@ -1,0 +1,177 @@
+"""Under torch.compile the fp8 monitor's unsampled amax is torchao's own reduction (issue 28): the monitor's hook runs
+the aten ops torchao's Float8Linear runs on the tensor it casts, and AOTAutograd's common-subexpression elimination
+merges them. Proved without timing: a torch.compile backend built on aot_autograd, with inductor's decompositions
+and inductor's partitioner (its joint-graph passes, then the min-cut partition, which runs the CSE), records the
+forward and backward graphs as inductor would get them, and the reductions in them are counted, monitored and not.
+Real torchao float8 training (CPU: ``Float8LinearConfig(emulate=True)``)."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+
+torchao_float8 = pytest.importorskip("torchao.float8")
+
+from ampguard.fp8 import Fp8Monitor  # noqa: E402
+from tests.unit.test_fp8 import _model  # noqa: E402  (the two-layer float8 model: 16 -> 32 -> 16)
+
+aten = torch.ops.aten
+_REDUCTIONS = {aten.max.default, aten.max.dim, aten.amax.default, aten.min.default, aten.min.dim, aten.amin.default,
+               aten.linalg_vector_norm.default, aten.sum.default, aten.sum.dim_IntList, aten.mean.default,
+               aten.mean.dim, aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim,
+               aten.prod.default, aten.argmax.default, aten.argmin.default}
+_BATCH = 8
+
+
+@pytest.fixture(autouse=True)
+def _compile_state():
+    # Another test's guard, armed by an anomaly and never closed, can leave the process at force_eager; and other
+    # tests compiled nn.Sequential.forward (past its recompile limit dynamo would run it eagerly).
+    torch._dynamo.reset()
+    stance = torch.compiler.set_stance("default")
+    try:
+        yield
+    finally:
+        stance.__exit__(None, None, None)
+        torch._dynamo.reset()
+
+
+def _recording_backend(graphs: dict[str, list[torch.fx.GraphModule]]):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import partition_fn, select_decomp_table
+
+    def recorder(kind: str):
+        def compiler(gm: torch.fx.GraphModule, example_inputs):
+            graphs[kind].append(gm)
+            return make_boxed_func(gm.forward)  # the graph as traced, run by aten's eager kernels
+        return compiler
+
+    # partition_fn: inductor's joint-graph passes (which remove no-op copies), then the min-cut partition (whose
+    # first step is fx_graph_cse): the graphs inductor's lowering would get.
+    return aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"),
+                        decompositions=select_decomp_table(), partition_fn=partition_fn)
+
+
+def _reductions(gm: torch.fx.GraphModule) -> collections.Counter:
+    """The graph's reductions: (op, shape of the tensor reduced) -> how many."""
+    return collections.Counter((str(n.target), tuple(n.args[0].meta["val"].shape)) for n in gm.graph.nodes
+                               if n.op == "call_function" and n.target in _REDUCTIONS)
+
+
+def _compiled_step(recipe: str, dtype: torch.dtype, *, monitored: bool, step: int = 1, x: torch.Tensor | None = None):
+    """One compiled training step of a fresh model; the forward and backward graphs' reductions, and collect()."""
+    torch._dynamo.reset()
+    model = _model(recipe).to(dtype)
+    monitor = Fp8Monitor(model, numerics_every=2) if monitored else None
+    graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
+    compiled = torch.compile(model, backend=_recording_backend(graphs))
+    if monitor is not None:
+        monitor.begin_step(step)
+    x = torch.randn(_BATCH, 16, dtype=dtype) if x is None else x
+    compiled(x).float().square().mean().backward()
+    assert len(graphs["forward"]) == len(graphs["backward"]) == 1  # one graph: no break
+    collected = None
+    if monitor is not None:
+        collected = monitor.collect()
+        monitor.close()
+    return _reductions(graphs["forward"][0]), _reductions(graphs["backward"][0]), collected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compiled_unsampled_step_adds_no_reduction_under_the_tensorwise_recipe(dtype):
+    """Tensorwise: the monitored forward graph holds exactly the unmonitored one's reductions (torchao's
+    ``max(abs(x))`` of each input and ``max(abs(weight.t()))`` of each weight, and those of the backward's casts
+    the partitioner moved into the forward): the monitor's four amaxes are torchao's."""
+    plain_fw, plain_bw, _ = _compiled_step("tensorwise", dtype, monitored=False)
+    fw, bw, _ = _compiled_step("tensorwise", dtype, monitored=True)
+    # fc1's input (8, 16) and weight (16, 32 as weight.t()), fc2's input (8, 32) and weight (32, 16): one each
+    assert {(16, 32), (32, 16)} <= {shape for _, shape in plain_fw}
+    assert fw == plain_fw, f"monitored {dict(fw)} vs unmonitored {dict(plain_fw)}"
+    assert not plain_bw - bw  # the grad_output probes' own reductions come on top (not merged yet)
+
+
+def test_a_compiled_unsampled_step_under_the_rowwise_recipe_adds_one_reduction_over_the_row_amaxes_a_cast():
+    """Rowwise: torchao's per-row amaxes are merged too; the monitor adds one reduction a cast, of the row
+    amaxes (one value a row) to the cast's amax: 8 of fc1's and fc2's input rows, fc1's 32 and fc2's 16 weight
+    rows (weight.t()'s columns). No tensor is read a second time."""
+    plain_fw, plain_bw, _ = _compiled_step("rowwise", torch.float32, monitored=False)
+    fw, bw, _ = _compiled_step("rowwise", torch.float32, monitored=True)
+    assert not plain_fw - fw  # every reduction of the unmonitored graph is there once
+    added = fw - plain_fw
+    amax = str(aten.amax.default)
+    assert added == collections.Counter({(amax, (_BATCH, 1)): 2, (amax, (1, 32)): 1, (amax, (1, 16)): 1}), added
+    assert not plain_bw - bw  # the grad_output probes' own reductions come on top (not merged yet)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_compiled_sampled_step_adds_the_reductions_of_cast_stats_and_no_others(recipe):
+    """A sampled step runs cast_stats on each of the forward's 4 casts, on the tensor reshaped to rows (the weight
+    as it is, not transposed): its row amaxes (vector_norm over the rows, which inductor decomposes to an amax over
+    the whole tensor, or over dim -1 rowwise), their largest and the smallest row scale, the underflow's sum and the
+    smallest non-zero |x|, and rowwise whether a row amax is NaN. Tensorwise none of them is torchao's; rowwise the
+    inputs' row amaxes are (torchao's own ops on the same tensor: merged), the weights' are not (torchao reduces
+    ``weight.t()`` over dim 0)."""
+    plain_fw, plain_bw, _ = _compiled_step(recipe, torch.float32, monitored=False)
+    fw, bw, collected = _compiled_step(recipe, torch.float32, monitored=True, step=0)
+    assert not collected[:, 3].isnan().all()  # sampled: the underflow was measured
+    assert not plain_fw - fw
+    amax, amin, total, any_ = (str(op) for op in (aten.amax.default, aten.amin.default, aten.sum.default,
+                                                   aten.any.default))
+    expected: collections.Counter = collections.Counter()
+    for role, shape in (("input", (_BATCH, 16)), ("weight", (32, 16)), ("input", (_BATCH, 32)), ("weight", (16, 32))):
+        rows = (shape[0], 1) if recipe == "rowwise" else (1, 1)
+        expected.update([(total, shape), (amin, shape), (amax, rows), (amin, rows)])
+        if recipe == "tensorwise" or role == "weight":
+            expected[(amax, shape)] += 1
+        if recipe == "rowwise":
+            expected[(any_, rows)] += 1
+    assert fw - plain_fw == expected, fw - plain_fw
+    assert not plain_bw - bw  # the grad_output probes' own reductions come on top (not merged yet)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_amax_and_scale_are_bitwise_the_eager_ones(recipe, dtype):
+    """The compiled path's amax and scale (torchao's reductions) are bitwise the eager path's (vector_norm), also
+    with a NaN or an Inf in the batch."""
+    for bad in (None, math.nan, math.inf):
+        torch.manual_seed(2)
+        x = (torch.randn(_BATCH, 16) * 3).to(dtype)
+        x[1, 2], x[5, 7] = 1e-3, 7.25e4
+        if bad is not None:
+            x[4, 4] = bad
+        _, _, compiled = _compiled_step(recipe, dtype, monitored=True, x=x)
+        model = _model(recipe).to(dtype)
+        monitor = Fp8Monitor(model, numerics_every=2)
+        monitor.begin_step(1)
+        model(x).float().square().mean().backward()
+        eager = monitor.collect()
+        forward = eager[:, 0] <= 2 * 2  # the compiled step measures the forward's casts: orders 1-4
+        assert torch.allclose(compiled[forward, :3], eager[forward, :3], rtol=0, atol=0, equal_nan=True)
+        assert compiled[forward, 1].isfinite().all() == (bad is None)
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("role", ["input", "weight", "grad_output"])
+def test_torchaos_ops_give_the_amax_bitwise(role, rowwise):
+    """_torchao_amax (torchao's ops, the compiled path) against vector_norm(x, inf) (the eager path), eagerly."""
+    from ampguard.fp8 import _torchao_amax
+
+    torch.manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for bad in (None, math.nan, math.inf, -math.inf, -0.0):
+            x = torch.randn(2, 6, 10, dtype=dtype) if role == "input" else torch.randn(12, 10, dtype=dtype)
+            if bad is not None:
+                x.view(-1)[7] = bad
+            if bad == -0.0:
+                x.zero_()
+                x.view(-1)[7] = bad
+            got = _torchao_amax(x, role, rowwise=rowwise)
+            want = torch.linalg.vector_norm(x, ord=math.inf, dtype=torch.float32)
+            assert got.dtype == torch.float64 and got.dim() == 0
+            assert torch.equal(got.float(), want) or (got.isnan() and want.isnan()), (dtype, bad, got, want)
+            assert torch.equal(got.float().view(torch.int32), want.view(torch.int32)) or bad is math.nan
