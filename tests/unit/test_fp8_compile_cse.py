@@ -8,6 +8,7 @@ Real torchao float8 training (CPU: ``Float8LinearConfig(emulate=True)``)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 
 import pytest
@@ -62,7 +63,27 @@ def _reductions(gm: torch.fx.GraphModule) -> collections.Counter:
                                if n.op == "call_function" and n.target in _REDUCTIONS)
 
 
-def _compiled_step(recipe: str, dtype: torch.dtype, *, monitored: bool, step: int = 1, x: torch.Tensor | None = None):
+@contextlib.contextmanager
+def _autocast(enabled: bool):
+    """bf16 autocast as torchao's Float8Linear sees it on a GPU, on this CPU: it casts its input to
+    ``torch.get_autocast_gpu_dtype()`` where ``torch.is_autocast_enabled()`` (CUDA's autocast state, a thread-local
+    flag that a CPU-only build sets too), the monitor to the autocast dtype of the input's device (the CPU's)."""
+    if not enabled:
+        yield
+        return
+    before = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", torch.bfloat16)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            yield
+    finally:
+        torch.set_autocast_enabled("cuda", before[0])
+        torch.set_autocast_dtype("cuda", before[1])
+
+
+def _compiled_step(recipe: str, dtype: torch.dtype, *, monitored: bool, step: int = 1, x: torch.Tensor | None = None,
+                   autocast: bool = False):
     """One compiled training step of a fresh model; the forward and backward graphs' reductions, and collect()."""
     torch._dynamo.reset()
     model = _model(recipe).to(dtype)
@@ -72,7 +93,9 @@ def _compiled_step(recipe: str, dtype: torch.dtype, *, monitored: bool, step: in
     if monitor is not None:
         monitor.begin_step(step)
     x = torch.randn(_BATCH, 16, dtype=dtype) if x is None else x
-    compiled(x).float().square().mean().backward()
+    with _autocast(autocast):
+        out = compiled(x)
+    out.float().square().mean().backward()
     assert len(graphs["forward"]) == len(graphs["backward"]) == 1  # one graph: no break
     collected = None
     if monitor is not None:
@@ -81,25 +104,27 @@ def _compiled_step(recipe: str, dtype: torch.dtype, *, monitored: bool, step: in
     return _reductions(graphs["forward"][0]), _reductions(graphs["backward"][0]), collected
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_compiled_unsampled_step_adds_no_reduction_under_the_tensorwise_recipe(dtype):
+@pytest.mark.parametrize(("dtype", "autocast"), [(torch.float32, False), (torch.bfloat16, False),
+                                                 (torch.float32, True)])
+def test_a_compiled_unsampled_step_adds_no_reduction_under_the_tensorwise_recipe(dtype, autocast):
     """Tensorwise: the monitored forward graph holds exactly the unmonitored one's reductions (torchao's
-    ``max(abs(x))`` of each input and ``max(abs(weight.t()))`` of each weight, and those of the backward's casts
-    the partitioner moved into the forward): the monitor's four amaxes are torchao's."""
-    plain_fw, plain_bw, _ = _compiled_step("tensorwise", dtype, monitored=False)
-    fw, bw, _ = _compiled_step("tensorwise", dtype, monitored=True)
+    ``max(abs(x))`` of each input, after autocast's ``x.to(bfloat16)``, and ``max(abs(weight.t()))`` of each
+    weight): the monitor's four amaxes are torchao's."""
+    plain_fw, plain_bw, _ = _compiled_step("tensorwise", dtype, monitored=False, autocast=autocast)
+    fw, bw, _ = _compiled_step("tensorwise", dtype, monitored=True, autocast=autocast)
     # fc1's input (8, 16) and weight (16, 32 as weight.t()), fc2's input (8, 32) and weight (32, 16): one each
     assert {(16, 32), (32, 16)} <= {shape for _, shape in plain_fw}
     assert fw == plain_fw, f"monitored {dict(fw)} vs unmonitored {dict(plain_fw)}"
     assert not plain_bw - bw  # the grad_output probes' own reductions come on top (not merged yet)
 
 
-def test_a_compiled_unsampled_step_under_the_rowwise_recipe_adds_one_reduction_over_the_row_amaxes_a_cast():
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_compiled_unsampled_step_under_the_rowwise_recipe_adds_one_reduction_over_the_row_amaxes_a_cast(autocast):
     """Rowwise: torchao's per-row amaxes are merged too; the monitor adds one reduction a cast, of the row
     amaxes (one value a row) to the cast's amax: 8 of fc1's and fc2's input rows, fc1's 32 and fc2's 16 weight
     rows (weight.t()'s columns). No tensor is read a second time."""
-    plain_fw, plain_bw, _ = _compiled_step("rowwise", torch.float32, monitored=False)
-    fw, bw, _ = _compiled_step("rowwise", torch.float32, monitored=True)
+    plain_fw, plain_bw, _ = _compiled_step("rowwise", torch.float32, monitored=False, autocast=autocast)
+    fw, bw, _ = _compiled_step("rowwise", torch.float32, monitored=True, autocast=autocast)
     assert not plain_fw - fw  # every reduction of the unmonitored graph is there once
     added = fw - plain_fw
     amax = str(aten.amax.default)
@@ -133,26 +158,31 @@ def test_a_compiled_sampled_step_adds_the_reductions_of_cast_stats_and_no_others
     assert not plain_bw - bw  # the grad_output probes' own reductions come on top (not merged yet)
 
 
+@pytest.mark.parametrize("step", [1, 0], ids=["unsampled", "sampled"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_compiled_amax_and_scale_are_bitwise_the_eager_ones(recipe, dtype):
-    """The compiled path's amax and scale (torchao's reductions) are bitwise the eager path's (vector_norm), also
-    with a NaN or an Inf in the batch."""
+@pytest.mark.parametrize(("dtype", "autocast"), [(torch.float32, False), (torch.bfloat16, False),
+                                                 (torch.float32, True)])
+def test_the_compiled_statistics_are_bitwise_the_eager_ones(recipe, dtype, autocast, step):
+    """The compiled hook's statistics (unsampled: torchao's reductions) are bitwise the eager hook's (vector_norm, the
+    autocast rounding in collect(); sampled: cast_stats), also with a NaN or an Inf in the batch."""
     for bad in (None, math.nan, math.inf):
         torch.manual_seed(2)
         x = (torch.randn(_BATCH, 16) * 3).to(dtype)
         x[1, 2], x[5, 7] = 1e-3, 7.25e4
         if bad is not None:
             x[4, 4] = bad
-        _, _, compiled = _compiled_step(recipe, dtype, monitored=True, x=x)
+        _, _, compiled = _compiled_step(recipe, dtype, monitored=True, x=x, autocast=autocast, step=step)
         model = _model(recipe).to(dtype)
         monitor = Fp8Monitor(model, numerics_every=2)
-        monitor.begin_step(1)
-        model(x).float().square().mean().backward()
+        monitor.begin_step(step)
+        with _autocast(autocast):
+            out = model(x)
+        out.float().square().mean().backward()
         eager = monitor.collect()
         forward = eager[:, 0] <= 2 * 2  # the compiled step measures the forward's casts: orders 1-4
-        assert torch.allclose(compiled[forward, :3], eager[forward, :3], rtol=0, atol=0, equal_nan=True)
+        assert torch.allclose(compiled[forward], eager[forward], rtol=0, atol=0, equal_nan=True)
         assert compiled[forward, 1].isfinite().all() == (bad is None)
+        assert compiled[forward, 3].isnan().all() == (step == 1)
 
 
 @pytest.mark.parametrize("rowwise", [False, True])
