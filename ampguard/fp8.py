@@ -90,39 +90,48 @@ def _scale(amax: torch.Tensor, fmax: float | torch.Tensor, pow2: bool | torch.Te
     return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
 
 
-def _torchao_amax(x: torch.Tensor, role: str, *, rowwise: bool) -> torch.Tensor:
-    """The amax of the ``role`` tensor ``x`` (the input already in the autocast dtype) from the aten ops torchao 0.18's
-    ``Float8Linear`` runs on it to scale it: ``tensor_to_amax`` (``torch.max(torch.abs(x))``; rowwise,
-    ``torch.amax(torch.abs(x), dim, keepdim=True)``), then ``amax_to_scale``'s ``amax.to(torch.float64)``. The
-    weight is cast as ``self.weight.t()``, rowwise over dim 0; the input as it comes, rowwise over dim -1;
-    grad_output as ``reshape(-1, n)``, rowwise over dim -1. Under ``torch.compile``, AOTAutograd's
-    common-subexpression elimination (``torch._functorch.config.cse``) merges these ops with torchao's, so the amax
-    costs no second read of ``x`` (tests/unit/test_fp8_compile_cse.py); rowwise, the largest row amax is one more
-    reduction, over one value a row.
-
-    A 0-dim float64 tensor holding a float32 value (bitwise ``vector_norm(x, inf, dtype=float32)``), and never
-    torchao's reduction itself: a node whose result is a graph output is not merged (``fx_graph_cse`` keeps nodes
-    that alias an output), and inductor removes a copy (a ``clone``, a float32-to-float32 ``to``) before the CSE
-    runs, so the tensor returned is a conversion (tensorwise) or a reduction (rowwise) of torchao's nodes."""
+def _torchao_reduction(x: torch.Tensor, role: str, *, rowwise: bool) -> torch.Tensor:
+    """torchao 0.18's ``tensor_to_amax`` of the ``role`` tensor ``x`` (the input already in the autocast dtype) as
+    ``Float8Linear`` runs it, with the same aten ops on the same tensor: ``torch.max(torch.abs(x))`` (0-dim); rowwise
+    ``torch.amax(torch.abs(x), dim, keepdim=True)``. The weight is cast as ``self.weight.t()``, rowwise reduced over
+    dim 0 (``[1, out]``); the input as it comes, over dim -1 (``[..., 1]``); grad_output as ``reshape(-1, n)``, over
+    dim -1. In ``x``'s dtype. Under ``torch.compile``, AOTAutograd's common-subexpression elimination
+    (``torch._functorch.config.cse``) merges these ops with torchao's, so they cost no second read of ``x``
+    (tests/unit/test_fp8_compile_cse.py); eagerly they are a second reduction, and an ``abs`` copy of ``x``."""
     if role == "weight":
         x, dim = x.t(), 0
     elif role == "grad_output":
         x, dim = x.reshape(-1, x.shape[-1]), -1
     else:
         dim = -1
-    if rowwise:
-        return torch.amax(torch.abs(x), dim=dim, keepdim=True).to(torch.float64).amax()
-    return torch.max(torch.abs(x)).to(torch.float64)
+    return torch.amax(torch.abs(x), dim=dim, keepdim=True) if rowwise else torch.max(torch.abs(x))
+
+
+def _torchao_amax(x: torch.Tensor, role: str, *, rowwise: bool) -> torch.Tensor:
+    """The amax of :func:`_torchao_reduction`, after ``amax_to_scale``'s ``amax.to(torch.float64)`` (torchao's next op,
+    merged too): a 0-dim float64 tensor holding a float32 value, bitwise ``vector_norm(x, inf, dtype=float32)``.
+    Rowwise, the largest row amax is one more reduction, over one value a row.
+
+    Never torchao's reduction itself: a node whose result is a graph output is not merged (``fx_graph_cse`` keeps
+    nodes that alias an output), and inductor removes a copy (a ``clone``, a float32-to-float32 ``to``) before the
+    CSE runs, so the tensor returned is a conversion (tensorwise) or a reduction (rowwise) of torchao's nodes."""
+    amax = _torchao_reduction(x, role, rowwise=rowwise).to(torch.float64)
+    return amax.amax() if rowwise else amax
 
 
 @torch.no_grad()
-def cast_stats(x: torch.Tensor, dtype: torch.dtype, *, rowwise: bool, pow2: bool) -> torch.Tensor:
+def cast_stats(x: torch.Tensor, dtype: torch.dtype, *, rowwise: bool, pow2: bool,
+               row_amax: torch.Tensor | None = None) -> torch.Tensor:
     """``[1, amax, scale, underflow, dynamic_range]`` of one cast of ``x`` to ``dtype`` by torchao's dynamic
     scaling, on ``x``'s device: a sampled step's whole statistics (:meth:`Fp8Monitor.collect` puts the cast's order
-    in the first column)."""
+    in the first column). ``row_amax``: the amaxes of ``x``'s rows (``x.reshape(-1, n)``), float32 ``[rows, 1]``
+    (tensorwise ``[1, 1]``), where the caller has them (under compile: torchao's own, merged with its reduction);
+    computed here otherwise."""
     hp = x.detach().float()
     rows = hp.reshape(-1, hp.shape[-1]) if hp.dim() > 0 else hp.reshape(1, 1)
-    if rowwise:
+    if row_amax is not None:
+        pass
+    elif rowwise:
         row_amax = torch.linalg.vector_norm(rows, ord=math.inf, dim=-1, keepdim=True)
     else:
         row_amax = torch.linalg.vector_norm(rows, ord=math.inf).reshape(1, 1)
@@ -236,9 +245,14 @@ class Fp8Monitor:
                 amax = torch.linalg.vector_norm(x.detach(), ord=math.inf, dtype=torch.float32)
             self._slots[slot] = amax if old is None else torch.maximum(old, amax)
             return
-        if cast_to is not None and cast_to != x.dtype:
-            x = x.to(cast_to)
-        stats = cast_stats(x, _dtype(module, role), rowwise=_rowwise(module, role), pow2=_pow2(module))
+        rowwise = _rowwise(module, role)
+        hp = x.to(cast_to) if cast_to is not None else x  # the tensor measured (the weight: as if cast too)
+        row_amax = None
+        if torch.compiler.is_compiling():  # cast_stats's row amaxes: torchao's reduction (merged with it)
+            with torch.no_grad():  # the weight's rounded to the autocast dtype, as its copy's would be (monotone)
+                reduced = _torchao_reduction(hp if role == "input" else x, role, rowwise=rowwise)
+                row_amax = reduced.to(hp.dtype).reshape(-1, 1).float()
+        stats = cast_stats(hp, _dtype(module, role), rowwise=rowwise, pow2=_pow2(module), row_amax=row_amax)
         if old is not None:  # a second forward in the step: the worst of both
             stats = torch.stack([old[0], torch.maximum(old[1], stats[1]), torch.minimum(old[2], stats[2]),
                                  torch.fmax(old[3], stats[3]), torch.fmax(old[4], stats[4])])
