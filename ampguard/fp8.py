@@ -7,8 +7,8 @@ output; inside ``torch.compile``, where a gradient hook would break the graph, a
 measures, per role (``input``, ``weight``, ``grad_output``, :data:`FP8_ROLES`):
 
 - ``amax``: ``torch.linalg.vector_norm(x, ord=inf)`` of the high-precision tensor the layer casts (with rowwise
-  scaling the largest over rows); on unsampled steps inside ``torch.compile``, the same value from the ops torchao
-  runs on it (``_torchao_amax``), which AOTAutograd's common-subexpression elimination merges with torchao's own;
+  scaling the largest over rows); inside ``torch.compile``, the same value from the ops torchao runs on it
+  (``_torchao_reduction``), which AOTAutograd's common-subexpression elimination merges with torchao's own;
 - ``scale``: torchao's dynamic scale for the layer's config, ``finfo(fp8).max / clamp(amax, min=1e-12)`` in
   float64 rounded to float32 (and down to a power of 2 where the config says so); rowwise: the smallest over rows;
 - on sampled steps (every ``numerics_every``-th): the underflow fraction (elements non-zero in high precision and
@@ -90,24 +90,25 @@ def _scale(amax: torch.Tensor, fmax: float | torch.Tensor, pow2: bool | torch.Te
     return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
 
 
-def _torchao_reduction(x: torch.Tensor, role: str, *, rowwise: bool) -> torch.Tensor:
+def _torchao_reduction(x: torch.Tensor, role: str, *, rowwise: bool, dim: int = -1) -> torch.Tensor:
     """torchao 0.18's ``tensor_to_amax`` of the ``role`` tensor ``x`` (the input already in the autocast dtype) as
     ``Float8Linear`` runs it, with the same aten ops on the same tensor: ``torch.max(torch.abs(x))`` (0-dim); rowwise
     ``torch.amax(torch.abs(x), dim, keepdim=True)``. The weight is cast as ``self.weight.t()``, rowwise reduced over
     dim 0 (``[1, out]``); the input as it comes, over dim -1 (``[..., 1]``); grad_output as ``reshape(-1, n)``, over
-    dim -1. In ``x``'s dtype. Under ``torch.compile``, AOTAutograd's common-subexpression elimination
-    (``torch._functorch.config.cse``) merges these ops with torchao's, so they cost no second read of ``x``
-    (tests/unit/test_fp8_compile_cse.py); eagerly they are a second reduction, and an ``abs`` copy of ``x``."""
+    ``dim`` (-1 for grad_input's cast, 0 for grad_weight's: :func:`_grad_output_reduction`). In ``x``'s dtype.
+    Under ``torch.compile``, AOTAutograd's common-subexpression elimination (``torch._functorch.config.cse``)
+    merges these ops with torchao's, so they cost no second read of ``x`` (tests/unit/test_fp8_compile_cse.py);
+    eagerly they are a second reduction, and an ``abs`` copy of ``x``."""
     if role == "weight":
         x, dim = x.t(), 0
     elif role == "grad_output":
-        x, dim = x.reshape(-1, x.shape[-1]), -1
+        x = x.reshape(-1, x.shape[-1])
     else:
         dim = -1
     return torch.amax(torch.abs(x), dim=dim, keepdim=True) if rowwise else torch.max(torch.abs(x))
 
 
-def _torchao_amax(x: torch.Tensor, role: str, *, rowwise: bool) -> torch.Tensor:
+def _torchao_amax(x: torch.Tensor, role: str, *, rowwise: bool, dim: int = -1) -> torch.Tensor:
     """The amax of :func:`_torchao_reduction`, after ``amax_to_scale``'s ``amax.to(torch.float64)`` (torchao's next op,
     merged too): a 0-dim float64 tensor holding a float32 value, bitwise ``vector_norm(x, inf, dtype=float32)``.
     Rowwise, the largest row amax is one more reduction, over one value a row.
@@ -115,7 +116,7 @@ def _torchao_amax(x: torch.Tensor, role: str, *, rowwise: bool) -> torch.Tensor:
     Never torchao's reduction itself: a node whose result is a graph output is not merged (``fx_graph_cse`` keeps
     nodes that alias an output), and inductor removes a copy (a ``clone``, a float32-to-float32 ``to``) before the
     CSE runs, so the tensor returned is a conversion (tensorwise) or a reduction (rowwise) of torchao's nodes."""
-    amax = _torchao_reduction(x, role, rowwise=rowwise).to(torch.float64)
+    amax = _torchao_reduction(x, role, rowwise=rowwise, dim=dim).to(torch.float64)
     return amax.amax() if rowwise else amax
 
 
@@ -155,18 +156,40 @@ def layer_cast_stats(module: torch.nn.Module, role: str, x: torch.Tensor) -> tor
 
 
 class _GradProbe(torch.autograd.Function):
-    """The identity on a ``Float8Linear``'s output in the forward; in the backward, the float32 amax of the gradient
-    arriving there (the tensor torchao casts as grad_output) becomes the gradient of ``probe``, a 0-dim leaf the
+    """The identity on a ``Float8Linear``'s output in the forward; in the backward, the amax of the gradient arriving
+    there (the tensor torchao casts as grad_output) becomes the gradient of ``probe``, a 0-dim float64 leaf the
     monitor owns and no optimizer holds. A pure function of the graph (nothing written outside it), so
-    ``torch.compile`` traces it into the compiled backward where a gradient hook would break the graph."""
+    ``torch.compile`` traces it into the compiled backward where a gradient hook would break the graph. The amax is
+    :func:`_torchao_amax` over ``(rowwise, dim)`` (:func:`_grad_output_reduction`): torchao's own ops on the same
+    tensor, which the compiled backward's CSE merges with torchao's grad_output reduction."""
 
     @staticmethod
-    def forward(ctx: Any, output: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, output: torch.Tensor, probe: torch.Tensor, reduction: tuple[bool, int]) -> torch.Tensor:
+        ctx.reduction = reduction
         return output.view_as(output)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return grad, torch.linalg.vector_norm(grad, ord=math.inf, dtype=torch.float32)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        rowwise, dim = ctx.reduction
+        return grad, _torchao_amax(grad, "grad_output", rowwise=rowwise, dim=dim), None
+
+
+def _grad_output_reduction(module: Any, input_grad: bool) -> tuple[bool, int]:
+    """``(rowwise, dim)`` of a grad_output reduction torchao 0.18's backward keeps for ``module``: grad_input's cast
+    (``cast_config_grad_output``, rowwise over dim -1) where the input needs a gradient, else grad_weight's
+    (``cast_config_grad_output_for_grad_weight``, rowwise over dim 0) where the weight does; a cast whose scaling
+    is disabled reduces nothing. The amax is the same whichever it mirrors; only the merge depends on it (the
+    first layer's input, or a frozen weight: torchao's other cast is dead code in the compiled backward)."""
+    from torchao.float8.config import ScalingGranularity, ScalingType
+
+    config = module.config
+    candidates = [(config.cast_config_grad_output, -1)] if input_grad else []
+    if module.weight.requires_grad:
+        candidates.append((config.cast_config_grad_output_for_grad_weight, 0))
+    for cast, dim in candidates:
+        if cast.scaling_type is not ScalingType.DISABLED:
+            return cast.scaling_granularity is ScalingGranularity.AXISWISE, dim
+    return False, -1
 
 
 class Fp8Monitor:
@@ -206,7 +229,7 @@ class Fp8Monitor:
         (warned once)."""
         self.probed = False
         """A forward ran inside ``torch.compile``: its grad_output amaxes come back through the probes."""
-        self._probes = [torch.zeros((), dtype=torch.float32, device=next(m.parameters()).device, requires_grad=True)
+        self._probes = [torch.zeros((), dtype=torch.float64, device=next(m.parameters()).device, requires_grad=True)
                         for _, m in self.modules]
         """Per module, a 0-dim leaf whose gradient a compiled backward sets to the grad_output amax
         (:class:`_GradProbe`; summed over the forwards of a step: with gradient accumulation under compile, an upper
@@ -282,7 +305,8 @@ class Fp8Monitor:
             # A gradient hook registered inside a compiled region breaks its graph (dynamo cannot trace a hook that
             # writes the monitor's state): the probe, a pure function, carries the amax out as a gradient instead.
             self.probed = True
-            return _GradProbe.apply(output, self._probes[index])
+            input_grad = bool(args) and isinstance(args[0], torch.Tensor) and args[0].requires_grad
+            return _GradProbe.apply(output, self._probes[index], _grad_output_reduction(module, input_grad))
         return hook
 
     def _backward_hook(self, module: Any, index: int) -> Any:
@@ -305,12 +329,13 @@ class Fp8Monitor:
                 continue
             self._order += 1
             self._orders[slot] = float(self._order)
+            amax = amax.to(device, torch.float32)  # a float32 value in float64 (or, accumulated, a sum of them)
             if not self._sampled:
-                self._slots[slot] = amax.to(device)
+                self._slots[slot] = amax
                 continue
-            scale = _scale(amax.to(device), self._fmax[slot], self._pow2[slot])
+            scale = _scale(amax, self._fmax[slot], self._pow2[slot])
             nan = self._const(device, ("nan",), [math.nan])[0]
-            self._slots[slot] = torch.stack([torch.ones_like(scale), amax.to(device), scale, nan, nan])
+            self._slots[slot] = torch.stack([torch.ones_like(scale), amax, scale, nan, nan])
 
     def begin_step(self, step: int) -> None:
         """Start a step: forget the last one's casts; ``step`` decides whether this one is sampled."""

@@ -1,8 +1,9 @@
-"""Under torch.compile the fp8 monitor's unsampled amax is torchao's own reduction (issue 28): the monitor's hook runs
-the aten ops torchao's Float8Linear runs on the tensor it casts, and AOTAutograd's common-subexpression elimination
-merges them. Proved without timing: a torch.compile backend built on aot_autograd, with inductor's decompositions
-and inductor's partitioner (its joint-graph passes, then the min-cut partition, which runs the CSE), records the
-forward and backward graphs as inductor would get them, and the reductions in them are counted, monitored and not.
+"""Under torch.compile the fp8 monitor's amaxes are torchao's own reductions (issue 28): the monitor's hook (and the
+grad_output probe, in the backward) runs the aten ops torchao's Float8Linear runs on the tensor it casts, and
+AOTAutograd's common-subexpression elimination merges them. Proved without timing: a torch.compile backend built on
+aot_autograd, with inductor's decompositions and inductor's partitioner (its joint-graph passes, then the min-cut
+partition, which runs the CSE), records the forward and backward graphs as inductor would get them, and the
+reductions in them are counted, monitored and not.
 Real torchao float8 training (CPU: ``Float8LinearConfig(emulate=True)``)."""
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ _REDUCTIONS = {aten.max.default, aten.max.dim, aten.amax.default, aten.min.defau
                aten.mean.dim, aten.any.default, aten.any.dim, aten.any.dims, aten.all.default, aten.all.dim,
                aten.prod.default, aten.argmax.default, aten.argmin.default}
 _BATCH = 8
+_ROWWISE_PROBES = collections.Counter({(str(aten.amax.default), (_BATCH, 1)): 1, (str(aten.amax.default), (1, 32)): 1})
+"""The rowwise grad_output probes' reductions over torchao's row amaxes: fc2's (grad_input's cast, 8 rows) and
+fc1's (grad_weight's cast, 32 columns)."""
 
 
 @pytest.fixture(autouse=True)
@@ -109,27 +113,31 @@ def _compiled_step(recipe: str, dtype: torch.dtype, *, monitored: bool, step: in
 def test_a_compiled_unsampled_step_adds_no_reduction_under_the_tensorwise_recipe(dtype, autocast):
     """Tensorwise: the monitored forward graph holds exactly the unmonitored one's reductions (torchao's
     ``max(abs(x))`` of each input, after autocast's ``x.to(bfloat16)``, and ``max(abs(weight.t()))`` of each
-    weight): the monitor's four amaxes are torchao's."""
+    weight): the monitor's four amaxes are torchao's. So is each grad_output probe's in the backward graph (torchao's
+    ``max(abs(grad_output.reshape(-1, n)))``)."""
     plain_fw, plain_bw, _ = _compiled_step("tensorwise", dtype, monitored=False, autocast=autocast)
     fw, bw, _ = _compiled_step("tensorwise", dtype, monitored=True, autocast=autocast)
     # fc1's input (8, 16) and weight (16, 32 as weight.t()), fc2's input (8, 32) and weight (32, 16): one each
     assert {(16, 32), (32, 16)} <= {shape for _, shape in plain_fw}
     assert fw == plain_fw, f"monitored {dict(fw)} vs unmonitored {dict(plain_fw)}"
-    assert not plain_bw - bw  # the grad_output probes' own reductions come on top (not merged yet)
+    assert bw == plain_bw
 
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_a_compiled_unsampled_step_under_the_rowwise_recipe_adds_one_reduction_over_the_row_amaxes_a_cast(autocast):
     """Rowwise: torchao's per-row amaxes are merged too; the monitor adds one reduction a cast, of the row
     amaxes (one value a row) to the cast's amax: 8 of fc1's and fc2's input rows, fc1's 32 and fc2's 16 weight
-    rows (weight.t()'s columns). No tensor is read a second time."""
+    rows (weight.t()'s columns); in the backward, one a layer over the row amaxes of torchao's grad_output cast that
+    the compiled backward keeps: fc2's grad_input cast (8 rows), fc1's grad_weight cast (its 32 columns: fc1's input
+    needs no gradient, so its grad_input cast is dead code). No tensor is read a second time."""
     plain_fw, plain_bw, _ = _compiled_step("rowwise", torch.float32, monitored=False, autocast=autocast)
     fw, bw, _ = _compiled_step("rowwise", torch.float32, monitored=True, autocast=autocast)
     assert not plain_fw - fw  # every reduction of the unmonitored graph is there once
     added = fw - plain_fw
     amax = str(aten.amax.default)
     assert added == collections.Counter({(amax, (_BATCH, 1)): 2, (amax, (1, 32)): 1, (amax, (1, 16)): 1}), added
-    assert not plain_bw - bw  # the grad_output probes' own reductions come on top (not merged yet)
+    assert not plain_bw - bw
+    assert bw - plain_bw == _ROWWISE_PROBES, bw - plain_bw
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -151,7 +159,8 @@ def test_a_compiled_sampled_step_reads_each_cast_tensor_once_more_not_twice(reci
         expected.update([(total, shape), (amin, shape), (amax, rows), (amin, rows)] + [(any_, rows)] * (
             recipe == "rowwise"))
     assert fw - plain_fw == expected, fw - plain_fw
-    assert not plain_bw - bw  # the grad_output probes' own reductions come on top (not merged yet)
+    assert not plain_bw - bw
+    assert bw - plain_bw == (_ROWWISE_PROBES if recipe == "rowwise" else collections.Counter())
 
 
 @pytest.mark.parametrize("step", [1, 0], ids=["unsampled", "sampled"])
@@ -159,26 +168,36 @@ def test_a_compiled_sampled_step_reads_each_cast_tensor_once_more_not_twice(reci
 @pytest.mark.parametrize(("dtype", "autocast"), [(torch.float32, False), (torch.bfloat16, False),
                                                  (torch.float32, True)])
 def test_the_compiled_statistics_are_bitwise_the_eager_ones(recipe, dtype, autocast, step):
-    """The compiled hook's statistics (unsampled: torchao's reductions) are bitwise the eager hook's (vector_norm, the
+    """The compiled hook's and probe's statistics (torchao's reductions) are bitwise the eager hooks' (vector_norm, the
     autocast rounding in collect(); sampled: cast_stats), also with a NaN or an Inf in the batch."""
+    torch._dynamo.reset()
+    models = _model(recipe).to(dtype), _model(recipe).to(dtype)
+    monitors = [Fp8Monitor(m, numerics_every=2) for m in models]
+    graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
+    runs = torch.compile(models[0], backend=_recording_backend(graphs)), models[1]
     for bad in (None, math.nan, math.inf):
         torch.manual_seed(2)
         x = (torch.randn(_BATCH, 16) * 3).to(dtype)
         x[1, 2], x[5, 7] = 1e-3, 7.25e4
         if bad is not None:
             x[4, 4] = bad
-        _, _, compiled = _compiled_step(recipe, dtype, monitored=True, x=x, autocast=autocast, step=step)
-        model = _model(recipe).to(dtype)
-        monitor = Fp8Monitor(model, numerics_every=2)
-        monitor.begin_step(step)
-        with _autocast(autocast):
-            out = model(x)
-        out.float().square().mean().backward()
-        eager = monitor.collect()
-        forward = eager[:, 0] <= 2 * 2  # the compiled step measures the forward's casts: orders 1-4
-        assert torch.allclose(compiled[forward], eager[forward], rtol=0, atol=0, equal_nan=True)
-        assert compiled[forward, 1].isfinite().all() == (bad is None)
-        assert compiled[forward, 3].isnan().all() == (step == 1)
+        compiled, eager = [], []
+        for run, model, monitor, rows in zip(runs, models, monitors, (compiled, eager)):
+            monitor.begin_step(step)
+            with _autocast(autocast):
+                out = run(x)
+            out.float().square().mean().backward()
+            model.zero_grad()
+            rows.append(monitor.collect())
+        (compiled_rows,), (eager_rows,) = compiled, eager
+        # every cast (grad_output's from the probe), in the same order; the forward's casts (orders 1-4) with their
+        # underflow and dynamic range too (a probe carries one float)
+        assert torch.allclose(compiled_rows[:, :3], eager_rows[:, :3], rtol=0, atol=0, equal_nan=True)
+        forward = eager_rows[:, 0] <= 2 * 2
+        assert torch.allclose(compiled_rows[forward], eager_rows[forward], rtol=0, atol=0, equal_nan=True)
+        assert compiled_rows[forward, 1].isfinite().all() == (bad is None)
+        assert compiled_rows[forward, 3].isnan().all() == (step == 1)
+    assert len(graphs["forward"]) == 1  # compiled once, no break
 
 
 @pytest.mark.parametrize("rowwise", [False, True])
