@@ -285,11 +285,12 @@ class Fp8Monitor:
         def hook(module: Any, args: tuple[Any, ...]) -> None:
             if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
                 return  # an evaluation's forward (no step follows it), or an input the layer does not cast
-            x, weight = args[0], module.weight
-            kind = x.device.type  # Float8Linear casts the autocast dtype's tensors
-            cast_to = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-            self._measure(module, index, "input", x, cast_to)
-            self._measure(module, index, "weight", weight, cast_to)
+            # As torchao 0.18's Float8Linear.forward: the input cast to CUDA autocast's dtype where CUDA autocast is
+            # on (torch.is_autocast_enabled() with no device: CUDA's; CPU autocast casts nothing there), the weight
+            # never (its fp32 master is scaled as it is).
+            cast_to = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+            self._measure(module, index, "input", args[0], cast_to)
+            self._measure(module, index, "weight", module.weight, None)
         return hook
 
     def _forward_hook(self, index: int) -> Any:

@@ -14,7 +14,7 @@ if [ "${TESTS:-1}" = 1 ]; then
     | tail -25 | tee "$OUT/tests_$TAG.txt"
 fi
 if [ "${DIGEST:-1}" = 1 ]; then
-  timeout 90 python benchmarks/digest_variants.py --device cuda --model gpt2 --reps 30 --out "$OUT/digest_$TAG.json" 2>&1 \
+  timeout 150 python benchmarks/digest_variants.py --device cuda --model gpt2 --reps 30 --out "$OUT/digest_$TAG.json" 2>&1 \
     | grep -v Warning | tee "$OUT/digest_$TAG.txt"
 fi
 if [ "${FRAMEWORKS:-0}" = 1 ]; then  # issue 26: the frameworks with their clip folded (Lightning's too, no clip there)

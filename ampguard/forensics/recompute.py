@@ -121,16 +121,16 @@ def _as_linear(module: Any) -> Callable[..., Any]:
 
 def _casts(module: Any, call: Call) -> str:
     """``"its fp8 casts of these inputs: input amax … → scale …, underflow … %; weight …"``: the layer's input
-    and weight cast as it casts them (in the call's autocast dtype, its recipe's scaling)."""
+    and weight cast as it casts them (the input in CUDA autocast's dtype, its recipe's scaling)."""
     x = first_tensor(list(floats((call.args, call.kwargs))))
     if x is None:
         return "its fp8 casts: no input to measure"
-    dtype = call.autocast[1] if call.autocast is not None else None
+    # torchao 0.18 casts the input to the autocast dtype under CUDA autocast only, and never the weight
+    dtype = call.autocast[1] if call.autocast is not None and call.autocast[0] == "cuda" else None
     said = []
     try:
-        for role, t in (("input", x), ("weight", module.weight)):
-            t = t.detach()
-            stats = layer_cast_stats(module, role, t.to(dtype) if dtype is not None else t).tolist()
+        for role, t in (("input", x.to(dtype) if dtype is not None else x), ("weight", module.weight)):
+            stats = layer_cast_stats(module, role, t.detach()).tolist()
             said.append(f"{role} amax {stats[1]:.4g} → scale {stats[2]:.4g}, underflow {100 * stats[3]:.3g} %")
     except Exception as exc:  # a layout the statistics do not know: say so, guess nothing
         return f"its fp8 casts could not be measured ({type(exc).__name__}: {str(exc)[:120]})"

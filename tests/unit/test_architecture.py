@@ -119,7 +119,7 @@ _SEEN = {
                   "nonfinite_params",  # issue 27
                   "fp8_nonfinite"],  # issue 28
     Phase: ["forward", "backward", "loss", "input"],  # "input": issue 14
-    Cause: ["overflow", "nan", "transient", "not_reproduced"],  # "not_reproduced": issue 14
+    Cause: ["overflow", "nan", "transient", "fp8", "not_reproduced"],  # "not_reproduced": issue 14; "fp8": issue 28
 }
 
 

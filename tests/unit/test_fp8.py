@@ -195,3 +195,43 @@ def _compiled_monitor_checks():
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert frames <= 2, f"{frames} graphs compiled for 4 steps: one per step would recompile"  # sampled or not
     assert flags == [0.0, 0.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("sampled", [True, False])
+def test_the_monitors_scales_are_the_ones_torchao_computes_for_each_cast(monkeypatch, recipe, sampled):
+    """Under bf16 autocast as torchao sees it on a GPU, the scale the monitor reports for each forward cast is the one
+    torchao's own cast computed (read off its result by a spy on ``hp_tensor_to_float8_dynamic``): the input is
+    cast to bf16 first, the weight is scaled from its fp32 master (the monitor used to round the weight's amax to
+    bf16 as well, so its weight scale could differ from torchao's)."""
+    from torchao.float8 import float8_linear
+
+    from tests.unit.test_fp8_compile_cse import _autocast
+
+    real = float8_linear.hp_tensor_to_float8_dynamic
+    seen: dict[tuple[int, str], float] = {}
+
+    def spy(hp, *args, **kwargs):
+        out = real(hp, *args, **kwargs)
+        role = kwargs["gemm_input_role"].value
+        key = (hp.shape[-1] if role == "input" else hp.shape[0], role)  # in_features (the weight comes as .t())
+        if role in ("input", "weight") and key not in seen:  # the forward's casts come first
+            seen[key] = float(out._scale.min())
+        return out
+
+    monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic", spy)
+    model = _model(recipe)
+    with torch.no_grad():  # weights whose fp32 amax rounds to another bf16 value
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.mul_(1.0 + 2.0**-12)
+    monitor = Fp8Monitor(model, numerics_every=1 if sampled else 10)
+    monitor.begin_step(0 if sampled else 1)
+    with _autocast(True):
+        loss = model(torch.randn(8, 16)).float().square().mean()
+    loss.backward()
+    casts = {(c.module, c.role): c.scale for c in monitor.decode(monitor.collect().tolist())}
+    width = {"fc1": 16, "fc2": 32}
+    for (module, role), scale in casts.items():
+        if role != "grad_output":
+            assert scale == seen[(width[module], role)], (module, role, scale, seen)
