@@ -31,7 +31,7 @@ for run in ${FP8_RUNS-1 2}; do
     | grep -v -i warn | tail -6 | tee "$OUT/fp8_cost_${TAG}_$run.txt"
 done
 for run in ${COMPILE_RUNS-1}; do
-  timeout ${FP8_TIMEOUT:-200} python benchmarks/fp8_cost.py --device cuda --blocks ${FP8_BLOCKS:-20} --steps ${FP8_STEPS:-5} --compile \
-    --out "$OUT/fp8_cost_${TAG}_compiled_$run.json" 2>&1 | grep -v -i "warn\|Configuration class\|loss_type" | tail -12 \
-    | tee "$OUT/fp8_cost_${TAG}_compiled_$run.txt"
+  timeout ${FP8_TIMEOUT:-200} python benchmarks/fp8_cost.py --device cuda --blocks ${FP8_BLOCKS:-20} --steps ${FP8_STEPS:-5} --batch ${FP8_BATCH:-8} --compile \
+    --out "$OUT/fp8_cost_${TAG}_compiled_b${FP8_BATCH:-8}_$run.json" 2>&1 | grep -v -i "warn\|Configuration class\|loss_type" | tail -12 \
+    | tee "$OUT/fp8_cost_${TAG}_compiled_b${FP8_BATCH:-8}_$run.txt"
 done
