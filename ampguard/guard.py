@@ -92,6 +92,9 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         self._reporter.indicators = self._indicators
         self._fp8 = self._reporter.fp8 = fp8
         """torchao float8 casts measured per module and role (``wrap(fp8=...)``); None: off."""
+        self._params_bad: torch.Tensor | None = None
+        """Several ranks: the last checked update left this rank's parameters non-finite (a 0-dim device flag),
+        for the next step's local vector (``Loc.PARAMS_NONFINITE``)."""
         if fp8 is not None:
             fp8.begin_step(0)
         self._stage = Stage.READY
@@ -261,7 +264,9 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             fp8 = self._fp8.collect()
             fp8_bad = self._fp8.nonfinite(fp8)
         gathered = pipe.gather(measured, self._loss.value(), no_grads=not fresh,
-                               sentinel=sentinel.value() if sentinel is not None else None, fp8=fp8_bad)
+                               sentinel=sentinel.value() if sentinel is not None else None, fp8=fp8_bad,
+                               params_bad=self._params_bad)
+        self._params_bad = None
         decided = pipe.decide(gathered, measured)  # the decision, and the path it was taken on
         decision = decided.vector
         if self._forensics.armed:  # armed only after an anomaly
@@ -280,6 +285,8 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             self._forensics.replay_if_nonfinite(self._step, closure, decision, gathered, self.optimizer, self._scaler)
         check = self.config.param_check_every  # the updated parameters' max|p|, on device, in the report
         params = amax_per_tensor(pipe.params()) if check is not None and self._step % check == 0 else None
+        if params is not None and self.backend.world_size > 1:  # every rank learns it in the next step's gather
+            self._params_bad = (~torch.isfinite(params)).any().float()
         self._reporter.enqueue(self._step, pipe.payload(decided, gathered, measured, tail, params, fp8),
                                measured.groups.index, self._outcome.batch_ids)
         self._end_step(measured)

@@ -259,17 +259,19 @@ class StepPipeline:
         return Measured(found, found_inf, groups, norms, scaled=True)
 
     def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False,
-               sentinel: torch.Tensor | None = None, fp8: torch.Tensor | None = None) -> torch.Tensor:
+               sentinel: torch.Tensor | None = None, fp8: torch.Tensor | None = None,
+               params_bad: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's statistics, all-gathered: ``[world_size, LOCAL_K]`` on device. collective:
         every rank gathers, also one whose backward reached no parameter (``no_grads``): the
         decision then skips the step on every rank. ``sentinel``:
         :meth:`ampguard.forensics.sentinel.Sentinel.value` (None: off). ``fp8``:
-        :meth:`ampguard.fp8.Fp8Monitor.nonfinite` (None: off)."""
+        :meth:`ampguard.fp8.Fp8Monitor.nonfinite` (None: off). ``params_bad``: the last checked update left this
+        rank's parameters non-finite (None: not known)."""
         replicas = getattr(self.backend, "grad_replicas", 1) if self.backend.grads_sharded else 1
         vec = local_vector(loss=loss, tensor_norms=measured.norms, found_inf=measured.found_inf,
                            pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads,
                            sentinel=sentinel, headroom=None if measured.numerics is None else measured.numerics[1],
-                           fp8=fp8, norm_share=replicas**-0.5 if replicas > 1 else None)
+                           fp8=fp8, params_bad=params_bad, norm_share=replicas**-0.5 if replicas > 1 else None)
         return self.backend.all_gather(vec).wait()  # type: ignore[no-any-return]
 
     def decide(self, gathered: torch.Tensor, measured: Measured) -> Decision:

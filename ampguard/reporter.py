@@ -258,8 +258,11 @@ class Reporter:
                 named = dataclasses.replace(named, module=anomalies[at].module, phase=anomalies[at].phase)
             anomalies[at] = named
         poisoned = nonfinite_names(payload.params, names)
-        if poisoned:
-            anomalies.extend(self._poisoned(report, poisoned))
+        if poisoned:  # several ranks: named here, acted on from the next step's gathered flag, on every rank
+            anomalies.extend(self._poisoned(report, poisoned, act=world == 1))
+        bad_ranks = tuple(r for r, row in enumerate(rows) if row[Loc.PARAMS_NONFINITE] > 0) if world > 1 else ()
+        if bad_ranks:
+            anomalies.extend(self._poisoned(report, (), ranks=bad_ranks))
         return report, anomalies
 
     def _fp8_casts(self, step: int, flat: Sequence[float],
@@ -302,12 +305,23 @@ class Reporter:
                        f"fp8 cast non-finite{on}: {Fp8Monitor.describe(first)}{more}; {why}; step skipped on every "
                        f"rank{held}", ranks, module=first.module, phase=phase)
 
-    def _poisoned(self, report: StepReport, params: tuple[str, ...]) -> list[Anomaly]:
+    def _poisoned(self, report: StepReport, params: tuple[str, ...], *, act: bool = True,
+                  ranks: tuple[int, ...] = ()) -> list[Anomaly]:
         """A checked step whose update left non-finite parameters: the ladder's rollback where it
-        can roll back, else a stop (NonFiniteError at the next fixed point)."""
-        how = "from finite gradients" if not report.nonfinite else "on a non-finite step"
-        what = (f"{len(params)} parameter(s) non-finite after step {report.step}'s update {how}: {listed(params)} "
-                "(AdamW with eps=0 on a zero gradient, an LR or a schedule gone inf, a bit flip...)")
+        can roll back, else a stop (NonFiniteError at the next fixed point). ``act=False``: the anomaly
+        only (several ranks: this rank's names, the action from the gathered flag). ``ranks``: the ranks
+        whose flag the step gathered (their last checked update, before this step), on every rank alike."""
+        why = "(AdamW with eps=0 on a zero gradient, an LR or a schedule gone inf, a bit flip...)"
+        if ranks:
+            what = (f"parameters non-finite on rank(s) {list(ranks)} after their last checked update, before step "
+                    f"{report.step} (that rank's own nonfinite_params anomaly names them) {why}")
+        else:
+            how = "from finite gradients" if not report.nonfinite else "on a non-finite step"
+            what = (f"{len(params)} parameter(s) non-finite after step {report.step}'s update {how}: "
+                    f"{listed(params)} {why}")
+        if not act:
+            return [Anomaly(report.step, AnomalyKind.NONFINITE_PARAMS, f"{what}; every rank acts on it at the next "
+                            "step, when the flag has been gathered", (self.rank,), params=params[:8])]
         ladder = self.ladder
         rollback = ladder.request_rollback(report.step, "non-finite parameters") if ladder is not None else None
         action = "rolling back" if rollback is not None else "training stops"
@@ -315,7 +329,7 @@ class Reporter:
             self.actions.stop = NonFiniteError(f"training stopped at step {report.step}: {what}. Every later loss "
                                                "would be non-finite; resume from the last healthy checkpoint "
                                                "(opt.verify() before saving)", report)
-        found = Anomaly(report.step, AnomalyKind.NONFINITE_PARAMS, f"{what}; {action}", params=params[:8])
+        found = Anomaly(report.step, AnomalyKind.NONFINITE_PARAMS, f"{what}; {action}", ranks, params=params[:8])
         return [found] if rollback is None else [found, rollback]
 
     def _sentinel_named(self, step: int, first: Anomaly, rows: list[Sequence[float]],

@@ -83,6 +83,10 @@ class Loc:
     FP8_NONFINITE = 9
     """1.0 when one of this rank's torchao float8 casts had a non-finite amax or a non-finite or zero scale
     this step (:meth:`ampguard.fp8.Fp8Monitor.nonfinite`; 0 when fp8 monitoring is off)."""
+    PARAMS_NONFINITE = 10
+    """1.0 when this rank's parameters were non-finite after its last checked update
+    (``GuardConfig.param_check_every``), carried into the next step's vector so every rank learns it on the same
+    step (0 on one process, and where the check is off)."""
 
 
 LOCAL_K = _count(Loc)
@@ -266,6 +270,7 @@ def local_vector(
     sentinel: torch.Tensor | None = None,
     headroom: torch.Tensor | None = None,
     fp8: torch.Tensor | None = None,
+    params_bad: torch.Tensor | None = None,
     norm_share: float | None = None,
     host: bool | None = None,
 ) -> torch.Tensor:
@@ -273,7 +278,8 @@ def local_vector(
     step's loss on device (None: no loss was given for this step). ``no_grads``: no parameter
     received a gradient on this rank (known on the host, from the gradients' version counters).
     ``headroom``: this rank's sampled headroom (None: not sampled, NaN). ``fp8``: the fp8 monitor's
-    non-finite flag (None: monitoring off, 0). ``norm_share``: the factor on this rank's norm where several
+    non-finite flag (None: monitoring off, 0). ``params_bad``: this rank's parameters were non-finite after its
+    last checked update (None: not known, 0). ``norm_share``: the factor on this rank's norm where several
     ranks hold the same gradient shard (HSDP: ``1/sqrt(replicas)``, so the sum of squares over ranks counts each
     shard once); None: 1.
 
@@ -299,6 +305,7 @@ def local_vector(
         x.value(sentinel, -1.0),  # Loc.SENTINEL
         x.value(headroom, math.nan),  # Loc.HEADROOM
         x.value(fp8, 0.0),  # Loc.FP8_NONFINITE
+        x.value(params_bad, 0.0),  # Loc.PARAMS_NONFINITE
     ])
 
 
