@@ -80,8 +80,9 @@ def _fsdp2_body(rank: int, world_size: int) -> dict[str, Any]:
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    # the whole weight's amax as the layer casts it (bf16 autocast), before any update: full_tensor is a collective
-    full = [float(model[i].weight.full_tensor().to(torch.bfloat16).abs().max()) for i in (0, 2)]
+    # the whole weight's amax as the layer casts it (its fp32 master: torchao never casts the weight to the autocast
+    # dtype first), before any update: full_tensor is a collective
+    full = [float(model[i].weight.full_tensor().abs().max()) for i in (0, 2)]
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
                         config={"numerics_every": 1})
     reports = []
