@@ -8,9 +8,10 @@ optimizer state tensors are non-finite now, and a bitwise fingerprint of every p
 ones it was saved with. See docs/integrity.md.
 
 Finiteness is read from one max-norm per tensor (``torch._foreach_norm(..., inf)``: NaN or Inf
-whenever any element is; one read of the tensors, grouped by device and dtype), then one host read
-for all of them. :func:`nonfinite_names` is the same check on an already-reduced vector (the
-guard's periodic parameter check rides the step's report with it, :mod:`ampguard.payload`).
+whenever any element is; one read of the tensors, grouped by device and dtype; on the CPU one
+``aminmax`` per tensor, the same values, 10-30x faster there), then one host read for all of
+them. :func:`nonfinite_names` is the same check on an already-reduced vector (the guard's periodic
+parameter check rides the step's report with it, :mod:`ampguard.payload`).
 """
 
 from __future__ import annotations
@@ -123,11 +124,31 @@ def amax_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             groups.setdefault((t.device, t.dtype), []).append(i)
         else:
             out[i] = torch.zeros((), dtype=torch.float32, device=t.device)
-    for idx in groups.values():
-        norms = torch._foreach_norm([local[i] for i in idx], math.inf)
+    for (dev, dtype), idx in groups.items():
+        ts = [local[i] for i in idx]
+        if dev.type == "cpu" and dtype in _CPU_AMAX_DTYPES:
+            amax = _cpu_amax(ts)
+            if len(idx) == len(local):  # one group, no empty tensor (the usual case): the vector as it is
+                return amax.to(device=device, dtype=torch.float32)
+            norms: Sequence[torch.Tensor] = amax.unbind()
+        else:
+            norms = torch._foreach_norm(ts, math.inf)
         for i, n in zip(idx, norms):
             out[i] = n
     return torch.stack([n.to(device=device, dtype=torch.float32) for n in out])  # type: ignore[union-attr]
+
+
+_CPU_AMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _cpu_amax(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """max|x| of each non-empty real CPU tensor, as ``_foreach_norm(inf)`` gives it (a max is exact: the same
+    value; NaN wherever a tensor holds one), from one ``aminmax`` per tensor: on the 2-core CPU
+    ``_foreach_norm(inf)`` took 2.8 ms over mlp-small's parameters (0.7M floats) where this takes
+    0.1 ms (benchmarks/RESULTS.md). No copy of a tensor. ``abs``: +0.0 for an all-zero tensor, as the
+    norm gives it (``maximum(0.0, -0.0)`` may keep either zero)."""
+    pairs = [torch.aminmax(t) for t in tensors]
+    return torch.maximum(torch.stack([mx for _, mx in pairs]), torch.stack([mn for mn, _ in pairs]).neg_()).abs_()
 
 
 def nonfinite_names(amax: Sequence[float], names: Sequence[str]) -> tuple[str, ...]:
