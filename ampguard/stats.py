@@ -245,7 +245,10 @@ def cpu_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     models). As with torch's kernels, the squares are summed in float32: a norm above ~1.8e19
     comes out infinite. Scaling by a power of two commutes with it exactly (barring over- or
     underflow), so the fused fast path's scaled norms times ``1/scale`` are these norms."""
-    return torch.stack([torch.dot(g.reshape(-1), g.reshape(-1)) for g in grads]).sqrt_()
+    # One flat view per gradient, not one per operand; ``flatten`` hands a 1-D tensor back as it is
+    # (``reshape`` builds a view even then: ~1 us a tensor here). The same dot either way.
+    dot = torch.dot
+    return torch.stack([dot(f, f) for f in [g.flatten() for g in grads]]).sqrt_()
 
 
 def host_tensor(values: Sequence[float]) -> torch.Tensor:
