@@ -25,7 +25,7 @@ import torch
 
 from .errors import CheckpointError
 from .fingerprint import param_fingerprints
-from .stats import local_tensor
+from .stats import cpu_amax, cpu_amax_ok, local_tensor
 
 __all__ = ["Verdict", "amax_per_tensor", "check_loaded", "check_weights", "listed", "nonfinite_names",
            "refuse_unhealthy", "state_tensors", "verify"]
@@ -126,8 +126,8 @@ def amax_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
             out[i] = torch.zeros((), dtype=torch.float32, device=t.device)
     for (dev, dtype), idx in groups.items():
         ts = [local[i] for i in idx]
-        if dev.type == "cpu" and dtype in _CPU_AMAX_DTYPES:
-            amax = _cpu_amax(ts)
+        if cpu_amax_ok(dev, dtype):
+            amax = cpu_amax(ts)
             if len(idx) == len(local):  # one group, no empty tensor (the usual case): the vector as it is
                 return amax.to(device=device, dtype=torch.float32)
             norms: Sequence[torch.Tensor] = amax.unbind()
@@ -136,19 +136,6 @@ def amax_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         for i, n in zip(idx, norms):
             out[i] = n
     return torch.stack([n.to(device=device, dtype=torch.float32) for n in out])  # type: ignore[union-attr]
-
-
-_CPU_AMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def _cpu_amax(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """max|x| of each non-empty real CPU tensor, as ``_foreach_norm(inf)`` gives it (a max is exact: the same
-    value; NaN wherever a tensor holds one), from one ``aminmax`` per tensor: on the 2-core CPU
-    ``_foreach_norm(inf)`` took 2.8 ms over mlp-small's parameters (0.7M floats) where this takes
-    0.1 ms (benchmarks/RESULTS.md). No copy of a tensor. ``abs``: +0.0 for an all-zero tensor, as the
-    norm gives it (``maximum(0.0, -0.0)`` may keep either zero)."""
-    pairs = [torch.aminmax(t) for t in tensors]
-    return torch.maximum(torch.stack([mx for _, mx in pairs]), torch.stack([mn for mn, _ in pairs]).neg_()).abs_()
 
 
 def nonfinite_names(amax: Sequence[float], names: Sequence[str]) -> tuple[str, ...]:
