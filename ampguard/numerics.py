@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .stats import GradGroups
+from .stats import GradGroups, cpu_amax, cpu_amax_ok
 
 __all__ = ["FP16_MAX", "Numerics", "group_of"]
 
@@ -79,7 +79,7 @@ class Numerics:
                 if flat:
                     both = flat[0] if len(flat) == 1 else torch.cat(flat)
                     nonzero[group].append(torch.count_nonzero(both).to(dev, non_blocking=True))
-            peaks.append(torch.stack(torch._foreach_norm(grads, math.inf)).float().amax().to(dev, non_blocking=True))
+            peaks.append(_peak(grads).to(dev, non_blocking=True))
         zeros = [n - (torch.stack(c).sum() if len(c) > 1 else c[0]) if c else None for c, n in zip(nonzero, numel)]
         nan = torch.full((), math.nan, dtype=torch.float64, device=dev)
         fractions = [nan if z is None else z.double() / n for z, n in zip(zeros, numel)]  # no element: NaN
@@ -93,3 +93,13 @@ class Numerics:
         else:
             headroom = torch.full((), math.inf if self.headroom else math.nan, dtype=torch.float32, device=dev)
         return torch.stack([total, headroom.double().reshape(()), *fractions]).float()
+
+
+def _peak(grads: list[torch.Tensor]) -> torch.Tensor:
+    """max|g| over one (device, dtype) group's gradients, float32: ``_foreach_norm(inf)``'s maxima;
+    dense, non-empty, real CPU gradients by :func:`ampguard.stats.cpu_amax` (the same value, 10-30x
+    faster there). Anything else (a sparse or an empty gradient, which that norm refuses) as before."""
+    g0 = grads[0]
+    if cpu_amax_ok(g0.device, g0.dtype) and all(g.layout == torch.strided and g.numel() for g in grads):
+        return cpu_amax(grads).float().amax()
+    return torch.stack(torch._foreach_norm(grads, math.inf)).float().amax()

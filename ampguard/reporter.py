@@ -215,14 +215,19 @@ class Reporter:
         """The step's report, built once from its unpacked payload, and its anomalies."""
         d, rows, world, config = payload.decision, payload.rows, self.world_size, self.config
         names = self.names()
-        # Attribution by construction: the k-th norm belongs to parameter index[k].
-        norms = [math.nan] * len(names)
-        for i, n in zip(index, payload.norms):
-            norms[i] = n
-        bad_params = tuple(names[i] for i in sorted(index) if not math.isfinite(norms[i]))
-        ranks = origin_ranks(rows) if world > 1 else ()
         every = config.param_norms_every
         want_norms = d[Dec.GRAD_NONFINITE] > 0 or (every is not None and step % every == 0)
+        # Norms >= 0: their sum is finite exactly when every norm is (one C loop); a healthy step that
+        # does not report them makes no per-parameter list.
+        finite = math.isfinite(sum(payload.norms))
+        norms: list[float] = []
+        if want_norms or not finite:
+            # Attribution by construction: the k-th norm belongs to parameter index[k].
+            norms = [math.nan] * len(names)
+            for i, n in zip(index, payload.norms):
+                norms[i] = n
+        bad_params = () if finite else tuple(names[i] for i in sorted(index) if not math.isfinite(norms[i]))
+        ranks = origin_ranks(rows) if world > 1 else ()
         loss_nonfinite = d[Dec.LOSS_NONFINITE] > 0
         unknown = math.isnan(d[Dec.LOSS]) and not loss_nonfinite  # NaN without the flag: no loss was given
         numerics = payload.numerics  # a sampled step's [zero fraction, headroom, per group...]

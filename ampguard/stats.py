@@ -36,6 +36,8 @@ __all__ = [
     "GradGroups",
     "Loc",
     "LossMeter",
+    "cpu_amax",
+    "cpu_amax_ok",
     "cpu_norms",
     "grads_by_device_and_dtype",
     "host_tensor",
@@ -249,7 +251,31 @@ def cpu_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     models). As with torch's kernels, the squares are summed in float32: a norm above ~1.8e19
     comes out infinite. Scaling by a power of two commutes with it exactly (barring over- or
     underflow), so the fused fast path's scaled norms times ``1/scale`` are these norms."""
-    return torch.stack([torch.dot(g.reshape(-1), g.reshape(-1)) for g in grads]).sqrt_()
+    # One flat view per gradient, not one per operand; ``flatten`` hands a 1-D tensor back as it is
+    # (``reshape`` builds a view even then: ~1 us a tensor here). The same dot either way.
+    dot = torch.dot
+    return torch.stack([dot(f, f) for f in [g.flatten() for g in grads]]).sqrt_()
+
+
+
+_CPU_AMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def cpu_amax_ok(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether :func:`cpu_amax` takes tensors of this device and dtype (real floating point, on the CPU)."""
+    return device.type == "cpu" and dtype in _CPU_AMAX_DTYPES
+
+
+def cpu_amax(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """max|x| of each non-empty, dense, real CPU tensor (:func:`cpu_amax_ok`), stacked, as
+    ``torch._foreach_norm(tensors, inf)`` gives it (a max is exact: the same value; NaN wherever a
+    tensor holds one), from one ``aminmax`` per tensor: on the 2-core CPU ``_foreach_norm(inf)``
+    took 2.8 ms over mlp-small's parameters (0.7M floats) where this takes 0.1 ms
+    (benchmarks/RESULTS.md). No copy of a tensor. ``abs``: +0.0 for an all-zero tensor, as the norm
+    gives it (``maximum(0.0, -0.0)`` may keep either zero). The parameter check
+    (:func:`ampguard.integrity.amax_per_tensor`) and the sampled headroom (:mod:`ampguard.numerics`)."""
+    pairs = [torch.aminmax(t) for t in tensors]
+    return torch.maximum(torch.stack([mx for _, mx in pairs]), torch.stack([mn for mn, _ in pairs]).neg_()).abs_()
 
 
 def host_tensor(values: Sequence[float]) -> torch.Tensor:

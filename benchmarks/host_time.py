@@ -5,7 +5,9 @@ against the guard's ``opt.step()``, and where each microsecond of the guard's go
 Each measured call starts on a drained device (``torch.cuda.synchronize()`` after the backward),
 so what is timed is the host's own work: Python, kernel launches, and any wait the call makes
 on the device (a sync shows up as time here). Plain and guarded steps alternate in blocks, in one
-process; the figure is the median (p25, p75) over the steps of all blocks.
+process; the figure is the median (p25, p75) over the steps of all blocks. The mean is printed
+beside it: it also counts what only every N-th step pays (``param_check_every``, default 10: the
+median never sees it).
 
 The breakdown wraps the guard's stages (``guard._fresh_grads``, ``outcome.settle``,
 ``pipeline.measure``/``gather``/``decide``/``clip``/``inner_step``/``update_scale``/``payload``,
@@ -19,7 +21,7 @@ models there (``gpt2-deep``: GPT-2's 148 parameter tensors at width 32) to see t
 grows with the parameter count. Run::
 
     python benchmarks/host_time.py --device cuda --models mlp,gpt2-350m --optims fused,foreach
-    python benchmarks/host_time.py --device cpu --models mlp,gpt2-deep --optims fused,foreach --blocks 6
+    python benchmarks/host_time.py --device cpu --models mlp,gpt2-deep --optims fused,foreach --blocks 6 --clock thread
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ampguard
+
+CLOCK = [time.perf_counter_ns]
+"""The clock of every timing: wall time, or with ``--clock thread`` the calling thread's CPU time
+(``time.thread_time_ns``: on a shared CPU machine, with ``OMP_NUM_THREADS=1``, the time the step
+computed, without the time other processes held the core; a wait on a device does not count)."""
 
 STAGES = {  # owner attribute path on the guard -> stage methods timed
     "": ("_fresh_grads", "_check_step_call", "_end_step", "_measure"),
@@ -80,7 +87,7 @@ class Timers:
     def _wrap(self, owner: Any, name: str, label: str) -> None:
         fn = getattr(owner, name)
         acc = self.ns.setdefault(label, [])
-        clock = time.perf_counter_ns
+        clock = CLOCK[0]
 
         def timed(*a: Any, **k: Any) -> Any:
             t0 = clock()
@@ -129,9 +136,10 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
         fwd_bwd, step, zero, _ = loops[variant]
         fwd_bwd()
         sync()
-        t0 = time.perf_counter_ns()
+        clock = CLOCK[0]
+        t0 = clock()
         step()
-        t1 = time.perf_counter_ns()
+        t1 = clock()
         sync()
         zero(set_to_none=True)
         if out is not None:
@@ -195,8 +203,8 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
     guard.close()
 
     def q(xs: list[int]) -> dict[str, float]:
-        qs = statistics.quantiles(xs, n=4)
-        return {"p25": qs[0] / 1e3, "median": qs[1] / 1e3, "p75": qs[2] / 1e3}
+        qs = statistics.quantiles(xs, n=4)  # the mean also counts what every N-th step pays (param_check_every)
+        return {"p25": qs[0] / 1e3, "median": qs[1] / 1e3, "p75": qs[2] / 1e3, "mean": statistics.fmean(xs) / 1e3}
     n = len(broken)
     stages = {k: statistics.median(v) / 1e3 if len(v) == n else sum(v) / n / 1e3
               for k, v in timers.ns.items() if v}
@@ -205,6 +213,7 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
     out = {"model": model_name, "optim": optim, "device": str(device), "plain_us": q(times["plain"]),
            "guard_us": q(times["guard"]), "breakdown_us": stages, "breakdown_total_us": inner_total}
     out["added_us"] = out["guard_us"]["median"] - out["plain_us"]["median"]
+    out["added_mean_us"] = out["guard_us"]["mean"] - out["plain_us"]["mean"]
     return out
 
 
@@ -219,7 +228,11 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=0, help="also print cProfile's top N functions (own time)")
     ap.add_argument("--ops", type=int, default=0, help="also print the top N torch ops inside step() (torch.profiler)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="thread: the thread's CPU time (a CPU run on a busy machine, OMP_NUM_THREADS=1)")
     args = ap.parse_args()
+    if args.clock == "thread":
+        CLOCK[0] = time.thread_time_ns
     device = torch.device(args.device)
     rows = []
     for model_name in args.models.split(","):
@@ -229,13 +242,15 @@ def main() -> int:
             p, g = row["plain_us"], row["guard_us"]
             print(f"\n{model_name} {optim} on {device}: plain {p['median']:.0f} us (p25 {p['p25']:.0f}, p75 "
                   f"{p['p75']:.0f}); guard {g['median']:.0f} us (p25 {g['p25']:.0f}, p75 {g['p75']:.0f}); "
-                  f"added {row['added_us']:+.0f} us")
+                  f"added {row['added_us']:+.0f} us; mean plain {p['mean']:.0f}, guard {g['mean']:.0f}, "
+                  f"added {row['added_mean_us']:+.0f} us")
             print(f"  breakdown of a timed guarded step ({row['breakdown_total_us']:.0f} us, median):")
             for k, v in sorted(row["breakdown_us"].items(), key=lambda kv: -kv[1]):
                 print(f"    {k:<26} {v:8.1f} us")
             sys.stdout.flush()
     if args.json:
-        args.json.write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__, "clock": args.clock,
+                                         "rows": rows}, indent=1))
     return 0
 
 

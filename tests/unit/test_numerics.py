@@ -437,3 +437,23 @@ def test_the_measurement_of_large_and_small_tensors_in_several_groups():
     assert got[2:] == pytest.approx([sum(z) / sum(n) for z, n in zip(zeros, sizes)], rel=1e-6)
     peak = max(float(p.grad.abs().max()) for p in params if p.grad is not None) * 8.0
     assert got[1] == pytest.approx(math.log2(65504.0 / peak), abs=1e-5)
+
+
+def test_the_cpu_peak_is_bitwise_the_max_norm_it_replaces():
+    """On the CPU the sampled headroom's max|g| per group comes from one ``aminmax`` per gradient
+    (:func:`ampguard.stats.cpu_amax`), not ``_foreach_norm(inf)``: the same float32 value, NaN and
+    Inf included; an empty gradient still goes to the norm (which refuses it, as before)."""
+    from ampguard.numerics import _peak
+
+    g = torch.Generator().manual_seed(5)
+    groups = [[torch.randn(3, 4, generator=g), torch.randn(7, generator=g)], [torch.tensor([1.0, math.nan])],
+              [torch.tensor([-math.inf, 1.0]), torch.ones(2)], [torch.zeros(3), -torch.zeros(2)],
+              [torch.randn(4, generator=g).bfloat16(), torch.tensor([-7.0, 2.0]).bfloat16()],
+              [torch.randn(100, generator=g).half()]]
+    for grads in groups:
+        expected = torch.stack(torch._foreach_norm(grads, math.inf)).float().amax()
+        got = _peak(grads)
+        assert got.dtype == torch.float32
+        assert torch.equal(got.view(torch.int32) & 0x7FFFFFFF, expected.view(torch.int32) & 0x7FFFFFFF)
+    with pytest.raises(RuntimeError):
+        _peak([torch.zeros(0), torch.ones(2)])
