@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import wandb
+from google.protobuf.message import DecodeError
 from wandb.proto import wandb_internal_pb2 as pb
 
 import ampguard
@@ -46,6 +47,8 @@ def _records(path: Path) -> list[Any]:
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if pos + 7 + length > len(data):  # a chunk wandb's service process is still writing: not a record yet
+            break
         chunk = data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind == 0 and length == 0:
@@ -58,10 +61,19 @@ def _records(path: Path) -> list[Any]:
     return out
 
 
+def _exited(log: Path) -> bool:
+    """The run's exit record is in the log. Read while wandb's service process writes it: a record caught half
+    written (its chunk's bytes not all there, or not yet parseable) means not yet."""
+    try:
+        return any(r.WhichOneof("record_type") == "exit" for r in _records(log))
+    except DecodeError:
+        return False
+
+
 def _history(run_dir: Path) -> list[dict[str, Any]]:
     (log,) = run_dir.glob("*.wandb")
     deadline = time.monotonic() + 30
-    while not any(r.WhichOneof("record_type") == "exit" for r in _records(log)) and time.monotonic() < deadline:
+    while not _exited(log) and time.monotonic() < deadline:
         time.sleep(0.2)  # wandb's own service process writes the file: wait for the run's exit record
     rows = []
     for record in _records(log):
