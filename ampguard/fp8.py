@@ -262,19 +262,18 @@ class Fp8Monitor:
                 self._rounded[slot] = cast_to
             if torch.compiler.is_compiling():  # torchao's own reduction, which AOTAutograd's CSE merges with it
                 with torch.no_grad():
-                    amax = _torchao_amax(x.to(cast_to) if role == "input" and cast_to is not None else x, role,
+                    amax = _torchao_amax(x.to(cast_to) if cast_to is not None else x, role,
                                          rowwise=_rowwise(module, role))
             else:
                 amax = torch.linalg.vector_norm(x.detach(), ord=math.inf, dtype=torch.float32)
             self._slots[slot] = amax if old is None else torch.maximum(old, amax)
             return
         rowwise = _rowwise(module, role)
-        hp = x.to(cast_to) if cast_to is not None else x  # the tensor measured (the weight: as if cast too)
+        hp = x.to(cast_to) if cast_to is not None else x  # the tensor torchao casts (only the input is cast first)
         row_amax = None
         if torch.compiler.is_compiling():  # cast_stats's row amaxes: torchao's reduction (merged with it)
-            with torch.no_grad():  # the weight's rounded to the autocast dtype, as its copy's would be (monotone)
-                reduced = _torchao_reduction(hp if role == "input" else x, role, rowwise=rowwise)
-                row_amax = reduced.to(hp.dtype).reshape(-1, 1).float()
+            with torch.no_grad():
+                row_amax = _torchao_reduction(hp, role, rowwise=rowwise).reshape(-1, 1).float()
         stats = cast_stats(hp, _dtype(module, role), rowwise=rowwise, pow2=_pow2(module), row_amax=row_amax)
         if old is not None:  # a second forward in the step: the worst of both
             stats = torch.stack([old[0], torch.maximum(old[1], stats[1]), torch.minimum(old[2], stats[2]),
