@@ -23,7 +23,7 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -137,23 +137,34 @@ def _key(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, int, torch.dtype, 
     return tuple((x.data_ptr(), x.numel(), x.dtype, x.is_contiguous()) for x in map(local_tensor, tensors))
 
 
+def _viewable(key: tuple[tuple[int, int, torch.dtype, bool], ...]) -> bool:
+    """Whether ``_ints`` of the tensors ``key`` describes are views of them (contiguous, not bool), so a cache may keep
+    them: a non-contiguous or bool tensor is read through a copy, which a kept cache would go on reading after the
+    tensor changed (and so is a tensor on another device than the digest's)."""
+    return all(contiguous and dtype != torch.bool for _, _, dtype, contiguous in key)
+
+
+def _by_width(views: Sequence[torch.Tensor], device: torch.device) -> list[list[torch.Tensor]]:
+    """The flat integer views on ``device``, grouped by width (in ``sorted(str(dtype))`` order), in order within a
+    width: the order :func:`params_digest` lays them end to end."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for v in views:
+        groups.setdefault(v.dtype, []).append(v.to(device))
+    return [groups[dtype] for dtype in sorted(groups, key=str)]
+
+
 def _plan(tensors: Sequence[torch.Tensor], device: torch.device) -> _Plan:
     key = _key(tensors)
     cached = _PLANS.get(id(tensors[0]))
     if cached is not None and cached.key == key:
         return cached
     views = [_ints(t).reshape(-1) for t in tensors]
-    # Only views of the tensors themselves may be kept: a tensor on another device, a non-contiguous one and a bool
-    # one are read through a copy, which a kept plan would go on reading after the tensor changed.
-    keep = all(v.device == device for v in views) and all(k[3] and k[2] != torch.bool for k in key)
-    by_width: dict[torch.dtype, list[torch.Tensor]] = {}
-    for v in views:
-        by_width.setdefault(v.dtype, []).append(v.to(device))
+    keep = _viewable(key) and all(v.device == device for v in views)
     chunks: list[list[torch.Tensor]] = []
-    for dtype in sorted(by_width, key=str):  # one stream: the widths one after the other
+    for group in _by_width(views, device):  # one stream: the widths one after the other
         pending: list[torch.Tensor] = []
         size = 0
-        for x in by_width[dtype]:
+        for x in group:
             if x.numel() >= _CHUNK:
                 if pending:
                     chunks.append(pending)
@@ -287,117 +298,3 @@ def _replayed(first: int, plan: _Plan) -> torch.Tensor | None:
         replay = _REPLAYS[first] = _Replay(plan, graph, out)
     replay.graph.replay()
     return replay.out.clone()
-
-
-# -- Prototype (issue 27), not wired in: params_digest's words from one torch.compile'd function. ---------------------
-# ``sum(dtype=torch.int64)`` of an int32 view first copies it to int64 (ATen's make_reduction: ``self.to(in_dtype)``),
-# so params_digest writes and reads every element in int64 twice (its row and its column sums) after its
-# concatenation: ~40 bytes an fp32 element. Inductor reads each int view once and widens in registers (4 bytes).
-# benchmarks/digest_variants.py times it as ``compiled`` and ``compiled_graph``.
-
-_SMALL = 1 << 16
-"""Tensors of fewer elements are concatenated for :func:`_params_digest_compiled` (GPT-2: ~100 of its 148 tensors,
-~0.1 % of its elements): one reduction for all of them, not a kernel each, and a smaller graph to compile."""
-
-
-class _Packed(NamedTuple):
-    """What :func:`_params_digest_compiled` reads for one list of tensors, made once per list (as :class:`_Plan`)."""
-
-    key: tuple[tuple[int, int, torch.dtype], ...]
-    big: list[torch.Tensor]
-    """The flat integer views of ``_SMALL`` elements or more, in :func:`params_digest`'s order."""
-    offsets: torch.Tensor
-    """Each big view's offset in that order, int64: its element k is at position offset + k + 1."""
-    small: tuple[torch.Tensor, ...]
-    """The other views, concatenated at each call (``torch.cat`` promotes int16 to int32 or int64: the same values)."""
-    positions: torch.Tensor | None
-    """The small views' elements' positions in that order, int64, laid out as their concatenation."""
-
-
-_PACKED: dict[int, _Packed] = {}
-"""The last :class:`_Packed` per first tensor of a list, dropped with that tensor (as ``_PLANS``)."""
-
-
-def _packed(tensors: Sequence[torch.Tensor], device: torch.device) -> _Packed:
-    locals_ = [local_tensor(t) for t in tensors]
-    key = tuple((x.data_ptr(), x.numel(), x.dtype) for x in locals_)  # host only: no views made to check it
-    cached = _PACKED.get(id(tensors[0]))
-    if cached is not None and cached.key == key:
-        return cached
-    views = [_ints(t).reshape(-1) for t in tensors]
-    by_width: dict[torch.dtype, list[torch.Tensor]] = {}
-    for v in views:
-        by_width.setdefault(v.dtype, []).append(v.to(device))
-    big: list[torch.Tensor] = []
-    offsets: list[int] = []
-    small: list[torch.Tensor] = []
-    positions: list[torch.Tensor] = []
-    start = 0
-    for dtype in sorted(by_width, key=str):  # params_digest's order: the widths one after the other
-        for v in by_width[dtype]:
-            n = v.numel()
-            if n >= _SMALL:
-                big.append(v)
-                offsets.append(start)
-            elif n:
-                small.append(v)
-                positions.append(torch.arange(start + 1, start + n + 1, dtype=torch.int64, device=device))
-            start += n
-    packed = _Packed(
-        key,
-        big,
-        torch.tensor(offsets, dtype=torch.int64, device=device),
-        tuple(small),
-        torch.cat(positions) if positions else None,
-    )
-    # Kept only when every view is one of the tensor itself (not a copy made by .to, .contiguous or a bool's cast)
-    if all(v.device == device for v in views) and all(x.is_contiguous() and x.dtype != torch.bool for x in locals_):
-        if id(tensors[0]) not in _PACKED:
-            weakref.finalize(tensors[0], _PACKED.pop, id(tensors[0]), None)
-        _PACKED[id(tensors[0])] = packed
-    return packed
-
-
-def _digest_sums(
-    big: list[torch.Tensor], offsets: torch.Tensor, small: torch.Tensor | None, positions: torch.Tensor | None
-) -> torch.Tensor:
-    """The two words from :class:`_Packed`'s parts (``small``: the small views concatenated). Compiled."""
-    plains: list[torch.Tensor] = []
-    weighted: list[torch.Tensor] = []
-    if big:
-        p = torch.stack([v.to(torch.int64).sum() for v in big])
-        local = torch.stack(
-            [
-                (v.to(torch.int64) * torch.arange(1, v.numel() + 1, device=v.device, dtype=torch.int64)).sum()
-                for v in big
-            ]
-        )
-        plains.append(p.sum())
-        weighted.append((local + p * offsets).sum())
-    if small is not None and positions is not None:
-        x = small.to(torch.int64)
-        plains.append(x.sum())
-        weighted.append((x * positions).sum())
-    return torch.stack([torch.stack(plains).sum(), torch.stack(weighted).sum()])
-
-
-_COMPILED: list[Callable[..., torch.Tensor]] = []
-
-
-def _params_digest_compiled(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """:func:`params_digest`'s words, bit for bit, from a ``torch.compile``'d function (``fullgraph``, static shapes):
-    per tensor of ``_SMALL`` elements or more its plain sum and its sum weighted by its own positions (k + 1), one
-    kernel reading its int view once, then ``plain = sum p_t`` and ``weighted = sum (w_t + o_t p_t)`` (o_t its offset
-    in params_digest's order); the smaller tensors concatenated and weighted by their positions, kept in an int64
-    tensor. All int64, wrapping modulo 2**64 as params_digest's sums do. The first call per list of shapes compiles
-    (seconds to tens of seconds). No host sync."""
-    if not tensors:
-        return torch.zeros(WORDS, dtype=torch.int64)
-    device = tensors[0].device
-    packed = _packed(tensors, device)
-    if not packed.big and not packed.small:
-        return torch.zeros(WORDS, dtype=torch.int64, device=device)
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(_digest_sums, fullgraph=True, dynamic=False))
-    small = torch.cat(packed.small) if packed.small else None
-    return _COMPILED[0](packed.big, packed.offsets, small, packed.positions)

@@ -53,7 +53,7 @@ def _cpu_variants(bench) -> list[str]:
 )
 def test_equivalent_variants_match_params_digest(bench, monkeypatch, chunk, small) -> None:
     monkeypatch.setattr(F, "_CHUNK", chunk)
-    monkeypatch.setattr(F, "_SMALL", small)
+    monkeypatch.setattr(bench, "_SMALL", small)
     ts = _tensors()
     reference = F.params_digest(ts)
     checked = []
