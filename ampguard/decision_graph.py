@@ -25,7 +25,23 @@ from typing import Any
 
 import torch
 
-__all__ = ["DecisionGraph"]
+__all__ = ["DecisionGraph", "captured"]
+
+
+def captured(fn: Callable[[], Any]) -> tuple[Any, Any]:
+    """``(graph, out)``: ``fn()``'s kernels recorded (not run) in a new CUDA graph, and what it returned (the graph's
+    static output), with the garbage collector paused for the capture (module docstring). Raises what the capture
+    raises; the caller falls back to eager. A one-time sync."""
+    gc_was_on = gc.isenabled()
+    graph = torch.cuda.CUDAGraph()
+    gc.disable()  # process-wide, for the capture only: see the module docstring
+    try:
+        with torch.cuda.graph(graph):
+            out = fn()
+    finally:
+        if gc_was_on:
+            gc.enable()
+    return graph, out
 
 
 class DecisionGraph:
@@ -47,13 +63,9 @@ class DecisionGraph:
             if not self._ran_eagerly:
                 self._ran_eagerly = True
                 return fn(gathered)
-            gc_was_on = gc.isenabled()
             try:
                 static_in = gathered.clone()
-                graph = torch.cuda.CUDAGraph()
-                gc.disable()  # process-wide, for the capture only: see the module docstring
-                with torch.cuda.graph(graph):  # records (does not run) the kernels; one-time sync
-                    static_out = fn(static_in)
+                graph, static_out = captured(lambda: fn(static_in))
                 self._graph = (key, graph, static_in, static_out)
             except Exception as exc:  # capture is an optimisation: never fail a step over it
                 self._failed = True
@@ -61,9 +73,6 @@ class DecisionGraph:
                               "eagerly (set AMPGUARD_CUDA_GRAPH=0 to silence this)", RuntimeWarning,
                               stacklevel=4)
                 return fn(gathered)
-            finally:
-                if gc_was_on:
-                    gc.enable()
         _, graph, static_in, static_out = self._graph
         static_in.copy_(gathered)
         graph.replay()

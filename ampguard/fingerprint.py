@@ -20,7 +20,6 @@ is widened to float64. Meant for a periodic check (every N steps), as Megatron's
 
 from __future__ import annotations
 
-import gc
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .decision_graph import captured
 from .stats import local_tensor
 from .switches import implementation_switches
 
@@ -265,9 +265,9 @@ turned ``consistency_every`` on."""
 
 def _replayed(first: int, plan: _Plan) -> torch.Tensor | None:
     """The digest of a kept plan from its CUDA graph (captured on the first call for this plan: three eager runs on a
-    side stream, then the capture, as torch's CUDA graph notes say; the garbage collector paused for the capture, as
-    :mod:`ampguard.decision_graph` explains); a copy of the graph's static output. None: run eagerly
-    (``AMPGUARD_CUDA_GRAPH=0``, or the capture failed: warned once)."""
+    side stream, then the capture, as torch's CUDA graph notes say, by :func:`ampguard.decision_graph.captured`); a
+    copy of the graph's static output. None: run eagerly (``AMPGUARD_CUDA_GRAPH=0``, or the capture failed: warned
+    once)."""
     if first in _REPLAYS and _REPLAYS[first] is None:
         return None
     replay = _REPLAYS.get(first)
@@ -275,7 +275,6 @@ def _replayed(first: int, plan: _Plan) -> torch.Tensor | None:
         if not implementation_switches().cuda_graph:
             _REPLAYS[first] = None
             return None
-        gc_was_on = gc.isenabled()
         try:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -283,18 +282,12 @@ def _replayed(first: int, plan: _Plan) -> torch.Tensor | None:
                 for _ in range(3):
                     _words(plan)
             torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            gc.disable()
-            with torch.cuda.graph(graph):  # records the kernels; a one-time sync
-                out = _words(plan)
+            graph, out = captured(lambda: _words(plan))
         except Exception as exc:  # an optimisation: never fail a check over it
             _REPLAYS[first] = None
             warnings.warn(f"ampguard: CUDA graph capture of the replica digest failed ({exc}); computing it eagerly "
                           "(AMPGUARD_CUDA_GRAPH=0 silences this)", RuntimeWarning, stacklevel=3)
             return None
-        finally:
-            if gc_was_on:
-                gc.enable()
         replay = _REPLAYS[first] = _Replay(plan, graph, out)
     replay.graph.replay()
     return replay.out.clone()
