@@ -74,6 +74,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--numerics-every", type=int, default=10)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after the timing: this many steps of each variant under torch.profiler; prints the "
+                             "device kernel time and count per step, the device span of opt.step(), and the kernels "
+                             "each guarded variant adds to plain's")
+    parser.add_argument("--variants", default="plain,plain2,guard,guard+fp8,guard+fp8-nosample",
+                        help="comma-separated subset of the variants (plain is always kept: the ratios' base)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -81,7 +87,10 @@ def main() -> None:
     runs: dict[str, dict[str, Any]] = {}
     variants = (("plain", None), ("plain2", None), ("guard", False), ("guard+fp8", args.numerics_every),
                 ("guard+fp8-nosample", 10**9))
+    wanted = set(args.variants.split(",")) | {"plain"}
     for name, every in variants:
+        if name not in wanted:
+            continue
         model = copy.deepcopy(base)
         fwd = torch.compile(model) if args.compile else model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
@@ -102,7 +111,8 @@ def main() -> None:
                 opt.backward(loss)
             else:
                 loss.backward()
-            opt.step()
+            with torch.profiler.record_function("opt.step"):
+                opt.step()
             opt.zero_grad(set_to_none=True)
         _sync(args.device)
         return (time.perf_counter() - start) / steps
@@ -137,8 +147,57 @@ def main() -> None:
         print(f"{name:20s} p25 {p25 * 1e3:9.3f}  median {med * 1e3:9.3f}  p75 {p75 * 1e3:9.3f} ms/step   "
               f"ratio to plain p25 {r25:.4f} median {rmed:.4f} p75 {r75:.4f} fastest-quartile {fastest:.4f}")
     print("skipped steps:", skipped)
+    if args.profile_steps:
+        result["profile"] = {name: _profile(lambda run=run: block(run, args.profile_steps), args.profile_steps)
+                             for name, run in runs.items()}
+        _print_profile(result["profile"])
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
+
+
+def _profile(run_block: Any, steps: int) -> dict[str, Any]:
+    """Kernel time and count per step by kernel name, and the device span of the ``opt.step`` annotation, over
+    one block of ``steps`` steps under ``torch.profiler``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_block()
+    kernels: dict[str, list[float]] = {}
+    step_span_us = 0.0
+    for ev in prof.events():
+        if "CUDA" not in str(getattr(ev, "device_type", "")):
+            continue
+        us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+        if getattr(ev, "is_user_annotation", False):
+            if ev.name == "opt.step":
+                step_span_us += us
+            continue
+        k = kernels.setdefault(ev.name[:110], [0.0, 0.0])
+        k[0] += 1 / steps
+        k[1] += us / steps
+    return {"kernel_us_per_step": sum(v[1] for v in kernels.values()),
+            "kernels_per_step": sum(v[0] for v in kernels.values()),
+            "opt_step_device_span_us": step_span_us / steps, "kernels": kernels}
+
+
+def _print_profile(prof: dict[str, dict[str, Any]]) -> None:
+    base = prof["plain"]
+    for name, p in prof.items():
+        print(f"profile {name:20s} kernels/step {p['kernels_per_step']:7.1f}  kernel time/step "
+              f"{p['kernel_us_per_step'] / 1e3:8.3f} ms  opt.step device span {p['opt_step_device_span_us']:8.1f} us")
+    for name, p in prof.items():
+        if name.startswith("plain"):
+            continue
+        diff = []
+        for k in set(p["kernels"]) | set(base["kernels"]):
+            c, t = p["kernels"].get(k, [0.0, 0.0])
+            c0, t0 = base["kernels"].get(k, [0.0, 0.0])
+            if abs(c - c0) > 0.01 or abs(t - t0) > 2.0:
+                diff.append((t - t0, c - c0, k))
+        diff.sort(key=lambda d: -abs(d[0]))
+        print(f"  {name}: kernels added to plain's (us/step, count/step), largest first")
+        for dt, dc, k in diff[:30]:
+            print(f"    {dt:+9.1f} us  {dc:+6.1f}  {k}")
 
 
 if __name__ == "__main__":
