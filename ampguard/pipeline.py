@@ -186,6 +186,9 @@ class StepPipeline:
         if self.adapter is not None and self.adapter.shared:
             self.adapter.check_iteration()  # before anything changes: one step per guard and iteration
         if fast and self.fast_path(guard):
+            graphed = None if sample else self._measure_graphed(guard, sample=False)  # clip_grad_norm_'s measurement
+            if graphed is not None:
+                return graphed[0]
             measured = self._measure_scaled()
             if measured is not None:
                 if sample:
