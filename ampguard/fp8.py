@@ -174,6 +174,24 @@ class _GradProbe(torch.autograd.Function):
         return grad, _torchao_amax(grad, "grad_output", rowwise=rowwise, dim=dim), None
 
 
+class _GradStatsProbe(torch.autograd.Function):
+    """:class:`_GradProbe` on a sampled step: in the backward, the whole statistics of the cast torchao makes of the
+    gradient (:func:`cast_stats`: ``[1, amax, scale, underflow, dynamic_range]``) become the gradient of ``probe``, a
+    ``[5]`` float64 leaf the monitor owns. Summed over the forwards of a step (gradient accumulation): the first
+    entry then counts them, and :meth:`Fp8Monitor._take_probes` divides the underflow and the range by it."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, probe: torch.Tensor,
+                spec: tuple[torch.dtype, bool, bool]) -> torch.Tensor:
+        ctx.spec = spec
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        dtype, rowwise, pow2 = ctx.spec
+        return grad, cast_stats(grad, dtype, rowwise=rowwise, pow2=pow2).double(), None
+
+
 def _grad_output_reduction(module: Any, input_grad: bool) -> tuple[bool, int]:
     """``(rowwise, dim)`` of a grad_output reduction torchao 0.18's backward keeps for ``module``: grad_input's cast
     (``cast_config_grad_output``, rowwise over dim -1) where the input needs a gradient, else grad_weight's
@@ -234,6 +252,10 @@ class Fp8Monitor:
         """Per module, a 0-dim leaf whose gradient a compiled backward sets to the grad_output amax
         (:class:`_GradProbe`; summed over the forwards of a step: with gradient accumulation under compile, an upper
         bound)."""
+        self._stat_probes = [torch.zeros(5, dtype=torch.float64, device=p.device, requires_grad=True)
+                             for p in self._probes]
+        """Per module, the ``[5]`` leaf of :class:`_GradStatsProbe`: a sampled step's grad_output statistics under
+        ``torch.compile``."""
         self._warned = False
         self._consts: dict[Any, torch.Tensor] = {}
         """Device constants of :meth:`collect`, made once per device and pattern (a pinned copy, no sync)."""
@@ -305,6 +327,9 @@ class Fp8Monitor:
             # A gradient hook registered inside a compiled region breaks its graph (dynamo cannot trace a hook that
             # writes the monitor's state): the probe, a pure function, carries the amax out as a gradient instead.
             self.probed = True
+            if self._sampled:  # the underflow and the range too (a second compiled variant: sampled or not)
+                spec = (_dtype(module, "grad_output"), _rowwise(module, "grad_output"), _pow2(module))
+                return _GradStatsProbe.apply(output, self._stat_probes[index], spec)
             input_grad = bool(args) and isinstance(args[0], torch.Tensor) and args[0].requires_grad
             return _GradProbe.apply(output, self._probes[index], _grad_output_reduction(module, input_grad))
         return hook
@@ -315,20 +340,30 @@ class Fp8Monitor:
         return hook
 
     def _take_probes(self, device: torch.device) -> None:
-        """The grad_output amaxes the probes carried out of a compiled backward, in backward order (the reverse of
-        the modules'), as the slots of those casts (the scale from the amax; no underflow: a probe carries one
-        float). Each probe's gradient is cleared for the next step."""
+        """The grad_output statistics the probes carried out of a compiled backward, in backward order (the reverse
+        of the modules'), as the slots of those casts: the amax (:class:`_GradProbe`; the scale from it), or on a
+        sampled step all of them (:class:`_GradStatsProbe`; over several forwards of a step the amax is the sum of
+        theirs, an upper bound, and the underflow and the range their mean). Each probe's gradient is cleared for the
+        next step."""
         for index in range(len(self.modules) - 1, -1, -1):
-            probe = self._probes[index]
-            amax = probe.grad
-            if amax is None:
+            probe, stat_probe = self._probes[index], self._stat_probes[index]
+            amax, stats = probe.grad, stat_probe.grad
+            probe.grad = stat_probe.grad = None
+            if amax is None and stats is None:
                 continue
-            probe.grad = None
             slot = 3 * index + FP8_ROLES.index("grad_output")
             if self._slots[slot] is not None:  # measured by the eager hook (a forward outside the compiled region)
                 continue
             self._order += 1
             self._orders[slot] = float(self._order)
+            if stats is not None:
+                stats = stats.to(device, torch.float32)
+                n = stats[0].clamp_min(1.0)
+                amax = stats[1] if amax is None else stats[1] + amax.to(device, torch.float32)
+                scale = _scale(amax, self._fmax[slot], self._pow2[slot])
+                self._slots[slot] = torch.stack([torch.ones_like(scale), amax, scale, stats[3] / n, stats[4] / n])
+                continue
+            assert amax is not None  # internal: stats is None here, and not both are
             amax = amax.to(device, torch.float32)  # a float32 value in float64 (or, accumulated, a sum of them)
             if not self._sampled:
                 self._slots[slot] = amax
@@ -345,7 +380,7 @@ class Fp8Monitor:
         self._order = 0
         self._sampled = step % self.numerics_every == 0
         if self.probed:  # a probe's gradient from a step that was never collected
-            for probe in self._probes:
+            for probe in (*self._probes, *self._stat_probes):
                 probe.grad = None
 
     def collect(self) -> torch.Tensor:

@@ -185,9 +185,13 @@ def _compiled_monitor_checks():
             rows.append(mon.collect())
         if step < 3:
             assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), eager.parameters()))
-            # every cast, grad_output included, with the eager amax and scale (no underflow for grad_output: a
-            # probe carries one float)
+            # every cast, grad_output included, with the eager amax and scale, and on a sampled step (0 and 2) the
+            # eager underflow and dynamic range too (grad_output's through the sampled probe)
             assert torch.equal(rows[0][:, :3], rows[1][:, :3])
+            if step % 2 == 0:
+                assert torch.equal(rows[0][:, 3:], rows[1][:, 3:]) and not rows[0][:, 3:].isnan().any()
+            else:
+                assert rows[0][:, 3:].isnan().all()
         model.zero_grad()
         eager.zero_grad()
         flags.append(monitor.nonfinite(rows[0]).item())
@@ -195,6 +199,14 @@ def _compiled_monitor_checks():
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert frames <= 2, f"{frames} graphs compiled for 4 steps: one per step would recompile"  # sampled or not
     assert flags == [0.0, 0.0, 0.0, 1.0]
+    # An underflowing grad_output inside the compiled graph (the eager test's loss scaled by 1e-30): named on a
+    # sampled step, with all of it lost, as eagerly.
+    monitor.begin_step(4)
+    (compiled(torch.randn(64, 16)).float().square().mean() * 1e-30).backward()
+    casts = monitor.decode(monitor.collect().tolist())
+    grad = next(c for c in casts if (c.module, c.role) == ("fc2", "grad_output"))
+    assert grad.finite and grad.amax < 1e-30 and grad.underflow == 1.0 and grad.dynamic_range is not None
+    assert grad.scale == pytest.approx(torch.finfo(torch.float8_e5m2).max / 1e-12, rel=1e-6)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
