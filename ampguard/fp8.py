@@ -189,7 +189,9 @@ class _GradStatsProbe(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         dtype, rowwise, pow2 = ctx.spec
-        return grad, cast_stats(grad, dtype, rowwise=rowwise, pow2=pow2).double(), None
+        with torch.no_grad():  # the row amaxes by torchao's own reduction, which the compiled backward's CSE merges
+            row_amax = _torchao_reduction(grad, "grad_output", rowwise=rowwise).reshape(-1, 1).float()
+        return grad, cast_stats(grad, dtype, rowwise=rowwise, pow2=pow2, row_amax=row_amax).double(), None
 
 
 def _grad_output_reduction(module: Any, input_grad: bool) -> tuple[bool, int]:
