@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DecisionGraph", "MeasureGraph", "captured"]
+__all__ = ["DecisionGraph", "captured"]
 
 
 def captured(fn: Callable[[], Any]) -> tuple[Any, Any]:
@@ -77,77 +77,3 @@ class DecisionGraph:
         static_in.copy_(gathered)
         graph.replay()
         return static_out
-
-
-class MeasureGraph:
-    """The step's measurement, replayed from CUDA graphs on CUDA: the per-tensor norms of the gradients (the fused
-    fast path's ``1/scale`` and ``found_inf`` with them) and this rank's local vector, ~20 eager ops and their
-    launches, become one launch (:meth:`ampguard.pipeline.StepPipeline.measure_gather`).
-
-    The gradients are read where they lie: a graph is keyed by the host-only facts that fix what its kernels read
-    (the gradients' addresses, the scale's, which optional inputs are present and their shapes) and replays only
-    while the step's gradients sit at those addresses. The tensor inputs (the loss, the sentinel's value, the fp8
-    flag...) are copied into the graph's own buffers first. A key is captured when it comes back within
-    :attr:`RECENT` steps (its first step runs eagerly: lazy initialisation; gradients whose addresses never repeat
-    are never captured); at most :attr:`MAX_CAPTURES` captures a process (then eager: an allocator that keeps
-    moving the gradients would cost a capture a step) and :attr:`KEEP` graphs kept. Each capture is one host sync,
-    so a run pays at most :attr:`MAX_CAPTURES` of them, in the steps where the gradients' addresses settle. A failed
-    capture falls back to eager, with one warning. The outputs are the graph's static tensors, overwritten by the
-    next replay: what a step hands on (the payload, the decision's input) is copied on the stream before that."""
-
-    MAX_CAPTURES = 8
-    KEEP = 4
-    RECENT = 4
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self._graphs: dict[Any, tuple[Any, tuple[torch.Tensor | None, ...], Any]] = {}
-        self._seen: list[Any] = []
-        """The last :attr:`RECENT` keys run eagerly: a key is captured when seen again among them (the allocator
-        may hand a step's gradients a few address sets in turn: the reports in flight hold memory for two steps)."""
-        self._captures = 0
-        self._failed = False
-        self.error: str | None = None
-        """Why the capture failed (None: it did not)."""
-        self.eager = 0
-        """Steps measured eagerly through :meth:`run` (a key not captured)."""
-        self.replays = 0
-        """Steps measured by a replay (tests and benchmarks read it)."""
-
-    @property
-    def usable(self) -> bool:
-        """Worth building a key for (on CUDA, the caller checks the device)."""
-        return self.enabled and not self._failed and (self._captures < self.MAX_CAPTURES or bool(self._graphs))
-
-    def run(self, fn: Callable[..., Any], inputs: tuple[torch.Tensor | None, ...], key: Any) -> Any:
-        """``fn(*inputs)``, from a graph where ``key`` (with the inputs' shapes) has one, or is seen a second time."""
-        if self._failed:
-            return fn(*inputs)
-        key = (key, tuple(None if t is None else (t.shape, t.dtype, t.device) for t in inputs))
-        entry = self._graphs.get(key)
-        if entry is None:
-            if key not in self._seen or self._captures >= self.MAX_CAPTURES:
-                self._seen = [*self._seen[1 - self.RECENT:], key]
-                self.eager += 1
-                return fn(*inputs)
-            try:
-                static = tuple(None if t is None else t.clone() for t in inputs)
-                graph, out = captured(lambda: fn(*static))
-            except Exception as exc:  # capture is an optimisation: never fail a step over it
-                self._failed = True
-                self.error = repr(exc)
-                self._graphs.clear()
-                warnings.warn(f"ampguard: CUDA graph capture of the step's measurement failed ({exc}); running it "
-                              "eagerly (set AMPGUARD_CUDA_GRAPH=0 to silence this)", RuntimeWarning, stacklevel=4)
-                return fn(*inputs)
-            self._captures += 1
-            if len(self._graphs) >= self.KEEP:
-                del self._graphs[next(iter(self._graphs))]  # the oldest: its pool goes with it
-            entry = self._graphs[key] = (graph, static, out)
-        graph, static, out = entry
-        for s, t in zip(static, inputs):
-            if s is not None:
-                s.copy_(t)  # type: ignore[arg-type]
-        graph.replay()
-        self.replays += 1
-        return out

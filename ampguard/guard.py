@@ -256,23 +256,16 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         # the reports left pending, up to the report lag (this forward is done); a rollback spends this step
         if self._outcome.settle(next_forward=self._step + 1, before=self._step + 1 - self._report_lag()):
             return result
-        measured = self._measured
-        if measured is None:  # not measured by an unscale_() or clip_grad_norm_() already
-            self._before_measure()
+        measured = self._measured if self._measured is not None else self._measure(fast=True)
         pipe = self._pipeline
         sentinel = self._forensics.sentinel
         fp8 = fp8_bad = None
         if self._fp8 is not None:  # this step's fp8 casts, and whether one was non-finite: on device
             fp8 = self._fp8.collect()
             fp8_bad = self._fp8.nonfinite(fp8)
-        value = sentinel.value() if sentinel is not None else None
-        if measured is None:  # the measurement and the gather, replayed from one CUDA graph where it can be
-            measured, gathered = pipe.measure_gather(self, sample=pipe.numerics.sampled(self._step),
-                                                     loss=self._loss.value(), no_grads=not fresh, sentinel=value,
-                                                     fp8=fp8_bad, params_bad=self._params_bad)
-        else:
-            gathered = pipe.gather(measured, self._loss.value(), no_grads=not fresh, sentinel=value, fp8=fp8_bad,
-                                   params_bad=self._params_bad)
+        gathered = pipe.gather(measured, self._loss.value(), no_grads=not fresh,
+                               sentinel=sentinel.value() if sentinel is not None else None, fp8=fp8_bad,
+                               params_bad=self._params_bad)
         self._params_bad = None
         decided = pipe.decide(gathered, measured)  # the decision, and the path it was taken on
         decision = decided.vector
@@ -501,15 +494,11 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
     def _measure(self, fast: bool = False) -> Any:
         """``fast``: from ``step()``, the fused fast path may measure the gradients still scaled
         (never from ``unscale_()``, whose caller wants them unscaled)."""
-        self._before_measure()
-        pipe = self._pipeline  # numerics_every: an int compare
-        return pipe.measure(self, fast=fast, sample=pipe.numerics.sampled(self._step))
-
-    def _before_measure(self) -> None:
-        """What runs before the gradients are read: the backend's end of the reduction, the pre-unscale hooks."""
         self.backend.before_unscale(self.optimizer)
         for hook in tuple(self._pre_unscale_hooks.values()):
             hook(self._step)
+        pipe = self._pipeline  # numerics_every: an int compare
+        return pipe.measure(self, fast=fast, sample=pipe.numerics.sampled(self._step))
 
     def _report_lag(self) -> int:
         """How many steps behind ``step()`` decodes a sync-free step's report: 2 (the host may run

@@ -42,11 +42,11 @@ import torch
 
 from .backends.base import Backend
 from .config import GuardConfig
-from .decision_graph import DecisionGraph, MeasureGraph
+from .decision_graph import DecisionGraph
 from .numerics import Numerics
 from .payload import HostCopy, Packed, pack
 from .policies import SpikeState, decide, decide_host, uses_clipping
-from .scaling import GradScalerAdapter, ScalerView, ScaleState, as_found_inf
+from .scaling import GradScalerAdapter, ScalerView, ScaleState
 from .stats import (
     Dec,
     GradGroups,
@@ -147,8 +147,6 @@ class StepPipeline:
         self.scale_state = ScaleState.fresh(state_device)
         """The decision's carried state lives where the decision is taken (host: no sync to read it)."""
         self.graph = DecisionGraph(switches.cuda_graph)
-        self.measure_graph = MeasureGraph(switches.cuda_graph and switches.measure_graph and device.type == "cuda")
-        """:meth:`measure_gather`'s replay of the measurement and the local vector."""
         self._clip_configs: dict[float, GuardConfig] = {}
         self.numerics = Numerics(config.numerics_every, device=device,
                                  headroom=adapter is not None and adapter.scaler.is_enabled())
@@ -186,9 +184,6 @@ class StepPipeline:
         if self.adapter is not None and self.adapter.shared:
             self.adapter.check_iteration()  # before anything changes: one step per guard and iteration
         if fast and self.fast_path(guard):
-            graphed = None if sample else self._measure_graphed(guard, sample=False)  # clip_grad_norm_'s measurement
-            if graphed is not None:
-                return graphed[0]
             measured = self._measure_scaled()
             if measured is not None:
                 if sample:
@@ -213,72 +208,6 @@ class StepPipeline:
         groups, norms = self._sparse_tolerant(lambda gs: per_tensor_norms(gs, self.device),
                                               grads_by_device_and_dtype(self.params()))
         return Measured(found, found_inf, groups, norms, numerics)
-
-    def measure_gather(self, guard: object, *, sample: bool, loss: torch.Tensor | None, no_grads: bool,
-                       sentinel: torch.Tensor | None, fp8: torch.Tensor | None,
-                       params_bad: torch.Tensor | None) -> tuple[Measured, torch.Tensor]:
-        """``measure(guard, fast=True, sample=sample)`` then :meth:`gather`: the step's one read of the gradients and
-        its gathered statistics. Where the step allows (:meth:`_measure_graphed`), the measurement and the local
-        vector are one CUDA graph replay (:class:`~ampguard.decision_graph.MeasureGraph`): the same kernels on the
-        same tensors, so the same values, for one launch instead of ~20 eager ops. collective (the gather)."""
-        graphed = self._measure_graphed(guard, sample=sample, no_grads=no_grads,
-                                        vector=(loss, sentinel, fp8, params_bad))
-        if graphed is not None:
-            measured, vec = graphed
-            return measured, self.backend.all_gather(vec).wait()
-        measured = self.measure(guard, fast=True, sample=sample)
-        return measured, self.gather(measured, loss, no_grads=no_grads, sentinel=sentinel, fp8=fp8,
-                                     params_bad=params_bad)
-
-    def _measure_graphed(self, guard: object, *, sample: bool, no_grads: bool = False,
-                         vector: tuple[torch.Tensor | None, ...] | None = None) -> tuple[Measured, Any] | None:
-        """The measurement (with ``vector``: and the local vector of ``(loss, sentinel, fp8, params_bad)``) from
-        :attr:`measure_graph`, or None (take the eager stages) where it does not apply: off CUDA, on the host
-        decision, a sampled step (its numerics), a step without gradients, sharded or sparse gradients, a GradScaler
-        whose step does not take the fused fast path (a non-fused optimizer, an ``unscale_`` already done, a shared
-        scaler), float16 gradients under a scaler. What the graph reads is keyed by host facts only (no sync):
-        every gradient's address, the scale's."""
-        mg = self.measure_graph
-        if not mg.usable or sample or no_grads or self.host_decision or self.backend.grads_sharded:
-            return None
-        adapter = self.adapter
-        scaled = adapter is not None
-        if adapter is not None and (adapter.shared or not self.fast_path(guard)):
-            return None
-        groups = grads_by_device_and_dtype(self.params())
-        if not groups.index or not groups.own or (scaled and any(d == torch.float16 for _, d in groups.tensors)):
-            return None
-        try:
-            ptrs = tuple([g.data_ptr() for grads in groups.tensors.values() for g in grads])
-        except RuntimeError:  # a sparse gradient has no data pointer: the eager stages (and their sparse handling)
-            return None
-        device = self.device
-        scale = adapter.scale if adapter is not None else None
-        key = (vector is not None, ptrs, tuple(groups.index), tuple((k, len(v)) for k, v in groups.tensors.items()),
-               None if scale is None else (scale.data_ptr(), scale.device))
-
-        def measure(*inputs: torch.Tensor | None) -> tuple[Any, ...]:
-            # the eager stages' ops, in their order: _measure_scaled (or measure's norms), then gather's local_vector
-            norms = per_tensor_norms(groups, device)
-            found_inf = None
-            if adapter is not None:
-                norms = norms * adapter.inv_scale().to(device, non_blocking=True)
-                found_inf = as_found_inf(torch.isfinite(norms).all().logical_not(), adapter.scale.device)
-            if not inputs:
-                return norms, found_inf, None
-            loss, pre, sentinel, fp8, params_bad = inputs
-            vec = local_vector(loss=loss, tensor_norms=norms, found_inf=None if found_inf is None else
-                               found_inf.to(device, non_blocking=True), pre_reduction=pre, device=device,
-                               sentinel=sentinel, fp8=fp8, params_bad=params_bad)
-            return norms, found_inf, vec
-
-        inputs = () if vector is None else (vector[0], self.backend.pre_reduction_flags(), *vector[1:])
-        norms, found_inf, vec = mg.run(measure, inputs, key)
-        found: dict[torch.device, torch.Tensor] = {}
-        if adapter is not None:
-            found = adapter.record_found_inf(self.optimizer, found_inf)  # GradScaler's record, as the eager path's
-            found_inf = found_inf if found_inf.device == device else found_inf.to(device, non_blocking=True)
-        return Measured(found, found_inf, groups, norms, scaled=scaled), vec
 
     def _sparse_tolerant(self, fn: Callable[[GradGroups], Any], groups: GradGroups) -> tuple[GradGroups, Any]:
         """``(groups, fn(groups))``; where ``fn`` fails because some gradients are sparse (no norm

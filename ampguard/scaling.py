@@ -29,7 +29,7 @@ from .shared_scaler import Guard, SharedScaler
 if TYPE_CHECKING:
     from .config import GuardConfig
 
-__all__ = ["GradScalerAdapter", "ScaleState", "ScalerView", "SharedScaler", "as_found_inf", "f32"]
+__all__ = ["GradScalerAdapter", "ScaleState", "ScalerView", "SharedScaler", "f32"]
 
 # GradScaler's per-optimizer stages (torch.amp.grad_scaler.OptState), compared by name so a
 # torch that moves the enum keeps working.
@@ -156,7 +156,9 @@ class GradScalerAdapter:
         ``_check_inf_per_device`` records before a fused step), so its bookkeeping stays whole:
         ``found_inf`` (0-d float32) is moved to the scale's device. Returns the per-device dict
         (one entry), which :meth:`force_found_inf` then sets to the decision. No sync."""
-        t = as_found_inf(found_inf, self.scale.device)
+        t = found_inf
+        if t.device != self.scale.device or t.dtype != torch.float32 or t.dim() != 0:
+            t = t.to(self.scale.device, dtype=torch.float32, non_blocking=True).reshape(())
         found = {t.device: t}
         self.scaler._per_optimizer_states[id(inner)]["found_inf_per_device"] = found
         return found
@@ -248,13 +250,6 @@ class GradScalerAdapter:
             self._hub.leave(self)
         self._hub = None
         self._targets = ()
-
-
-def as_found_inf(flag: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``flag`` as GradScaler's ``found_inf``: a 0-d float32 tensor on the scale's ``device`` (itself if it is one)."""
-    if flag.device == device and flag.dtype == torch.float32 and flag.dim() == 0:
-        return flag
-    return flag.to(device, dtype=torch.float32, non_blocking=True).reshape(())
 
 
 def _unscales_as_grad_scaler(cls: type) -> bool:

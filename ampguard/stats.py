@@ -404,7 +404,7 @@ class _DeviceOps:
 _CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 """0, 1, NaN and -1 as float32 0-d tensors per device, made once: fills a step fewer on the
 device path. Process-wide, and safe so: a few bytes per device, never written (only ever read by
-``torch.stack``), never freed (so a CUDA graph that captured the pack, ``MeasureGraph``, may read them on replay)."""
+``torch.stack``), never captured (the CUDA graph holds the decision, not this pack)."""
 
 
 def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

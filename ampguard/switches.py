@@ -30,30 +30,20 @@ class Switches:
     optimizer's kernel unscale (and clip) them (:mod:`ampguard.pipeline`). ``AMPGUARD_FUSED_FAST_PATH=0``:
     unscale first, as with any other optimizer."""
 
-    measure_graph: bool = False
-    """On CUDA (with ``cuda_graph`` on), replay the step's measurement and local vector from CUDA graphs keyed by
-    the gradients' addresses (:class:`ampguard.decision_graph.MeasureGraph`). Off by default until its GPU tests
-    have passed on the device (docs/design.md, "What stop 34 taught", says where it stands).
-    ``AMPGUARD_MEASURE_GRAPH=1``: on."""
 
-
-_SWITCH_VARIABLES = {"cuda_graph": "AMPGUARD_CUDA_GRAPH", "fused_fast_path": "AMPGUARD_FUSED_FAST_PATH",
-                     "measure_graph": "AMPGUARD_MEASURE_GRAPH"}
+_SWITCH_VARIABLES = {"cuda_graph": "AMPGUARD_CUDA_GRAPH", "fused_fast_path": "AMPGUARD_FUSED_FAST_PATH"}
 
 
 def implementation_switches(environ: Mapping[str, str] | None = None) -> Switches:
     """The :class:`Switches` from the environment (``os.environ`` unless ``environ`` is given):
-    ``AMPGUARD_CUDA_GRAPH``, ``AMPGUARD_FUSED_FAST_PATH`` and ``AMPGUARD_MEASURE_GRAPH``, each ``"1"`` (on) or
-    ``"0"`` (off); unset or empty: the field's default (on for the first two, off for the third). Any other value
-    raises ValueError naming the variable."""
+    ``AMPGUARD_CUDA_GRAPH`` and ``AMPGUARD_FUSED_FAST_PATH``, each ``"1"`` (on, the default; also
+    when unset or empty) or ``"0"`` (off). Any other value raises ValueError naming the variable."""
     env = os.environ if environ is None else environ
     values = {}
-    defaults = Switches()
     for field, variable in _SWITCH_VARIABLES.items():
-        default = getattr(defaults, field)
-        raw = env.get(variable, "") or ("1" if default else "0")
+        raw = env.get(variable, "") or "1"
         if raw not in ("0", "1"):
-            raise ValueError(f"{variable}={raw!r}; allowed: '0' (off) or '1' (on); unset: "
-                             f"{'on' if default else 'off'}; an implementation switch for tests and benchmarks")
+            raise ValueError(f"{variable}={raw!r}; allowed: '0' (off) or '1' (on, the default); an implementation "
+                             "switch for tests and benchmarks")
         values[field] = raw == "1"
     return Switches(**values)

@@ -10,7 +10,7 @@ beside it: it also counts what only every N-th step pays (``param_check_every``,
 median never sees it).
 
 The breakdown wraps the guard's stages (``guard._fresh_grads``, ``outcome.settle``,
-``pipeline.measure_gather``/``decide``/``clip``/``inner_step``/``update_scale``/``payload``,
+``pipeline.measure``/``gather``/``decide``/``clip``/``inner_step``/``update_scale``/``payload``,
 ``reporter.enqueue``, ``guard._end_step``) with a timer on the instance; "rest" is the step's time
 outside every stage. The timers cost ~0.2 us each, so the breakdown runs in blocks of its own and
 the headline figures come from unwrapped steps. ``inner_step`` holds the optimizer's own update:
@@ -46,9 +46,9 @@ CLOCK = [time.perf_counter_ns]
 computed, without the time other processes held the core; a wait on a device does not count)."""
 
 STAGES = {  # owner attribute path on the guard -> stage methods timed
-    "": ("_fresh_grads", "_check_step_call", "_end_step", "_before_measure"),
+    "": ("_fresh_grads", "_check_step_call", "_end_step", "_measure"),
     "_outcome": ("settle",),
-    "_pipeline": ("measure_gather", "decide", "clip", "inner_step", "update_scale", "payload"),
+    "_pipeline": ("gather", "decide", "clip", "inner_step", "update_scale", "payload"),
     "_reporter": ("enqueue",),
 }
 
@@ -212,8 +212,6 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
     stages["rest"] = inner_total - sum(stages.values())  # no timed stage runs inside another
     out = {"model": model_name, "optim": optim, "device": str(device), "plain_us": q(times["plain"]),
            "guard_us": q(times["guard"]), "breakdown_us": stages, "breakdown_total_us": inner_total}
-    mg = guard._pipeline.measure_graph  # AMPGUARD_MEASURE_GRAPH=1: replayed, or eager (keys not captured)
-    out["measure_graph"] = {"replays": mg.replays, "eager": mg.eager, "captures": mg._captures, "error": mg.error}
     out["added_us"] = out["guard_us"]["median"] - out["plain_us"]["median"]
     out["added_mean_us"] = out["guard_us"]["mean"] - out["plain_us"]["mean"]
     return out
@@ -246,7 +244,6 @@ def main() -> int:
                   f"{p['p75']:.0f}); guard {g['median']:.0f} us (p25 {g['p25']:.0f}, p75 {g['p75']:.0f}); "
                   f"added {row['added_us']:+.0f} us; mean plain {p['mean']:.0f}, guard {g['mean']:.0f}, "
                   f"added {row['added_mean_us']:+.0f} us")
-            print(f"  measurement graph: {row['measure_graph']}")
             print(f"  breakdown of a timed guarded step ({row['breakdown_total_us']:.0f} us, median):")
             for k, v in sorted(row["breakdown_us"].items(), key=lambda kv: -kv[1]):
                 print(f"    {k:<26} {v:8.1f} us")

@@ -287,14 +287,14 @@ def test_fused_fast_path_is_taken(clip: float | None, monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(torch.amp.GradScaler, "_unscale_grads_", counting)
     guarded = _Guarded(True, clip)
-    measure, taken = guarded.opt._pipeline.measure_gather, []
+    measure, taken = guarded.opt._pipeline.measure, []
 
-    def spy(guard: object, **kw: object) -> object:
-        m, gathered = measure(guard, **kw)  # type: ignore[arg-type]
+    def spy(guard: object, **kw: bool) -> object:
+        m = measure(guard, **kw)
         taken.append(m.scaled)
-        return m, gathered
+        return m
 
-    guarded.opt._pipeline.measure_gather = spy  # type: ignore[method-assign]
+    guarded.opt._pipeline.measure = spy  # type: ignore[method-assign]
     _run(guarded, _batches(4))
     assert taken == [True] * 4 and calls == []
     assert not guarded.opt.step_was_skipped

@@ -44,18 +44,15 @@ def test_fused_step_never_waits_on_the_previous_step_and_reports_arrive() -> Non
             waited.append((i, steps_of.get(id(event), -1)))
             original(event)
 
-        captures = opt._pipeline.measure_graph._captures
         with mock.patch.object(torch.cuda.Event, "synchronize", counting):
             opt.step()
-        # a step that captured the measurement's CUDA graph synchronised once (a capture does; at most
-        # MeasureGraph.MAX_CAPTURES a process): every other step returns with the previous one still running
-        if prev_done is not None and i >= 3 and opt._pipeline.measure_graph._captures == captures:
+        if prev_done is not None and i >= 3:
             ahead.append(not prev_done.query())  # the previous step's work still running: the host is ahead
         prev_done = torch.cuda.Event()
         prev_done.record()
         opt.zero_grad()
     assert all(waited_on <= i - 2 for i, waited_on in waited), waited  # never the previous step's copy
-    assert len(ahead) >= 4 and all(ahead), f"step() returned after the previous step's work had finished: {ahead}"
+    assert all(ahead), f"step() returned after the previous step's work had finished: {ahead}"
     assert opt.last_report is not None and opt.last_report.step == 9  # a reader decodes on demand
     assert [r.step for r in opt.history] == list(range(10))
     opt.close()

@@ -97,11 +97,6 @@ def test_implementation_switches_come_from_the_environment():
     assert implementation_switches({}) == implementation_switches({"AMPGUARD_CUDA_GRAPH": ""})
     off = implementation_switches({"AMPGUARD_CUDA_GRAPH": "0", "AMPGUARD_FUSED_FAST_PATH": "0"})
     assert not off.cuda_graph and not off.fused_fast_path
-    # the measurement's graph is off unless asked for (its GPU tests decide when it turns on)
-    assert not implementation_switches({}).measure_graph
-    assert implementation_switches({"AMPGUARD_MEASURE_GRAPH": "1"}).measure_graph
-    with pytest.raises(ValueError, match=r"AMPGUARD_MEASURE_GRAPH='yes'; allowed: .*; unset: off"):
-        implementation_switches({"AMPGUARD_MEASURE_GRAPH": "yes"})
     with pytest.raises(ValueError, match=r"AMPGUARD_CUDA_GRAPH='false'; allowed: '0' \(off\) or '1'"):
         implementation_switches({"AMPGUARD_CUDA_GRAPH": "false"})
     model = make_model()
