@@ -130,12 +130,9 @@ def cast_stats(x: torch.Tensor, dtype: torch.dtype, *, rowwise: bool, pow2: bool
     computed here otherwise."""
     hp = x.detach().float()
     rows = hp.reshape(-1, hp.shape[-1]) if hp.dim() > 0 else hp.reshape(1, 1)
-    if row_amax is not None:
-        pass
-    elif rowwise:
-        row_amax = torch.linalg.vector_norm(rows, ord=math.inf, dim=-1, keepdim=True)
-    else:
-        row_amax = torch.linalg.vector_norm(rows, ord=math.inf).reshape(1, 1)
+    if row_amax is None:
+        row_amax = (torch.linalg.vector_norm(rows, ord=math.inf, dim=-1, keepdim=True) if rowwise
+                    else torch.linalg.vector_norm(rows, ord=math.inf).reshape(1, 1))
     scales = _scale(row_amax, torch.finfo(dtype).max, pow2)
     amax, scale = row_amax.amax(), scales.amin()
     if rowwise:  # a NaN row: amax() propagates it; the scale of that row is NaN and amin() propagates it too
@@ -147,6 +144,15 @@ def cast_stats(x: torch.Tensor, dtype: torch.dtype, *, rowwise: bool, pow2: bool
     smallest = torch.where(nonzero, rows.abs(), torch.full_like(rows, math.inf)).amin()
     dynamic_range = torch.log2(amax / smallest)
     return torch.stack([torch.ones_like(amax), amax, scale, underflow, dynamic_range])
+
+
+def _merged_cast_stats(x: torch.Tensor, role: str, dtype: torch.dtype, *, rowwise: bool, pow2: bool) -> torch.Tensor:
+    """:func:`cast_stats` with the row amaxes taken by torchao's own reduction (:func:`_torchao_reduction`), which a
+    compiled graph's CSE merges with torchao's: a sampled cast inside ``torch.compile`` reads ``x`` once more, not
+    twice."""
+    with torch.no_grad():
+        row_amax = _torchao_reduction(x, role, rowwise=rowwise).reshape(-1, 1).float()
+    return cast_stats(x, dtype, rowwise=rowwise, pow2=pow2, row_amax=row_amax)
 
 
 def layer_cast_stats(module: torch.nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
@@ -189,9 +195,7 @@ class _GradStatsProbe(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         dtype, rowwise, pow2 = ctx.spec
-        with torch.no_grad():  # the row amaxes by torchao's own reduction, which the compiled backward's CSE merges
-            row_amax = _torchao_reduction(grad, "grad_output", rowwise=rowwise).reshape(-1, 1).float()
-        return grad, cast_stats(grad, dtype, rowwise=rowwise, pow2=pow2, row_amax=row_amax).double(), None
+        return grad, _merged_cast_stats(grad, "grad_output", dtype, rowwise=rowwise, pow2=pow2).double(), None
 
 
 def _grad_output_reduction(module: Any, input_grad: bool) -> tuple[bool, int]:
@@ -292,13 +296,12 @@ class Fp8Monitor:
                 amax = torch.linalg.vector_norm(x.detach(), ord=math.inf, dtype=torch.float32)
             self._slots[slot] = amax if old is None else torch.maximum(old, amax)
             return
-        rowwise = _rowwise(module, role)
         hp = x.to(cast_to) if cast_to is not None else x  # the tensor torchao casts (only the input is cast first)
-        row_amax = None
-        if torch.compiler.is_compiling():  # cast_stats's row amaxes: torchao's reduction (merged with it)
-            with torch.no_grad():
-                row_amax = _torchao_reduction(hp, role, rowwise=rowwise).reshape(-1, 1).float()
-        stats = cast_stats(hp, _dtype(module, role), rowwise=rowwise, pow2=_pow2(module), row_amax=row_amax)
+        dtype, rowwise, pow2 = _dtype(module, role), _rowwise(module, role), _pow2(module)
+        if torch.compiler.is_compiling():  # the row amaxes torchao's (merged with its reduction)
+            stats = _merged_cast_stats(hp, role, dtype, rowwise=rowwise, pow2=pow2)
+        else:
+            stats = cast_stats(hp, dtype, rowwise=rowwise, pow2=pow2)
         if old is not None:  # a second forward in the step: the worst of both
             stats = torch.stack([old[0], torch.maximum(old[1], stats[1]), torch.minimum(old[2], stats[2]),
                                  torch.fmax(old[3], stats[3]), torch.fmax(old[4], stats[4])])
@@ -358,12 +361,11 @@ class Fp8Monitor:
                 continue
             self._order += 1
             self._orders[slot] = float(self._order)
-            if stats is not None:
+            if stats is not None:  # a sampled step (the probe of a step is one or the other: _sampled is fixed)
                 stats = stats.to(device, torch.float32)
                 n = stats[0].clamp_min(1.0)
-                amax = stats[1] if amax is None else stats[1] + amax.to(device, torch.float32)
-                scale = _scale(amax, self._fmax[slot], self._pow2[slot])
-                self._slots[slot] = torch.stack([torch.ones_like(scale), amax, scale, stats[3] / n, stats[4] / n])
+                scale = _scale(stats[1], self._fmax[slot], self._pow2[slot])
+                self._slots[slot] = torch.stack([torch.ones_like(scale), stats[1], scale, stats[3] / n, stats[4] / n])
                 continue
             assert amax is not None  # internal: stats is None here, and not both are
             amax = amax.to(device, torch.float32)  # a float32 value in float64 (or, accumulated, a sum of them)

@@ -257,7 +257,6 @@ def cpu_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([dot(f, f) for f in [g.flatten() for g in grads]]).sqrt_()
 
 
-
 _CPU_AMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 

@@ -76,8 +76,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after the timing: this many steps of each variant under torch.profiler; prints the "
-                             "device kernel time and count per step, the device span of opt.step(), and the kernels "
-                             "each guarded variant adds to plain's")
+                             "device kernel time and count per step, and the kernels each guarded variant adds to "
+                             "plain's")
     parser.add_argument("--variants", default="plain,plain2,guard,guard+fp8,guard+fp8-nosample",
                         help="comma-separated subset of the variants (plain is always kept: the ratios' base)")
     parser.add_argument("--out", type=Path)
@@ -111,8 +111,7 @@ def main() -> None:
                 opt.backward(loss)
             else:
                 loss.backward()
-            with torch.profiler.record_function("opt.step"):
-                opt.step()
+            opt.step()
             opt.zero_grad(set_to_none=True)
         _sync(args.device)
         return (time.perf_counter() - start) / steps
@@ -156,35 +155,28 @@ def main() -> None:
 
 
 def _profile(run_block: Any, steps: int) -> dict[str, Any]:
-    """Kernel time and count per step by kernel name, and the device span of the ``opt.step`` annotation, over
-    one block of ``steps`` steps under ``torch.profiler``."""
+    """Kernel time and count per step by kernel name, over one block of ``steps`` steps under ``torch.profiler``."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         run_block()
     kernels: dict[str, list[float]] = {}
-    step_span_us = 0.0
     for ev in prof.events():
-        if "CUDA" not in str(getattr(ev, "device_type", "")):
+        if "CUDA" not in str(getattr(ev, "device_type", "")) or getattr(ev, "is_user_annotation", False):
             continue
         us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-        if getattr(ev, "is_user_annotation", False):
-            if ev.name == "opt.step":
-                step_span_us += us
-            continue
         k = kernels.setdefault(ev.name[:110], [0.0, 0.0])
         k[0] += 1 / steps
         k[1] += us / steps
     return {"kernel_us_per_step": sum(v[1] for v in kernels.values()),
-            "kernels_per_step": sum(v[0] for v in kernels.values()),
-            "opt_step_device_span_us": step_span_us / steps, "kernels": kernels}
+            "kernels_per_step": sum(v[0] for v in kernels.values()), "kernels": kernels}
 
 
 def _print_profile(prof: dict[str, dict[str, Any]]) -> None:
     base = prof["plain"]
     for name, p in prof.items():
         print(f"profile {name:20s} kernels/step {p['kernels_per_step']:7.1f}  kernel time/step "
-              f"{p['kernel_us_per_step'] / 1e3:8.3f} ms  opt.step device span {p['opt_step_device_span_us']:8.1f} us")
+              f"{p['kernel_us_per_step'] / 1e3:8.3f} ms")
     for name, p in prof.items():
         if name.startswith("plain"):
             continue
