@@ -136,10 +136,14 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         ``batch_id`` (any value): recorded into ``opt.quarantine`` if this step goes non-finite,
         so a resumed run can skip the batch. No host sync."""
         self._check_loss("backward", loss)
-        if self._stage is Stage.STEPPED and not self._forensics.replaying:
-            raise GuardStateError("backward() after step() without zero_grad(): the new gradients would be added to "
-                                  "the last step's. Call opt.zero_grad() after opt.step(). Nothing was changed.")
         replaying = self._forensics.replaying
+        cleared = None  # gradients another zero_grad() cleared since step(): the guard's own zero_grad() is implied
+        if self._stage is Stage.STEPPED and not replaying:
+            cleared = self._cleared_elsewhere()
+            if cleared is None:
+                raise GuardStateError(
+                    "backward() after step() without zero_grad(): the new gradients would be added to the last step's. "
+                    "Call opt.zero_grad() (or model.zero_grad()) after opt.step(). Nothing was changed.")
         if not replaying:
             self._loss.check("mean")  # before anything runs: a refused call changes nothing
         for hook in self._loss_hooks.values():
@@ -156,6 +160,8 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         if replaying:  # a replay closure's backward: same scale, nothing accumulated
             self._forensics.replay_loss = loss.detach().float().reshape(())
             return
+        if cleared is not None:  # as opt.zero_grad() would leave them; set once the backward ran
+            self._marks = cleared[0]
         self._loss.add(loss, "mean")
         if batch_id is not None:
             self._outcome.batch_ids.append(batch_id)
@@ -472,6 +478,19 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         of the gradients: one attribute read per parameter, no sync)."""
         params = self._pipeline.params()
         return any(p.grad is not None for p in params) if self._marks is None else grad_marks(params) != self._marks
+
+    def _cleared_elsewhere(self) -> tuple[list[Any] | None] | None:
+        """After step(), before the guard's own zero_grad(): were the gradients the step left all cleared
+        by another one (``model.zero_grad()``, the inner optimizer's, ``p.grad = None``)? Each is None now,
+        another tensor, or written since (``zero_()`` moves its version counter); a gradient left as the
+        step left it would have the next backward added to it. Returns ``(marks,)``, the marks
+        ``opt.zero_grad()`` would have left (None: every gradient is None), or None when some gradient
+        is still the step's. One attribute read per parameter, no sync."""
+        now = grad_marks(self._pipeline.params())
+        before = self._marks if self._marks is not None else [None] * len(now)
+        if any(b is not None and n == b for n, b in zip(now, before)):
+            return None
+        return (None if all(n is None for n in now) else now,)
 
     def _check_step_call(self, fresh: bool) -> None:
         """Before anything changes: is there a new backward's worth of gradients to step on? A
