@@ -7,6 +7,7 @@ optimizer, the scaler or any guard counter is touched.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -18,7 +19,7 @@ from .records import History
 from .reporter import Reporter
 from .scaling import ScaleState
 
-__all__ = ["STATE_VERSION", "Carried", "Guarded", "load", "save"]
+__all__ = ["STATE_VERSION", "Carried", "Guarded", "check", "load", "save"]
 
 
 class Guarded(Protocol):
@@ -44,12 +45,14 @@ STATE_VERSION = 1
 _SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
-def save(guard: Guarded, rep: Reporter, pipe: Carried) -> dict[str, Any]:
+def save(guard: Guarded, rep: Reporter, pipe: Carried, *, optimizer: bool = True) -> dict[str, Any]:
     """Inner optimizer, scaler and every piece of guard state (``rep``: its records; ``pipe``: the
-    state its steps carry). Synchronises the host."""
+    state its steps carry). ``optimizer=False``: ``"optimizer"`` is None, the inner optimizer's
+    state being saved elsewhere (``torch.distributed.checkpoint``: :mod:`ampguard.integrations.dcp`).
+    Synchronises the host."""
     ladder = rep.ladder
     return {
-        "optimizer": guard.optimizer.state_dict(),
+        "optimizer": guard.optimizer.state_dict() if optimizer else None,
         "scaler": guard.scaler.state_dict() if guard.scaler is not None else None,
         "ampguard": {
             "version": STATE_VERSION,
@@ -227,6 +230,16 @@ def load(guard: Guarded, rep: Reporter, pipe: Carried, state_dict: Any) -> tuple
     whose fingerprints the weights must match at the next step (:func:`ampguard.integrity.check_weights`).
     A state with an unhealthy verdict or a non-finite optimizer state is refused
     (:func:`ampguard.integrity.check_loaded`)."""
+    return check(guard, rep, pipe, state_dict)()
+
+
+def check(guard: Guarded, rep: Reporter, pipe: Carried, state_dict: Any, *,
+          optimizer_state: Any = None) -> Callable[[], tuple[int, Verdict | None]]:
+    """:func:`load` in two halves: every field checked now (a refusal raises, changing nothing),
+    and the returned call applies them (it cannot fail). ``optimizer_state``: where ``state_dict``
+    was saved without the inner optimizer (``save(optimizer=False)``), the optimizer state restored
+    elsewhere (``torch.distributed.checkpoint``'s, keys ``state`` and ``param_groups``), checked for
+    a NaN/Inf here and not loaded by the returned call."""
     if not isinstance(state_dict, dict) or "ampguard" not in state_dict or "optimizer" not in state_dict:
         raise ValueError(
             "load_state_dict() expects a dict made by GuardedOptimizer.state_dict() (keys 'optimizer', "
@@ -257,19 +270,34 @@ def load(guard: Guarded, rep: Reporter, pipe: Carried, state_dict: Any) -> tuple
     escalation = _check_escalation(_present(g, "escalation"))
     _check_scale_policy(g)
     scaler = _check_scaler(guard, state_dict["scaler"])
-    _check_optimizer(guard, state_dict["optimizer"])
+    inner = state_dict["optimizer"]
+    if inner is None:  # saved with optimizer=False: the caller restores the inner optimizer's state
+        if optimizer_state is None:
+            raise ValueError("state_dict['optimizer'] is None: the state was saved without the inner optimizer (by "
+                             "ampguard.integrations.dcp); restore it with ampguard.integrations.dcp.set_state_dict(). "
+                             + _NOTHING)
+        if not (isinstance(optimizer_state, dict) and isinstance(optimizer_state.get("state"), dict)):
+            raise ValueError("the optimizer state to check is not one (keys 'state' and 'param_groups'). " + _NOTHING)
+        checked_state = optimizer_state["state"]
+    else:
+        _check_optimizer(guard, inner)
+        checked_state = inner.get("state", {})
     verdict = Verdict.from_dict(g["verdict"]) if g.get("verdict") is not None else None
-    check_loaded(verdict, state_dict["optimizer"].get("state", {}))
+    check_loaded(verdict, checked_state)
 
-    # Everything checked: apply. The inner optimizer first (torch checks its own groups before it
-    # changes anything, and builds the new state aside), then the scaler and the guard's counters,
-    # whose values were all checked above to fit the tensors they fill: nothing below can fail.
-    guard.optimizer.load_state_dict(state_dict["optimizer"])
-    if guard.scaler is not None and scaler is not None:  # both or neither: _check_scaler
-        guard.scaler.load_state_dict(scaler)
-    _restore_counters(guard.config, rep, pipe, step, counts, emas, list(quarantine), escalation)
-    _restore_detectors(pipe.spikes, detectors)
-    return step, verdict
+    def apply() -> tuple[int, Verdict | None]:
+        # Everything checked: apply. The inner optimizer first (torch checks its own groups before it
+        # changes anything, and builds the new state aside), then the scaler and the guard's counters,
+        # whose values were all checked above to fit the tensors they fill: nothing below can fail.
+        if inner is not None:
+            guard.optimizer.load_state_dict(inner)
+        if guard.scaler is not None and scaler is not None:  # both or neither: _check_scaler
+            guard.scaler.load_state_dict(scaler)
+        _restore_counters(guard.config, rep, pipe, step, counts, emas, list(quarantine), escalation)
+        _restore_detectors(pipe.spikes, detectors)
+        return step, verdict
+
+    return apply
 
 
 def _restore_counters(config: GuardConfig, rep: Reporter, pipe: Carried, step: int, counts: dict[str, int],

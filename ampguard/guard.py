@@ -411,7 +411,8 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         ``torch.save`` or ``torch.distributed.checkpoint``: ``state_dict()`` carries the same verdict
         and ``load_state_dict()`` refuses an unhealthy one. One pass over the parameters and the
         optimizer state on device, then a host read (a sync). This rank's state; also after
-        :meth:`close`. See docs/integrity.md."""
+        :meth:`close`. With ``torch.distributed.checkpoint``, save through :mod:`ampguard.integrations.dcp`
+        (torch's ``get_state_dict`` cannot take the guard). See docs/integrity.md."""
         return self._verdict()
 
     def _verdict(self, fingerprints: bool = True) -> Verdict:
@@ -450,9 +451,35 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
 
     def _load(self, _: GuardedOptimizer, state_dict: dict[str, Any]) -> None:
         """Restore, then at the restored step, ready for the next backward."""
-        self._step, self._loaded = checkpoint.load(self, self._outcome.records, self._pipeline, state_dict)
+        self._resume(checkpoint.load(self, self._outcome.records, self._pipeline, state_dict))
+
+    def _resume(self, loaded: tuple[int, Verdict | None]) -> None:
+        self._step, self._loaded = loaded
         self._stage, self._marks, self._measured, self._outcome.batch_ids = Stage.READY, None, None, []
         self._loss.reset()
+
+    def _state_without_optimizer(self) -> dict[str, Any]:
+        """:meth:`state_dict` with ``"optimizer"`` None: the scaler and the guard's state, with the
+        verdict, for a checkpoint that saves the inner optimizer its own way (:mod:`ampguard.integrations.dcp`)."""
+        self._outcome.catch_up()
+        state = checkpoint.save(self, self._outcome.records, self._pipeline, optimizer=False)
+        state["ampguard"]["verdict"] = self.verify().to_dict()
+        return state
+
+    def _check_without_optimizer(self, state_dict: Any, optimizer_state: Any) -> Callable[[], None]:
+        """Check what :meth:`_state_without_optimizer` saved, against ``optimizer_state`` (the inner
+        optimizer's state as it will be loaded: refused if it holds a NaN/Inf); a refusal raises and
+        changes nothing. Returns the call that restores it (it cannot fail), after which the guard
+        is at the restored step as after :meth:`load_state_dict`."""
+        self._check_open("load_state_dict")
+        apply = checkpoint.check(self, self._outcome.records, self._pipeline, state_dict,
+                                 optimizer_state=optimizer_state)
+
+        def restore() -> None:
+            self._resume(apply())
+            self._outcome.schedules.resync()
+
+        return restore
 
     # ------------------------------------------------------------------ internals
     def _named_params(self) -> list[tuple[str, torch.Tensor]]:
