@@ -53,6 +53,15 @@ def _weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def _read(path) -> tuple[torch.nn.Module, ampguard.GuardedOptimizer, dict]:
+    """A fresh model (other weights) and guard, and the template dcp.load filled from ``path``."""
+    model = _model(7)
+    opt = _guard(model)
+    state = guard_dcp.get_state_dict(model, opt)
+    dcp.load(state, checkpoint_id=str(path))
+    return model, opt, state
+
+
 def test_torch_functions_on_the_guard_itself_fail_which_is_why_the_integration_exists():
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     model = _model(0)
@@ -65,7 +74,7 @@ def test_torch_functions_on_the_guard_itself_fail_which_is_why_the_integration_e
 
 def test_a_dcp_checkpoint_resumes_bit_for_bit(tmp_path):
     batches = _batches(6)
-    model, opt = _model(0), None
+    model = _model(0)
     opt = _guard(model)
     _train(model, opt, batches[:3])  # with a skipped step: the first scale overflows fp16
     saved = [(r.skipped, r.loss_scale) for r in opt.history]
@@ -76,10 +85,7 @@ def test_a_dcp_checkpoint_resumes_bit_for_bit(tmp_path):
     want_scale = opt.scaler.get_scale()
     opt.close()
 
-    model2 = _model(7)  # other weights, a fresh guard: everything comes from the checkpoint
-    opt2 = _guard(model2)
-    state = guard_dcp.get_state_dict(model2, opt2)
-    dcp.load(state, checkpoint_id=str(tmp_path))
+    model2, opt2, state = _read(tmp_path)  # everything comes from the checkpoint
     guard_dcp.set_state_dict(model2, opt2, state)
     assert opt2.step_count == 3
     _train(model2, opt2, batches[3:])
@@ -105,10 +111,7 @@ def test_an_unhealthy_checkpoint_is_refused_before_anything_changes(tmp_path, wh
     dcp.save(guard_dcp.get_state_dict(model, opt), checkpoint_id=str(tmp_path))
     opt.close()
 
-    model2 = _model(7)
-    opt2 = _guard(model2)
-    state = guard_dcp.get_state_dict(model2, opt2)
-    dcp.load(state, checkpoint_id=str(tmp_path))
+    model2, opt2, state = _read(tmp_path)
     if where == "after-load":
         flip(state["optim"]["state"]["transformer.wte.weight"]["exp_avg_sq"])
     message = "saved unhealthy" if where == "before-save" else "optimizer state is non-finite"
@@ -125,10 +128,7 @@ def test_weights_from_elsewhere_are_refused_at_the_first_step(tmp_path):
     _train(model, opt, _batches(2))
     dcp.save(guard_dcp.get_state_dict(model, opt), checkpoint_id=str(tmp_path))
     opt.close()
-    model2 = _model(7)
-    opt2 = _guard(model2)
-    state = guard_dcp.get_state_dict(model2, opt2)
-    dcp.load(state, checkpoint_id=str(tmp_path))
+    model2, opt2, state = _read(tmp_path)
     guard_dcp.set_state_dict(model2, opt2, state)
     with torch.no_grad():  # someone else's weights put back after the resume
         model2.lm_head.weight.add_(1.0)
