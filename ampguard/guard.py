@@ -43,6 +43,14 @@ __all__ = ["GuardedOptimizer", "Stage"]
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+_eager = torch.compiler.disable
+"""The loop's calls run eagerly inside a ``torch.compile``d function (``torch.compile(opt.step)``, a compiled
+training step that calls ``opt.backward``/``opt.step``, as torch's optimizer-compiling recipe does): Dynamo
+breaks the graph at the call and runs the guard's host logic as it is (tracing it failed inside Dynamo).
+~1 us a call in eager mode. One frame more between the caller and the method: a warning raised in it
+counts that frame in its ``stacklevel``."""
+
+
 class Stage(enum.Enum):
     """Where the guard is in one iteration."""
 
@@ -130,6 +138,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         return torch.autocast(device_type=self.device.type, dtype=self.dtype,
                               enabled=enabled and self.precision != "fp32")
 
+    @_eager
     def backward(self, loss: torch.Tensor, *, batch_id: Any = None, **kwargs: Any) -> None:
         """Back-propagate ``loss`` (scaled by the loss scale in fp16) and keep it, on device, for
         the step's checks. Call it once per micro-batch; ``kwargs`` go to ``Tensor.backward``.
@@ -166,8 +175,9 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         if batch_id is not None:
             self._outcome.batch_ids.append(batch_id)
         self._stage = Stage.ACCUMULATING
-        self._outcome.voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=2)
+        self._outcome.voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=3)
 
+    @_eager
     def observe_loss(self, loss: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean") -> None:
         """Record one micro-batch's loss for this step's checks and report, when the backward is
         run by someone else (a framework). ``reduction="sum"`` where each micro-batch loss was
@@ -178,8 +188,9 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             raise ValueError(f"reduction={reduction!r}; allowed: 'mean' | 'sum'")
         if not self._forensics.replaying:
             self._loss.add(loss, reduction)
-            self._outcome.voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=2)
+            self._outcome.voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=3)
 
+    @_eager
     def unscale_(self) -> None:
         """Unscale the gradients now (fp16) and measure them, so the caller can clip unscaled
         gradients and the report's ``grad_norm`` is still the norm before clipping. Once per step;
@@ -188,6 +199,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         if self._measured is None:
             self._measured = self._measure()
 
+    @_eager
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
                         parameters: Iterable[torch.Tensor] | torch.Tensor | None = None) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` for this step's gradients (``parameters``: None, the
@@ -227,6 +239,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             measured.clip_norm, measured.clip_applied = max_norm, True
         return total
 
+    @_eager
     def step(self, closure: Callable[[], Any] | None = None, *, replay: bool = False) -> Any:  # type: ignore[override]
         """The guarded step: unscale, statistics, one all-gather, decision, inner step or skip,
         scale update, report. Replaces ``scaler.step(opt); scaler.update()``. Returns what
@@ -258,7 +271,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             loaded, self._loaded = self._loaded, None
             integrity.check_weights(loaded, self._named_params())
         if not self._loss.count:  # a host int: the loss the guard never saw (no sync)
-            self._outcome.voice.no_loss(self._step, stacklevel=3)  # 3: step() runs inside torch's step wrapper
+            self._outcome.voice.no_loss(self._step, stacklevel=4)  # 4: inside _eager's and torch's step wrappers
         # the reports left pending, up to the report lag (this forward is done); a rollback spends this step
         if self._outcome.settle(next_forward=self._step + 1, before=self._step + 1 - self._report_lag()):
             return result
@@ -303,6 +316,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             self._outcome.settle(next_forward=self._step)  # after _end_step: the next forward is this step's
         return result
 
+    @_eager
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (and any loss kept from a ``backward()`` not followed by ``step()``)."""
         self.backend.zero_grad(self.optimizer, set_to_none)
