@@ -72,10 +72,41 @@ def get_state_dict(model: torch.nn.Module, opt: GuardedOptimizer,
 def set_state_dict(model: torch.nn.Module, opt: GuardedOptimizer, state: dict[str, Any],
                    options: _dcp.StateDictOptions | None = None) -> None:
     """Restore what ``dcp.load`` put into ``state`` (a template from :func:`get_state_dict`): the
-    guard's state and the optimizer state are checked first (a refusal changes nothing), then the
-    model and the inner optimizer are restored by DCP's ``set_state_dict`` and the guard by its own
-    state."""
+    guard's state and the optimizer state are checked first (a refusal changes nothing of the guard's),
+    and the ranks agree (one rank's refusal is every rank's); then the model and the inner optimizer are
+    restored by DCP's ``set_state_dict`` and the guard by its own state. collective."""
     opt = _guard(opt)
+    restore, refused, template = None, None, True
+    try:
+        saved = _guard_state(opt, state)
+        template = False
+        restore = opt._check_without_optimizer(saved, _nested(state["optim"]))
+    except ValueError as e:  # CheckpointError included
+        refused = e
+    # The same answer on every rank before DCP's collective restore: a rank that refuses alone would
+    # leave the others waiting in it. collective (blocks; a resume happens once).
+    reasons = opt.backend.all_gather_object(None if refused is None else f"{type(refused).__name__}: {refused}")
+    if any(r is not None for r in reasons):
+        if refused is None:
+            first = next(k for k, r in enumerate(reasons) if r is not None)
+            refused = CheckpointError(f"rank {first} refused the checkpoint ({reasons[first]})")
+        if template:
+            raise refused  # not the dict get_state_dict() made: nothing was read from it, nothing changed
+        reason = str(refused).rstrip(".")
+        for nothing in ("; nothing was loaded", ". Nothing was loaded", " Nothing was loaded"):
+            reason = reason.removesuffix(nothing)
+        raise type(refused)(
+            f"{reason}. The guard's state was not restored; dcp.load has already written the checkpoint's values into "
+            "the model and the optimizer (DCP loads in place). Load a healthy checkpoint (dcp.load, then "
+            "set_state_dict) before training on") from None
+    assert restore is not None  # internal: no rank refused
+    _dcp.set_state_dict(model, opt.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                        options=options)
+    restore()
+
+
+def _guard_state(opt: GuardedOptimizer, state: Any) -> Any:
+    """This rank's guard state, read back from the template ``dcp.load`` filled."""
     if not isinstance(state, dict) or not {"model", "optim", "ampguard"} <= set(state):
         raise ValueError("set_state_dict() expects the dict get_state_dict() made, filled by dcp.load (keys 'model', "
                          "'optim', 'ampguard'). Nothing was loaded.")
@@ -85,20 +116,7 @@ def set_state_dict(model: torch.nn.Module, opt: GuardedOptimizer, state: dict[st
         raise ValueError(f"the checkpoint holds no guard state for {_key(opt)} (it keeps one per rank: resume on as "
                          "many ranks as it was saved from, with a template from get_state_dict()). Nothing was loaded.")
     buf.seek(0)
-    guard_state = torch.load(buf, weights_only=True)  # plain values only: no code runs
-    try:
-        restore = opt._check_without_optimizer(guard_state, _nested(state["optim"]))
-    except (CheckpointError, ValueError) as refused:
-        reason = str(refused).rstrip(".")
-        for nothing in ("; nothing was loaded", ". Nothing was loaded", " Nothing was loaded"):
-            reason = reason.removesuffix(nothing)
-        raise type(refused)(
-            f"{reason}. The guard's state was not restored; dcp.load has already written the checkpoint's values into "
-            "the model and the optimizer (DCP loads in place). Load a healthy checkpoint (dcp.load, then "
-            "set_state_dict) before training on") from None
-    _dcp.set_state_dict(model, opt.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                        options=options)
-    restore()
+    return torch.load(buf, weights_only=True)  # plain values only: no code runs
 
 
 def _nested(optim: Any) -> Any:
