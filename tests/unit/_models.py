@@ -65,3 +65,14 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"{k} differs"
+
+
+def one_step(guarded: bool, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, loss: torch.Tensor) -> None:
+    """The guarded step, or torch's ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``."""
+    if guarded:
+        opt.backward(loss)  # type: ignore[attr-defined]
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()

@@ -13,6 +13,8 @@ import torch
 
 import ampguard
 
+from ._models import one_step
+
 PATCHES = {"step", "unscale_", "update", "scale", "__getstate__"}
 
 
@@ -28,16 +30,6 @@ def _data(n: int) -> list[torch.Tensor]:
     torch.manual_seed(1)
     return [torch.randn(4, 8) for _ in range(n)]
 
-
-def _one_step(guarded: bool, opt: Any, scaler: torch.amp.GradScaler, loss: torch.Tensor) -> None:
-    """The guarded step, or torch's ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``."""
-    if guarded:
-        opt.backward(loss)
-        opt.step()
-    else:
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
 
 
 def _losses(a: torch.nn.Module, b: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +225,7 @@ def test_a_disabled_scaler_is_a_pass_through_as_in_torchs_enabled_use_amp_idiom(
             assert opt.scaler is None and opt.get_scale() == 1.0 and opt.precision == "fp16"
         for x in data:
             opt.zero_grad()
-            _one_step(api == "guard", opt, scaler, model(x).pow(2).mean())
+            one_step(api == "guard", opt, scaler, model(x).pow(2).mean())
         if api != "torch":
             assert opt.step_count == 3 and opt.last_report.loss_scale == 1.0
             opt.close()
@@ -253,7 +245,7 @@ def test_sparse_gradients_with_a_fused_optimizer_raise_torchs_own_error() -> Non
             opt = ampguard.wrap(opt, model=emb, scaler=scaler)
         loss = emb(torch.tensor([1, 1])).sum()
         with pytest.raises(RuntimeError) as err:
-            _one_step(api == "guard", opt, scaler, loss)
+            one_step(api == "guard", opt, scaler, loss)
         messages.append(str(err.value))
     assert "does not support sparse" in messages[0] and messages[0] == messages[1]
 
