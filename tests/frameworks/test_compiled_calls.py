@@ -8,15 +8,19 @@ graph there) and the run is bit for bit the eager one: a tiny GPT-2 from ``trans
 with a real GradScaler on the CPU whose first scale overflows (skipped steps and a back-off included).
 Backends ``aot_eager`` and ``eager`` (no code generation: the same kernels as the eager run; inductor on
 2 CPU cores compiles for over a minute, see test_compile.py).
+``AMPGUARD_RECIPE_DEVICE=cuda`` runs it on CUDA (tests/gpu/test_gpu_recipes.py does, on the device).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 import ampguard
 
+DEV = os.environ.get("AMPGUARD_RECIPE_DEVICE", "cpu")
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.frameworks
@@ -29,11 +33,11 @@ def _run(mode: str) -> tuple[list[tuple[int, bool, float, str]], list[torch.Tens
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(config)
+    model = transformers.GPT2LMHeadModel(config).to(DEV)
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, precision="fp16",
-                        scaler=torch.amp.GradScaler("cpu", init_scale=2.0**20), exporters=[])
+                        scaler=torch.amp.GradScaler(DEV, init_scale=2.0**20), exporters=[])
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, 50, (2, 12), generator=g) for _ in range(STEPS)]
+    batches = [torch.randint(0, 50, (2, 12), generator=g).to(DEV) for _ in range(STEPS)]
 
     def forward_backward(ids: torch.Tensor) -> None:
         with opt.autocast():

@@ -6,15 +6,19 @@
 Before: torch's own ``get_optimizer_state_dict(model, opt)`` on the guard raised ``KeyError: 'state'``
 (test below), and there was no way to put the guard's state (loss scale, counters, verdict) into a
 DCP checkpoint.
+``AMPGUARD_RECIPE_DEVICE=cuda`` runs it on CUDA (tests/gpu/test_gpu_recipes.py does, on the device).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 import ampguard
 
+DEV = os.environ.get("AMPGUARD_RECIPE_DEVICE", "cpu")
 transformers = pytest.importorskip("transformers")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 guard_dcp = pytest.importorskip("ampguard.integrations.dcp")
@@ -26,18 +30,18 @@ def _model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(config)
+    return transformers.GPT2LMHeadModel(config).to(DEV)
 
 
 def _guard(model: torch.nn.Module) -> ampguard.GuardedOptimizer:
     return ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), model=model,
-                         scaler=torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=2),
+                         scaler=torch.amp.GradScaler(DEV, init_scale=2.0**20, growth_interval=2),
                          precision="fp16", exporters=[])
 
 
 def _batches(n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 50, (2, 12), generator=g) for _ in range(n)]
+    return [torch.randint(0, 50, (2, 12), generator=g).to(DEV) for _ in range(n)]
 
 
 def _train(model, opt, batches) -> None:

@@ -10,11 +10,13 @@ loop bit for bit or to the guard's own answer without the pattern:
 - bf16 parameters (no autocast), and bf16 with the LayerNorms kept in float32 (two dtype groups), as the plain
   loop trains them;
 - ``torch.load``'s ``weights_only`` default (torch >= 2.6) reads ``opt.state_dict()`` back.
+``AMPGUARD_RECIPE_DEVICE=cuda`` runs it on CUDA (tests/gpu/test_gpu_recipes.py does, on the device).
 """
 
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ import ampguard
 
 from ..unit._models import one_step
 
+DEV = os.environ.get("AMPGUARD_RECIPE_DEVICE", "cpu")
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.frameworks
@@ -32,12 +35,12 @@ def _gpt2(layers: int = 2) -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=layers, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(config)
+    return transformers.GPT2LMHeadModel(config).to(DEV)
 
 
 def _batches(n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 50, (2, 12), generator=g) for _ in range(n)]
+    return [torch.randint(0, 50, (2, 12), generator=g).to(DEV) for _ in range(n)]
 
 
 def _named(checkpointing: bool) -> list[tuple[int, str, str | None, str | None]]:
@@ -48,7 +51,7 @@ def _named(checkpointing: bool) -> list[tuple[int, str, str | None, str | None]]
     with torch.no_grad():
         model.transformer.h[2].mlp.c_fc.weight.mul_(1e7)  # its output overflows fp16: inf, then NaN
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="fp16",
-                        scaler=torch.amp.GradScaler("cpu"), exporters=[], config={"sentinel": "top"})
+                        scaler=torch.amp.GradScaler(DEV), exporters=[], config={"sentinel": "top"})
     for ids in _batches(3):
         with opt.autocast():
             loss = model(input_ids=ids, labels=ids).loss
@@ -75,7 +78,7 @@ def _unfreezing(how: str, guarded: bool) -> list[torch.Tensor]:
     for p in late:
         p.requires_grad_(False)
     inner = torch.optim.AdamW(early if how == "add_param_group" else model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler = torch.amp.GradScaler(DEV, init_scale=2.0**10)
     opt = ampguard.wrap(inner, model=model, precision="fp16", scaler=scaler, exporters=[]) if guarded else inner
     for step, ids in enumerate(_batches(6)):
         if step == 3:
@@ -83,7 +86,7 @@ def _unfreezing(how: str, guarded: bool) -> list[torch.Tensor]:
                 p.requires_grad_(True)
             if how == "add_param_group":
                 opt.add_param_group({"params": late, "lr": 1e-3})
-        with torch.autocast("cpu", torch.float16):
+        with torch.autocast(DEV, torch.float16):
             loss = model(input_ids=ids, labels=ids).loss
         one_step(guarded, opt, scaler, loss)
         opt.zero_grad()
@@ -129,7 +132,7 @@ def test_bf16_parameters_train_as_the_plain_loop(layout, fused):
 def test_torch_load_default_reads_the_guards_state_back():
     model = _gpt2()
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, precision="fp16",
-                        scaler=torch.amp.GradScaler("cpu"), exporters=[], config={"zclip": {}})
+                        scaler=torch.amp.GradScaler(DEV), exporters=[], config={"zclip": {}})
     for step, ids in enumerate(_batches(2)):
         with opt.autocast():
             loss = model(input_ids=ids, labels=ids).loss

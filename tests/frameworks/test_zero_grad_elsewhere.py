@@ -7,15 +7,19 @@ clearing counts as ``opt.zero_grad()``: the run trains bit for bit as with it. A
 left untouched (one submodule cleared, another not) still refuses the backward, changing nothing.
 
 A tiny GPT-2 from ``transformers``' config, fp16 autocast with a real GradScaler on the CPU.
+``AMPGUARD_RECIPE_DEVICE=cuda`` runs it on CUDA (tests/gpu/test_gpu_recipes.py does, on the device).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 import ampguard
 
+DEV = os.environ.get("AMPGUARD_RECIPE_DEVICE", "cpu")
 transformers = pytest.importorskip("transformers")
 
 STEPS = 4
@@ -25,12 +29,12 @@ def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(config)
+    return transformers.GPT2LMHeadModel(config).to(DEV)
 
 
 def _batches() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 50, (2, 12), generator=g) for _ in range(STEPS)]
+    return [torch.randint(0, 50, (2, 12), generator=g).to(DEV) for _ in range(STEPS)]
 
 
 def _clear(how: str, opt: ampguard.GuardedOptimizer, model: torch.nn.Module) -> None:
@@ -51,7 +55,7 @@ def _clear(how: str, opt: ampguard.GuardedOptimizer, model: torch.nn.Module) -> 
 
 def _train(how: str) -> tuple[dict[str, torch.Tensor], list[tuple[bool, float]]]:
     model = _model()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    scaler = torch.amp.GradScaler(DEV, init_scale=2.0**12)
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, scaler=scaler,
                         precision="fp16", exporters=[])
     for ids in _batches():
@@ -77,7 +81,7 @@ def test_a_zero_grad_elsewhere_trains_as_the_guards_own(how):
 
 def test_gradients_the_step_left_still_refuse_the_backward_and_change_nothing():
     model = _model()
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+    scaler = torch.amp.GradScaler(DEV, init_scale=2.0**12)
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model=model, scaler=scaler,
                         precision="fp16", exporters=[])
     ids = _batches()[0]
