@@ -213,3 +213,20 @@ def assert_same_everywhere(results: list[dict[str, Any]], *, skipped: list[int],
 
 def _nan_equal(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(x == y or (x != x and y != y) for x, y in zip(a, b))
+
+
+def reports_and_params(guard: Any, model: torch.nn.Module) -> tuple[list[tuple[int, bool, Any]], torch.Tensor]:
+    """A framework run's (step, skipped, nonfinite ranks) per guard report (none for the framework's own run,
+    ``guard`` None), and its parameters flattened."""
+    history = guard.history if guard is not None else []  # None: the framework's own run
+    return ([(r.step, r.skipped, r.nonfinite_ranks) for r in history],
+            torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+
+
+def assert_one_rank_fault(results: list[dict[str, Any]], reports: str, bad_step: int, bad_rank: int) -> None:
+    """Every rank ran in a world of ``len(results)`` (``results[r]["world_size"]``), skipped exactly ``bad_step`` in
+    ``results[r][reports]`` and named ``bad_rank`` there."""
+    for r, res in enumerate(results):
+        assert res["world_size"] == len(results), (r, res["world_size"])
+        assert [s for s, skipped, _ in res[reports] if skipped] == [bad_step], (r, res[reports])
+        assert res[reports][bad_step][2] == (bad_rank,), r  # named on every rank

@@ -17,7 +17,7 @@ import torch
 import ampguard
 
 from ..unit._models import loss_of, make_data, make_model
-from ._common import spawn
+from ._common import assert_one_rank_fault, reports_and_params, spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.frameworks, pytest.mark.timeout(240)]
 
@@ -39,7 +39,7 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
         acc.scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2)
         model = make_model(0)
         model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-        out["distributed_type"] = str(acc.distributed_type)
+        out["distributed_type"], out["world_size"] = str(acc.distributed_type), acc.num_processes
         if guarded:
             opt = ampguard.wrap(opt, accelerator=acc, model=model)
         skipped = []
@@ -51,10 +51,10 @@ def _run(rank: int, world_size: int) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
             skipped.append(acc.optimizer_step_was_skipped)
-        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        reports, params = reports_and_params(opt.guard if guarded else None, model)
         out["guard" if guarded else "plain"] = (skipped, params)
         if guarded:
-            out["reports"] = [(r.step, r.skipped, r.nonfinite_ranks) for r in opt.history]
+            out["reports"] = reports
             opt.close()
     return out
 
@@ -63,10 +63,9 @@ def test_one_ranks_corrupt_sample_is_skipped_on_every_rank_as_accelerate_skips_i
     res = spawn(_run, world_size=2)
     bad = [False] * STEPS
     bad[BAD_STEP] = True
+    assert_one_rank_fault(res, "reports", BAD_STEP, BAD_RANK)
     for r, out in enumerate(res):
         assert out["distributed_type"] == "DistributedType.MULTI_CPU", r
         assert out["plain"][0] == out["guard"][0] == bad, r
-        assert [s for s, skipped, _ in out["reports"] if skipped] == [BAD_STEP]
-        assert out["reports"][BAD_STEP][2] == (BAD_RANK,), r  # named on every rank
         assert torch.equal(out["guard"][1], out["plain"][1]), r
     assert torch.equal(res[0]["guard"][1], res[1]["guard"][1])
