@@ -71,7 +71,7 @@ class DecisionGraph:
                 self._failed = True
                 warnings.warn(f"ampguard: CUDA graph capture of the step decision failed ({exc}); running it "
                               "eagerly (set AMPGUARD_CUDA_GRAPH=0 to silence this)", RuntimeWarning,
-                              stacklevel=6)  # run < decide < step < its _eager and torch's step wrappers < the loop
+                              stacklevel=7)  # run < decide < step < _eager's two wrappers < torch's step wrapper < loop
                 return fn(gathered)
         _, graph, static_in, static_out = self._graph
         static_in.copy_(gathered)

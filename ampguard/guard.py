@@ -43,12 +43,14 @@ __all__ = ["GuardedOptimizer", "Stage"]
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-_eager = torch.compiler.disable
+_eager = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
 """The loop's calls run eagerly inside a ``torch.compile``d function (``torch.compile(opt.step)``, a compiled
 training step that calls ``opt.backward``/``opt.step``, as torch's optimizer-compiling recipe does): Dynamo
 breaks the graph at the call and runs the guard's host logic as it is (tracing it failed inside Dynamo).
-~1 us a call in eager mode. One frame more between the caller and the method: a warning raised in it
-counts that frame in its ``stacklevel``."""
+``torch._disable_dynamo`` is what torch's own ``Optimizer.zero_grad`` and ``state_dict`` carry: it imports
+``torch._dynamo`` at the first call, not at ``import ampguard`` (``torch.compiler.disable`` here made the
+import take ~1.1 s instead of ~0.1 s). ~1 us a call in eager mode. Two frames more between the caller and
+the method (the lazy wrapper and Dynamo's): a warning raised in it counts them in its ``stacklevel``."""
 
 
 class Stage(enum.Enum):
@@ -175,7 +177,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         if batch_id is not None:
             self._outcome.batch_ids.append(batch_id)
         self._stage = Stage.ACCUMULATING
-        self._outcome.voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=3)
+        self._outcome.voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=4)
 
     @_eager
     def observe_loss(self, loss: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean") -> None:
@@ -188,7 +190,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             raise ValueError(f"reduction={reduction!r}; allowed: 'mean' | 'sum'")
         if not self._forensics.replaying:
             self._loss.add(loss, reduction)
-            self._outcome.voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=3)
+            self._outcome.voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=4)
 
     @_eager
     def unscale_(self) -> None:
@@ -271,7 +273,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             loaded, self._loaded = self._loaded, None
             integrity.check_weights(loaded, self._named_params())
         if not self._loss.count:  # a host int: the loss the guard never saw (no sync)
-            self._outcome.voice.no_loss(self._step, stacklevel=4)  # 4: inside _eager's and torch's step wrappers
+            self._outcome.voice.no_loss(self._step, stacklevel=5)  # 5: inside _eager's two and torch's step wrapper
         # the reports left pending, up to the report lag (this forward is done); a rollback spends this step
         if self._outcome.settle(next_forward=self._step + 1, before=self._step + 1 - self._report_lag()):
             return result
