@@ -450,13 +450,14 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         Synchronises the host (reads device counters). A scheduler advance still pending
         (:meth:`schedule`) is applied first: the scheduler's own state_dict holds it."""
         self._outcome.catch_up()
+        return self._with_state_dict_hooks(lambda _: self._saved())
 
-        def save(_: GuardedOptimizer) -> dict[str, Any]:
-            state = checkpoint.save(self, self._outcome.records, self._pipeline)
-            state["ampguard"]["verdict"] = self.verify().to_dict()
-            return state
-
-        return self._with_state_dict_hooks(save)
+    def _saved(self, optimizer: bool = True) -> dict[str, Any]:
+        """:func:`ampguard.checkpoint.save` with the verdict (:meth:`verify`) under ``["ampguard"]["verdict"]``;
+        ``optimizer=False``: without the inner optimizer (``"optimizer"`` None)."""
+        state = checkpoint.save(self, self._outcome.records, self._pipeline, optimizer=optimizer)
+        state["ampguard"]["verdict"] = self.verify().to_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; the run then continues bit for bit. The whole
@@ -478,9 +479,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         """:meth:`state_dict` with ``"optimizer"`` None: the scaler and the guard's state, with the
         verdict, for a checkpoint that saves the inner optimizer its own way (:mod:`ampguard.integrations.dcp`)."""
         self._outcome.catch_up()
-        state = checkpoint.save(self, self._outcome.records, self._pipeline, optimizer=False)
-        state["ampguard"]["verdict"] = self.verify().to_dict()
-        return state
+        return self._saved(optimizer=False)
 
     def _check_without_optimizer(self, state_dict: Any, optimizer_state: Any) -> Callable[[], None]:
         """Check what :meth:`_state_without_optimizer` saved, against ``optimizer_state`` (the inner

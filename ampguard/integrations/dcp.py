@@ -18,8 +18,8 @@ in fp16: the gradients were not scaled). Here DCP gets the inner optimizer, and 
 (loss scale, growth tracker, step count, detectors' statistics, quarantine, the verdict: what
 :meth:`~ampguard.GuardedOptimizer.state_dict` holds besides the inner optimizer) travels as one
 object per rank, under ``"ampguard"``, key ``"rank<r>"``: each rank's verdict fingerprints its own
-parameters (its shards, under FSDP2). So the guard's state resumes on the same number of ranks;
-the model and optimizer states reshard as DCP reshards them.
+parameters (its shards, under FSDP2). So a run resumes on as many ranks as saved it: DCP would
+reshard the model and optimizer states, the guard's per-rank state does not.
 
 :func:`set_state_dict` checks the guard's state and the optimizer state DCP loaded (a NaN/Inf in it,
 an unhealthy verdict: :class:`~ampguard.CheckpointError`) before it changes anything of its own;
