@@ -528,7 +528,10 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         step left it would have the next backward added to it. Returns ``(marks,)``, the marks
         ``opt.zero_grad()`` would have left (None: every gradient is None), or None when some gradient
         is still the step's. One attribute read per parameter, no sync."""
-        now = grad_marks(self._pipeline.params())
+        params = self._pipeline.params()
+        if all(p.grad is None for p in params):  # set_to_none, the default of every zero_grad: nothing to compare
+            return (None,)
+        now = grad_marks(params)
         before = self._marks if self._marks is not None else [None] * len(now)
         if any(b is not None and n == b for n, b in zip(now, before)):
             return None
