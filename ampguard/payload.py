@@ -34,7 +34,7 @@ import torch
 from .scaling import ScalerView
 from .stats import DECISION_K, LOCAL_K
 
-__all__ = ["HostCopy", "Layout", "Packed", "Unpacked", "pack"]
+__all__ = ["HostCopy", "Layout", "Packed", "Unpacked", "pack", "unpacked_on_host"]
 
 
 class Layout(NamedTuple):
@@ -130,6 +130,21 @@ def pack(decision: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor, nu
         fp8 = None if fp8 is None else fp8.float().cpu()
     parts += [t.reshape(-1).to(parts[0].device) for t in (indicators, params, fp8) if t is not None]
     return Packed(torch.cat(parts), layout)
+
+
+def unpacked_on_host(decision: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor,
+                     numerics: torch.Tensor | None = None, indicators: torch.Tensor | None = None,
+                     params: torch.Tensor | None = None, fp8: torch.Tensor | None = None) -> Unpacked:
+    """What :meth:`Layout.unpack` reads back from :func:`pack`'s vector, made from the parts themselves
+    when every one is a CPU tensor (the CPU's host decision): a ``tolist`` a part, where :func:`pack` would
+    concatenate them into a new tensor for the report to read back as a list (``benchmarks/RESULTS.md``,
+    "Stop 36"). The same values: :func:`pack`'s ``cat`` widens each part to the widest dtype, which changes
+    no value of a narrower float part."""
+    def host(t: torch.Tensor | None) -> list[float]:
+        return [] if t is None else t.reshape(-1).tolist()  # type: ignore[no-any-return]
+
+    return Unpacked(decision.tolist(), gathered.float().tolist(), norms.tolist(), host(numerics), host(indicators),
+                    host(params), host(fp8))
 
 
 def _statistics(gathered: torch.Tensor, norms: torch.Tensor, numerics: torch.Tensor | None) -> list[torch.Tensor]:

@@ -44,7 +44,7 @@ from .backends.base import Backend
 from .config import GuardConfig
 from .decision_graph import DecisionGraph
 from .numerics import Numerics
-from .payload import HostCopy, Packed, pack
+from .payload import HostCopy, Packed, Unpacked, pack, unpacked_on_host
 from .policies import SpikeState, decide, decide_host, uses_clipping
 from .scaling import GradScalerAdapter, ScalerView, ScaleState
 from .stats import (
@@ -299,10 +299,15 @@ class StepPipeline:
 
     def payload(self, decision: Decision, gathered: torch.Tensor, measured: Measured,
                 indicators: torch.Tensor | None = None, params: torch.Tensor | None = None,
-                fp8: torch.Tensor | None = None) -> Packed:
+                fp8: torch.Tensor | None = None) -> Packed | Unpacked:
         """The step's report payload (:func:`ampguard.payload.pack`); after a host decision, built
-        on the host from the copy the decision read. ``params``: a checked step's max|p| per parameter;
-        ``fp8``: the fp8 monitor's ``[casts, 5]`` rows (:meth:`ampguard.fp8.Fp8Monitor.collect`)."""
+        on the host from the copy the decision read; on the CPU, already unpacked
+        (:func:`ampguard.payload.unpacked_on_host`: every part is on the host, nothing to pack and read
+        back). ``params``: a checked step's max|p| per parameter; ``fp8``: the fp8 monitor's ``[casts, 5]``
+        rows (:meth:`ampguard.fp8.Fp8Monitor.collect`)."""
+        if decision.host is not None and self.device.type == "cpu":
+            return unpacked_on_host(decision.vector, gathered, measured.norms, measured.numerics, indicators, params,
+                                    fp8)
         return pack(decision.vector, gathered, measured.norms, measured.numerics, indicators, params, fp8,
                     copied=decision.copied)
 

@@ -46,12 +46,12 @@ _FREE_PER_SIZE = 4
 
 
 class _Pending:
-    __slots__ = ("batch_ids", "buf", "event", "index", "layout", "step")
+    __slots__ = ("batch_ids", "buf", "event", "index", "layout", "step", "unpacked")
 
-    def __init__(self, step: int, buf: torch.Tensor, layout: Layout, event: Any, index: list[int],
-                 batch_ids: list[Any]) -> None:
+    def __init__(self, step: int, buf: torch.Tensor | None, layout: Layout | None, event: Any, index: list[int],
+                 batch_ids: list[Any], unpacked: Unpacked | None = None) -> None:
         self.step, self.buf, self.layout, self.event = step, buf, layout, event
-        self.index, self.batch_ids = index, batch_ids
+        self.index, self.batch_ids, self.unpacked = index, batch_ids, unpacked
 
 
 @dataclasses.dataclass(slots=True)
@@ -115,9 +115,13 @@ class Reporter:
         self._unexported: list[tuple[StepReport, list[Anomaly]]] = []
 
     # ------------------------------------------------------------------ device -> host
-    def enqueue(self, step: int, packed: Packed, index: list[int], batch_ids: list[Any]) -> None:
-        """Start copying the step's payload to the host (non_blocking into pinned memory on CUDA).
-        ``index``: the parameter of each per-tensor norm (``GradGroups.index``)."""
+    def enqueue(self, step: int, packed: Packed | Unpacked, index: list[int], batch_ids: list[Any]) -> None:
+        """Start copying the step's payload to the host (non_blocking into pinned memory on CUDA);
+        a payload already unpacked on the host (the CPU) waits for no copy. ``index``: the parameter
+        of each per-tensor norm (``GradGroups.index``)."""
+        if isinstance(packed, Unpacked):
+            self._pending.append(_Pending(step, None, None, None, index, batch_ids, packed))
+            return
         payload = packed.vector
         if payload.device.type == "cuda":
             free = self._free.get(payload.numel())
@@ -152,13 +156,16 @@ class Reporter:
         for). Waits only for the copies it decodes."""
         while self._pending and (before is None or self._pending[0].step < before):
             pending = self._pending.popleft()
-            if pending.event is not None and not pending.event.query():
-                pending.event.synchronize()  # that step's copy only, still in flight: the host is ahead
-            payload = pending.layout.unpack(pending.buf.tolist())  # the one read of the payload
-            if pending.event is not None:  # read: the buffer and its event serve a later step
-                free = self._free.setdefault(pending.buf.numel(), [])
-                if len(free) < _FREE_PER_SIZE:
-                    free.append((pending.buf, pending.event))
+            payload = pending.unpacked
+            if payload is None:
+                assert pending.buf is not None and pending.layout is not None  # internal: enqueued packed
+                if pending.event is not None and not pending.event.query():
+                    pending.event.synchronize()  # that step's copy only, still in flight: the host is ahead
+                payload = pending.layout.unpack(pending.buf.tolist())  # the one read of the payload
+                if pending.event is not None:  # read: the buffer and its event serve a later step
+                    free = self._free.setdefault(pending.buf.numel(), [])
+                    if len(free) < _FREE_PER_SIZE:
+                        free.append((pending.buf, pending.event))
             report, anomalies = self.build(pending.step, payload, pending.index)
             self.record(report, anomalies, pending.batch_ids)
 

@@ -128,3 +128,28 @@ def test_export_pending_hands_each_record_to_the_listener_then_the_exporters_onc
     assert heard == [(report, [])] and keep.seen == [0]
     rep.export_pending(heard.extend)
     assert heard == [(report, [])] and keep.seen == [0]  # once
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adamw_fused"])
+def test_the_cpu_payload_unpacked_on_the_host_reports_what_the_packed_one_does(kind):
+    """On the CPU the host decision's payload is handed to the report as host lists
+    (``payload.unpacked_on_host``), not packed by a ``cat`` and read back: the reports are the ones
+    the packed payload gives, field for field, on healthy steps, a genuine fp16 overflow (the loss
+    scale at 2**20, backed off step by step until the steps are taken) and every sampled part (numerics, indicators, the
+    parameter check)."""
+    def run(packed: bool) -> list[dict]:
+        model = make_model()
+        cfg = ampguard.GuardConfig(numerics_every=2, indicators_every=3, param_check_every=2, param_norms_every=1)
+        opt = ampguard.wrap(make_opt(model, kind), model=model, precision="fp16", config=cfg,
+                            scaler=torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3))
+        if packed:  # the path every other device takes: pack(), then Layout.unpack() of the vector read back
+            pipe = opt._pipeline
+            pipe.payload = lambda d, g, m, *rest: pack(d.vector, g, m.norms, m.numerics, *rest)  # type: ignore[method-assign]
+        guarded_steps(opt, model, make_data(12))
+        opt.flush()
+        return [{k: v for k, v in dataclasses.asdict(r).items() if k != "wall_time"} for r in opt.history]
+
+    fast, slow = run(False), run(True)
+    assert any(r["skipped"] for r in slow) and any(not r["skipped"] for r in slow)  # an overflow, then steps
+    assert any(r["headroom_log2"] is not None for r in slow) and any(r["module_grad_norms"] for r in slow)
+    assert repr(fast) == repr(slow)  # NaN-safe, field for field
