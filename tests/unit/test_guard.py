@@ -389,3 +389,43 @@ def test_on_rollback_gets_the_guard_and_the_rollbacks_step():
     assert calls == [(opt, 5)] and opt.step_count == 6
     assert opt.history[5].reason == "rollback" and opt.history[5].skipped
     opt.close()
+
+
+def test_step_hooks_and_the_profiler_range_as_torch_optimizer_gives_them():
+    """``opt.step`` keeps what ``torch.optim.Optimizer`` wraps every step in: this optimizer's and the
+    global step pre/post hooks (in torch's order, with the call's arguments), and the profiler range
+    ``Optimizer.step#GuardedOptimizer.step`` while a profiler runs; with neither, the step runs without
+    them (the same update)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    model = make_model()
+    opt = ampguard.wrap(make_opt(model), model=model, precision="bf16")
+    data = make_data(4)
+    calls: list[tuple[str, str, int]] = []
+
+    def hook(what: str):
+        return lambda o, a, k: calls.append((what, type(o).__name__, getattr(o, "step_count", -1)))
+
+    handles = [opt.register_step_pre_hook(hook("pre")), opt.register_step_post_hook(hook("post")),
+               register_optimizer_step_pre_hook(hook("global pre")),
+               register_optimizer_step_post_hook(hook("global post"))]
+    try:
+        guarded_steps(opt, model, data[:1])
+    finally:
+        for h in handles:
+            h.remove()
+    # the global hooks also see the inner optimizer's own step, inside the guard's
+    assert calls == [("global pre", "GuardedOptimizer", 0), ("pre", "GuardedOptimizer", 0),
+                     ("global pre", "AdamW", -1), ("global post", "AdamW", -1),
+                     ("post", "GuardedOptimizer", 1), ("global post", "GuardedOptimizer", 1)]
+    guarded_steps(opt, model, data[1:2])  # no hook: nothing more is called
+    assert len(calls) == 6 and opt.step_count == 2
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        guarded_steps(opt, model, data[2:3])
+    names = [e.name for e in prof.events()]
+    assert "Optimizer.step#GuardedOptimizer.step" in names and "Optimizer.step#AdamW.step" in names
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        pass
+    guarded_steps(opt, model, data[3:4])  # after the profiler: no range, the step as before
+    assert opt.step_count == 4 and not any(r.skipped for r in opt.history)
