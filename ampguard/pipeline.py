@@ -28,6 +28,12 @@ recorded as GradScaler's own; the fused optimizer gets ``grad_scale = scale`` (`
 clip_coef`` when clipping) and ``found_inf = skip``, as ``GradScaler.step`` hands them, and
 unscales, clips and updates in its kernel, or skips there: one read of the gradients before the
 optimizer's pass instead of three, and ``.grad`` afterwards is the plain fused loop's.
+
+Non-fused optimizers on the CPU (:attr:`StepPipeline.norms_first`, the same switch) read the norms
+from the still-scaled gradients too, then unscale them with one ``_foreach_mul_`` by GradScaler's
+``1/scale`` (its values) and record GradScaler's stage as its ``unscale_`` would; a step whose scaled
+norms are not all finite is handed to GradScaler's element check (today's path), so a finite
+gradient whose squares overflow float32 is stepped on, as in the plain loop.
 """
 
 from __future__ import annotations
@@ -135,6 +141,14 @@ class StepPipeline:
                              and not self._takes_grad_scaler and getattr(backend, "name", None) in _FAST_BACKENDS
                              and adapter.fast_path_capable())
         """The fused fast path may be taken (each step also asks :meth:`fast_path`)."""
+        self.norms_first = (switches.fused_fast_path and adapter is not None and not self.fused
+                            and device.type == "cpu" and getattr(backend, "name", None) in _FAST_BACKENDS
+                            and adapter.fast_path_capable())
+        """A non-fused optimizer on the CPU (each step also asks :meth:`norms_first_ok`): the norms are read
+        from the still-scaled gradients fresh from the backward, ``found_inf`` taken from them as on the fast
+        path, then one ``_foreach_mul_`` by ``1/scale`` unscales them (the values GradScaler's unscale gives):
+        one read fewer than GradScaler's check-and-unscale followed by the norms (-74 to -137 us a step on
+        the CPU MLPs, benchmarks/RESULTS.md, "Stop 36")."""
         self.host_decision = device.type == "cpu" or not self.fused
         """Decide on host floats (:func:`decide_host`): on CPU, where reading a tensor costs nothing
         and each tiny tensor op costs microseconds; and for a non-fused optimizer on any device,
@@ -174,6 +188,12 @@ class StepPipeline:
         return (self.fast_capable and not self.backend.grads_sharded
                 and self.adapter.fast_path_ok(guard, self.optimizer))  # type: ignore[union-attr]
 
+    def norms_first_ok(self, guard: object) -> bool:
+        """Whether this step reads the norms first and then unscales (:attr:`norms_first`): unsharded
+        gradients, and nobody has unscaled this iteration."""
+        return (self.norms_first and not self.backend.grads_sharded
+                and self.adapter.fast_path_ok(guard, self.optimizer))  # type: ignore[union-attr]
+
     def measure(self, guard: object, *, fast: bool = False, sample: bool = False) -> Measured:
         """Unscale (adopting an ``unscale_`` already done this iteration), check and measure the
         gradients: one read. ``guard``: the guarded optimizer (GradScaler may know it by its id).
@@ -183,11 +203,17 @@ class StepPipeline:
         (:mod:`ampguard.numerics`) of the still-scaled gradients, before they are unscaled."""
         if self.adapter is not None and self.adapter.shared:
             self.adapter.check_iteration()  # before anything changes: one step per guard and iteration
-        if fast and self.fast_path(guard):
-            measured = self._measure_scaled()
+        first = fast and self.norms_first_ok(guard)
+        if fast and (first or self.fast_path(guard)):
+            measured = self._measure_scaled(norms_first=first)
             if measured is not None:
                 if sample:
                     measured.numerics = self.numerics.measure(measured.groups, self.optimizer.param_groups, None)
+                if first:  # a non-fused optimizer steps on unscaled gradients: GradScaler's values, by one multiply
+                    inv = self.adapter.inv_scale_host()  # type: ignore[union-attr]
+                    for grads in measured.groups.tensors.values():
+                        torch._foreach_mul_(grads, inv)
+                    measured.scaled = False
                 return measured
         numerics = None
         if sample:
@@ -225,7 +251,7 @@ class StepPipeline:
             views, coalesced = values
             return views, fn(coalesced)
 
-    def _measure_scaled(self) -> Measured | None:
+    def _measure_scaled(self, norms_first: bool = False) -> Measured | None:
         """The fused fast path's measurement: per-tensor norms of the still-scaled gradients (the
         one read), times ``1/scale`` on device: with a power-of-two scale that is exact, so the
         norms (and the total) are bitwise those of the unscaled gradients, barring float32 over-
@@ -235,11 +261,18 @@ class StepPipeline:
         sum squares in float32, so any scaled norm above sqrt(float32 max) ~ 1.8e19, i.e. an
         unscaled norm above 1.8e19/scale: 2.8e14 at scale 65536). None (take
         today's path) where there is no gradient or a float16 gradient (GradScaler refuses to
-        unscale those: today's path raises its error). No sync."""
+        unscale those: today's path raises its error). ``norms_first`` (:attr:`norms_first`, a non-fused
+        CPU optimizer, whose step the caller unscales next): also None where a gradient is not a float32
+        CPU tensor, and where a scaled norm is not finite (before anything is recorded): GradScaler's
+        element check then decides on today's path, as in the plain loop (a finite gradient whose squares
+        overflow float32 is stepped on, as torch's ``test_grad_scale_will_not_overflow`` has it); that
+        step reads the gradients twice. No sync."""
         adapter = self.adapter
-        assert adapter is not None  # internal: fast_path() checked
+        assert adapter is not None  # internal: fast_path() or norms_first_ok() checked
         groups = grads_by_device_and_dtype(self.params())
         if not groups.index or any(dtype == torch.float16 for _, dtype in groups.tensors):
+            return None
+        if norms_first and any(dev.type != "cpu" or dtype != torch.float32 for dev, dtype in groups.tensors):
             return None
         try:
             norms = per_tensor_norms(groups, self.device)
@@ -250,7 +283,12 @@ class StepPipeline:
         if self.device.type == "cpu":  # host floats: the same float32 values, no tensor op to make them
             norms = norms * adapter.inv_scale_host()
             bad = not math.isfinite(sum(norms.tolist()))  # a NaN or Inf makes the sum one (norms >= 0, no overflow)
-            found = adapter.record_found_inf(self.optimizer, torch.full((), 1.0 if bad else 0.0))
+            if norms_first:
+                if bad:
+                    return None  # GradScaler's element check decides (today's path)
+                found = adapter.record_unscaled(self.optimizer, torch.zeros(()))  # unscaled next, by the caller
+            else:
+                found = adapter.record_found_inf(self.optimizer, torch.full((), 1.0 if bad else 0.0))
         else:
             inv = adapter.inv_scale()
             norms = norms * inv.to(self.device, non_blocking=True)

@@ -163,6 +163,16 @@ class GradScalerAdapter:
         self.scaler._per_optimizer_states[id(inner)]["found_inf_per_device"] = found
         return found
 
+    def record_unscaled(self, inner: torch.optim.Optimizer,
+                        found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+        """:meth:`record_found_inf`, for gradients the guard has unscaled itself (a non-fused CPU
+        optimizer, ``StepPipeline.norms_first``): GradScaler's record is then what its ``unscale_``
+        leaves (stage UNSCALED), so its own ``step`` does not unscale them again. No sync."""
+        found = self.record_found_inf(inner, found_inf)
+        state = self.scaler._per_optimizer_states[id(inner)]
+        state["stage"] = type(state["stage"])[_UNSCALED]  # GradScaler's OptState, by name
+        return found
+
     @staticmethod
     def force_found_inf(found_inf_per_device: dict[torch.device, torch.Tensor], skip: torch.Tensor | bool) -> None:
         """Make GradScaler skip exactly when the guard decided to: ``found_inf := skip`` in place;

@@ -121,21 +121,6 @@ def guarded_loop(data, dtype: torch.dtype, *, clip: float | None = None, inf_ste
     return model, opt, refs
 
 
-@pytest.fixture
-def unscale_calls(monkeypatch):
-    """How many times GradScaler ran its unscale/inf-check kernel (``_unscale_grads_``: both
-    ``unscale_`` and the fused step's ``_check_inf_per_device`` go through it)."""
-    calls = []
-    original = torch.amp.GradScaler._unscale_grads_
-
-    def counting(self, *args, **kwargs):
-        calls.append(1)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(torch.amp.GradScaler, "_unscale_grads_", counting)
-    return calls
-
-
 def _fast_steps(opt: ampguard.GuardedOptimizer) -> list[bool]:
     """Spy on the pipeline: whether each step's measurement took the fast path."""
     taken: list[bool] = []

@@ -1,0 +1,85 @@
+"""Non-fused optimizers on the CPU (``StepPipeline.norms_first``): the guard reads the norms from the
+still-scaled gradients fresh from the backward and unscales them with one multiply, instead of
+GradScaler's check-and-unscale followed by a second read for the norms. A step whose scaled norms are
+not all finite goes to GradScaler's element check (today's path). Held against the plain GradScaler
+loop (``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()``), bit for bit: parameters,
+optimizer state, the loss-scale sequence and ``.grad`` after each step, across natural fp16 overflows
+(growth_interval 3) and a real inf in the loss."""
+
+from __future__ import annotations
+
+import math
+import os
+from unittest import mock
+
+import pytest
+import torch
+
+import ampguard
+
+from ._models import assert_same, loss_of, make_data, make_model, snapshot
+
+INF_STEPS = (5, 11)
+KINDS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),  # the for-loop implementation on the CPU
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+}
+
+
+def _run(kind: str, data, guarded: bool, *, fast: bool = True, host: bool = True):
+    model = make_model()
+    opt = KINDS[kind](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
+    if guarded:
+        with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_FAST_PATH": "1" if fast else "0"}):  # read at wrap time
+            opt = ampguard.wrap(opt, model=model, precision="fp16", scaler=scaler)
+        opt._pipeline.host_decision = host  # False: the tensor decision path (GradScaler's own step), on CPU
+    scales, grads = [], []
+    for i, (x, y) in enumerate(data):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_of(model, x, y)
+        if i in INF_STEPS:
+            loss = loss * math.inf
+        scales.append(scaler.get_scale())
+        if guarded:
+            opt.backward(loss)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.zero_grad(set_to_none=True)
+    return model, opt, scales, grads
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host-decision", "tensor-decision"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_bitwise_the_plain_loop_and_one_unscale_pass_only_on_non_finite_steps(kind, host, unscale_calls):
+    data = make_data(24)
+    p_model, p_opt, p_scales, p_grads = _run(kind, data, guarded=False)
+    plain_calls = len(unscale_calls)
+    del unscale_calls[:]
+    g_model, g_opt, g_scales, g_grads = _run(kind, data, guarded=True, host=host)
+    assert_same(snapshot(p_model, p_opt), snapshot(g_model, g_opt.optimizer))
+    assert g_scales == p_scales
+    for step, (a, b) in enumerate(zip(p_grads, g_grads)):  # .grad as the plain loop leaves it, unscaled
+        assert all(torch.equal(x, y) or (x.isnan().any() and torch.equal(x.isnan(), y.isnan()))
+                   for x, y in zip(a, b)), step
+    skipped = [r.step for r in g_opt.history if r.skipped]
+    assert set(INF_STEPS) <= set(skipped) and len(skipped) < len(data)
+    assert plain_calls == len(data)
+    assert len(unscale_calls) == len(skipped)  # GradScaler's element check ran on the non-finite steps only
+
+
+def test_switched_off_it_is_todays_path_with_the_same_result(unscale_calls):
+    data = make_data(12)
+    off_model, off_opt, off_scales, _ = _run("adamw", data, guarded=True, fast=False)
+    assert not off_opt._pipeline.norms_first and len(unscale_calls) == len(data)
+    on_model, on_opt, on_scales, _ = _run("adamw", data, guarded=True)
+    assert on_opt._pipeline.norms_first
+    assert_same(snapshot(off_model, off_opt.optimizer), snapshot(on_model, on_opt.optimizer))
+    assert on_scales == off_scales
+    # the reported norms too: scaled norms times 1/scale (a power of two) are the unscaled ones, bit for bit
+    assert repr([r.grad_norm for r in on_opt.history]) == repr([r.grad_norm for r in off_opt.history])
