@@ -186,6 +186,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         for hook in self._loss_hooks.values():
             loss = hook(loss, self._step)
         scaled_before = self._scaler is not None and self._scaler.scaled_since_step
+        kept = self._loss.kept(loss)  # before the backward, which leaves every cache cold (benchmarks/RESULTS.md)
         try:
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward(**kwargs)
         except BaseException:
@@ -195,15 +196,17 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
                 self._scaler.scaled_since_step = scaled_before
             raise
         if replaying:  # a replay closure's backward: same scale, nothing accumulated
-            self._forensics.replay_loss = loss.detach().float().reshape(())
+            self._forensics.replay_loss = kept
             return
         if cleared is not None:  # as opt.zero_grad() would leave them; set once the backward ran
             self._marks = cleared[0]
-        self._loss.add(loss, "mean")
+        self._loss.add(loss, "mean", kept)
         if batch_id is not None:
             self._outcome.batch_ids.append(batch_id)
         self._stage = Stage.ACCUMULATING
-        self._outcome.voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=4)
+        voice = self._outcome.voice
+        if not voice.dtype_checked:  # the first loss only
+            voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=4)
 
     @_eager
     def observe_loss(self, loss: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean") -> None:
@@ -216,7 +219,9 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             raise ValueError(f"reduction={reduction!r}; allowed: 'mean' | 'sum'")
         if not self._forensics.replaying:
             self._loss.add(loss, reduction)
-            self._outcome.voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=4)
+            voice = self._outcome.voice
+            if not voice.dtype_checked:  # the first loss only
+                voice.check_activation_dtype(loss, self.device.type, self.dtype, self._step, stacklevel=4)
 
     @_eager
     def unscale_(self) -> None:

@@ -181,7 +181,9 @@ class Voice:
         self._said: dict[Any, _Said] = {}
         self._findings: set[tuple[Any, ...]] = set()
         self._warned: set[str] = set()
-        self._dtype_checked = False
+        self.dtype_checked = False
+        """The first loss's activation dtype was checked (:meth:`check_activation_dtype`): callers skip
+        the call after it (one attribute read on the loop's hot path)."""
 
     # ------------------------------------------------------------------ hearing reports (fixed points)
     def hear(self, decoded: Iterable[tuple[StepReport, list[Anomaly]]]) -> None:
@@ -289,9 +291,9 @@ class Voice:
         """On the first loss given to the guard: does the loop's autocast run a low-precision dtype
         other than the guard's? Read from the autocast state, the loss's dtype and the dtypes the
         loss's autograd graph carries near the loss (host metadata only: no sync). Once per run."""
-        if self._dtype_checked:
+        if self.dtype_checked:
             return
-        self._dtype_checked = True
+        self.dtype_checked = True
         seen = _activation_dtype(loss, device_type)
         if seen is None or seen == expected:
             return

@@ -451,9 +451,19 @@ class LossMeter:
                 "micro-batch loss of one step the same way (opt.backward(loss) means 'mean'). Nothing was changed."
             )
 
-    def add(self, loss: torch.Tensor, reduction: str) -> None:
+    @staticmethod
+    def kept(loss: torch.Tensor) -> torch.Tensor:
+        """What :meth:`add` keeps of ``loss``: detached, float32, 0-d (no copy of a float32 scalar)."""
+        detached = loss.detach()
+        if detached.dtype != torch.float32:
+            detached = detached.float()
+        return detached if detached.dim() == 0 else detached.reshape(())
+
+    def add(self, loss: torch.Tensor, reduction: str, kept: torch.Tensor | None = None) -> None:
+        """``kept``: :meth:`kept` of ``loss``, already taken (before the backward: right after one, each
+        tensor op costs several times as much on the CPU)."""
         self.check(reduction)
-        detached = loss.detach().float().reshape(())
+        detached = self.kept(loss) if kept is None else kept
         self.total = detached if self.total is None else self.total + detached
         self.count += 1
         self.reduction = reduction
