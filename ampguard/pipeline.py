@@ -144,7 +144,7 @@ class StepPipeline:
         self.norms_first = (switches.fused_fast_path and adapter is not None and not self.fused
                             and device.type == "cpu" and getattr(backend, "name", None) in _FAST_BACKENDS
                             and adapter.fast_path_capable())
-        """A non-fused optimizer on the CPU (each step also asks :meth:`norms_first_ok`): the norms are read
+        """A non-fused optimizer on the CPU (each step also asks :meth:`fast_path`): the norms are read
         from the still-scaled gradients fresh from the backward, ``found_inf`` taken from them as on the fast
         path, then one ``_foreach_mul_`` by ``1/scale`` unscales them (the values GradScaler's unscale gives):
         one read fewer than GradScaler's check-and-unscale followed by the norms (-74 to -137 us a step on
@@ -181,17 +181,12 @@ class StepPipeline:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def fast_path(self, guard: object) -> bool:
-        """Whether this step takes the fused fast path: a GradScaler (GradScaler's own unscaling,
-        not a subclass's) with a fused optimizer of the current protocol, on a local or
-        torch.distributed backend with unsharded gradients, the fast path not switched off,
-        and nobody has unscaled this iteration."""
-        return (self.fast_capable and not self.backend.grads_sharded
-                and self.adapter.fast_path_ok(guard, self.optimizer))  # type: ignore[union-attr]
-
-    def norms_first_ok(self, guard: object) -> bool:
-        """Whether this step reads the norms first and then unscales (:attr:`norms_first`): unsharded
-        gradients, and nobody has unscaled this iteration."""
-        return (self.norms_first and not self.backend.grads_sharded
+        """Whether this step measures the still-scaled gradients: the fused fast path (a GradScaler,
+        GradScaler's own unscaling, not a subclass's, with a fused optimizer of the current protocol)
+        or, for a non-fused optimizer on the CPU, :attr:`norms_first`; on a local or torch.distributed
+        backend with unsharded gradients, the fast path not switched off, and nobody has unscaled
+        this iteration."""
+        return ((self.fast_capable or self.norms_first) and not self.backend.grads_sharded
                 and self.adapter.fast_path_ok(guard, self.optimizer))  # type: ignore[union-attr]
 
     def measure(self, guard: object, *, fast: bool = False, sample: bool = False) -> Measured:
@@ -203,13 +198,12 @@ class StepPipeline:
         (:mod:`ampguard.numerics`) of the still-scaled gradients, before they are unscaled."""
         if self.adapter is not None and self.adapter.shared:
             self.adapter.check_iteration()  # before anything changes: one step per guard and iteration
-        first = fast and self.norms_first_ok(guard)
-        if fast and (first or self.fast_path(guard)):
-            measured = self._measure_scaled(norms_first=first)
+        if fast and self.fast_path(guard):
+            measured = self._measure_scaled(norms_first=self.norms_first)
             if measured is not None:
                 if sample:
                     measured.numerics = self.numerics.measure(measured.groups, self.optimizer.param_groups, None)
-                if first:  # a non-fused optimizer steps on unscaled gradients: GradScaler's values, by one multiply
+                if self.norms_first:  # a non-fused optimizer steps on unscaled gradients (GradScaler's values)
                     inv = self.adapter.inv_scale_host()  # type: ignore[union-attr]
                     for grads in measured.groups.tensors.values():
                         torch._foreach_mul_(grads, inv)
@@ -268,7 +262,7 @@ class StepPipeline:
         overflow float32 is stepped on, as torch's ``test_grad_scale_will_not_overflow`` has it); that
         step reads the gradients twice. No sync."""
         adapter = self.adapter
-        assert adapter is not None  # internal: fast_path() or norms_first_ok() checked
+        assert adapter is not None  # internal: fast_path() checked
         groups = grads_by_device_and_dtype(self.params())
         if not groups.index or any(dtype == torch.float16 for _, dtype in groups.tensors):
             return None
