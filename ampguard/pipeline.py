@@ -225,9 +225,7 @@ class StepPipeline:
             (found_inf,) = found.values()
         elif found:
             found_inf = torch.stack([t.to(self.device, non_blocking=True).reshape(()) for t in found.values()]).sum()
-        # just unscaled first to last: read last to first (the same norms; the last written are still cached)
-        after_unscale = self.adapter is not None
-        groups, norms = self._sparse_tolerant(lambda gs: per_tensor_norms(gs, self.device, last_first=after_unscale),
+        groups, norms = self._sparse_tolerant(lambda gs: per_tensor_norms(gs, self.device),
                                               grads_by_device_and_dtype(self.params()))
         return Measured(found, found_inf, groups, norms, numerics)
 

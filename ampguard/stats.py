@@ -215,7 +215,7 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
-def per_tensor_norms(groups: GradGroups, device: torch.device, *, last_first: bool = False) -> torch.Tensor:
+def per_tensor_norms(groups: GradGroups, device: torch.device) -> torch.Tensor:
     """L2 norm of every gradient tensor, in group order, stacked on ``device``: a single read of
     the gradients.
 
@@ -223,12 +223,11 @@ def per_tensor_norms(groups: GradGroups, device: torch.device, *, last_first: bo
     of ``torch.nn.utils.clip_grad_norm_``, so the total norm derived from this vector is bitwise
     the one clip_grad_norm_ would compute. On the CPU, float32 gradients: ``sqrt(dot(g, g))``
     (:func:`cpu_norms`), which is within float32 rounding of clip_grad_norm_'s, not bitwise.
-    ``last_first``: :func:`cpu_norms`' order of reading (the same values).
     """
     parts: list[torch.Tensor] = []
     for (dev, dtype), grads in groups.tensors.items():
         if dev.type == "cpu" and dtype == torch.float32:
-            n = cpu_norms(grads, last_first=last_first)
+            n = cpu_norms(grads)
         else:
             n = torch.stack(torch._foreach_norm(grads, 2.0))  # one stack per group, no per-tensor copies
         if n.dtype != torch.float32:
@@ -241,7 +240,7 @@ def per_tensor_norms(groups: GradGroups, device: torch.device, *, last_first: bo
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def cpu_norms(grads: Sequence[torch.Tensor], *, last_first: bool = False) -> torch.Tensor:
+def cpu_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """L2 norms of float32 CPU tensors as ``sqrt(dot(g, g))`` (BLAS, float32 accumulation).
 
     Why not ``_foreach_norm`` (as ``clip_grad_norm_``): on a 2-core x86 CPU, right after a
@@ -251,19 +250,10 @@ def cpu_norms(grads: Sequence[torch.Tensor], *, last_first: bool = False) -> tor
     norm: 2e-6..1e-5 for the dot, 1e-5..4e-5 for ``vector_norm``, on benchmarks/overhead.py's
     models). As with torch's kernels, the squares are summed in float32: a norm above ~1.8e19
     comes out infinite. Scaling by a power of two commutes with it exactly (barring over- or
-    underflow), so the fused fast path's scaled norms times ``1/scale`` are these norms.
-
-    ``last_first``: read the tensors last to first (the norms still in list order, the same values),
-    right after a pass that wrote them first to last (GradScaler's unscale): the last ones written
-    are still in the core's cache (-20 us a step on mlp-small's 2.8 MB of gradients, 1 MiB of L2,
-    benchmarks/RESULTS.md, "Stop 36")."""
+    underflow), so the fused fast path's scaled norms times ``1/scale`` are these norms."""
     # One flat view per gradient, not one per operand; ``flatten`` hands a 1-D tensor back as it is
     # (``reshape`` builds a view even then: ~1 us a tensor here). The same dot either way.
     dot = torch.dot
-    if last_first:
-        dots = [dot(f, f) for f in [g.flatten() for g in reversed(grads)]]
-        dots.reverse()
-        return torch.stack(dots).sqrt_()
     return torch.stack([dot(f, f) for f in [g.flatten() for g in grads]]).sqrt_()
 
 
