@@ -7,8 +7,8 @@ loop bit for bit or to the guard's own answer without the pattern:
   backward runs the blocks' hooks again);
 - progressive unfreezing: frozen parameters made trainable at step 3, by ``add_param_group`` or with every
   parameter in the optimizer from the start, as the plain GradScaler loop trains them;
-- bf16 parameters (no autocast), and bf16 with the LayerNorms kept in float32 (two dtype groups), as the plain
-  loop trains them;
+- bf16 parameters (no autocast), and bf16 with the LayerNorms kept in float32 (two dtype groups, under bf16
+  autocast), as the plain loop trains them;
 - ``torch.load``'s ``weights_only`` default (torch >= 2.6) reads ``opt.state_dict()`` back.
 ``AMPGUARD_RECIPE_DEVICE=cuda`` runs it on CUDA (tests/gpu/test_gpu_recipes.py does, on the device).
 """
@@ -109,8 +109,12 @@ def _low_precision_params(layout: str, fused: bool, guarded: bool) -> list[torch
                 module.float()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
     opt = ampguard.wrap(inner, model=model, precision="bf16", exporters=[]) if guarded else inner
+    # float32 LayerNorms between bf16 layers run under bf16 autocast, as mixed layouts are trained: CUDA's
+    # layer_norm refuses a bf16 input with float32 weights outside it (the CPU's takes it)
+    mixed = layout == "layernorms-fp32"
     for ids in _batches(4):
-        loss = model(input_ids=ids, labels=ids).loss
+        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=mixed):
+            loss = model(input_ids=ids, labels=ids).loss
         if guarded:
             opt.backward(loss)
         else:
