@@ -30,7 +30,11 @@ in the Accelerator (``save_state``/``load_state``, ``optimizer_step_was_skipped`
   the report's ``grad_norm`` is the norm before clipping. Clipping on a micro-step that does not
   step is refused.
 - ``state_dict``/``load_state_dict`` are the guard's: ``accelerator.save_state``/``load_state``
-  carry the guard's counters with the optimizer.
+  carry the guard's counters with the optimizer. Under FSDP (1 or 2) accelerate hands the optimizer to
+  torch's FSDP state-dict functions, which take a plain optimizer's ``state_dict`` and, for an empty state,
+  call its ``step()``: there the integration hands them the inner optimizer (saved and loaded as in the plain
+  FSDP run) and keeps the guard's own state beside it, one file per rank (``ampguard_<i>_rank<r>.pt``),
+  checked and agreed by every rank when it is loaded.
 - The guard's readers (``last_report``, ``history``, ``anomalies``, ``skipped_steps``,
   ``step_count``, ``flush``, ``close``, ...) are reachable on the returned object;
   ``optimizer.guard`` is the :class:`~ampguard.GuardedOptimizer`.
@@ -47,15 +51,17 @@ Wrapping before ``prepare`` (``accelerator.prepare(ampguard.wrap(optimizer))``) 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import types
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from ..errors import GuardStateError
+from ..errors import CheckpointError, GuardStateError
 from ..guard import GuardedOptimizer
 from ..integrity import refuse_unhealthy
 from ..vocab import Precision
@@ -232,26 +238,35 @@ class _AcceleratorHooks:
       without a GradScaler: on a step boundary the guards measure the gradients before the caller
       clips (with one, accelerate's own ``scaler.unscale_`` already reaches the guard).
     - ``save_state()``: refused (``CheckpointError``) before anything is written, or rotated out,
-      when a guard's state holds a NaN/Inf (``integrity.refuse_unhealthy``)."""
+      when a guard's state holds a NaN/Inf (``integrity.refuse_unhealthy``). Under FSDP it saves the
+      inner optimizers and each guard's own state per rank; ``load_state()`` reads them back
+      (:meth:`_save_fsdp`, :meth:`_load_fsdp`)."""
 
     _ATTR = "_ampguard_hooks"
 
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
         self.guards: list[GuardedOptimizer] = []
-        names = ("backward", "save_state", "clip_grad_norm_") + (
+        names = ("backward", "save_state", "load_state", "clip_grad_norm_") + (
             () if accelerator.scaler is not None else ("unscale_gradients",))
         self.previous = {name: accelerator.__dict__.get(name) for name in names}
-        backward_, unscale_gradients_, save_state_, clip_grad_norm_ = (
+        backward_, unscale_gradients_, save_state_, load_state_, clip_grad_norm_ = (
             self.previous.get(n) or types.MethodType(getattr(Accelerator, n), accelerator)
-            for n in ("backward", "unscale_gradients", "save_state", "clip_grad_norm_"))
+            for n in ("backward", "unscale_gradients", "save_state", "load_state", "clip_grad_norm_"))
 
         def save_state(*args: Any, **kwargs: Any) -> Any:
             # Before accelerate touches the disk (it rotates old checkpoints out first): a state with a
             # NaN/Inf is refused, and the last good checkpoint stays (docs/integrity.md).
             for guard in self.open_guards():
                 refuse_unhealthy(guard._verdict(fingerprints=False), "accelerator.save_state refused")
-            return save_state_(*args, **kwargs)
+            if accelerator.distributed_type != DistributedType.FSDP:
+                return save_state_(*args, **kwargs)
+            return self._save_fsdp(save_state_, *args, **kwargs)
+
+        def load_state(*args: Any, **kwargs: Any) -> Any:
+            if accelerator.distributed_type != DistributedType.FSDP:
+                return load_state_(*args, **kwargs)
+            return self._load_fsdp(load_state_, *args, **kwargs)
 
         def backward(loss: Any, **kwargs: Any) -> Any:
             result = backward_(loss, **kwargs)
@@ -285,12 +300,102 @@ class _AcceleratorHooks:
 
         accelerator.backward = backward  # type: ignore[method-assign]
         accelerator.save_state = save_state  # type: ignore[method-assign]
+        accelerator.load_state = load_state  # type: ignore[method-assign]
         accelerator.clip_grad_norm_ = clip  # type: ignore[method-assign]
         if "unscale_gradients" in names:
             accelerator.unscale_gradients = unscale_gradients  # type: ignore[method-assign]
 
     def open_guards(self) -> list[GuardedOptimizer]:
         return [g for g in self.guards if not g._closed]
+
+    def _guarded_places(self) -> list[tuple[int, GuardedAcceleratedOptimizer]]:
+        """``(index in accelerator._optimizers, wrapper)`` of each open guard: the index accelerate
+        names its optimizer files by."""
+        guards = self.open_guards()
+        return [(i, o) for i, o in enumerate(self.accelerator._optimizers)
+                if isinstance(o, GuardedAcceleratedOptimizer) and any(o.optimizer is g for g in guards)]
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _inner_in_place(places: list[tuple[int, GuardedAcceleratedOptimizer]]) -> Iterator[None]:
+        """While accelerate saves or loads under FSDP, each wrapper holds its guard's inner optimizer:
+        torch's FSDP state-dict functions read a plain optimizer's ``state_dict`` (``state`` and
+        ``param_groups`` at the top) and initialise an empty state by calling ``step()``, which a guard
+        would count as a step (or refuse, in fp16). The guards are put back whatever happens."""
+        guards = [w.optimizer for _, w in places]
+        try:
+            for _, w in places:
+                w.optimizer = w.optimizer.optimizer  # type: ignore[assignment]
+            yield
+        finally:
+            for (_, w), g in zip(places, guards):
+                w.optimizer = g
+
+    def _file(self, index: int) -> str:
+        return f"ampguard_{index}_rank{self.accelerator.process_index}.pt"
+
+    def _save_fsdp(self, save_state_: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """accelerate's ``save_state`` under FSDP: the inner optimizers as the plain FSDP run saves them,
+        then each guard's own state (:meth:`GuardedOptimizer.state_dict` less the inner optimizer: the
+        loss scale, counters, detectors, quarantine, the verdict) in this rank's file of the folder
+        accelerate wrote. The states are taken before accelerate writes anything. collective (as accelerate's
+        FSDP save is)."""
+        places = self._guarded_places()
+        states = [(i, w.optimizer._state_without_optimizer()) for i, w in places]
+        with self._inner_in_place(places):
+            location = save_state_(*args, **kwargs)
+        for i, state in states:
+            torch.save(state, os.path.join(location, self._file(i)))
+        self.accelerator.wait_for_everyone()  # the checkpoint is whole, every rank's file in it, when this returns
+        return location
+
+    def _load_fsdp(self, load_state_: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """accelerate's ``load_state`` under FSDP: the model and the inner optimizers as the plain
+        FSDP run loads them (DCP loads in place), then each guard's state from this rank's file, checked
+        (a NaN/Inf in it or in the optimizer state just loaded, an unhealthy verdict) and agreed by every
+        rank before any guard is restored: one rank's refusal is every rank's. A checkpoint without guard
+        files (saved by an unguarded run) leaves the guards' own state, with a warning."""
+        places = self._guarded_places()
+        folder: list[str] = []
+        handle = self.accelerator.register_load_state_pre_hook(lambda _models, input_dir: folder.append(input_dir))
+        try:
+            with self._inner_in_place(places):
+                result = load_state_(*args, **kwargs)
+        finally:
+            handle.remove()
+        restores: list[Callable[[], None]] = []
+        reason: str | None = None
+        missing = 0
+        for i, w in places:
+            path = os.path.join(folder[-1], self._file(i))
+            if not os.path.exists(path):
+                missing += 1
+                continue
+            try:
+                saved = torch.load(path, weights_only=True)  # plain values only: no code runs
+                restores.append(w.optimizer._check_without_optimizer(saved, w.optimizer.optimizer.state_dict()))
+            except ValueError as e:  # CheckpointError included
+                reason = f"{type(e).__name__}: {e}"
+                break
+        backend = places[0][1].optimizer.backend if places else None
+        answers = backend.all_gather_object((reason, missing)) if backend is not None else [(reason, missing)]
+        refused = next(((r, a[0]) for r, a in enumerate(answers) if a[0] is not None), None)
+        if refused is None and any(a[1] for a in answers) and not all(a[1] == len(places) for a in answers):
+            refused = (next(r for r, a in enumerate(answers) if a[1]),
+                       "no guard state for this rank (the checkpoint keeps one per rank: resume on as many ranks as "
+                       "saved it)")
+        if refused is not None:
+            rank, why = refused
+            raise CheckpointError(
+                f"accelerator.load_state: rank {rank} refused the guard's state ({why}). The guards were not "
+                f"restored; accelerate has already loaded the model and the optimizers from {folder[-1]} (FSDP loads "
+                "in place). Load a healthy checkpoint before training on")
+        if missing:
+            warnings.warn(f"ampguard: {folder[-1]} holds no guard state (saved without the guard?): the guards keep "
+                          "their own (loss scale, counters, detectors)", RuntimeWarning, stacklevel=3)
+        for restore in restores:
+            restore()
+        return result
 
     @classmethod
     def add(cls, accelerator: Accelerator, guard: GuardedOptimizer) -> _AcceleratorHooks:
