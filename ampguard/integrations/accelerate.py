@@ -73,7 +73,8 @@ from accelerate import Accelerator  # noqa: E402  (after the version check)
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
-__all__ = ["GuardedAcceleratedOptimizer", "attach", "resolve"]
+__all__ = ["GuardedAcceleratedOptimizer", "attach", "inner_in_place", "load_guard_states", "resolve",
+           "save_guard_states"]
 
 _ORDER = "optimizer = ampguard.wrap(accelerator.prepare(optimizer), accelerator=accelerator, model=model)"
 _UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
@@ -240,7 +241,7 @@ class _AcceleratorHooks:
     - ``save_state()``: refused (``CheckpointError``) before anything is written, or rotated out,
       when a guard's state holds a NaN/Inf (``integrity.refuse_unhealthy``). Under FSDP it saves the
       inner optimizers and each guard's own state per rank; ``load_state()`` reads them back
-      (:meth:`_save_fsdp`, :meth:`_load_fsdp`)."""
+      (:func:`save_guard_states`, :func:`load_guard_states`)."""
 
     _ATTR = "_ampguard_hooks"
 
@@ -315,86 +316,30 @@ class _AcceleratorHooks:
         return [(i, o) for i, o in enumerate(self.accelerator._optimizers)
                 if isinstance(o, GuardedAcceleratedOptimizer) and any(o.optimizer is g for g in guards)]
 
-    @staticmethod
-    @contextlib.contextmanager
-    def _inner_in_place(places: list[tuple[int, GuardedAcceleratedOptimizer]]) -> Iterator[None]:
-        """While accelerate saves or loads under FSDP, each wrapper holds its guard's inner optimizer:
-        torch's FSDP state-dict functions read a plain optimizer's ``state_dict`` (``state`` and
-        ``param_groups`` at the top) and initialise an empty state by calling ``step()``, which a guard
-        would count as a step (or refuse, in fp16). The guards are put back whatever happens."""
-        guards = [w.optimizer for _, w in places]
-        try:
-            for _, w in places:
-                w.optimizer = w.optimizer.optimizer  # type: ignore[assignment]
-            yield
-        finally:
-            for (_, w), g in zip(places, guards):
-                w.optimizer = g
-
-    def _file(self, index: int) -> str:
-        return f"ampguard_{index}_rank{self.accelerator.process_index}.pt"
-
     def _save_fsdp(self, save_state_: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """accelerate's ``save_state`` under FSDP: the inner optimizers as the plain FSDP run saves them,
-        then each guard's own state (:meth:`GuardedOptimizer.state_dict` less the inner optimizer: the
-        loss scale, counters, detectors, quarantine, the verdict) in this rank's file of the folder
-        accelerate wrote. The states are taken before accelerate writes anything. collective (as accelerate's
+        then each guard's own state beside them (:func:`save_guard_states`). collective (as accelerate's
         FSDP save is)."""
         places = self._guarded_places()
-        states = [(i, w.optimizer._state_without_optimizer()) for i, w in places]
-        with self._inner_in_place(places):
+        states = [(i, w.optimizer._state_without_optimizer()) for i, w in places]  # before anything is written
+        with inner_in_place(places):
             location = save_state_(*args, **kwargs)
-        for i, state in states:
-            torch.save(state, os.path.join(location, self._file(i)))
-        self.accelerator.wait_for_everyone()  # the checkpoint is whole, every rank's file in it, when this returns
+        save_guard_states(self.accelerator, states, location)
         return location
 
     def _load_fsdp(self, load_state_: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """accelerate's ``load_state`` under FSDP: the model and the inner optimizers as the plain
-        FSDP run loads them (DCP loads in place), then each guard's state from this rank's file, checked
-        (a NaN/Inf in it or in the optimizer state just loaded, an unhealthy verdict) and agreed by every
-        rank before any guard is restored: one rank's refusal is every rank's. A checkpoint without guard
-        files (saved by an unguarded run) leaves the guards' own state, with a warning."""
+        """accelerate's ``load_state`` under FSDP: the model and the inner optimizers as the plain FSDP run
+        loads them (DCP loads in place), then each guard's state (:func:`load_guard_states`) from the folder
+        accelerate loaded (its load pre-hook names it). collective."""
         places = self._guarded_places()
         folder: list[str] = []
         handle = self.accelerator.register_load_state_pre_hook(lambda _models, input_dir: folder.append(input_dir))
         try:
-            with self._inner_in_place(places):
+            with inner_in_place(places):
                 result = load_state_(*args, **kwargs)
         finally:
             handle.remove()
-        restores: list[Callable[[], None]] = []
-        reason: str | None = None
-        missing = 0
-        for i, w in places:
-            path = os.path.join(folder[-1], self._file(i))
-            if not os.path.exists(path):
-                missing += 1
-                continue
-            try:
-                saved = torch.load(path, weights_only=True)  # plain values only: no code runs
-                restores.append(w.optimizer._check_without_optimizer(saved, w.optimizer.optimizer.state_dict()))
-            except ValueError as e:  # CheckpointError included
-                reason = f"{type(e).__name__}: {e}"
-                break
-        backend = places[0][1].optimizer.backend if places else None
-        answers = backend.all_gather_object((reason, missing)) if backend is not None else [(reason, missing)]
-        refused = next(((r, a[0]) for r, a in enumerate(answers) if a[0] is not None), None)
-        if refused is None and any(a[1] for a in answers) and not all(a[1] == len(places) for a in answers):
-            refused = (next(r for r, a in enumerate(answers) if a[1]),
-                       "no guard state for this rank (the checkpoint keeps one per rank: resume on as many ranks as "
-                       "saved it)")
-        if refused is not None:
-            rank, why = refused
-            raise CheckpointError(
-                f"accelerator.load_state: rank {rank} refused the guard's state ({why}). The guards were not "
-                f"restored; accelerate has already loaded the model and the optimizers from {folder[-1]} (FSDP loads "
-                "in place). Load a healthy checkpoint before training on")
-        if missing:
-            warnings.warn(f"ampguard: {folder[-1]} holds no guard state (saved without the guard?): the guards keep "
-                          "their own (loss scale, counters, detectors)", RuntimeWarning, stacklevel=3)
-        for restore in restores:
-            restore()
+        load_guard_states(self.accelerator, places, folder[-1], "accelerator.load_state")
         return result
 
     @classmethod
@@ -417,3 +362,77 @@ class _AcceleratorHooks:
             else:
                 setattr(acc, name, previous)
         del acc.__dict__[self._ATTR]
+
+
+# ---------------------------------------------------------------------------------------- FSDP checkpoints
+@contextlib.contextmanager
+def inner_in_place(places: Sequence[tuple[int, GuardedAcceleratedOptimizer]]) -> Iterator[None]:
+    """While a framework saves or loads under FSDP, each wrapper in ``places`` (``(index, wrapper)``) holds
+    its guard's inner optimizer: torch's FSDP state-dict functions (``get_optimizer_state_dict``,
+    ``FSDP.optim_state_dict``) read a plain optimizer's ``state_dict`` (``state`` and ``param_groups`` at the
+    top; the guard's nests them) and initialise an empty state by calling ``step()``, which a guard would
+    count as a step (or refuse, in fp16). The guards are put back whatever happens."""
+    guards = [w.optimizer for _, w in places]
+    try:
+        for _, w in places:
+            w.optimizer = w.optimizer.optimizer  # type: ignore[assignment]
+        yield
+    finally:
+        for (_, w), g in zip(places, guards):
+            w.optimizer = g
+
+
+def _guard_file(accelerator: Accelerator, index: int) -> str:
+    return f"ampguard_{index}_rank{accelerator.process_index}.pt"
+
+
+def save_guard_states(accelerator: Accelerator, states: Sequence[tuple[int, dict[str, Any]]], folder: str) -> None:
+    """Each guard's own state (``GuardedOptimizer._state_without_optimizer()``: the loss scale, counters,
+    detectors, quarantine, the verdict), taken before the framework wrote anything, in this rank's file
+    ``ampguard_<index>_rank<r>.pt`` of ``folder``; then a barrier: the checkpoint is whole, every rank's
+    file in it, when this returns. collective."""
+    for i, state in states:
+        torch.save(state, os.path.join(folder, _guard_file(accelerator, i)))
+    accelerator.wait_for_everyone()
+
+
+def load_guard_states(accelerator: Accelerator, places: Sequence[tuple[int, GuardedAcceleratedOptimizer]],
+                      folder: str, caller: str) -> None:
+    """After the framework loaded the model and the inner optimizers from ``folder``: each guard's state
+    from this rank's file, checked (a NaN/Inf in it or in the optimizer state just loaded, an unhealthy
+    verdict) and agreed by every rank before any guard is restored: one rank's refusal is every rank's
+    (``CheckpointError``; the framework has loaded the model and optimizers in place by then). A folder
+    without guard files (an unguarded run's checkpoint) leaves the guards' own state, with a warning.
+    collective."""
+    restores: list[Callable[[], None]] = []
+    reason: str | None = None
+    missing = 0
+    for i, w in places:
+        path = os.path.join(folder, _guard_file(accelerator, i))
+        if not os.path.exists(path):
+            missing += 1
+            continue
+        try:
+            saved = torch.load(path, weights_only=True)  # plain values only: no code runs
+            restores.append(w.optimizer._check_without_optimizer(saved, w.optimizer.optimizer.state_dict()))
+        except ValueError as e:  # CheckpointError included
+            reason = f"{type(e).__name__}: {e}"
+            break
+    backend = places[0][1].optimizer.backend if places else None
+    answers = backend.all_gather_object((reason, missing)) if backend is not None else [(reason, missing)]
+    refused = next(((r, a[0]) for r, a in enumerate(answers) if a[0] is not None), None)
+    if refused is None and any(a[1] for a in answers) and not all(a[1] == len(places) for a in answers):
+        refused = (next(r for r, a in enumerate(answers) if a[1]),
+                   "no guard state for this rank (the checkpoint keeps one per rank: resume on as many ranks as "
+                   "saved it)")
+    if refused is not None:
+        rank, why = refused
+        raise CheckpointError(
+            f"{caller}: rank {rank} refused the guard's state ({why}). The guards were not restored; the model and "
+            f"the optimizers are already loaded from {folder} (FSDP loads in place). Load a healthy checkpoint "
+            "before training on")
+    if missing:
+        warnings.warn(f"ampguard: {folder} holds no guard state (saved without the guard?): the guards keep their "
+                      "own (loss scale, counters, detectors)", RuntimeWarning, stacklevel=4)
+    for restore in restores:
+        restore()

@@ -30,7 +30,8 @@ What changes against the plain ``Trainer`` (everything else is the Trainer's own
 - Logs (``trainer.state.log_history``): the training logs gain ``loss_scale`` (1.0 without loss
   scaling) and ``skipped_steps`` (skipped so far in the run).
 - Checkpoints: ``optimizer.pt`` holds the guard's state dict (inner optimizer, scaler and guard
-  counters), so ``resume_from_checkpoint`` continues bit for bit.
+  counters), so ``resume_from_checkpoint`` continues bit for bit. Under FSDP the inner optimizer
+  goes to accelerate's FSDP save (DCP) and the guard's state beside it, ``ampguard_0_rank<r>.pt``.
 
 Overridden ``Trainer`` methods (kept few on purpose):
 
@@ -41,6 +42,9 @@ Overridden ``Trainer`` methods (kept few on purpose):
   guarded one), so the scheduler is built on it and the checkpoint's guard state is loaded into
   the guard.
 - ``log``: adds ``loss_scale`` and ``skipped_steps``.
+- ``_save_checkpoint``: refuses an unhealthy state before anything is written.
+- ``_save_optimizer_and_scheduler``/``_load_optimizer_and_scheduler``: under FSDP only, around the
+  Trainer's own (torch's FSDP state-dict functions take a plain optimizer).
 
 A subclass of ``GuardedTrainer`` that overrides one of these should call ``super()``.
 """
@@ -65,6 +69,13 @@ require("transformers")
 
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402  (after the version check)
 from transformers import Trainer  # noqa: E402
+
+from .accelerate import (  # noqa: E402
+    GuardedAcceleratedOptimizer,
+    inner_in_place,
+    load_guard_states,
+    save_guard_states,
+)
 
 __all__ = ["GuardedTrainer"]
 
@@ -166,6 +177,35 @@ class GuardedTrainer(Trainer):
             refuse_unhealthy(self.guard._verdict(fingerprints=False),
                              f"GuardedTrainer refused to save checkpoint-{self.state.global_step}")
         super()._save_checkpoint(model, trial)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The Trainer's; under FSDP accelerate's ``save_fsdp_optimizer`` gets the inner optimizer (torch's
+        FSDP state-dict functions take a plain optimizer's ``state_dict``) and the guard's own state goes
+        beside it, one file per rank (:func:`ampguard.integrations.accelerate.save_guard_states`)."""
+        places = self._fsdp_places()
+        if not places:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        states = [(0, self.guard._state_without_optimizer())]  # type: ignore[union-attr]
+        with inner_in_place(places):
+            super()._save_optimizer_and_scheduler(output_dir)
+        save_guard_states(self.accelerator, states, output_dir)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The Trainer's; under FSDP accelerate's ``load_fsdp_optimizer`` gets the inner optimizer, then the
+        guard's state is read back, checked and agreed by every rank
+        (:func:`ampguard.integrations.accelerate.load_guard_states`)."""
+        places = self._fsdp_places() if checkpoint is not None else []
+        if not places:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        with inner_in_place(places):
+            super()._load_optimizer_and_scheduler(checkpoint)
+        load_guard_states(self.accelerator, places, str(checkpoint), "GuardedTrainer (resume_from_checkpoint)")
+
+    def _fsdp_places(self) -> list[tuple[int, GuardedAcceleratedOptimizer]]:
+        opt = self.optimizer
+        if self.is_fsdp_enabled and self.guard is not None and isinstance(opt, GuardedAcceleratedOptimizer):
+            return [(0, opt)]
+        return []
 
     # ------------------------------------------------------------------ logs
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -209,6 +209,45 @@ def test_healthy_run_matches_the_plain_trainer_bit_for_bit(tmp_path: Path, preci
 
 
 # ------------------------------------------------------------------------------ resume
+def _as_fsdp2(trainer: Trainer) -> None:
+    """The Trainer's FSDP2 checkpoint branches (``save_fsdp_model``/``save_fsdp_optimizer`` and their loads, DCP),
+    switched on as the Trainer switches them on with an ``fsdp`` config on CUDA (accelerate turns FSDP on only for
+    GPU-like devices); the model itself stays unsharded on one process, which torch's state-dict functions take."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    trainer.is_fsdp_enabled = True
+    trainer.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_resume_through_the_trainers_fsdp_checkpoint(tmp_path: Path, precision: str) -> None:
+    """Under FSDP the Trainer saves the optimizer with accelerate's ``save_fsdp_optimizer``, which hands it to torch's
+    ``get_optimizer_state_dict``: with the guard there it died (``KeyError: 'state'``). Now the inner optimizer goes
+    to DCP and the guard's state beside it; resumed from step 3 by a new trainer, the run ends bit for bit where the
+    straight run ends, the guard's counters (a NaN at step 1 and one at step 4) and the scale included."""
+    straight, _ = _trainer(tmp_path, precision, nan_steps=(1, 4), save_strategy="steps", save_steps=3)
+    _as_fsdp2(straight)
+    straight.train()
+    checkpoint = tmp_path / "checkpoint-3"
+    files = {p.name for p in checkpoint.iterdir()}
+    assert {"ampguard_0_rank0.pt", "optimizer_0", "pytorch_model_fsdp_0"} <= files, files
+    resumed, _ = _trainer(tmp_path / "resumed", precision, nan_steps=(1, 4), seed=123)
+    _as_fsdp2(resumed)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    _assert_resumed_as_straight(straight, resumed)
+
+
+def _assert_resumed_as_straight(straight: Trainer, resumed: Trainer) -> None:
+    """6 steps, a NaN at guard steps 1 and 4: the same parameters, optimizer state, guard state and scaler."""
+    a, b = straight.guard, resumed.guard
+    assert a is not None and b is not None
+    _assert_same_tensors(_params(straight), _params(resumed))
+    _assert_same_tensors(_opt_state(straight), _opt_state(resumed))
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa["ampguard"] == sb["ampguard"] and sa["scaler"] == sb["scaler"]
+    assert sa["ampguard"]["step"] == 6 and sa["ampguard"]["skipped_total"] == 2
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path: Path, precision: str) -> None:
     """6 steps straight (checkpoint after step 3) against: a NEW trainer, with a differently
@@ -228,14 +267,9 @@ def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path: Path, precision:
 
     resumed, _ = _trainer(tmp_path / "resumed", precision, nan_steps=(1, 4), seed=123, guard_config=config)
     resumed.train(resume_from_checkpoint=str(checkpoint))
+    _assert_resumed_as_straight(straight, resumed)
     a, b = straight.guard, resumed.guard
     assert a is not None and b is not None
-
-    _assert_same_tensors(_params(straight), _params(resumed))
-    _assert_same_tensors(_opt_state(straight), _opt_state(resumed))
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa["ampguard"] == sb["ampguard"] and sa["scaler"] == sb["scaler"]
-    assert sa["ampguard"]["step"] == 6 and sa["ampguard"]["skipped_total"] == 2
     assert straight.lr_scheduler.state_dict() == resumed.lr_scheduler.state_dict()
     # the steps after the checkpoint: the same decisions, losses and norms, bit for bit
     def key(r: ampguard.StepReport) -> str:
