@@ -27,7 +27,7 @@ if [ "${INTEGRITY:-0}" = 1 ]; then
     --out "$OUT/integrity_$TAG.json" 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/integrity_$TAG.txt"
 fi
 for run in ${FP8_RUNS-1 2}; do
-  timeout 120 python benchmarks/fp8_cost.py --device cuda --blocks 30 --steps 5 --out "$OUT/fp8_cost_${TAG}_$run.json" 2>&1 \
+  timeout ${FP8_EAGER_S:-170} python benchmarks/fp8_cost.py --device cuda --blocks 30 --steps 5 --out "$OUT/fp8_cost_${TAG}_$run.json" 2>&1 \
     | grep -v -i warn | tail -6 | tee "$OUT/fp8_cost_${TAG}_$run.txt"
 done
 for run in ${COMPILE_RUNS-1}; do
