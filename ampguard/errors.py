@@ -10,6 +10,7 @@ __all__ = [
     "GuardStateError",
     "NonFiniteError",
     "RankDivergenceError",
+    "refusal_reason",
 ]
 
 
@@ -58,3 +59,17 @@ class CheckpointError(AmpGuardError, ValueError):
     """A checkpoint is refused: on save, its state is non-finite; on load, it was saved unhealthy, its
     optimizer state is non-finite, or the model's weights are not those it was saved with. The message
     names the tensors; nothing was written or changed. See docs/integrity.md."""
+
+
+_NOTHING_LOADED = ("; nothing was loaded", ". Nothing was loaded", " Nothing was loaded")
+
+
+def refusal_reason(error: BaseException, *, typed: bool = True) -> str:
+    """A load's refusal as ``"<type>: <message>"`` (``typed=False``: the message alone) without its
+    closing "nothing was loaded", for a caller that refused after something was loaded (a framework's
+    or DCP's in-place load) and says so itself. The refusals of :mod:`ampguard.checkpoint` and
+    :mod:`ampguard.integrity` end with one of those phrasings; other messages are kept whole."""
+    reason = str(error).rstrip(".")
+    for tail in _NOTHING_LOADED:
+        reason = reason.removesuffix(tail)
+    return f"{type(error).__name__}: {reason}" if typed else reason

@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, GuardStateError
+from ..errors import CheckpointError, GuardStateError, refusal_reason
 from ..guard import GuardedOptimizer
 from ..integrity import refuse_unhealthy
 from ..vocab import Precision
@@ -416,7 +416,7 @@ def load_guard_states(accelerator: Accelerator, places: Sequence[tuple[int, Guar
             saved = torch.load(path, weights_only=True)  # plain values only: no code runs
             restores.append(w.optimizer._check_without_optimizer(saved, w.optimizer.optimizer.state_dict()))
         except ValueError as e:  # CheckpointError included
-            reason = f"{type(e).__name__}: {e}"
+            reason = refusal_reason(e)
             break
     backend = places[0][1].optimizer.backend if places else None
     answers = backend.all_gather_object((reason, missing)) if backend is not None else [(reason, missing)]

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import state_dict as _dcp
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, refusal_reason
 from ..guard import GuardedOptimizer
 
 __all__ = ["get_state_dict", "set_state_dict"]
@@ -92,9 +92,7 @@ def set_state_dict(model: torch.nn.Module, opt: GuardedOptimizer, state: dict[st
             refused = CheckpointError(f"rank {first} refused the checkpoint ({reasons[first]})")
         if template:
             raise refused  # not the dict get_state_dict() made: nothing was read from it, nothing changed
-        reason = str(refused).rstrip(".")
-        for nothing in ("; nothing was loaded", ". Nothing was loaded", " Nothing was loaded"):
-            reason = reason.removesuffix(nothing)
+        reason = refusal_reason(refused, typed=False)
         raise type(refused)(
             f"{reason}. The guard's state was not restored; dcp.load has already written the checkpoint's values into "
             "the model and the optimizer (DCP loads in place). Load a healthy checkpoint (dcp.load, then "

@@ -226,3 +226,24 @@ def test_import_is_light_and_global_free():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_refusal_reason_drops_the_closing_nothing_was_loaded_of_the_real_refusals():
+    """The refusals a caller rewords after an in-place load (ampguard.integrations.dcp, the accelerate and Trainer
+    FSDP checkpoints): a real one from the guard's own check, and each phrasing the checks end with."""
+    from ampguard.errors import refusal_reason
+
+    model = make_model()
+    opt = ampguard.wrap(make_opt(model), model=model, precision="bf16", exporters=[])
+    guarded_steps(opt, model, make_data(1))
+    saved = opt._state_without_optimizer()
+    saved["ampguard"]["grad_ema"] = float("nan")
+    with pytest.raises(ValueError) as refused:
+        opt._check_without_optimizer(saved, opt.optimizer.state_dict())
+    assert str(refused.value).endswith("Nothing was loaded.")
+    assert refusal_reason(refused.value) == ("ValueError: state_dict['ampguard']['grad_ema'] is nan; expected a finite "
+                                             "number (float32 range)")
+    for tail in ("; nothing was loaded", ". Nothing was loaded.", " Nothing was loaded"):
+        assert refusal_reason(ampguard.CheckpointError("bad" + tail), typed=False) == "bad"
+    assert refusal_reason(KeyError("other"), typed=False) == "'other'"
+    opt.close()
