@@ -61,10 +61,11 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, GuardStateError, refusal_reason
+from ..errors import GuardStateError
 from ..guard import GuardedOptimizer
 from ..integrity import refuse_unhealthy
 from ..vocab import Precision
+from ._resume import restore_agreed
 from ._versions import require
 
 require("accelerate")
@@ -404,35 +405,9 @@ def load_guard_states(accelerator: Accelerator, places: Sequence[tuple[int, Guar
     (``CheckpointError``; the framework has loaded the model and optimizers in place by then). A folder
     without guard files (an unguarded run's checkpoint) leaves the guards' own state, with a warning.
     collective."""
-    restores: list[Callable[[], None]] = []
-    reason: str | None = None
-    missing = 0
+    saved: list[tuple[GuardedOptimizer, Any]] = []
     for i, w in places:
         path = os.path.join(folder, _guard_file(accelerator, i))
-        if not os.path.exists(path):
-            missing += 1
-            continue
-        try:
-            saved = torch.load(path, weights_only=True)  # plain values only: no code runs
-            restores.append(w.optimizer._check_without_optimizer(saved, w.optimizer.optimizer.state_dict()))
-        except ValueError as e:  # CheckpointError included
-            reason = refusal_reason(e)
-            break
-    backend = places[0][1].optimizer.backend if places else None
-    answers = backend.all_gather_object((reason, missing)) if backend is not None else [(reason, missing)]
-    refused = next(((r, a[0]) for r, a in enumerate(answers) if a[0] is not None), None)
-    if refused is None and any(a[1] for a in answers) and not all(a[1] == len(places) for a in answers):
-        refused = (next(r for r, a in enumerate(answers) if a[1]),
-                   "no guard state for this rank (the checkpoint keeps one per rank: resume on as many ranks as "
-                   "saved it)")
-    if refused is not None:
-        rank, why = refused
-        raise CheckpointError(
-            f"{caller}: rank {rank} refused the guard's state ({why}). The guards were not restored; the model and "
-            f"the optimizers are already loaded from {folder} (FSDP loads in place). Load a healthy checkpoint "
-            "before training on")
-    if missing:
-        warnings.warn(f"ampguard: {folder} holds no guard state (saved without the guard?): the guards keep their "
-                      "own (loss scale, counters, detectors)", RuntimeWarning, stacklevel=4)
-    for restore in restores:
-        restore()
+        # plain values only: no code runs
+        saved.append((w.optimizer, torch.load(path, weights_only=True) if os.path.exists(path) else None))
+    restore_agreed(saved, folder, caller)

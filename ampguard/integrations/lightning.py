@@ -22,6 +22,10 @@ The plugin is Lightning's own :class:`~lightning.pytorch.plugins.precision.Mixed
   fused step (no unscale pass, no clip pass: issue 26); otherwise it unscales and clips as torch
   does. Clipping by value is Lightning's own, on gradients the guard unscaled first. Either way the
   reports show the norm before clipping.
+- Under ``ModelParallelStrategy`` (FSDP2, tensor parallelism), whose checkpoints go through torch's
+  ``get_optimizer_state_dict``/``set_optimizer_state_dict`` (a plain optimizer's format), torch gets the
+  inner optimizer and the guard's state rides in the same sharded checkpoint, one entry per rank, checked
+  and agreed by every rank on load (the full, rank-0 checkpoint is refused: the guard's state is per rank).
 - LR schedulers with ``interval="step"`` are wrapped in :class:`HeldScheduler`: a scheduler step
   that follows a skipped optimizer step is held, so the schedule counts the steps taken (with no
   host sync in automatic optimization: the guard steps the scheduler itself).
@@ -34,11 +38,16 @@ from ._versions import require
 require("lightning")  # before importing from it: outside the tested range, say so and stop
 
 import dataclasses  # noqa: E402
+import io  # noqa: E402
+import types  # noqa: E402
 from collections.abc import Callable, Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
 from typing import Any, Literal  # noqa: E402
 
 import torch  # noqa: E402
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 from lightning.pytorch.utilities import GradClipAlgorithmType  # noqa: E402
 
 from ..config import GuardConfig  # noqa: E402
@@ -47,6 +56,7 @@ from ..exporters.base import Exporter, MultiExporter  # noqa: E402
 from ..factory import wrap  # noqa: E402
 from ..guard import GuardedOptimizer  # noqa: E402
 from ..integrity import refuse_unhealthy  # noqa: E402
+from ._resume import restore_agreed  # noqa: E402
 
 __all__ = ["AmpGuardPrecision", "HeldScheduler"]
 
@@ -218,6 +228,9 @@ class AmpGuardPrecision(MixedPrecision):
                      on_rollback=self.on_rollback, on_abort=self.on_abort)
         guard.register_load_state_dict_pre_hook(self._adopt_plain_state)
         self.guard = guard
+        trainer = _trainer_of(model)
+        if trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy):
+            _model_parallel_checkpoints(trainer.strategy, guard)
         held = [dataclasses.replace(c, scheduler=HeldScheduler(c.scheduler, guard, sync_free=f))
                 if c.interval == "step" else c for c, f in zip(lr_schedulers, free)]
         return model, [guard], held
@@ -327,6 +340,63 @@ class AmpGuardPrecision(MixedPrecision):
         if self.guard is not None:
             self.guard.close()
         super().teardown()
+
+
+def _model_parallel_checkpoints(strategy: ModelParallelStrategy, guard: GuardedOptimizer) -> None:
+    """``ModelParallelStrategy`` (FSDP2, tensor parallelism) saves and loads each optimizer with torch's
+    ``get_optimizer_state_dict``/``set_optimizer_state_dict``, which read a plain optimizer's ``state_dict``
+    and call ``step()`` on an empty one: on the guard its first checkpoint died (``KeyError: 'state'``).
+    Instance attributes on this strategy (``teardown`` of the strategy drops the object with them) hand
+    torch the inner optimizer and keep the guard's own state in the same distributed checkpoint, under the
+    optimizer's key, one entry per rank (``ampguard.rank<r>``), restored after Lightning's load by
+    :func:`~ampguard.integrations._resume.restore_agreed` (checked, the ranks agreeing). Only the sharded
+    checkpoint (``save_distributed_checkpoint=True``, the default) is supported."""
+    if not strategy._save_distributed_checkpoint:
+        raise NotImplementedError(
+            "AmpGuardPrecision with ModelParallelStrategy(save_distributed_checkpoint=False) is not supported: the "
+            "full checkpoint keeps rank 0's state only, and the guard's state is per rank. Use the default "
+            "(save_distributed_checkpoint=True). Nothing was changed.")
+    cls = type(strategy)
+    optimizer_state = types.MethodType(cls.optimizer_state, strategy)
+    load_checkpoint = types.MethodType(cls.load_checkpoint, strategy)
+    key = f"rank{guard.backend.rank}"
+
+    def guarded_optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        opt = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if opt is not guard:
+            return optimizer_state(optimizer)  # type: ignore[no-any-return]
+        buf = io.BytesIO()
+        torch.save(guard._state_without_optimizer(), buf)  # before torch touches the optimizer
+        return {**optimizer_state(guard.optimizer), "ampguard": {key: buf}}
+
+    def guarded_load_checkpoint(checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        held = strategy._optimizers
+        strategy._optimizers = [guard.optimizer if o is guard else o for o in held]
+        try:
+            loaded = load_checkpoint(checkpoint_path, weights_only)
+        finally:
+            strategy._optimizers = held
+        path = Path(checkpoint_path)
+        index = next((i for i, o in enumerate(held) if o is guard), None)
+        state = None
+        if index is not None and path.is_dir():
+            from torch.distributed.checkpoint import load
+            from torch.distributed.checkpoint.metadata import Metadata
+
+            name = f"optimizer_{index}.ampguard.{key}"
+            reader = torch.distributed.checkpoint.FileSystemReader(path)
+            metadata: Metadata = reader.read_metadata()
+            if name in metadata.state_dict_metadata:
+                template = {f"optimizer_{index}": {"ampguard": {key: io.BytesIO()}}}
+                load(template, checkpoint_id=path)
+                buf = template[f"optimizer_{index}"]["ampguard"][key]
+                buf.seek(0)
+                state = torch.load(buf, weights_only=True)  # plain values only: no code runs
+        restore_agreed([(guard, state)], str(path), "Lightning (ModelParallelStrategy) checkpoint load")
+        return loaded  # type: ignore[no-any-return]
+
+    strategy.optimizer_state = guarded_optimizer_state  # type: ignore[method-assign]
+    strategy.load_checkpoint = guarded_load_checkpoint  # type: ignore[method-assign]
 
 
 def _hooks_read_grads(model: Any) -> bool:

@@ -437,6 +437,64 @@ def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path: Path) -> None:
                     (rb.skipped, rb.loss, rb.grad_norm, rb.loss_scale, rb.next_loss_scale), f"report {s}")
 
 
+class ShardedNet(Net):
+    """:class:`Net` under FSDP2 (``fully_shard`` over the strategy's data-parallel mesh), as
+    ``ModelParallelStrategy`` expects it from ``configure_model``."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in (self.layer, self.head):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+def _full(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
+
+
+def test_resume_through_model_parallel_strategys_distributed_checkpoint(tmp_path: Path) -> None:
+    """``ModelParallelStrategy`` (FSDP2) saves the optimizer with torch's ``get_optimizer_state_dict``, which on the
+    guard died at the first checkpoint (``KeyError: 'state'``). Now torch gets the inner optimizer and the guard's
+    state rides in the same distributed checkpoint; bf16, a step scheduler, NaNs at steps 1 and 4, a checkpoint each
+    epoch: ``fit(ckpt_path=<epoch 0>)`` in a new Trainer ends bitwise where the straight run ended."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    fault = faults.output("layer", "nan", steps=[1, 4])
+    ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1)
+    a_plugin = AmpGuardPrecision("bf16-mixed")
+    a_tr, _ = fit(ShardedNet(sched=True), plugin=a_plugin, batches=3, epochs=2, fault=fault, callbacks=[ckpt],
+                  enable_checkpointing=True, strategy=ModelParallelStrategy())
+    first = tmp_path / "epoch=0-step=3.ckpt"
+    assert first.is_dir()  # the sharded (distributed) checkpoint
+
+    b_plugin = AmpGuardPrecision("bf16-mixed")
+    b_tr, _ = fit(ShardedNet(sched=True), plugin=b_plugin, batches=3, epochs=2, fault=fault, ckpt_path=str(first),
+                  strategy=ModelParallelStrategy())
+    assert skipped(a_plugin) == [1, 4] and skipped(b_plugin) == [4]
+    assert_same(_full(a_tr.lightning_module.state_dict()), _full(b_tr.lightning_module.state_dict()), "params")
+    a_guard, b_guard = a_plugin.guard, b_plugin.guard
+    assert a_guard is not None and b_guard is not None
+    assert a_guard._state_without_optimizer()["ampguard"] == b_guard._state_without_optimizer()["ampguard"]
+    assert b_guard.step_count == 6
+    for s in (3, 4, 5):
+        ra, rb = a_guard.history[s], b_guard.history[s]
+        assert_same((ra.skipped, ra.loss, ra.grad_norm), (rb.skipped, rb.loss, rb.grad_norm), f"report {s}")
+
+
+def test_model_parallel_strategys_full_checkpoint_is_refused_before_training() -> None:
+    """The full (rank 0) checkpoint cannot hold the guard's per-rank state: refused when the plugin connects, before
+    a step is taken, not at the first checkpoint."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    module = ShardedNet()
+    with pytest.raises(NotImplementedError, match="save_distributed_checkpoint=False"):
+        fit(module, plugin=AmpGuardPrecision("bf16-mixed"), batches=2,
+            strategy=ModelParallelStrategy(save_distributed_checkpoint=False))
+    assert module.calls == 0
+
+
 def test_resume_a_checkpoint_written_without_the_plugin(tmp_path: Path) -> None:
     """Adding the guard to a running job: Lightning's own fp16 run writes a checkpoint after epoch 0;
     the guarded run resumes from it (plain optimizer state and ``MixedPrecision``'s scaler state
