@@ -450,10 +450,30 @@ class ShardedNet(Net):
         fully_shard(self, mesh=mesh)
 
 
+@pytest.fixture
+def own_process_group():
+    """ModelParallelStrategy on one process starts torch.distributed in this process and sets MASTER_PORT and the
+    ranks in ``os.environ``, and its teardown leaves both: the next test here (or a subprocess it starts) would find
+    them. Destroyed and restored after the test."""
+    import os
+
+    import torch.distributed as dist
+
+    environ = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
 def _full(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in state.items()}
 
 
+@pytest.mark.usefixtures("own_process_group")
 def test_resume_through_model_parallel_strategys_distributed_checkpoint(tmp_path: Path) -> None:
     """``ModelParallelStrategy`` (FSDP2) saves the optimizer with torch's ``get_optimizer_state_dict``, which on the
     guard died at the first checkpoint (``KeyError: 'state'``). Now torch gets the inner optimizer and the guard's
@@ -483,6 +503,7 @@ def test_resume_through_model_parallel_strategys_distributed_checkpoint(tmp_path
         assert_same((ra.skipped, ra.loss, ra.grad_norm), (rb.skipped, rb.loss, rb.grad_norm), f"report {s}")
 
 
+@pytest.mark.usefixtures("own_process_group")
 def test_model_parallel_strategys_full_checkpoint_is_refused_before_training() -> None:
     """The full (rank 0) checkpoint cannot hold the guard's per-rank state: refused when the plugin connects, before
     a step is taken, not at the first checkpoint."""
