@@ -6,7 +6,8 @@ optimizer's place it died on the guard's nested dict (``KeyError: 'state'``): no
 checkpoint. The Accelerator is set up as accelerate sets it up for FSDP2 on CUDA (accelerate turns FSDP on only
 for GPU-like devices: ``distributed_type`` FSDP, a ``FullyShardedDataParallelPlugin(fsdp_version=2)``, the model
 ``fully_shard``-ed, registered as ``prepare`` registers it); accelerate's own save and load code then runs as it
-is: DCP for the model and the optimizer, its scheduler, sampler and RNG files.
+is: DCP for the model and the optimizer, its scheduler, sampler and RNG files. The model is a tiny Hugging Face
+Llama, sharded per decoder layer.
 
 - A run saved at step 3 and resumed by a fresh Accelerator, model and guard ends bit for bit where the
   uninterrupted run ends, on both ranks, at the same guard step and scale-rule state.
@@ -27,11 +28,32 @@ import torch
 
 import ampguard
 
-from ._common import batch, flat_params, fsdp2_model, spawn
+from ._common import flat_params, spawn
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
 
 pytestmark = [pytest.mark.distributed, pytest.mark.frameworks, pytest.mark.timeout(240)]
 
 SAVED_AT, MORE = 3, 2
+
+
+def _llama(world_size: int) -> torch.nn.Module:
+    """A tiny Hugging Face Llama (from its config class: no weights downloaded), ``fully_shard``-ed per decoder
+    layer and at the root, as accelerate's FSDP2 auto-wrap shards a transformer."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)  # the same initial parameters on every rank
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(config)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def _setup(world_size: int) -> tuple[Any, torch.nn.Module, Any]:
@@ -39,12 +61,11 @@ def _setup(world_size: int) -> tuple[Any, torch.nn.Module, Any]:
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-    from torch.distributed.device_mesh import init_device_mesh
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     acc = Accelerator(mixed_precision="bf16", cpu=True)
-    model = fsdp2_model(init_device_mesh("cpu", (world_size,)))
+    model = _llama(world_size)
     acc._models.append(model)  # what prepare() does with a model (here already sharded)
     opt = acc.prepare_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))  # (re-reads the CPU state)
     opt = ampguard.wrap(opt, accelerator=acc, model=model, exporters=[])
@@ -55,8 +76,8 @@ def _setup(world_size: int) -> tuple[Any, torch.nn.Module, Any]:
 
 def _steps(acc: Any, model: torch.nn.Module, opt: Any, rank: int, steps: range) -> None:
     for step in steps:
-        x, y = batch(rank, step)
-        acc.backward(torch.nn.functional.mse_loss(model(x), y))
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(100 * step + rank))  # per rank
+        acc.backward(model(input_ids=ids, labels=ids).loss)
         opt.step()
         opt.zero_grad()
 
