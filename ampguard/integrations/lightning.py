@@ -229,7 +229,7 @@ class AmpGuardPrecision(MixedPrecision):
         guard.register_load_state_dict_pre_hook(self._adopt_plain_state)
         self.guard = guard
         trainer = _trainer_of(model)
-        if trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy):
+        if trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy):  # checked in _check
             _model_parallel_checkpoints(trainer.strategy, guard)
         held = [dataclasses.replace(c, scheduler=HeldScheduler(c.scheduler, guard, sync_free=f))
                 if c.interval == "step" else c for c, f in zip(lr_schedulers, free)]
@@ -251,6 +251,12 @@ class AmpGuardPrecision(MixedPrecision):
             raise ValueError("AmpGuardPrecision cannot guard LBFGS: its step re-evaluates the closure, and the guard "
                              "checks one backward per step. Use another optimizer, or train without the plugin.")
         trainer = _trainer_of(model)
+        if (trainer is not None and isinstance(trainer.strategy, ModelParallelStrategy)
+                and not trainer.strategy._save_distributed_checkpoint):
+            raise NotImplementedError(
+                "AmpGuardPrecision with ModelParallelStrategy(save_distributed_checkpoint=False) is not supported: the "
+                "full checkpoint keeps rank 0's state only, and the guard's state is per rank. Use the default "
+                "(save_distributed_checkpoint=True). Nothing was changed.")
         if trainer is not None and trainer.gradient_clip_val and self.config.clip_grad_norm is not None:
             raise ValueError(
                 f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) and GuardConfig(clip_grad_norm="
@@ -350,12 +356,8 @@ def _model_parallel_checkpoints(strategy: ModelParallelStrategy, guard: GuardedO
     torch the inner optimizer and keep the guard's own state in the same distributed checkpoint, under the
     optimizer's key, one entry per rank (``ampguard.rank<r>``), restored after Lightning's load by
     :func:`~ampguard.integrations._resume.restore_agreed` (checked, the ranks agreeing). Only the sharded
-    checkpoint (``save_distributed_checkpoint=True``, the default) is supported."""
-    if not strategy._save_distributed_checkpoint:
-        raise NotImplementedError(
-            "AmpGuardPrecision with ModelParallelStrategy(save_distributed_checkpoint=False) is not supported: the "
-            "full checkpoint keeps rank 0's state only, and the guard's state is per rank. Use the default "
-            "(save_distributed_checkpoint=True). Nothing was changed.")
+    checkpoint (``save_distributed_checkpoint=True``, the default) is supported: ``_check`` refuses the other
+    before the guard is built."""
     cls = type(strategy)
     optimizer_state = types.MethodType(cls.optimizer_state, strategy)
     load_checkpoint = types.MethodType(cls.load_checkpoint, strategy)
@@ -380,13 +382,9 @@ def _model_parallel_checkpoints(strategy: ModelParallelStrategy, guard: GuardedO
         index = next((i for i, o in enumerate(held) if o is guard), None)
         state = None
         if index is not None and path.is_dir():
-            from torch.distributed.checkpoint import load
-            from torch.distributed.checkpoint.metadata import Metadata
+            from torch.distributed.checkpoint import FileSystemReader, load
 
-            name = f"optimizer_{index}.ampguard.{key}"
-            reader = torch.distributed.checkpoint.FileSystemReader(path)
-            metadata: Metadata = reader.read_metadata()
-            if name in metadata.state_dict_metadata:
+            if f"optimizer_{index}.ampguard.{key}" in FileSystemReader(path).read_metadata().state_dict_metadata:
                 template = {f"optimizer_{index}": {"ampguard": {key: io.BytesIO()}}}
                 load(template, checkpoint_id=path)
                 buf = template[f"optimizer_{index}"]["ampguard"][key]

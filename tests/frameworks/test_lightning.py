@@ -506,14 +506,14 @@ def test_resume_through_model_parallel_strategys_distributed_checkpoint(tmp_path
 @pytest.mark.usefixtures("own_process_group")
 def test_model_parallel_strategys_full_checkpoint_is_refused_before_training() -> None:
     """The full (rank 0) checkpoint cannot hold the guard's per-rank state: refused when the plugin connects, before
-    a step is taken, not at the first checkpoint."""
+    the guard is built or a step is taken, not at the first checkpoint."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    module = ShardedNet()
+    module, plugin = ShardedNet(), AmpGuardPrecision("bf16-mixed")
     with pytest.raises(NotImplementedError, match="save_distributed_checkpoint=False"):
-        fit(module, plugin=AmpGuardPrecision("bf16-mixed"), batches=2,
-            strategy=ModelParallelStrategy(save_distributed_checkpoint=False))
+        fit(module, plugin=plugin, batches=2, strategy=ModelParallelStrategy(save_distributed_checkpoint=False))
     assert module.calls == 0
+    assert plugin.guard is None  # refused before the guard was built
 
 
 def test_resume_a_checkpoint_written_without_the_plugin(tmp_path: Path) -> None:
