@@ -74,8 +74,7 @@ from accelerate import Accelerator  # noqa: E402  (after the version check)
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
-__all__ = ["GuardedAcceleratedOptimizer", "attach", "inner_in_place", "load_guard_states", "resolve",
-           "save_guard_states"]
+__all__ = ["GuardedAcceleratedOptimizer", "attach", "load_fsdp", "resolve", "save_fsdp"]
 
 _ORDER = "optimizer = ampguard.wrap(accelerator.prepare(optimizer), accelerator=accelerator, model=model)"
 _UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)
@@ -242,7 +241,7 @@ class _AcceleratorHooks:
     - ``save_state()``: refused (``CheckpointError``) before anything is written, or rotated out,
       when a guard's state holds a NaN/Inf (``integrity.refuse_unhealthy``). Under FSDP it saves the
       inner optimizers and each guard's own state per rank; ``load_state()`` reads them back
-      (:func:`save_guard_states`, :func:`load_guard_states`)."""
+      (:func:`save_fsdp`, :func:`load_fsdp`)."""
 
     _ATTR = "_ampguard_hooks"
 
@@ -318,30 +317,19 @@ class _AcceleratorHooks:
                 if isinstance(o, GuardedAcceleratedOptimizer) and any(o.optimizer is g for g in guards)]
 
     def _save_fsdp(self, save_state_: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """accelerate's ``save_state`` under FSDP: the inner optimizers as the plain FSDP run saves them,
-        then each guard's own state beside them (:func:`save_guard_states`). collective (as accelerate's
-        FSDP save is)."""
-        places = self._guarded_places()
-        states = [(i, w.optimizer._state_without_optimizer()) for i, w in places]  # before anything is written
-        with inner_in_place(places):
-            location = save_state_(*args, **kwargs)
-        save_guard_states(self.accelerator, states, location)
-        return location
+        """accelerate's ``save_state`` under FSDP (:func:`save_fsdp`), into the folder it returns."""
+        return save_fsdp(self.accelerator, self._guarded_places(), lambda: save_state_(*args, **kwargs))
 
     def _load_fsdp(self, load_state_: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """accelerate's ``load_state`` under FSDP: the model and the inner optimizers as the plain FSDP run
-        loads them (DCP loads in place), then each guard's state (:func:`load_guard_states`) from the folder
-        accelerate loaded (its load pre-hook names it). collective."""
-        places = self._guarded_places()
+        """accelerate's ``load_state`` under FSDP (:func:`load_fsdp`), from the folder it loaded (its load
+        pre-hook names it)."""
         folder: list[str] = []
         handle = self.accelerator.register_load_state_pre_hook(lambda _models, input_dir: folder.append(input_dir))
         try:
-            with inner_in_place(places):
-                result = load_state_(*args, **kwargs)
+            return load_fsdp(self.accelerator, self._guarded_places(), lambda: load_state_(*args, **kwargs),
+                             lambda: folder[-1], "accelerator.load_state")
         finally:
             handle.remove()
-        load_guard_states(self.accelerator, places, folder[-1], "accelerator.load_state")
-        return result
 
     @classmethod
     def add(cls, accelerator: Accelerator, guard: GuardedOptimizer) -> _AcceleratorHooks:
@@ -387,27 +375,38 @@ def _guard_file(accelerator: Accelerator, index: int) -> str:
     return f"ampguard_{index}_rank{accelerator.process_index}.pt"
 
 
-def save_guard_states(accelerator: Accelerator, states: Sequence[tuple[int, dict[str, Any]]], folder: str) -> None:
-    """Each guard's own state (``GuardedOptimizer._state_without_optimizer()``: the loss scale, counters,
-    detectors, quarantine, the verdict), taken before the framework wrote anything, in this rank's file
-    ``ampguard_<index>_rank<r>.pt`` of ``folder``; then a barrier: the checkpoint is whole, every rank's
-    file in it, when this returns. collective."""
+def save_fsdp(accelerator: Accelerator, places: Sequence[tuple[int, GuardedAcceleratedOptimizer]],
+              save: Callable[[], Any], folder: str | None = None) -> Any:
+    """A framework's FSDP save (``save``) with the guards of ``places`` (``(index, wrapper)``): each guard's own
+    state (``GuardedOptimizer._state_without_optimizer()``: the loss scale, counters, detectors, quarantine, the
+    verdict) taken before anything is written; ``save`` run with the inner optimizers in place
+    (:func:`inner_in_place`); then the states in this rank's files ``ampguard_<index>_rank<r>.pt`` of ``folder``
+    (None: the folder ``save`` returned) and a barrier: the checkpoint is whole, every rank's file in it, when this
+    returns. Returns what ``save`` returned. collective."""
+    states = [(i, w.optimizer._state_without_optimizer()) for i, w in places]
+    with inner_in_place(places):
+        result = save()
     for i, state in states:
-        torch.save(state, os.path.join(folder, _guard_file(accelerator, i)))
+        torch.save(state, os.path.join(result if folder is None else folder, _guard_file(accelerator, i)))
     accelerator.wait_for_everyone()
+    return result
 
 
-def load_guard_states(accelerator: Accelerator, places: Sequence[tuple[int, GuardedAcceleratedOptimizer]],
-                      folder: str, caller: str) -> None:
-    """After the framework loaded the model and the inner optimizers from ``folder``: each guard's state
-    from this rank's file, checked (a NaN/Inf in it or in the optimizer state just loaded, an unhealthy
-    verdict) and agreed by every rank before any guard is restored: one rank's refusal is every rank's
-    (``CheckpointError``; the framework has loaded the model and optimizers in place by then). A folder
-    without guard files (an unguarded run's checkpoint) leaves the guards' own state, with a warning.
-    collective."""
+def load_fsdp(accelerator: Accelerator, places: Sequence[tuple[int, GuardedAcceleratedOptimizer]],
+              load: Callable[[], Any], folder: Callable[[], str], caller: str) -> Any:
+    """A framework's FSDP load (``load``, which loads the model and the inner optimizers in place) with the inner
+    optimizers in place (:func:`inner_in_place`), then each guard's state from this rank's file in ``folder()``
+    (asked after ``load``), checked and agreed by every rank before any guard is restored
+    (:func:`~ampguard.integrations._resume.restore_agreed`: one rank's refusal is every rank's; a folder without
+    guard files, an unguarded run's, leaves the guards' own state, with a warning). Returns what ``load``
+    returned. collective."""
+    with inner_in_place(places):
+        result = load()
+    where = folder()
     saved: list[tuple[GuardedOptimizer, Any]] = []
     for i, w in places:
-        path = os.path.join(folder, _guard_file(accelerator, i))
+        path = os.path.join(where, _guard_file(accelerator, i))
         # plain values only: no code runs
         saved.append((w.optimizer, torch.load(path, weights_only=True) if os.path.exists(path) else None))
-    restore_agreed(saved, folder, caller)
+    restore_agreed(saved, where, caller)
+    return result

@@ -70,12 +70,7 @@ require("transformers")
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402  (after the version check)
 from transformers import Trainer  # noqa: E402
 
-from .accelerate import (  # noqa: E402
-    GuardedAcceleratedOptimizer,
-    inner_in_place,
-    load_guard_states,
-    save_guard_states,
-)
+from .accelerate import GuardedAcceleratedOptimizer, load_fsdp, save_fsdp  # noqa: E402
 
 __all__ = ["GuardedTrainer"]
 
@@ -181,25 +176,23 @@ class GuardedTrainer(Trainer):
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The Trainer's; under FSDP accelerate's ``save_fsdp_optimizer`` gets the inner optimizer (torch's
         FSDP state-dict functions take a plain optimizer's ``state_dict``) and the guard's own state goes
-        beside it, one file per rank (:func:`ampguard.integrations.accelerate.save_guard_states`)."""
+        beside it, one file per rank (:func:`ampguard.integrations.accelerate.save_fsdp`)."""
         places = self._fsdp_places()
         if not places:
             return super()._save_optimizer_and_scheduler(output_dir)
-        states = [(0, self.guard._state_without_optimizer())]  # type: ignore[union-attr]
-        with inner_in_place(places):
-            super()._save_optimizer_and_scheduler(output_dir)
-        save_guard_states(self.accelerator, states, output_dir)
+        save = super()._save_optimizer_and_scheduler
+        save_fsdp(self.accelerator, places, lambda: save(output_dir), output_dir)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """The Trainer's; under FSDP accelerate's ``load_fsdp_optimizer`` gets the inner optimizer, then the
         guard's state is read back, checked and agreed by every rank
-        (:func:`ampguard.integrations.accelerate.load_guard_states`)."""
+        (:func:`ampguard.integrations.accelerate.load_fsdp`)."""
         places = self._fsdp_places() if checkpoint is not None else []
         if not places:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        with inner_in_place(places):
-            super()._load_optimizer_and_scheduler(checkpoint)
-        load_guard_states(self.accelerator, places, str(checkpoint), "GuardedTrainer (resume_from_checkpoint)")
+        load = super()._load_optimizer_and_scheduler
+        load_fsdp(self.accelerator, places, lambda: load(checkpoint), lambda: str(checkpoint),
+                  "GuardedTrainer (resume_from_checkpoint)")
 
     def _fsdp_places(self) -> list[tuple[int, GuardedAcceleratedOptimizer]]:
         opt = self.optimizer
