@@ -1,4 +1,6 @@
-"""The step decision, replayed from a CUDA graph (:class:`DecisionGraph`).
+"""The step decision, replayed from a CUDA graph (:class:`DecisionGraph`), and the fused fast path's
+measurement of the gradients, replayed from one captured over the gradients' addresses
+(:class:`MeasureGraph`).
 
 On CUDA the decision is ~70 tiny kernels; captured once into a CUDA graph, each later step
 replays them in one launch (the fused path; ``AMPGUARD_CUDA_GRAPH=0`` keeps it eager). Elsewhere, and where
@@ -20,12 +22,13 @@ from __future__ import annotations
 
 import gc
 import warnings
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["DecisionGraph", "captured"]
+__all__ = ["DecisionGraph", "MeasureGraph", "captured"]
 
 
 def captured(fn: Callable[[], Any]) -> tuple[Any, Any]:
@@ -77,3 +80,94 @@ class DecisionGraph:
         static_in.copy_(gathered)
         graph.replay()
         return static_out
+
+
+class MeasureGraph:
+    """The measurement of the gradients on CUDA (per-tensor norms and their reductions; on the fused fast
+    path of the still-scaled gradients, times ``1/scale``, with GradScaler's ``found_inf`` from them),
+    replayed from a CUDA graph captured over the gradients where they lie. ``torch._foreach_norm`` over a
+    model's gradients costs the host ~2.6 us a tensor (it makes one output tensor each; then they are
+    stacked): 1.08 ms for GPT-2 350M's 292 on the H200's host, against ~17 us for a replay of the same
+    kernels (``benchmarks/host_ops.py``, ``benchmarks/RESULTS.md``, "Stop 38").
+
+    A replay reads the addresses it was captured on, so a graph is keyed by what it computes (``kind``)
+    and every gradient's ``data_ptr`` (and the scale's, the count): it replays only when each gradient
+    lies exactly where it lay at capture, which in a steady training loop (``zero_grad(set_to_none=True)``
+    included) the caching allocator usually gives back step after step. A key is captured the second
+    time it is seen (a first sighting runs eagerly; gradients that move every step are never captured, so
+    they pay no capture), at most :attr:`MAX_GRAPHS` graphs are kept (least recently used dropped) and
+    after :attr:`MAX_CAPTURES` captures none is made again (eager from then on). The capture is made on a
+    side stream with ``capture_error_mode="thread_local"``, without ``torch.cuda.graph``'s synchronize
+    and ``empty_cache`` (which would hand the cached blocks back and move the next backward's
+    gradients). The replayed values are the eager ones, bit for bit (the same kernels on the same
+    inputs). A failed capture falls back to eager for good, with one warning. The outputs are the
+    graph's own tensors, rewritten by the next replay: every consumer within the step copies them (the
+    gathered vector, the report's payload)."""
+
+    MAX_GRAPHS = 2
+    MAX_CAPTURES = 8
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._graphs: OrderedDict[tuple[Any, ...], tuple[Any, Any]] = OrderedDict()
+        self._seen: OrderedDict[tuple[Any, ...], None] = OrderedDict()
+        self._failed = False
+        self._stream: torch.cuda.Stream | None = None
+        self.captures = 0
+        self.replays = 0
+
+    def run(self, kind: str, fn: Callable[[], Any], grads: Sequence[torch.Tensor],
+            scale: torch.Tensor | None = None) -> Any:
+        """``fn()`` (its kernels read only ``grads`` and ``scale``; ``kind`` names what it computes: one graph
+        per kind and addresses), eagerly or replayed: see the class."""
+        device = grads[0].device
+        if not self.enabled or self._failed or device.type != "cuda":
+            return fn()
+        key = (kind, 0 if scale is None else scale.data_ptr(), len(grads), *map(torch.Tensor.data_ptr, grads))
+        hit = self._graphs.get(key)
+        if hit is not None:
+            self._graphs.move_to_end(key)
+            hit[0].replay()
+            self.replays += 1
+            return hit[1]
+        if key not in self._seen or self.captures >= self.MAX_CAPTURES:
+            self._seen[key] = None
+            if len(self._seen) > 4 * self.MAX_GRAPHS:
+                self._seen.popitem(last=False)
+            return fn()
+        try:
+            graph, out = self._capture(fn, device)
+        except Exception as exc:  # capture is an optimisation: never fail a step over it
+            self._failed = True
+            warnings.warn(f"ampguard: CUDA graph capture of the gradient measurement failed ({exc}); measuring "
+                          "eagerly (set AMPGUARD_CUDA_GRAPH=0 to silence this)", RuntimeWarning, stacklevel=2)
+            return fn()
+        self.captures += 1
+        self._seen.pop(key, None)
+        self._graphs[key] = (graph, out)
+        if len(self._graphs) > self.MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+        graph.replay()
+        self.replays += 1
+        return out
+
+    def _capture(self, fn: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        stream, current = self._stream, torch.cuda.current_stream(device)
+        stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        gc_was_on = gc.isenabled()
+        gc.disable()  # as captured(): a collection inside a capture can invalidate it
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    out = fn()
+                finally:
+                    graph.capture_end()
+        finally:
+            if gc_was_on:
+                gc.enable()
+        current.wait_stream(stream)
+        return graph, out

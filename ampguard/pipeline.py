@@ -48,7 +48,7 @@ import torch
 
 from .backends.base import Backend
 from .config import GuardConfig
-from .decision_graph import DecisionGraph
+from .decision_graph import DecisionGraph, MeasureGraph
 from .numerics import Numerics
 from .payload import HostCopy, Packed, Unpacked, pack, unpacked_on_host
 from .policies import SpikeState, decide, decide_host, uses_clipping
@@ -61,6 +61,7 @@ from .stats import (
     local_vector,
     per_tensor_norms,
     sparse_values,
+    total_and_nonfinite,
 )
 from .switches import implementation_switches
 
@@ -88,6 +89,9 @@ class Measured:
     clip_norm: float | None = None
     """``GuardedOptimizer.clip_grad_norm_``'s ``max_norm`` this step (None: not called): the decision
     clips to it as to ``GuardConfig.clip_grad_norm`` (on the fast path folded into ``grad_scale``)."""
+    reductions: tuple[torch.Tensor, torch.Tensor] | None = None
+    """``(total norm, count of non-finite norms)`` of ``norms``, made with them on the fast path off the CPU
+    (in the measurement's graph) for :func:`~ampguard.stats.local_vector`; None: it makes them."""
     clip_applied: bool = False
     """The clip to ``clip_norm`` was already applied to ``.grad`` (torch's ``clip_grad_norm_``): the
     decision still reports its coefficient, the clip stage does not apply it again."""
@@ -160,7 +164,10 @@ class StepPipeline:
         self.spikes = SpikeState.fresh(state_device)
         self.scale_state = ScaleState.fresh(state_device)
         """The decision's carried state lives where the decision is taken (host: no sync to read it)."""
+        self._params: tuple[list[tuple[list[torch.Tensor], int]], list[torch.Tensor]] | None = None
         self.graph = DecisionGraph(switches.cuda_graph)
+        self.measure_graph = MeasureGraph(switches.cuda_graph)
+        """The fast path's measurement, replayed over gradients that lie where they lay (CUDA)."""
         self._clip_configs: dict[float, GuardConfig] = {}
         self.numerics = Numerics(config.numerics_every, device=device,
                                  headroom=adapter is not None and adapter.scaler.is_enabled())
@@ -178,7 +185,17 @@ class StepPipeline:
         return config
 
     def params(self) -> list[torch.Tensor]:
-        return [p for group in self.optimizer.param_groups for p in group["params"]]
+        """The optimizer's parameters, in ``param_groups`` order: one list, made again only when the groups'
+        ``params`` lists are other lists or of other lengths (``add_param_group``, a group's list replaced or
+        grown); the lists are held, so a list's identity is never another's. Several calls a step: rebuilding
+        it cost ~20 us each on GPT-2 350M's 292 parameters (the H200's host). Read it, never change it."""
+        lists = [group["params"] for group in self.optimizer.param_groups]
+        cached = self._params
+        if (cached is None or len(lists) != len(cached[0])
+                or any(a is not b or len(a) != n for a, (b, n) in zip(lists, cached[0]))):
+            flat = [p for ps in lists for p in ps]
+            self._params = cached = ([(ps, len(ps)) for ps in lists], flat)
+        return cached[1]
 
     def fast_path(self, guard: object) -> bool:
         """Whether this step measures the still-scaled gradients: the fused fast path (a GradScaler,
@@ -225,9 +242,31 @@ class StepPipeline:
             (found_inf,) = found.values()
         elif found:
             found_inf = torch.stack([t.to(self.device, non_blocking=True).reshape(()) for t in found.values()]).sum()
-        groups, norms = self._sparse_tolerant(lambda gs: per_tensor_norms(gs, self.device),
-                                              grads_by_device_and_dtype(self.params()))
-        return Measured(found, found_inf, groups, norms, numerics)
+        groups, (norms, reductions) = self._sparse_tolerant(self._norms, grads_by_device_and_dtype(self.params()))
+        return Measured(found, found_inf, groups, norms, numerics, reductions=reductions)
+
+    def _norms(self, groups: GradGroups) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The gradients' per-tensor norms on the guard's device and, off the CPU,
+        :attr:`Measured.reductions`: replayed from :class:`~ampguard.decision_graph.MeasureGraph` where the
+        gradients are one group on the guard's device (the usual case), eagerly otherwise. No sync."""
+        device = self.device
+        if device.type == "cpu":
+            return per_tensor_norms(groups, device), None
+
+        def measure() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+            norms = per_tensor_norms(groups, device)
+            return norms, total_and_nonfinite(norms)
+
+        grads = self._one_group(groups)
+        return measure() if grads is None else self.measure_graph.run("norms", measure, grads)  # type: ignore[no-any-return]
+
+    def _one_group(self, groups: GradGroups) -> list[torch.Tensor] | None:
+        """The gradients, where they are one group of plain tensors on the guard's device (what a measurement
+        graph may be captured over); None otherwise."""
+        if len(groups.tensors) != 1 or not groups.own:
+            return None
+        ((dev, _), grads), = groups.tensors.items()
+        return grads if dev == self.device else None
 
     def _sparse_tolerant(self, fn: Callable[[GradGroups], Any], groups: GradGroups) -> tuple[GradGroups, Any]:
         """``(groups, fn(groups))``; where ``fn`` fails because some gradients are sparse (no norm
@@ -266,13 +305,17 @@ class StepPipeline:
             return None
         if norms_first and any(dev.type != "cpu" or dtype != torch.float32 for dev, dtype in groups.tensors):
             return None
+        on_host = self.device.type == "cpu"
         try:
-            norms = per_tensor_norms(groups, self.device)
+            if on_host:
+                norms = per_tensor_norms(groups, self.device)
+            else:  # times 1/scale, found_inf and the reductions: one graph replay where the gradients lie
+                norms, found_inf, *reductions = self._scaled_norms(groups, adapter)
         except RuntimeError:
             if sparse_values(self.params()) is None:
                 raise
             return None  # sparse gradients, which no fused kernel takes: today's path, and torch's own error
-        if self.device.type == "cpu":  # host floats: the same float32 values, no tensor op to make them
+        if on_host:  # host floats: the same float32 values, no tensor op to make them
             norms = norms * adapter.inv_scale_host()
             bad = not math.isfinite(sum(norms.tolist()))  # a NaN or Inf makes the sum one (norms >= 0, no overflow)
             if norms_first:
@@ -282,13 +325,31 @@ class StepPipeline:
             else:
                 found = adapter.record_found_inf(self.optimizer, torch.full((), 1.0 if bad else 0.0))
         else:
-            inv = adapter.inv_scale()
-            norms = norms * inv.to(self.device, non_blocking=True)
-            found = adapter.record_found_inf(self.optimizer, torch.isfinite(norms).all().logical_not())
+            found = adapter.record_found_inf(self.optimizer, found_inf)
         (found_inf,) = found.values()
         if found_inf.device != self.device:
             found_inf = found_inf.to(self.device, non_blocking=True)
-        return Measured(found, found_inf, groups, norms, scaled=True)
+        return Measured(found, found_inf, groups, norms, scaled=True,
+                        reductions=None if on_host else tuple(reductions))  # type: ignore[arg-type]
+
+    def _scaled_norms(self, groups: GradGroups, adapter: GradScalerAdapter) -> tuple[torch.Tensor, ...]:
+        """Off the CPU: the still-scaled gradients' per-tensor norms times ``1/scale`` (GradScaler's
+        reciprocal), ``found_inf`` (float32, 0-d, on the scale's device) := one of them is not finite, and
+        :attr:`Measured.reductions` (the total norm, the count of non-finite norms: the local vector's ops);
+        replayed from :class:`~ampguard.decision_graph.MeasureGraph` where the gradients are one group on the
+        scale's device (the usual case), eagerly otherwise. No sync."""
+        scale, device = adapter.scale, self.device
+
+        def measure() -> tuple[torch.Tensor, ...]:
+            norms = per_tensor_norms(groups, device) * adapter.inv_scale().to(device, non_blocking=True)
+            finite = torch.isfinite(norms)
+            found = finite.all().logical_not().to(scale.device, dtype=torch.float32, non_blocking=True).reshape(())
+            return norms, found, *total_and_nonfinite(norms)
+
+        grads = self._one_group(groups)
+        if grads is None or scale.device != device:
+            return measure()
+        return self.measure_graph.run("scaled", measure, grads, scale)  # type: ignore[no-any-return]
 
     def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False,
                sentinel: torch.Tensor | None = None, fp8: torch.Tensor | None = None,
@@ -300,7 +361,8 @@ class StepPipeline:
         :meth:`ampguard.fp8.Fp8Monitor.nonfinite` (None: off). ``params_bad``: the last checked update left this
         rank's parameters non-finite (None: not known)."""
         replicas = getattr(self.backend, "grad_replicas", 1) if self.backend.grads_sharded else 1
-        vec = local_vector(loss=loss, tensor_norms=measured.norms, found_inf=measured.found_inf,
+        vec = local_vector(loss=loss, tensor_norms=measured.norms, reductions=measured.reductions,
+                           found_inf=measured.found_inf,
                            pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads,
                            sentinel=sentinel, headroom=None if measured.numerics is None else measured.numerics[1],
                            fp8=fp8, params_bad=params_bad, norm_share=replicas**-0.5 if replicas > 1 else None)

@@ -46,6 +46,7 @@ __all__ = [
     "origin_ranks",
     "per_tensor_norms",
     "sparse_values",
+    "total_and_nonfinite",
 ]
 
 
@@ -298,6 +299,7 @@ def local_vector(
     params_bad: torch.Tensor | None = None,
     norm_share: float | None = None,
     host: bool | None = None,
+    reductions: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Pack this rank's statistics into the ``LOCAL_K`` vector (:class:`Loc`). ``loss``: this
     step's loss on device (None: no loss was given for this step). ``no_grads``: no parameter
@@ -306,15 +308,22 @@ def local_vector(
     non-finite flag (None: monitoring off, 0). ``params_bad``: this rank's parameters were non-finite after its
     last checked update (None: not known, 0). ``norm_share``: the factor on this rank's norm where several
     ranks hold the same gradient shard (HSDP: ``1/sqrt(replicas)``, so the sum of squares over ranks counts each
-    shard once); None: 1.
+    shard once); None: 1. ``reductions``: :func:`total_and_nonfinite` of ``tensor_norms``, made already (on the
+    device path only; None: made here).
 
     The layout is written once, here; ``host`` picks how its values are made: on the CPU
     (default there) read as host floats and packed by one buffer (a 0-d tensor read costs
     nothing there, and each tiny tensor op microseconds), elsewhere stacked on device (no sync).
     Both give the same float32 values; the total norm is the same torch reduction either way
     (bitwise ``clip_grad_norm_``'s)."""
-    x: _PackOps = _HOST if (device.type == "cpu" if host is None else host) else _DeviceOps(device)
-    total = torch.linalg.vector_norm(tensor_norms, 2.0) if tensor_norms.numel() else None
+    on_host = device.type == "cpu" if host is None else host
+    x: _PackOps = _HOST if on_host else _DeviceOps(device)
+    count = None
+    total: torch.Tensor | None
+    if reductions is not None and not on_host:
+        total, count = reductions
+    else:
+        total = torch.linalg.vector_norm(tensor_norms, 2.0) if tensor_norms.numel() else None
     if total is not None and norm_share is not None:
         total = total * norm_share
     value = x.value(loss, math.nan)
@@ -323,7 +332,7 @@ def local_vector(
         value,  # Loc.LOSS
         x.const(0.0) if loss is None else x.nonfinite(value),  # Loc.LOSS_NONFINITE
         grad_norm,  # Loc.GRAD_NORM
-        x.count_nonfinite(tensor_norms, grad_norm),  # Loc.NONFINITE_TENSORS
+        x.count_nonfinite(tensor_norms, grad_norm) if count is None else count,  # Loc.NONFINITE_TENSORS
         x.value(found_inf, 0.0),  # Loc.FOUND_INF
         x.value(pre_reduction, 0.0),  # Loc.PRE_REDUCTION
         x.const(1.0 if no_grads else 0.0),  # Loc.NO_GRADS
@@ -332,6 +341,12 @@ def local_vector(
         x.value(fp8, 0.0),  # Loc.FP8_NONFINITE
         x.value(params_bad, 0.0),  # Loc.PARAMS_NONFINITE
     ])
+
+
+def total_and_nonfinite(norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The total norm of per-tensor ``norms`` (non-empty) and how many are not finite, on their device: the
+    device path's :func:`local_vector` ops, by the same kernels."""
+    return torch.linalg.vector_norm(norms, 2.0), _DeviceOps.count_nonfinite(norms, norms)
 
 
 class _PackOps(Protocol):

@@ -1,0 +1,97 @@
+"""On CUDA: the fused fast path's measurement replayed from a CUDA graph (``decision_graph.MeasureGraph``)
+gives the eager measurement's values bit for bit, is replayed in a steady loop, and never reads gradients
+that moved (a replay over stale addresses would read the previous step's gradients).
+
+Skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ampguard
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _loop(graph: bool, precision: str = "fp16") -> tuple[nn.Module, ampguard.GuardedOptimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10)).cuda()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+    # fp16: the first steps overflow for real (skipped); bf16: no scaler, the norms of the unscaled gradients
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**24) if precision == "fp16" else None
+    with mock.patch.dict(os.environ, {"AMPGUARD_CUDA_GRAPH": "1" if graph else "0"}):  # read at wrap time
+        opt = ampguard.wrap(inner, model=model, scaler=scaler, precision=precision,
+                            config=ampguard.GuardConfig(param_norms_every=1))  # every report: the per-tensor norms
+    return model, opt
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(32, 64, generator=g).cuda(), torch.randint(0, 10, (32,), generator=g).cuda())
+            for _ in range(n)]
+
+
+Seen = list[tuple[float, tuple[float, ...]]]
+
+
+def _train(graph: bool, batches: list[tuple[torch.Tensor, torch.Tensor]], keep_from: int | None = None,
+           precision: str = "fp16") -> tuple[list[torch.Tensor], Seen, object]:
+    """``keep_from``: from that step on, every step's gradients are kept alive after zero_grad, so the next
+    backward must put its gradients elsewhere (each step at new addresses)."""
+    model, opt = _loop(graph, precision)
+    kept: list[torch.Tensor] = []
+    seen = []
+    for i, (x, y) in enumerate(batches):
+        with opt.autocast():
+            loss = F.cross_entropy(model(x), y)
+        opt.backward(loss)
+        opt.step()
+        if keep_from is not None and i >= keep_from:
+            kept += [p.grad for p in model.parameters() if p.grad is not None]
+        opt.zero_grad(set_to_none=True)
+        rep = opt.last_report
+        assert rep is not None
+        seen.append((rep.grad_norm, tuple(rep.param_norms or ())))
+    torch.cuda.synchronize()
+    measure_graph = opt._pipeline.measure_graph
+    opt.close()
+    return [p.detach().clone() for p in model.parameters()], seen, measure_graph
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_replayed_measurement_is_the_eager_one_bit_for_bit(precision: str) -> None:
+    """20 steps (fp16: with real overflows first; bf16: no scaler, the other measurement): the parameters,
+    every report's gradient norm and per-tensor norms are those of the eager measurement, and the steady loop
+    replays (one capture)."""
+    batches = _batches(20)
+    ref_params, ref_seen, eager = _train(False, batches, precision=precision)
+    params, seen, graphs = _train(True, batches, precision=precision)
+    assert eager.replays == 0  # type: ignore[attr-defined]
+    assert graphs.replays >= 12 and 1 <= graphs.captures <= 2, (graphs.replays, graphs.captures)  # type: ignore[attr-defined]
+    assert repr(seen) == repr(ref_seen)  # repr: exact floats, and an overflow step's NaN equal to itself
+    if precision == "fp16":
+        assert not all(math.isfinite(r[0]) for r in ref_seen)  # the overflow steps were measured too
+    for a, b in zip(ref_params, params):
+        assert torch.equal(a, b)
+
+
+def test_gradients_that_move_are_measured_where_they_are() -> None:
+    """After 8 steady steps, each step's gradients are kept alive, so every later backward writes new ones
+    elsewhere: those steps are measured eagerly (a stale replay would read the kept gradients: other
+    norms, another update), and the whole run is the eager run's, bit for bit."""
+    batches = _batches(16)
+    ref_params, ref_seen, _ = _train(False, batches, keep_from=8)
+    params, seen, graphs = _train(True, batches, keep_from=8)
+    replays = graphs.replays  # type: ignore[attr-defined]
+    assert replays >= 4, replays  # the steady part replayed
+    assert repr(seen) == repr(ref_seen)
+    for a, b in zip(ref_params, params):
+        assert torch.equal(a, b)
