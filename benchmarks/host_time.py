@@ -192,14 +192,21 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
         import io
         import pstats
         prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(max(steps, 20)):
-            one("guard", None)
-        prof.disable()
+        fwd_bwd, step, zero, _ = loops["guard"]
+        for _ in range(max(steps, 20)):  # step() only: the forward and backward are not profiled
+            fwd_bwd()
+            sync()
+            prof.enable()
+            step()
+            prof.disable()
+            sync()
+            zero(set_to_none=True)
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(profile)
-        print(f"\n--- cProfile of {max(steps, 20)} guarded steps (fwd+bwd included), {model_name} {optim} ---")
+        print(f"\n--- cProfile of {max(steps, 20)} guarded step() calls, {model_name} {optim} ---")
         print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:12000])
+    graphs = guard._pipeline.measure_graph  # the measurement's CUDA graph: how often it was replayed
+    steps_run = guard.step_count
     guard.close()
 
     def q(xs: list[int]) -> dict[str, float]:
@@ -212,6 +219,7 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
     stages["rest"] = inner_total - sum(stages.values())  # no timed stage runs inside another
     out = {"model": model_name, "optim": optim, "device": str(device), "plain_us": q(times["plain"]),
            "guard_us": q(times["guard"]), "breakdown_us": stages, "breakdown_total_us": inner_total}
+    out["measure_graph"] = {"steps": steps_run, "captures": graphs.captures, "replays": graphs.replays}
     out["added_us"] = out["guard_us"]["median"] - out["plain_us"]["median"]
     out["added_mean_us"] = out["guard_us"]["mean"] - out["plain_us"]["mean"]
     return out
@@ -225,7 +233,7 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=10)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--profile", type=int, default=0, help="also print cProfile's top N functions (own time)")
+    ap.add_argument("--profile", type=int, default=0, help="also print cProfile's top N functions inside step() (own time)")
     ap.add_argument("--ops", type=int, default=0, help="also print the top N torch ops inside step() (torch.profiler)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
@@ -244,6 +252,8 @@ def main() -> int:
                   f"{p['p75']:.0f}); guard {g['median']:.0f} us (p25 {g['p25']:.0f}, p75 {g['p75']:.0f}); "
                   f"added {row['added_us']:+.0f} us; mean plain {p['mean']:.0f}, guard {g['mean']:.0f}, "
                   f"added {row['added_mean_us']:+.0f} us")
+            mg = row["measure_graph"]
+            print(f"  measurement graph: {mg['replays']} replays, {mg['captures']} captures in {mg['steps']} steps")
             print(f"  breakdown of a timed guarded step ({row['breakdown_total_us']:.0f} us, median):")
             for k, v in sorted(row["breakdown_us"].items(), key=lambda kv: -kv[1]):
                 print(f"    {k:<26} {v:8.1f} us")
