@@ -94,6 +94,10 @@ class _Guarded:
         self.opt.zero_grad(set_to_none=True)
 
 
+SYNC_SITES: list[str] = []
+"""The Python lines of the synchronising calls :func:`_syncs_of_one_step` counted last ("warn" mode)."""
+
+
 def _syncs_of_one_step(loop: _Plain | _Guarded, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, bool]:
     """(synchronising calls counted in "warn" mode, whether the step raised in "error" mode)."""
     torch.cuda.synchronize()
@@ -104,7 +108,9 @@ def _syncs_of_one_step(loop: _Plain | _Guarded, batch: tuple[torch.Tensor, torch
             loop.step(*batch)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    n = sum("synchroniz" in str(w.message).lower() for w in caught)
+    sites = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower()]
+    SYNC_SITES[:] = sites  # where the counted syncs were made: for a failing assertion's message
+    n = len(sites)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

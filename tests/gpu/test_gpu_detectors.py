@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import ampguard
 
-from .test_gpu import _adamw, _batches, _model, _Plain, _syncs_of_one_step
+from .test_gpu import SYNC_SITES, _adamw, _batches, _model, _Plain, _syncs_of_one_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -57,6 +57,11 @@ def test_detectors_add_no_host_sync_and_are_captured() -> None:
     for b in batches[:8]:
         guarded.step(*b)
         plain.step(*b)
+    graphs = guarded.opt._pipeline.measure_graph
+    before = (graphs.captures, graphs.replays)
     guard_n, guard_raised = _syncs_of_one_step(guarded, batches[8])
+    sites = list(SYNC_SITES)
     plain_n, plain_raised = _syncs_of_one_step(plain, batches[8])
-    assert guard_n <= plain_n and (guard_raised == plain_raised or not guard_raised)
+    assert guard_n <= plain_n and (guard_raised == plain_raised or not guard_raised), (
+        f"guarded {guard_n} syncs at {sites}, plain {plain_n}; the measurement graph's (captures, replays) "
+        f"{before} -> {(graphs.captures, graphs.replays)}")
