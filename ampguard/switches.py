@@ -23,7 +23,8 @@ class Switches:
 
     cuda_graph: bool = True
     """On CUDA, capture the step decision in a CUDA graph on the second step and replay it (one launch
-    instead of a few dozen). ``AMPGUARD_CUDA_GRAPH=0``: run it eagerly."""
+    instead of a few dozen), and replay the measurement of the gradients from graphs keyed by where they lie
+    (:class:`ampguard.decision_graph.MeasureGraph`). ``AMPGUARD_CUDA_GRAPH=0``: run both eagerly."""
 
     fused_fast_path: bool = True
     """With a GradScaler and a fused optimizer, measure the still-scaled gradients and let the
