@@ -121,7 +121,7 @@ class MeasureGraph:
         """``fn()`` (its kernels read only ``grads`` and ``scale``; ``kind`` names what it computes: one graph
         per kind and addresses), eagerly or replayed: see the class."""
         device = grads[0].device
-        if not self.enabled or self._failed or device.type != "cuda":
+        if not self.enabled or self._failed or not self._capturable(device):
             return fn()
         key = (kind, 0 if scale is None else scale.data_ptr(), len(grads), *map(torch.Tensor.data_ptr, grads))
         hit = self._graphs.get(key)
@@ -150,6 +150,10 @@ class MeasureGraph:
         graph.replay()
         self.replays += 1
         return out
+
+    @staticmethod
+    def _capturable(device: torch.device) -> bool:
+        return device.type == "cuda"
 
     def _capture(self, fn: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:
         if self._stream is None:

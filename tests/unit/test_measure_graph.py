@@ -1,0 +1,125 @@
+"""MeasureGraph's bookkeeping (ampguard.decision_graph), on the CPU: when it runs eagerly, captures, replays,
+drops a graph and gives up. The CUDA capture itself is replaced by a stand-in whose ``replay()`` recomputes
+into the captured outputs, as a CUDA graph's replay rewrites its static tensors; the real capture, and its
+values bit for bit, are tests/gpu/test_gpu_measure_graph.py's.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from ampguard.decision_graph import MeasureGraph
+
+
+class _StandIn:
+    def __init__(self, fn: Any, out: torch.Tensor) -> None:
+        self.fn, self.out, self.replays = fn, out, 0
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+        self.replays += 1
+
+
+class _Graphs(MeasureGraph):
+    """MeasureGraph with the CPU taken as capturable and the capture made by :class:`_StandIn`."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__(True)
+        self.fail = fail
+        self.captured: list[_StandIn] = []
+
+    @staticmethod
+    def _capturable(device: torch.device) -> bool:
+        return True
+
+    def _capture(self, fn: Any, device: torch.device) -> tuple[Any, Any]:
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        graph = _StandIn(fn, fn().clone())
+        self.captured.append(graph)
+        return graph, graph.out
+
+
+def _norms(grads: list[torch.Tensor]) -> Any:
+    return lambda: torch.stack([g.norm() for g in grads])
+
+
+def test_a_key_is_captured_at_its_second_sighting_and_replayed_after() -> None:
+    grads = [torch.randn(4), torch.randn(3)]
+    graphs = _Graphs()
+    first = graphs.run("norms", _norms(grads), grads)
+    assert graphs.captures == 0 and graphs.replays == 0  # first sighting: eager
+    second = graphs.run("norms", _norms(grads), grads)
+    assert graphs.captures == 1 and graphs.replays == 1
+    grads[0].mul_(2.0)  # the same tensors, new values: a replay reads them where they lie
+    third = graphs.run("norms", _norms(grads), grads)
+    assert graphs.captures == 1 and graphs.replays == 2
+    assert third is second  # the graph's own output, rewritten by the replay
+    assert torch.equal(third, torch.stack([g.norm() for g in grads])) and not torch.equal(third, first)
+
+
+def test_gradients_elsewhere_are_measured_eagerly() -> None:
+    """Other tensors (other addresses) than the captured ones: never a replay of the captured graph."""
+    graphs = _Graphs()
+    for _ in range(3):
+        grads = [torch.randn(4), torch.randn(3)]  # new tensors each step, kept alive so none reuses an address
+        out = graphs.run("norms", _norms(grads), grads)
+        assert torch.equal(out, torch.stack([g.norm() for g in grads]))
+        graphs.kept = getattr(graphs, "kept", []) + grads  # type: ignore[attr-defined]
+    assert graphs.captures == 0 and graphs.replays == 0
+
+
+def test_kinds_and_scales_are_keys_of_their_own() -> None:
+    grads = [torch.randn(5)]
+    scale_a, scale_b = torch.ones(()), torch.ones(())
+    graphs = _Graphs()
+    for _ in range(2):
+        graphs.run("norms", _norms(grads), grads)
+        graphs.run("scaled", _norms(grads), grads, scale_a)
+        graphs.run("scaled", _norms(grads), grads, scale_b)
+    assert graphs.captures == 3
+
+
+def test_at_most_max_graphs_are_kept_and_max_captures_made() -> None:
+    graphs = _Graphs()
+    sets = [[torch.randn(2)] for _ in range(graphs.MAX_CAPTURES + 2)]
+    for grads in sets:  # each set seen twice: captured
+        graphs.run("norms", _norms(grads), grads)
+        graphs.run("norms", _norms(grads), grads)
+    assert graphs.captures == graphs.MAX_CAPTURES  # the last two sets: eager
+    assert len(graphs._graphs) == graphs.MAX_GRAPHS
+    replays = graphs.replays
+    graphs.run("norms", _norms(sets[0]), sets[0])  # dropped long ago, and no capture left: eager
+    assert graphs.replays == replays and graphs.captures == graphs.MAX_CAPTURES
+    last = sets[graphs.MAX_CAPTURES - 1]
+    graphs.run("norms", _norms(last), last)  # the most recent capture is kept: replayed
+    assert graphs.replays == replays + 1
+
+
+def test_a_failed_capture_warns_once_and_measures_eagerly_from_then_on() -> None:
+    grads = [torch.randn(4)]
+    graphs = _Graphs(fail=True)
+    graphs.run("norms", _norms(grads), grads)
+    with pytest.warns(RuntimeWarning, match="capture of the gradient measurement failed"):
+        out = graphs.run("norms", _norms(grads), grads)
+    assert torch.equal(out, torch.stack([g.norm() for g in grads]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            graphs.run("norms", _norms(grads), grads)
+    assert graphs.captures == 0 and graphs.replays == 0
+
+
+def test_switched_off_or_off_cuda_it_runs_eagerly() -> None:
+    grads = [torch.randn(4)]
+    off = _Graphs()
+    off.enabled = False
+    cpu = MeasureGraph(True)  # the real one: the CPU is not capturable
+    for graphs in (off, cpu):
+        for _ in range(3):
+            graphs.run("norms", _norms(grads), grads)
+        assert graphs.captures == 0 and graphs.replays == 0
