@@ -28,7 +28,7 @@ from ampguard.ops import HOST, TensorOps, f32
 from ampguard.pipeline import StepPipeline
 from ampguard.policies import SpikeState, decide, decide_host
 from ampguard.scale_rule import ScalerView, ScaleState, next_scale
-from ampguard.stats import DECISION_K, LOCAL_K, Dec, Loc, local_vector
+from ampguard.stats import DECISION_K, LOCAL_K, Dec, Loc, local_vector, total_and_nonfinite
 
 from ._models import assert_same, guarded_steps, loss_of, make_data, make_model, make_opt, snapshot
 
@@ -366,6 +366,9 @@ def test_local_vector_packs_the_same_on_host_and_device(seed):
                   no_grads=rng.random() < 0.2)
         a, b = local_vector(**kw, host=False).tolist(), local_vector(**kw, host=True).tolist()  # type: ignore[arg-type]
         assert [bits(x) for x in a] == [bits(x) for x in b], (a, b, norms, loss)
+        if n:  # the reductions made beforehand (in the measurement's graph on CUDA): the same vector
+            c = local_vector(**kw, host=False, reductions=total_and_nonfinite(norms)).tolist()  # type: ignore[arg-type]
+            assert [bits(x) for x in c] == [bits(x) for x in b], (c, b, norms, loss)
 
 
 # ---------------------------------------------------------------------------------------- end to end
