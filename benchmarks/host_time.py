@@ -233,7 +233,8 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=10)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--profile", type=int, default=0, help="also print cProfile's top N functions inside step() (own time)")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="also print cProfile's top N functions inside step() (own time)")
     ap.add_argument("--ops", type=int, default=0, help="also print the top N torch ops inside step() (torch.profiler)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
