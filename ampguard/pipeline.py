@@ -247,8 +247,7 @@ class StepPipeline:
 
     def _norms(self, groups: GradGroups) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The gradients' per-tensor norms on the guard's device and, off the CPU,
-        :attr:`Measured.reductions`: replayed from :class:`~ampguard.decision_graph.MeasureGraph` where the
-        gradients are one group on the guard's device (the usual case), eagerly otherwise. No sync."""
+        :attr:`Measured.reductions` (:meth:`_replayed`). No sync."""
         device = self.device
         if device.type == "cpu":
             return per_tensor_norms(groups, device), None
@@ -257,16 +256,18 @@ class StepPipeline:
             norms = per_tensor_norms(groups, device)
             return norms, total_and_nonfinite(norms)
 
-        grads = self._one_group(groups)
-        return measure() if grads is None else self.measure_graph.run("norms", measure, grads)  # type: ignore[no-any-return]
+        return self._replayed("norms", measure, groups)  # type: ignore[no-any-return]
 
-    def _one_group(self, groups: GradGroups) -> list[torch.Tensor] | None:
-        """The gradients, where they are one group of plain tensors on the guard's device (what a measurement
-        graph may be captured over); None otherwise."""
-        if len(groups.tensors) != 1 or not groups.own:
-            return None
-        ((dev, _), grads), = groups.tensors.items()
-        return grads if dev == self.device else None
+    def _replayed(self, kind: str, measure: Callable[[], Any], groups: GradGroups,
+                  scale: torch.Tensor | None = None) -> Any:
+        """``measure()``, replayed from :class:`~ampguard.decision_graph.MeasureGraph` where the gradients are one
+        group of plain tensors on the guard's device (the usual case; with ``scale``, on its device too), eagerly
+        otherwise."""
+        if len(groups.tensors) == 1 and groups.own:
+            ((dev, _), grads), = groups.tensors.items()
+            if dev == self.device and (scale is None or scale.device == dev):
+                return self.measure_graph.run(kind, measure, grads, scale)
+        return measure()
 
     def _sparse_tolerant(self, fn: Callable[[GradGroups], Any], groups: GradGroups) -> tuple[GradGroups, Any]:
         """``(groups, fn(groups))``; where ``fn`` fails because some gradients are sparse (no norm
@@ -310,7 +311,7 @@ class StepPipeline:
             if on_host:
                 norms = per_tensor_norms(groups, self.device)
             else:  # times 1/scale, found_inf and the reductions: one graph replay where the gradients lie
-                norms, found_inf, *reductions = self._scaled_norms(groups, adapter)
+                norms, found_inf, reductions = self._scaled_norms(groups, adapter)
         except RuntimeError:
             if sparse_values(self.params()) is None:
                 raise
@@ -329,27 +330,23 @@ class StepPipeline:
         (found_inf,) = found.values()
         if found_inf.device != self.device:
             found_inf = found_inf.to(self.device, non_blocking=True)
-        return Measured(found, found_inf, groups, norms, scaled=True,
-                        reductions=None if on_host else tuple(reductions))  # type: ignore[arg-type]
+        return Measured(found, found_inf, groups, norms, scaled=True, reductions=None if on_host else reductions)
 
-    def _scaled_norms(self, groups: GradGroups, adapter: GradScalerAdapter) -> tuple[torch.Tensor, ...]:
+    def _scaled_norms(self, groups: GradGroups, adapter: GradScalerAdapter
+                      ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Off the CPU: the still-scaled gradients' per-tensor norms times ``1/scale`` (GradScaler's
         reciprocal), ``found_inf`` (float32, 0-d, on the scale's device) := one of them is not finite, and
-        :attr:`Measured.reductions` (the total norm, the count of non-finite norms: the local vector's ops);
-        replayed from :class:`~ampguard.decision_graph.MeasureGraph` where the gradients are one group on the
-        scale's device (the usual case), eagerly otherwise. No sync."""
+        :attr:`Measured.reductions` (the total norm, the count of non-finite norms: the local vector's ops;
+        ``found_inf`` is that count > 0) (:meth:`_replayed`). No sync."""
         scale, device = adapter.scale, self.device
 
-        def measure() -> tuple[torch.Tensor, ...]:
+        def measure() -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
             norms = per_tensor_norms(groups, device) * adapter.inv_scale().to(device, non_blocking=True)
-            finite = torch.isfinite(norms)
-            found = finite.all().logical_not().to(scale.device, dtype=torch.float32, non_blocking=True).reshape(())
-            return norms, found, *total_and_nonfinite(norms)
+            total, count = total_and_nonfinite(norms)
+            found = count.gt(0).to(scale.device, dtype=torch.float32, non_blocking=True).reshape(())
+            return norms, found, (total, count)
 
-        grads = self._one_group(groups)
-        if grads is None or scale.device != device:
-            return measure()
-        return self.measure_graph.run("scaled", measure, grads, scale)  # type: ignore[no-any-return]
+        return self._replayed("scaled", measure, groups, scale)  # type: ignore[no-any-return]
 
     def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False,
                sentinel: torch.Tensor | None = None, fp8: torch.Tensor | None = None,
