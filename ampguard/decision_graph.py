@@ -20,10 +20,11 @@ allocation threshold after it.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,19 +32,26 @@ import torch
 __all__ = ["DecisionGraph", "MeasureGraph", "captured"]
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """The garbage collector off for the length of a capture (process-wide: see the module docstring), back on
+    after it only if it was on."""
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if gc_was_on:
+            gc.enable()
+
+
 def captured(fn: Callable[[], Any]) -> tuple[Any, Any]:
     """``(graph, out)``: ``fn()``'s kernels recorded (not run) in a new CUDA graph, and what it returned (the graph's
     static output), with the garbage collector paused for the capture (module docstring). Raises what the capture
     raises; the caller falls back to eager. A one-time sync."""
-    gc_was_on = gc.isenabled()
     graph = torch.cuda.CUDAGraph()
-    gc.disable()  # process-wide, for the capture only: see the module docstring
-    try:
-        with torch.cuda.graph(graph):
-            out = fn()
-    finally:
-        if gc_was_on:
-            gc.enable()
+    with _collector_paused(), torch.cuda.graph(graph):
+        out = fn()
     return graph, out
 
 
@@ -161,17 +169,11 @@ class MeasureGraph:
         stream, current = self._stream, torch.cuda.current_stream(device)
         stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
-        gc_was_on = gc.isenabled()
-        gc.disable()  # as captured(): a collection inside a capture can invalidate it
-        try:
-            with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    out = fn()
-                finally:
-                    graph.capture_end()
-        finally:
-            if gc_was_on:
-                gc.enable()
+        with _collector_paused(), torch.cuda.stream(stream):  # as captured(): a collection can invalidate a capture
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()
         current.wait_stream(stream)
         return graph, out
