@@ -98,8 +98,9 @@ class MeasureGraph:
     stacked): 1.08 ms for GPT-2 350M's 292 on the H200's host, against ~17 us for a replay of the same
     kernels (``benchmarks/host_ops.py``, ``benchmarks/RESULTS.md``, "Stop 38").
 
-    A replay reads the addresses it was captured on, so a graph is keyed by what it computes (``kind``)
-    and every gradient's ``data_ptr`` (and the scale's, the count): it replays only when each gradient
+    A replay reads the addresses it was captured on, so a graph is keyed by what it computes (``kind``),
+    the gradients' dtype (one for all: the caller measures one (device, dtype) group) and every gradient's
+    ``data_ptr`` (and the scale's, the count): it replays only when each gradient
     lies exactly where it lay at capture, which in a steady training loop (``zero_grad(set_to_none=True)``
     included) the caching allocator usually gives back step after step. A key is captured the second
     time it is seen (a first sighting runs eagerly; gradients that move every step are never captured, so
@@ -108,8 +109,11 @@ class MeasureGraph:
     side stream with ``capture_error_mode="thread_local"``, without ``torch.cuda.graph``'s synchronize
     and ``empty_cache`` (which would hand the cached blocks back and move the next backward's
     gradients). The replayed values are the eager ones, bit for bit (the same kernels on the same
-    inputs). A failed capture falls back to eager for good, with one warning. The outputs are the
-    graph's own tensors, rewritten by the next replay: every consumer within the step copies them (the
+    inputs). The shapes are not in the key (one attribute read a gradient): a gradient's shape is its parameter's
+    (autograd and the ``.grad`` setter refuse any other), and a parameter's shape does not change under the
+    optimizer, whose state has its shape; its dtype can (``model.to(torch.bfloat16)`` swaps ``param.data`` under the
+    same Parameter), hence the dtype. A failed capture falls back to eager for good, with one warning. The
+    outputs are the graph's own tensors, rewritten by the next replay: every consumer within the step copies them (the
     gathered vector, the report's payload)."""
 
     MAX_GRAPHS = 2
@@ -131,7 +135,8 @@ class MeasureGraph:
         device = grads[0].device
         if not self.enabled or self._failed or not self._capturable(device):
             return fn()
-        key = (kind, 0 if scale is None else scale.data_ptr(), len(grads), *map(torch.Tensor.data_ptr, grads))
+        key = (kind, grads[0].dtype, 0 if scale is None else scale.data_ptr(), len(grads),
+               *map(torch.Tensor.data_ptr, grads))
         hit = self._graphs.get(key)
         if hit is not None:
             self._graphs.move_to_end(key)

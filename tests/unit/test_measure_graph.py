@@ -123,3 +123,19 @@ def test_switched_off_or_off_cuda_it_runs_eagerly() -> None:
         for _ in range(3):
             graphs.run("norms", _norms(grads), grads)
         assert graphs.captures == 0 and graphs.replays == 0
+
+
+def test_gradients_of_another_dtype_where_the_captured_ones_lay_are_not_replayed() -> None:
+    """The parameters' dtype changed after the capture (``model.to(torch.bfloat16)``: ``param.data`` swapped, the
+    same Parameter objects), and the new gradients happen to lie at the captured addresses: the captured kernels
+    read float32 there, so replaying them would give the norms of reinterpreted bits. A key of its own."""
+    storage = [torch.randn(8), torch.randn(6)]
+    graphs = _Graphs()
+    for _ in range(2):
+        graphs.run("norms", _norms(storage), storage)
+    assert graphs.captures == 1
+    halves = [s.view(torch.bfloat16) for s in storage]  # the same addresses, read as bfloat16
+    assert [h.data_ptr() for h in halves] == [s.data_ptr() for s in storage]
+    out = graphs.run("norms", _norms(halves), halves)
+    assert graphs.replays == 1  # only the capture's own replay: eager
+    assert torch.equal(out, torch.stack([h.norm() for h in halves]))
