@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import functools
 import math
+import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["GuardedOptimizer", "Stage"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 _eager = getattr(torch, "_disable_dynamo", None) or torch.compiler.disable
@@ -247,10 +249,11 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         self._check_open("clip_grad_norm_")
         max_norm = _clip_max_norm(max_norm)
         params = self._pipeline.params()
-        chosen = params if parameters is None else (
-            [parameters] if isinstance(parameters, torch.Tensor) else list(parameters))
-        # the guarded parameters, frozen ones aside (their gradient is None: torch's clip skips them too)
-        same = {id(p) for p in chosen if p.requires_grad} == {id(p) for p in params}
+        if parameters is None:  # the guarded ones: the same set when every one of them requires grad
+            chosen, same = params, all(map(_REQUIRES_GRAD, params))
+        else:  # the guarded parameters, frozen ones aside (their gradient is None: torch's clip skips them too)
+            chosen = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            same = {id(p) for p in chosen if p.requires_grad} == self._pipeline.param_ids()
         foldable = (same and float(norm_type) == 2.0 and self.config.clip_grad_norm is None
                     and self.config.zclip is None)
         measured = self._measured

@@ -272,7 +272,8 @@ class _AcceleratorHooks:
         def backward(loss: Any, **kwargs: Any) -> Any:
             result = backward_(loss, **kwargs)
             if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-                micro = loss.detach() / accelerator.gradient_accumulation_steps  # what accelerate back-propagated
+                steps = accelerator.gradient_accumulation_steps  # what accelerate back-propagated: loss / steps
+                micro = loss.detach() if steps == 1 else loss.detach() / steps  # x / 1 is x: no kernel for it
                 for guard in self.open_guards():
                     guard.observe_loss(micro, reduction="sum")
             return result
@@ -295,7 +296,7 @@ class _AcceleratorHooks:
             if accelerator.sync_gradients and not kwargs and 0 < max_norm < math.inf:
                 ids = {id(p) for p in params if p.requires_grad}
                 for guard in self.open_guards():
-                    if ids == {id(p) for p in guard._pipeline.params()}:
+                    if ids == guard._pipeline.param_ids():
                         return guard.clip_grad_norm_(max_norm, norm_type, parameters=params)
             return clip_grad_norm_(params, max_norm, norm_type, **kwargs)
 

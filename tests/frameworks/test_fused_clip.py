@@ -149,3 +149,32 @@ def test_accelerate_clip_routes_into_the_guard():
     for (s0, lr0, _, n0), (s1, lr1, _, n1) in zip(steps[False], steps[True]):
         assert (s0, lr0) == (s1, lr1)
         assert n1 == pytest.approx(n0, rel=1e-5)
+
+
+def test_which_clips_fold_follows_frozen_parameters_and_added_groups():
+    """The fold's test (the given parameters, frozen ones aside, are the guarded ones) against what the
+    parameters are at each call: a guarded parameter frozen, then unfrozen; a group added after the wrap
+    (the cached ids of the guarded parameters made again). Each unfolded call is torch's clip on unscaled
+    gradients, as the plain loop's."""
+    model = make_model(0)
+    opt = ampguard.wrap(_inner(model, True), precision="fp16", scaler=_scaler(), model=model)
+    first = next(model.parameters())
+    data = iter(make_data(6))
+
+    def folded(**kwargs) -> bool:
+        x, y = next(data)
+        opt.backward(loss_of(model, x, y))
+        opt.clip_grad_norm_(CLIP, **kwargs)
+        scaled = opt._measured.scaled
+        opt.step()
+        opt.zero_grad()
+        return scaled
+
+    assert folded() and folded(parameters=model.parameters())
+    first.requires_grad_(False)  # still guarded, no longer trained: not the guarded set any more
+    assert not folded() and not folded(parameters=model.parameters())
+    first.requires_grad_(True)
+    extra = torch.nn.Parameter(torch.zeros(3))
+    opt.add_param_group({"params": [extra]})  # a guarded parameter outside the model: the model's are a subset
+    assert not folded(parameters=model.parameters())
+    assert folded(parameters=[*model.parameters(), extra])
