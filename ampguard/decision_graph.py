@@ -119,8 +119,11 @@ class MeasureGraph:
     MAX_GRAPHS = 2
     MAX_CAPTURES = 8
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, what: str = "the gradient measurement",
+                 switch: str = "AMPGUARD_CUDA_GRAPH=0") -> None:
         self.enabled = enabled
+        self.what, self.switch = what, switch
+        """What a failed capture's warning names, and the switch that silences it."""
         self._graphs: OrderedDict[tuple[Any, ...], tuple[Any, Any]] = OrderedDict()
         self._seen: OrderedDict[tuple[Any, ...], None] = OrderedDict()
         self._failed = False
@@ -152,8 +155,8 @@ class MeasureGraph:
             graph, out = self._capture(fn, device)
         except Exception as exc:  # capture is an optimisation: never fail a step over it
             self._failed = True
-            warnings.warn(f"ampguard: CUDA graph capture of the gradient measurement failed ({exc}); measuring "
-                          "eagerly (set AMPGUARD_CUDA_GRAPH=0 to silence this)", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"ampguard: CUDA graph capture of {self.what} failed ({exc}); running it eagerly (set "
+                          f"{self.switch} to silence this)", RuntimeWarning, stacklevel=2)
             return fn()
         self.captures += 1
         self._seen.pop(key, None)

@@ -311,18 +311,24 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         # the reports left pending, up to the report lag (this forward is done); a rollback spends this step
         if self._outcome.settle(next_forward=self._step + 1, before=self._step + 1 - self._report_lag()):
             return result
-        measured = self._measured if self._measured is not None else self._measure(fast=True)
         pipe = self._pipeline
         sentinel = self._forensics.sentinel
+        measured = self._measured
+        if measured is None:  # a local vector of the loss and the measurement only: it may go on to the decision
+            plain = fresh and sentinel is None and self._fp8 is None and self._params_bad is None
+            measured = self._measure(fast=True, decide=plain)
         fp8 = fp8_bad = None
         if self._fp8 is not None:  # this step's fp8 casts, and whether one was non-finite: on device
             fp8 = self._fp8.collect()
             fp8_bad = self._fp8.nonfinite(fp8)
-        gathered = pipe.gather(measured, self._loss.value(), no_grads=not fresh,
-                               sentinel=sentinel.value() if sentinel is not None else None, fp8=fp8_bad,
-                               params_bad=self._params_bad)
+        if measured.decided is not None:  # measured, gathered and decided in one replay (StepPipeline.measure)
+            gathered, decided = measured.gathered, measured.decided
+        else:
+            gathered = pipe.gather(measured, self._loss.value(), no_grads=not fresh,
+                                   sentinel=sentinel.value() if sentinel is not None else None, fp8=fp8_bad,
+                                   params_bad=self._params_bad)
+            decided = pipe.decide(gathered, measured)  # the decision, and the path it was taken on
         self._params_bad = None
-        decided = pipe.decide(gathered, measured)  # the decision, and the path it was taken on
         decision = decided.vector
         if self._forensics.armed:  # armed only after an anomaly
             self._forensics.collect(self._step, decision, gathered)
@@ -589,14 +595,16 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
                 "opt.scaler.scale(loss).backward() with the scaler the guard shares. Unscaling unscaled gradients "
                 "would shrink the update by the loss scale. Nothing was changed.")
 
-    def _measure(self, fast: bool = False) -> Any:
+    def _measure(self, fast: bool = False, decide: bool = False) -> Any:
         """``fast``: from ``step()``, the fused fast path may measure the gradients still scaled
-        (never from ``unscale_()``, whose caller wants them unscaled)."""
+        (never from ``unscale_()``, whose caller wants them unscaled). ``decide``: from ``step()``, and it may go
+        on to the local vector and the decision (:meth:`StepPipeline.measure`)."""
         self.backend.before_unscale(self.optimizer)
         for hook in tuple(self._pre_unscale_hooks.values()):
             hook(self._step)
         pipe = self._pipeline  # numerics_every: an int compare
-        return pipe.measure(self, fast=fast, sample=pipe.numerics.sampled(self._step))
+        return pipe.measure(self, fast=fast, sample=pipe.numerics.sampled(self._step), decide=decide,
+                            loss=self._loss.value() if decide else None)
 
     def _report_lag(self) -> int:
         """How many steps behind ``step()`` decodes a sync-free step's report: 2 (the host may run

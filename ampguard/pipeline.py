@@ -95,6 +95,11 @@ class Measured:
     clip_applied: bool = False
     """The clip to ``clip_norm`` was already applied to ``.grad`` (torch's ``clip_grad_norm_``): the
     decision still reports its coefficient, the clip stage does not apply it again."""
+    gathered: torch.Tensor | None = None
+    """The gathered matrix, where the measurement went on to the decision (:meth:`StepPipeline.measure`'s
+    ``decide``: one replay from the gradients to the decision); None: :meth:`StepPipeline.gather` makes it."""
+    decided: Decision | None = None
+    """The step's decision, made with :attr:`gathered`; None: :meth:`StepPipeline.decide` takes it."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -169,6 +174,10 @@ class StepPipeline:
         self.graph = DecisionGraph(switches.cuda_graph)
         self.measure_graph = MeasureGraph(switches.cuda_graph)
         """The fast path's measurement, replayed over gradients that lie where they lay (CUDA)."""
+        self.step_graph = MeasureGraph(switches.cuda_graph and switches.step_graph,
+                                       "the step from the gradients to the decision", "AMPGUARD_STEP_GRAPH=0")
+        """The fast path from the gradients to the decision in one replay (:meth:`measure`'s ``decide``): graphs of
+        their own, so that a failure there leaves :attr:`measure_graph` as it was."""
         self._clip_configs: dict[float, GuardConfig] = {}
         self.numerics = Numerics(config.numerics_every, device=device,
                                  headroom=adapter is not None and adapter.scaler.is_enabled())
@@ -217,17 +226,26 @@ class StepPipeline:
         return ((self.fast_capable or self.norms_first) and not self.backend.grads_sharded
                 and self.adapter.fast_path_ok(guard, self.optimizer))  # type: ignore[union-attr]
 
-    def measure(self, guard: object, *, fast: bool = False, sample: bool = False) -> Measured:
+    def measure(self, guard: object, *, fast: bool = False, sample: bool = False, decide: bool = False,
+                loss: torch.Tensor | None = None) -> Measured:
         """Unscale (adopting an ``unscale_`` already done this iteration), check and measure the
         gradients: one read. ``guard``: the guarded optimizer (GradScaler may know it by its id).
         ``fast`` (only from ``step()``, never from ``unscale_()``, whose caller wants unscaled
         gradients): take the fused fast path where :meth:`fast_path` allows it. ``sample``: a step
         sampled by ``GuardConfig.numerics_every``: also measure the zero fractions and headroom
-        (:mod:`ampguard.numerics`) of the still-scaled gradients, before they are unscaled."""
+        (:mod:`ampguard.numerics`) of the still-scaled gradients, before they are unscaled.
+
+        ``decide`` (from ``step()``, where the step's local vector would hold nothing but ``loss``, the
+        measurement and constants: fresh gradients, no sentinel, fp8 or parameter flag): on the fused fast path
+        with the tensor decision, one rank and the local backend, go on to the local vector and the decision
+        in the same execution, replayed as one CUDA graph (:meth:`_through_decision`), into
+        :attr:`Measured.gathered` and :attr:`Measured.decided`; the same values as :meth:`gather` then
+        :meth:`decide`. Elsewhere, or with ``AMPGUARD_STEP_GRAPH`` off, those stay None."""
         if self.adapter is not None and self.adapter.shared:
             self.adapter.check_iteration()  # before anything changes: one step per guard and iteration
         if fast and self.fast_path(guard):
-            measured = self._measure_scaled(norms_first=self.norms_first)
+            through = (loss,) if decide and not sample and self._decides_through(loss) else None
+            measured = self._measure_scaled(norms_first=self.norms_first, through=through)
             if measured is not None:
                 if sample:
                     measured.numerics = self.numerics.measure(measured.groups, self.optimizer.param_groups, None)
@@ -269,16 +287,27 @@ class StepPipeline:
 
         return self._replayed("norms", measure, groups)  # type: ignore[no-any-return]
 
-    def _replayed(self, kind: str, measure: Callable[[], Any], groups: GradGroups,
-                  scale: torch.Tensor | None = None) -> Any:
-        """``measure()``, replayed from :class:`~ampguard.decision_graph.MeasureGraph` where the gradients are one
-        group of plain tensors on the guard's device (the usual case; with ``scale``, on its device too), eagerly
-        otherwise."""
+    def _replayed(self, kind: Any, measure: Callable[[], Any], groups: GradGroups,
+                  scale: torch.Tensor | None = None, graphs: MeasureGraph | None = None) -> Any:
+        """``measure()``, replayed from :class:`~ampguard.decision_graph.MeasureGraph` (``graphs``; default
+        :attr:`measure_graph`) where the gradients are one group of plain tensors on the guard's device (the usual
+        case; with ``scale``, on its device too), eagerly otherwise."""
         if len(groups.tensors) == 1 and groups.own:
             ((dev, _), grads), = groups.tensors.items()
             if dev == self.device and (scale is None or scale.device == dev):
-                return self.measure_graph.run(kind, measure, grads, scale)
+                return (self.measure_graph if graphs is None else graphs).run(kind, measure, grads, scale)
         return measure()
+
+    def _decides_through(self, loss: torch.Tensor | None) -> bool:
+        """Whether this step's measurement may go on to the decision (:meth:`measure`'s ``decide``): the step
+        graph switched on, the fused fast path (:attr:`fast_capable`) with the tensor decision (off the CPU;
+        tests turn :attr:`host_decision` off on the CPU), the local backend (one rank: its gather is the vector
+        itself), and a loss the graph can read where it lies (a float32 0-d tensor on the guard's device, as
+        :class:`~ampguard.stats.LossMeter` keeps it)."""
+        return (self.step_graph.enabled and not self.host_decision and self.fast_capable
+                and getattr(self.backend, "name", None) == "local"
+                and (loss is None or (loss.device == self.device and loss.dtype == torch.float32
+                                      and loss.dim() == 0)))
 
     def _sparse_tolerant(self, fn: Callable[[GradGroups], Any], groups: GradGroups) -> tuple[GradGroups, Any]:
         """``(groups, fn(groups))``; where ``fn`` fails because some gradients are sparse (no norm
@@ -294,7 +323,8 @@ class StepPipeline:
             views, coalesced = values
             return views, fn(coalesced)
 
-    def _measure_scaled(self, norms_first: bool = False) -> Measured | None:
+    def _measure_scaled(self, norms_first: bool = False,
+                        through: tuple[torch.Tensor | None] | None = None) -> Measured | None:
         """The fused fast path's measurement: per-tensor norms of the still-scaled gradients (the
         one read), times ``1/scale`` on device: with a power-of-two scale that is exact, so the
         norms (and the total) are bitwise those of the unscaled gradients, barring float32 over-
@@ -309,7 +339,8 @@ class StepPipeline:
         CPU tensor, and where a scaled norm is not finite (before anything is recorded): GradScaler's
         element check then decides on today's path, as in the plain loop (a finite gradient whose squares
         overflow float32 is stepped on, as torch's ``test_grad_scale_will_not_overflow`` has it); that
-        step reads the gradients twice. No sync."""
+        step reads the gradients twice. ``through``: ``(loss,)``, go on to the decision (:meth:`measure`'s
+        ``decide``, off the host decision only). No sync."""
         adapter = self.adapter
         assert adapter is not None  # internal: fast_path() checked
         groups = grads_by_device_and_dtype(self.params())
@@ -317,10 +348,13 @@ class StepPipeline:
             return None
         if norms_first and any(dev.type != "cpu" or dtype != torch.float32 for dev, dtype in groups.tensors):
             return None
-        on_host = self.device.type == "cpu"
+        on_host = self.device.type == "cpu" and through is None  # through: the tensor decision (tests: on the CPU)
+        decided = None
         try:
             if on_host:
                 norms = per_tensor_norms(groups, self.device)
+            elif through is not None:  # and the local vector and the decision: one replay from the gradients
+                norms, found_inf, reductions, gathered, decided = self._through_decision(groups, adapter, through[0])
             else:  # times 1/scale, found_inf and the reductions: one graph replay where the gradients lie
                 norms, found_inf, reductions = self._scaled_norms(groups, adapter)
         except RuntimeError:
@@ -341,7 +375,10 @@ class StepPipeline:
         (found_inf,) = found.values()
         if found_inf.device != self.device:
             found_inf = found_inf.to(self.device, non_blocking=True)
-        return Measured(found, found_inf, groups, norms, scaled=True, reductions=None if on_host else reductions)
+        measured = Measured(found, found_inf, groups, norms, scaled=True, reductions=None if on_host else reductions)
+        if decided is not None:
+            measured.gathered, measured.decided = gathered, decided
+        return measured
 
     def _scaled_norms(self, groups: GradGroups, adapter: GradScalerAdapter
                       ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -358,6 +395,38 @@ class StepPipeline:
             return norms, found, (total, count)
 
         return self._replayed("scaled", measure, groups, scale)  # type: ignore[no-any-return]
+
+    def _through_decision(self, groups: GradGroups, adapter: GradScalerAdapter, loss: torch.Tensor | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor,
+                                     Decision]:
+        """:meth:`_scaled_norms`, then the local vector (:func:`~ampguard.stats.local_vector` of ``loss`` and
+        the measurement, as :meth:`gather` makes it for a fresh step with no sentinel, fp8 or parameter flag),
+        the local backend's gather (the vector as the one row) and the decision (:func:`decide`, as
+        :meth:`decide` takes it): one execution, replayed from :attr:`step_graph` where the gradients, the scale
+        and the loss lie where they lay (the loss's address is in the key). The decision's constants are too:
+        the scaler's factors, as :class:`~ampguard.decision_graph.DecisionGraph` keys them. The carried state
+        (spike averages, the overflow run) is written in place by each replay, as by the decision's own graph.
+        Returns ``(norms, found_inf, reductions, gathered, decision)``. No sync."""
+        scale, device = adapter.scale, self.device
+        view = adapter.view()
+        config, backend = self.config, self.backend
+
+        def measure() -> tuple[Any, ...]:
+            norms = per_tensor_norms(groups, device) * adapter.inv_scale().to(device, non_blocking=True)
+            total, count = total_and_nonfinite(norms)
+            found = count.gt(0).to(scale.device, dtype=torch.float32, non_blocking=True).reshape(())
+            vec = local_vector(loss=loss, tensor_norms=norms, reductions=(total, count), found_inf=found,
+                               pre_reduction=backend.pre_reduction_flags(), device=device)
+            gathered = backend.all_gather(vec).wait()
+            vector, tracker = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
+                                     scaler=view, grads_sharded=False)
+            return norms, found, total, count, gathered, vector, tracker
+
+        kind = ("decision", view.growth_factor, view.backoff_factor, view.growth_interval,
+                None if loss is None else loss.data_ptr())
+        norms, found, total, count, gathered, vector, tracker = self._replayed(kind, measure, groups, scale,
+                                                                               self.step_graph)
+        return norms, found, (total, count), gathered, Decision(vector, tracker)
 
     def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False,
                sentinel: torch.Tensor | None = None, fp8: torch.Tensor | None = None,

@@ -1,10 +1,10 @@
 """Implementation switches: environment variables for tests and benchmarks, not configuration.
 
-Neither switch changes what the guard decides: each chooses between two implementations of a step
+No switch changes what the guard decides: each chooses between two implementations of a step
 (docs/design.md), so that tests and benchmarks can compare them. They are read once per ``wrap``
 (:class:`ampguard.pipeline.StepPipeline`), so one process may build guards with different switches
 one after the other. Users configure the guard with :class:`ampguard.GuardConfig`, which has no
-field for either.
+field for any of them.
 """
 
 from __future__ import annotations
@@ -26,25 +26,37 @@ class Switches:
     instead of a few dozen), and replay the measurement of the gradients from graphs keyed by where they lie
     (:class:`ampguard.decision_graph.MeasureGraph`). ``AMPGUARD_CUDA_GRAPH=0``: run both eagerly."""
 
+    step_graph: bool = False
+    """On CUDA, with the fused fast path, one rank and the local backend: measure the gradients, make the local
+    vector and take the decision in one execution, replayed as one CUDA graph where the gradients, the scale
+    and the loss lie where they lay (:meth:`ampguard.pipeline.StepPipeline.measure`'s ``decide``), instead of a
+    replay of the measurement, the vector's kernels and a replay of the decision. Off by default until it has
+    run on a CUDA device (``docs/design.md``, "What stop 39 taught"); ``AMPGUARD_STEP_GRAPH=1`` turns it on
+    (with ``AMPGUARD_CUDA_GRAPH`` on)."""
+
     fused_fast_path: bool = True
     """With a GradScaler and a fused optimizer, measure the still-scaled gradients and let the
     optimizer's kernel unscale (and clip) them (:mod:`ampguard.pipeline`). ``AMPGUARD_FUSED_FAST_PATH=0``:
     unscale first, as with any other optimizer."""
 
 
-_SWITCH_VARIABLES = {"cuda_graph": "AMPGUARD_CUDA_GRAPH", "fused_fast_path": "AMPGUARD_FUSED_FAST_PATH"}
+_SWITCH_VARIABLES = {"cuda_graph": "AMPGUARD_CUDA_GRAPH", "fused_fast_path": "AMPGUARD_FUSED_FAST_PATH",
+                     "step_graph": "AMPGUARD_STEP_GRAPH"}
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(Switches)}
 
 
 def implementation_switches(environ: Mapping[str, str] | None = None) -> Switches:
     """The :class:`Switches` from the environment (``os.environ`` unless ``environ`` is given):
-    ``AMPGUARD_CUDA_GRAPH`` and ``AMPGUARD_FUSED_FAST_PATH``, each ``"1"`` (on, the default; also
-    when unset or empty) or ``"0"`` (off). Any other value raises ValueError naming the variable."""
+    ``AMPGUARD_CUDA_GRAPH``, ``AMPGUARD_FUSED_FAST_PATH`` and ``AMPGUARD_STEP_GRAPH``, each ``"1"`` (on) or
+    ``"0"`` (off); unset or empty: the field's default (on, but for the step graph). Any other value raises
+    ValueError naming the variable."""
     env = os.environ if environ is None else environ
     values = {}
     for field, variable in _SWITCH_VARIABLES.items():
-        raw = env.get(variable, "") or "1"
+        default = "1" if _DEFAULTS[field] else "0"
+        raw = env.get(variable, "") or default
         if raw not in ("0", "1"):
-            raise ValueError(f"{variable}={raw!r}; allowed: '0' (off) or '1' (on, the default); an implementation "
-                             "switch for tests and benchmarks")
+            raise ValueError(f"{variable}={raw!r}; allowed: '0' (off) or '1' (on); unset: {default!r}, the default; "
+                             "an implementation switch for tests and benchmarks")
         values[field] = raw == "1"
     return Switches(**values)

@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # Issue 26 on the H200: host time of step() with its breakdown (benchmarks/host_time.py), and tests/gpu. Run through
-# the device tool: OUT=$OUT bash benchmarks/gpu_issue26.sh [TAG]. Writes $OUT/host_time_TAG.{txt,json}, $OUT/tests_TAG.txt.
+# the device tool: OUT=$OUT bash benchmarks/gpu_issue26.sh [TAG]. Writes $OUT/host_time_TAG.{txt,json}, $OUT/tests_TAG.txt,
+# $OUT/first_TAG.txt. STEP_GRAPH=1: host_time.py also times the step graph's guard (--step-graph) in the same blocks.
+# The next session's first call (stop 39's plan): STEP_GRAPH=1 TESTS=0 OUT=$OUT bash benchmarks/gpu_issue26.sh a; then the
+# whole tests/gpu (FIRST=0 PROFILE=0 STEP_GRAPH= ... b), each call under the 600 s bound.
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu_$TAG.txt"
 python -c "import torch; print(torch.__version__)" | tee -a "$OUT/gpu_$TAG.txt"
 git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu_$TAG.txt"
+if [ "${FIRST:-1}" = 1 ]; then  # first: stop 38's unexplained sync (its sites printed) and the step graph's tests
+  timeout -k 5 "${FIRST_S:-150}" python -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_gpu_detectors.py \
+    tests/gpu/test_gpu_step_graph.py > "$OUT/first_$TAG.txt" 2>&1
+  echo "first tests rc=$?"; tail -n 25 "$OUT/first_$TAG.txt"
+fi
 if [ "${TESTS:-1}" = 1 ]; then  # ~250 s on the H200 at stop 37 (a 200 s bound cut it short): its whole log kept
   timeout -k 5 "${TESTS_S:-330}" python -m pytest -q -p no:cacheprovider -rfE tests/gpu > "$OUT/tests_$TAG.txt" 2>&1
   echo "tests rc=$?"; tail -n 15 "$OUT/tests_$TAG.txt"
 fi
 python benchmarks/host_time.py --device cuda --models ${MODELS:-mlp,gpt2-350m} --optims fused,foreach --blocks 10 --steps 30 \
-  --profile ${PROFILE:-0} --ops ${OPS:-30} --json "$OUT/host_time_$TAG.json" 2>&1 | grep -v Warning | tee "$OUT/host_time_$TAG.txt"
+  --profile ${PROFILE:-0} --ops ${OPS:-30} ${STEP_GRAPH:+--step-graph} --json "$OUT/host_time_$TAG.json" 2>&1 | grep -v Warning | tee "$OUT/host_time_$TAG.txt"

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -104,11 +106,11 @@ class Timers:
 
 
 def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: int, warmup: int,
-        profile: int = 0, ops: int = 0) -> dict[str, Any]:
+        profile: int = 0, ops: int = 0, step_graph: bool = False) -> dict[str, Any]:
     dtype = torch.float16
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     loops = {}
-    for variant in ("plain", "guard"):
+    for variant in ("plain", "guard", "guard-step") if step_graph else ("plain", "guard"):
         model, loss_fn = build(model_name, device)
         inner = torch.optim.AdamW(model.parameters(), lr=1e-4, **{optim: True})
         if variant == "plain":
@@ -123,8 +125,9 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
                 scaler.step(inner)
                 scaler.update()
             loops[variant] = (fwd_bwd, step, inner.zero_grad, None)
-        else:
-            opt = ampguard.wrap(inner, model=model, precision="fp16", exporters=[])
+        else:  # guard-step: the step graph on (AMPGUARD_STEP_GRAPH=1, read at wrap time); guard: the default
+            with mock.patch.dict(os.environ, {"AMPGUARD_STEP_GRAPH": "1" if variant == "guard-step" else "0"}):
+                opt = ampguard.wrap(inner, model=model, precision="fp16", exporters=[])
 
             def fwd_bwd(opt=opt, loss_fn=loss_fn) -> None:
                 with opt.autocast():
@@ -148,18 +151,23 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
     for variant in loops:
         for _ in range(warmup):
             one(variant, None)
-    times: dict[str, list[int]] = {"plain": [], "guard": []}
+    times: dict[str, list[int]] = {variant: [] for variant in loops}
+    names = list(loops)
     for b in range(blocks):
-        order = ("plain", "guard") if b % 2 == 0 else ("guard", "plain")
+        order = names[b % len(names):] + names[:b % len(names)]  # rotated: each variant first in turn
         for variant in order:
             for _ in range(steps):
                 one(variant, times[variant])
+    breakdowns = {}
+    for variant in names[1:]:
+        timers = Timers(loops[variant][3])
+        broken: list[int] = []
+        for _ in range(max(steps, 20)):
+            one(variant, broken)
+        timers.remove()
+        breakdowns[variant] = (timers, broken)
     guard = loops["guard"][3]
-    timers = Timers(guard)
-    broken: list[int] = []
-    for _ in range(max(steps, 20)):
-        one("guard", broken)
-    timers.remove()
+    timers, broken = breakdowns["guard"]
     if ops:  # torch.profiler over step() only: each op's own host time, the launches, per step
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -207,21 +215,34 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
         print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:12000])
     graphs = guard._pipeline.measure_graph  # the measurement's CUDA graph: how often it was replayed
     steps_run = guard.step_count
-    guard.close()
 
     def q(xs: list[int]) -> dict[str, float]:
         qs = statistics.quantiles(xs, n=4)  # the mean also counts what every N-th step pays (param_check_every)
         return {"p25": qs[0] / 1e3, "median": qs[1] / 1e3, "p75": qs[2] / 1e3, "mean": statistics.fmean(xs) / 1e3}
-    n = len(broken)
-    stages = {k: statistics.median(v) / 1e3 if len(v) == n else sum(v) / n / 1e3
-              for k, v in timers.ns.items() if v}
-    inner_total = statistics.median(broken) / 1e3
-    stages["rest"] = inner_total - sum(stages.values())  # no timed stage runs inside another
+
+    def breakdown(timers: Timers, broken: list[int]) -> tuple[dict[str, float], float]:
+        n = len(broken)
+        stages = {k: statistics.median(v) / 1e3 if len(v) == n else sum(v) / n / 1e3
+                  for k, v in timers.ns.items() if v}
+        total = statistics.median(broken) / 1e3
+        stages["rest"] = total - sum(stages.values())  # no timed stage runs inside another
+        return stages, total
+    stages, inner_total = breakdown(timers, broken)
     out = {"model": model_name, "optim": optim, "device": str(device), "plain_us": q(times["plain"]),
            "guard_us": q(times["guard"]), "breakdown_us": stages, "breakdown_total_us": inner_total}
     out["measure_graph"] = {"steps": steps_run, "captures": graphs.captures, "replays": graphs.replays}
     out["added_us"] = out["guard_us"]["median"] - out["plain_us"]["median"]
     out["added_mean_us"] = out["guard_us"]["mean"] - out["plain_us"]["mean"]
+    if step_graph:  # the step graph's guard, timed in the same blocks
+        stepped = loops["guard-step"][3]
+        sg = stepped._pipeline.step_graph
+        s_stages, s_total = breakdown(*breakdowns["guard-step"])
+        out["guard_step"] = {"us": q(times["guard-step"]), "breakdown_us": s_stages, "breakdown_total_us": s_total,
+                             "step_graph": {"steps": stepped.step_count, "captures": sg.captures,
+                                            "replays": sg.replays}}
+        out["guard_step"]["added_us"] = out["guard_step"]["us"]["median"] - out["plain_us"]["median"]
+        stepped.close()
+    guard.close()
     return out
 
 
@@ -237,6 +258,8 @@ def main() -> int:
                     help="also print cProfile's top N functions inside step() (own time)")
     ap.add_argument("--ops", type=int, default=0, help="also print the top N torch ops inside step() (torch.profiler)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--step-graph", action="store_true",
+                    help="also time a guard with the step graph on (AMPGUARD_STEP_GRAPH=1), in the same blocks")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="thread: the thread's CPU time (a CPU run on a busy machine, OMP_NUM_THREADS=1)")
     args = ap.parse_args()
@@ -246,7 +269,8 @@ def main() -> int:
     rows = []
     for model_name in args.models.split(","):
         for optim in args.optims.split(","):
-            row = run(model_name, optim, device, args.blocks, args.steps, args.warmup, args.profile, args.ops)
+            row = run(model_name, optim, device, args.blocks, args.steps, args.warmup, args.profile, args.ops,
+                      args.step_graph)
             rows.append(row)
             p, g = row["plain_us"], row["guard_us"]
             print(f"\n{model_name} {optim} on {device}: plain {p['median']:.0f} us (p25 {p['p25']:.0f}, p75 "
@@ -258,6 +282,15 @@ def main() -> int:
             print(f"  breakdown of a timed guarded step ({row['breakdown_total_us']:.0f} us, median):")
             for k, v in sorted(row["breakdown_us"].items(), key=lambda kv: -kv[1]):
                 print(f"    {k:<26} {v:8.1f} us")
+            if "guard_step" in row:
+                st = row["guard_step"]
+                u, sg = st["us"], st["step_graph"]
+                print(f"  guard with the step graph: {u['median']:.0f} us (p25 {u['p25']:.0f}, p75 {u['p75']:.0f}); "
+                      f"added {st['added_us']:+.0f} us; mean {u['mean']:.0f}; step graph: {sg['replays']} replays, "
+                      f"{sg['captures']} captures in {sg['steps']} steps")
+                print(f"  its breakdown ({st['breakdown_total_us']:.0f} us, median):")
+                for k, v in sorted(st["breakdown_us"].items(), key=lambda kv: -kv[1]):
+                    print(f"    {k:<26} {v:8.1f} us")
             sys.stdout.flush()
     if args.json:
         args.json.write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__, "clock": args.clock,

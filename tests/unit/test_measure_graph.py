@@ -27,8 +27,8 @@ class _StandIn:
 class _Graphs(MeasureGraph):
     """MeasureGraph with the CPU taken as capturable and the capture made by :class:`_StandIn`."""
 
-    def __init__(self, fail: bool = False) -> None:
-        super().__init__(True)
+    def __init__(self, fail: bool = False, *names: str) -> None:
+        super().__init__(True, *names)
         self.fail = fail
         self.captured: list[_StandIn] = []
 
@@ -139,3 +139,14 @@ def test_gradients_of_another_dtype_where_the_captured_ones_lay_are_not_replayed
     out = graphs.run("norms", _norms(halves), halves)
     assert graphs.replays == 1  # only the capture's own replay: eager
     assert torch.equal(out, torch.stack([h.norm() for h in halves]))
+
+
+def test_a_failed_capture_names_what_failed_and_its_switch() -> None:
+    """The step graph's failure is its own (StepPipeline.step_graph is another MeasureGraph): its warning names it
+    and the switch that turns it off."""
+    grads = [torch.randn(4)]
+    graphs = _Graphs(True, "the step from the gradients to the decision", "AMPGUARD_STEP_GRAPH=0")
+    graphs.run("norms", _norms(grads), grads)
+    with pytest.warns(RuntimeWarning, match=r"capture of the step from the gradients to the decision failed .*"
+                                            r"AMPGUARD_STEP_GRAPH=0"):
+        graphs.run("norms", _norms(grads), grads)

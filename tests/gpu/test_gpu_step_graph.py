@@ -1,0 +1,111 @@
+"""On CUDA: the step graph (``AMPGUARD_STEP_GRAPH=1``): the measurement, the local vector and the decision replayed
+as one CUDA graph gives the run without it bit for bit (weights, every report, through real fp16 overflows, ZClip's
+clipping and the z-score detector's carried state), is replayed in a steady loop, never reads a loss or gradients
+that moved, captures without a warning, and adds no host sync.
+
+Skipped without CUDA. tests/unit/test_step_graph.py checks the same bookkeeping on the CPU with a stand-in capture.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ampguard
+
+from .test_gpu import SYNC_SITES, _Plain, _syncs_of_one_step
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+BAD = 15  # a bad batch (the loss times 50): a gradient spike, skipped, and ZClip's clip after it
+CONFIG = {"spikes": {"grad_zscore": 3.0, "warmup": 4, "action": "skip"}, "zclip": {"warmup": 4}, "param_norms_every": 1}
+
+
+class _Loop:
+    def __init__(self, step_graph: bool, config: dict | None = None) -> None:
+        torch.manual_seed(0)
+        self.model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
+                                   nn.Linear(256, 10)).cuda()
+        inner = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+        env = {"AMPGUARD_CUDA_GRAPH": "1", "AMPGUARD_STEP_GRAPH": "1" if step_graph else "0"}
+        with mock.patch.dict(os.environ, env):  # read at wrap time
+            self.opt = ampguard.wrap(inner, model=self.model, precision="fp16",
+                                     scaler=torch.amp.GradScaler("cuda", init_scale=2.0**24),  # real overflows first
+                                     config=CONFIG if config is None else config)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        with self.opt.autocast():
+            loss = F.cross_entropy(self.model(x), y) * scale
+        self.opt.backward(loss)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(32, 64, generator=g).cuda(), torch.randint(0, 10, (32,), generator=g).cuda())
+            for _ in range(n)]
+
+
+def _train(step_graph: bool, batches: list, keep_from: int | None = None) -> tuple[list[torch.Tensor], str, _Loop]:
+    """``keep_from``: from that step on, every step's loss and gradients are kept alive, so the next step's lie
+    elsewhere (new keys: measured and decided eagerly)."""
+    loop = _Loop(step_graph)
+    kept: list[torch.Tensor] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns
+        for i, b in enumerate(batches):
+            loss = loop.step(*b, scale=50.0 if i == BAD else 1.0)
+            if keep_from is not None and i >= keep_from:
+                kept += [loss, *(p.grad for p in loop.model.parameters() if p.grad is not None)]
+    loop.opt.flush()
+    reports = repr([(r.step, r.skipped, r.reason, r.loss, r.grad_norm, r.loss_scale, r.clip_coef, r.grad_spike,
+                     r.spike_threshold, r.clip_threshold, r.param_norms) for r in loop.opt.history])
+    return [p.detach().clone() for p in loop.model.parameters()], reports, loop
+
+
+def test_the_step_graph_run_is_the_run_without_it_bit_for_bit() -> None:
+    batches = _batches(24)
+    want, want_reports, plain = _train(False, batches)
+    got, reports, loop = _train(True, batches)
+    graphs = loop.opt._pipeline.step_graph
+    assert graphs.replays >= 12 and 1 <= graphs.captures <= 3, (graphs.replays, graphs.captures)
+    assert plain.opt._pipeline.step_graph.replays == 0
+    assert reports == want_reports  # repr: exact floats, NaN equal to itself
+    assert any(r.skipped for r in loop.opt.history[:4])  # the first steps overflowed for real
+    assert loop.opt.history[BAD].grad_spike and loop.opt.history[BAD].skipped
+    assert any(r.clip_coef < 1.0 for r in loop.opt.history)  # ZClip clipped
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_loss_and_gradients_that_move_are_measured_where_they_are() -> None:
+    batches = _batches(16)
+    want, want_reports, _ = _train(False, batches, keep_from=8)
+    got, reports, loop = _train(True, batches, keep_from=8)
+    assert loop.opt._pipeline.step_graph.replays >= 3  # the steady part replayed
+    assert reports == want_reports
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_step_graph_adds_no_host_sync() -> None:
+    batches = _batches(10)
+    guarded, plain = _Loop(True, config={}), _Plain(fused=True, init_scale=2.0**16)
+    for b in batches[:8]:
+        guarded.step(*b)
+        plain.step(*b)
+    graphs = guarded.opt._pipeline.step_graph
+    before = (graphs.captures, graphs.replays)
+    guard_n, guard_raised = _syncs_of_one_step(guarded, batches[8])
+    sites = list(SYNC_SITES)
+    plain_n, plain_raised = _syncs_of_one_step(plain, batches[8])
+    assert graphs.replays > before[1]  # the counted steps replayed the step graph
+    assert guard_n <= plain_n and (guard_raised == plain_raised or not guard_raised), (
+        f"guarded {guard_n} syncs at {sites}, plain {plain_n}; the step graph's (captures, replays) "
+        f"{before} -> {(graphs.captures, graphs.replays)}")

@@ -1,0 +1,136 @@
+"""The step graph (``AMPGUARD_STEP_GRAPH=1``, ``StepPipeline.measure``'s ``decide``): on the fused fast path with
+the tensor decision and one rank, the measurement goes on to the local vector and the decision in one execution,
+replayed as one CUDA graph. On the CPU, with the tensor decision forced (as CUDA takes it) and the capture
+replaced by a stand-in whose ``replay()`` runs the captured function again into the captured outputs (as a CUDA
+graph's replay runs its kernels again into its static tensors), a guarded run with it is the run without it,
+bit for bit: weights, every report, through genuine fp16 overflows, ZClip's clipping, the z-score detector's
+state, sampled numerics steps that fall back to the separate stages, and a loss whose address moves. The real
+capture is tests/gpu/test_gpu_step_graph.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+from unittest import mock
+
+import torch
+
+import ampguard
+from ampguard.decision_graph import MeasureGraph
+from ampguard.stats import LossMeter
+
+from ._models import loss_of, make_data, make_model
+
+CONFIG = {"spikes": {"grad_zscore": 3.0, "warmup": 3, "action": "skip"}, "zclip": {"warmup": 3},
+          "param_norms_every": 1, "numerics_every": 5}
+OVERFLOW_STEPS = {4, 9, 10}  # the loss times 2**14: the fp16 backward overflows (scaled by GradScaler's 2**10)
+
+
+class _StandIn:
+    def __init__(self, fn: Any, outs: tuple[Any, ...]) -> None:
+        self.fn, self.outs = fn, outs
+
+    def replay(self) -> None:
+        for out, new in zip(self.outs, self.fn()):
+            if out is not None:
+                out.copy_(new)
+
+
+class _Graphs(MeasureGraph):
+    """A MeasureGraph that takes the CPU as capturable; its capture runs the function once for the outputs' shapes
+    and puts back the state that run wrote (a CUDA capture records the kernels without running them)."""
+
+    def __init__(self, state: list[torch.Tensor]) -> None:
+        super().__init__(True)
+        self.state = state
+
+    @staticmethod
+    def _capturable(device: torch.device) -> bool:
+        return True
+
+    def _capture(self, fn: Any, device: torch.device) -> tuple[Any, Any]:
+        saved = [t.clone() for t in self.state]
+        outs = tuple(None if t is None else t.clone() for t in fn())
+        for t, s in zip(self.state, saved):
+            t.copy_(s)
+        return _StandIn(fn, outs), outs
+
+
+def _state(pipe: Any) -> list[torch.Tensor]:
+    return [getattr(o, f.name) for o in (pipe.spikes, pipe.scale_state) for f in dataclasses.fields(o)]
+
+
+def _run(step_graph: bool, steps: int = 16, addresses: int = 1) -> tuple[list[torch.Tensor], Any, Any]:
+    """A guarded run. On the CPU a tensor's address is malloc's choice: the gradients are kept (zeroed in place)
+    and the kept loss is copied into one of ``addresses`` buffers in turn, so that keys repeat as they do on
+    CUDA's caching allocator (a CUDA loop's loss and gradients usually lie where they lay)."""
+    model = make_model(0)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    with mock.patch.dict(os.environ, {"AMPGUARD_STEP_GRAPH": "1" if step_graph else "0"}):  # read at wrap time
+        opt = ampguard.wrap(inner, model=model, precision="fp16", scaler=scaler, config=CONFIG)
+    pipe = opt._pipeline
+    pipe.host_decision = False  # the tensor decision, as on CUDA
+    graphs = None
+    if step_graph:
+        graphs = pipe.step_graph = _Graphs(_state(pipe))
+    buffers = [torch.zeros(()) for _ in range(addresses)]
+    at = [0]
+
+    def kept(loss: torch.Tensor) -> torch.Tensor:
+        buf = buffers[at[0] % addresses]
+        at[0] += 1
+        return buf.copy_(loss.detach().reshape(()))
+
+    with mock.patch.object(LossMeter, "kept", staticmethod(kept)):
+        for i, (x, y) in enumerate(make_data(steps)):
+            with opt.autocast():
+                loss = loss_of(model, x, y) * (2.0**14 if i in OVERFLOW_STEPS else 1.0)
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    opt.flush()
+    return [p.detach().clone() for p in model.parameters()], opt, graphs
+
+
+def _reports(opt: Any) -> list[str]:
+    """Each report's fields (NaN compares equal to NaN here; the shortest repr of a float is its bits)."""
+    return [repr(dataclasses.astuple(dataclasses.replace(r, wall_time=0.0))) for r in opt.history]
+
+
+def test_a_run_through_the_step_graph_is_the_run_without_it_bit_for_bit() -> None:
+    want, plain, _ = _run(step_graph=False)
+    got, guarded, graphs = _run(step_graph=True)
+    assert graphs.captures >= 1 and graphs.replays >= 8  # the steps went through the graph
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _reports(guarded) == _reports(plain)
+    reports = guarded.history
+    assert {r.step for r in reports if r.skipped} >= OVERFLOW_STEPS  # genuine overflows, skipped
+    assert any(r.clip_coef < 1.0 for r in reports)  # ZClip clipped
+    assert any(r.grad_zero_fraction is not None for r in reports)  # sampled numerics steps (the stages apart)
+
+
+def test_a_loss_that_moves_is_measured_where_it_lies() -> None:
+    """The loss in two places by turns: two keys (the loss's address is in the key), each captured and replayed
+    with its own loss; a replay that read the other place's loss would decide on the step before's."""
+    want, plain, _ = _run(step_graph=False, addresses=2)
+    got, guarded, graphs = _run(step_graph=True, addresses=2)
+    assert graphs.captures == 2 and graphs.replays >= 8
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _reports(guarded) == _reports(plain)
+
+
+def test_off_by_default_and_not_taken_on_the_host_decision() -> None:
+    model = make_model(0)
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), fused=True), model=model, precision="fp16")
+    assert not opt._pipeline.step_graph.enabled
+    with mock.patch.dict(os.environ, {"AMPGUARD_STEP_GRAPH": "1"}):
+        opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), fused=True), model=model, precision="fp16")
+    assert opt._pipeline.step_graph.enabled
+    for x, y in make_data(3):  # the CPU's host decision: the stages apart
+        opt.backward(loss_of(model, x, y))
+        opt.step()
+        opt.zero_grad()
+    assert opt._pipeline.step_graph.captures == 0
