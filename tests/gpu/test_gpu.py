@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 from unittest import mock
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS for the identity test
@@ -121,6 +122,24 @@ def _syncs_of_one_step(loop: _Plain | _Guarded, batch: tuple[torch.Tensor, torch
     finally:
         torch.cuda.set_sync_debug_mode("default")
     return n, raised
+
+
+def assert_no_added_sync(guarded: Any, plain: _Plain, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         graphs: Any, warm: int = 8) -> int:
+    """After ``warm`` steps of each loop, the guarded loop's next step synchronises nowhere the plain loop's does
+    (``_syncs_of_one_step``, on batch ``warm``); ``graphs``: a ``MeasureGraph`` whose captures and replays the
+    failure message reports, with the Python line of every counted sync. Returns the graph's replays before."""
+    for b in batches[:warm]:
+        guarded.step(*b)
+        plain.step(*b)
+    before = (graphs.captures, graphs.replays)
+    guard_n, guard_raised = _syncs_of_one_step(guarded, batches[warm])
+    sites = list(SYNC_SITES)
+    plain_n, plain_raised = _syncs_of_one_step(plain, batches[warm])
+    assert guard_n <= plain_n and (guard_raised == plain_raised or not guard_raised), (
+        f"guarded {guard_n} syncs at {sites}, plain {plain_n}; the graph's (captures, replays) "
+        f"{before} -> {(graphs.captures, graphs.replays)}")
+    return before[1]
 
 
 @needs_cuda
