@@ -50,7 +50,7 @@ from .backends.base import Backend
 from .config import GuardConfig
 from .decision_graph import DecisionGraph, MeasureGraph
 from .numerics import Numerics
-from .payload import HostCopy, Packed, Unpacked, pack, unpacked_on_host
+from .payload import HostCopy, Layout, Packed, Unpacked, pack, unpacked_on_host
 from .policies import SpikeState, decide, decide_host, uses_clipping
 from .scaling import GradScalerAdapter, ScalerView, ScaleState
 from .stats import (
@@ -116,6 +116,12 @@ class Decision:
     """The host decision's values (:func:`~ampguard.policies.decide_host`); None on the tensor path."""
     copied: HostCopy | None = None
     """The host decision's one copy, whose statistics the step's payload reuses."""
+    packed: Packed | None = None
+    """The step's payload as :func:`~ampguard.payload.pack` makes it without the optional parts (no sampled
+    numerics, indicators, parameter check or fp8 rows), made in the same replay as the decision (the step graph);
+    :meth:`StepPipeline.payload` takes it on a step with none of those parts. A graph's output, rewritten by the
+    next replay: the reporter copies it into pinned memory before that (stream order); on the CPU (tests), where
+    the reporter keeps a payload as it is, it is cloned."""
 
     @property
     def skipped(self) -> bool | None:
@@ -401,11 +407,12 @@ class StepPipeline:
                                      Decision]:
         """:meth:`_scaled_norms`, then the local vector (:func:`~ampguard.stats.local_vector` of ``loss`` and
         the measurement, as :meth:`gather` makes it for a fresh step with no sentinel, fp8 or parameter flag),
-        the local backend's gather (the vector as the one row) and the decision (:func:`decide`, as
-        :meth:`decide` takes it): one execution, replayed from :attr:`step_graph` where the gradients, the scale
-        and the loss lie where they lay (the loss's address is in the key). The decision's constants are too:
-        the scaler's factors, as :class:`~ampguard.decision_graph.DecisionGraph` keys them. The carried state
-        (spike averages, the overflow run) is written in place by each replay, as by the decision's own graph.
+        the local backend's gather (the vector as the one row), the decision (:func:`decide`, as
+        :meth:`decide` takes it) and the payload without its optional parts (:attr:`Decision.packed`): one
+        execution, replayed from :attr:`step_graph` where the gradients, the scale and the loss lie where they
+        lay (the loss's address is in the key). The decision's constants are too: the scaler's factors, as
+        :class:`~ampguard.decision_graph.DecisionGraph` keys them. The carried state (spike averages, the
+        overflow run) is written in place by each replay, as by the decision's own graph.
         Returns ``(norms, found_inf, reductions, gathered, decision)``. No sync."""
         scale, device = adapter.scale, self.device
         view = adapter.view()
@@ -420,13 +427,14 @@ class StepPipeline:
             gathered = backend.all_gather(vec).wait()
             vector, tracker = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                      scaler=view, grads_sharded=False)
-            return norms, found, total, count, gathered, vector, tracker
+            return norms, found, total, count, gathered, vector, tracker, pack(vector, gathered, norms).vector
 
         kind = ("decision", view.growth_factor, view.backoff_factor, view.growth_interval,
                 None if loss is None else loss.data_ptr())
-        norms, found, total, count, gathered, vector, tracker = self._replayed(kind, measure, groups, scale,
-                                                                               self.step_graph)
-        return norms, found, (total, count), gathered, Decision(vector, tracker)
+        norms, found, total, count, gathered, vector, tracker, payload = self._replayed(kind, measure, groups, scale,
+                                                                                        self.step_graph)
+        packed = Packed(payload, Layout.of(gathered, norms))
+        return norms, found, (total, count), gathered, Decision(vector, tracker, packed=packed)
 
     def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False,
                sentinel: torch.Tensor | None = None, fp8: torch.Tensor | None = None,
@@ -479,6 +487,10 @@ class StepPipeline:
         if decision.host is not None and self.device.type == "cpu":
             return unpacked_on_host(decision.vector, gathered, measured.norms, measured.numerics, indicators, params,
                                     fp8)
+        if decision.packed is not None and measured.numerics is None and indicators is None and params is None \
+                and fp8 is None:  # made in the step graph's replay, with the decision
+            packed = decision.packed  # the graph's output, rewritten by its next replay: CUDA's reporter copies it
+            return packed if packed.vector.device.type != "cpu" else Packed(packed.vector.clone(), packed.layout)
         return pack(decision.vector, gathered, measured.norms, measured.numerics, indicators, params, fp8,
                     copied=decision.copied)
 

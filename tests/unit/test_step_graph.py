@@ -73,6 +73,7 @@ def _run(step_graph: bool, steps: int = 16, addresses: int = 1) -> tuple[list[to
         opt = ampguard.wrap(inner, model=model, precision="fp16", scaler=scaler, config=CONFIG)
     pipe = opt._pipeline
     pipe.host_decision = False  # the tensor decision, as on CUDA
+    opt._lagged_reports = True  # and its reports decoded steps later, as on CUDA (graph outputs rewritten meanwhile)
     graphs = None
     if step_graph:
         graphs = pipe.step_graph = _Graphs(_state(pipe))
