@@ -116,6 +116,11 @@ class Decision:
     """The host decision's values (:func:`~ampguard.policies.decide_host`); None on the tensor path."""
     copied: HostCopy | None = None
     """The host decision's one copy, whose statistics the step's payload reuses."""
+    grad_scale: torch.Tensor | None = None
+    """The fused optimizer's ``grad_scale`` (the scale this step was measured at, divided by the clip coefficient
+    when clipping), made in the step graph's replay, which also wrote the next scale and growth tracker into
+    GradScaler's own tensors (:meth:`StepPipeline.update_scale` then clears its per-iteration records only);
+    None: made by :meth:`StepPipeline.inner_step`, the scale set by :meth:`StepPipeline.update_scale`."""
     packed: Packed | None = None
     """The step's payload as :func:`~ampguard.payload.pack` makes it without the optional parts (no sampled
     numerics, indicators, parameter check or fp8 rows), made in the same replay as the decision (the step graph);
@@ -311,6 +316,7 @@ class StepPipeline:
         itself), and a loss the graph can read where it lies (a float32 0-d tensor on the guard's device, as
         :class:`~ampguard.stats.LossMeter` keeps it)."""
         return (self.step_graph.enabled and not self.host_decision and self.fast_capable
+                and not self.adapter.shared  # type: ignore[union-attr]
                 and getattr(self.backend, "name", None) == "local"
                 and (loss is None or (loss.device == self.device and loss.dtype == torch.float32
                                       and loss.dim() == 0)))
@@ -412,11 +418,14 @@ class StepPipeline:
         execution, replayed from :attr:`step_graph` where the gradients, the scale and the loss lie where they
         lay (the loss's address is in the key). The decision's constants are too: the scaler's factors, as
         :class:`~ampguard.decision_graph.DecisionGraph` keys them. The carried state (spike averages, the
-        overflow run) is written in place by each replay, as by the decision's own graph.
-        Returns ``(norms, found_inf, reductions, gathered, decision)``. No sync."""
+        overflow run) is written in place by each replay, as by the decision's own graph, and so are the next
+        scale and growth tracker, into GradScaler's own tensors, after the step's ``grad_scale`` was taken
+        (:attr:`Decision.grad_scale`). Returns ``(norms, found_inf, reductions, gathered, decision)``. No sync."""
         scale, device = adapter.scale, self.device
         view = adapter.view()
+        growth_tracker = view.growth_tracker
         config, backend = self.config, self.backend
+        clipping = uses_clipping(config)
 
         def measure() -> tuple[Any, ...]:
             norms = per_tensor_norms(groups, device) * adapter.inv_scale().to(device, non_blocking=True)
@@ -427,14 +436,21 @@ class StepPipeline:
             gathered = backend.all_gather(vec).wait()
             vector, tracker = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                      scaler=view, grads_sharded=False)
-            return norms, found, total, count, gathered, vector, tracker, pack(vector, gathered, norms).vector
+            payload = pack(vector, gathered, norms).vector
+            # the step's grad_scale at this scale, then the next scale and tracker into GradScaler's own tensors
+            grad_scale = scale / vector[Dec.CLIP_COEF].to(scale.device) if clipping else scale.clone()
+            assert tracker is not None  # internal: decided with a scaler
+            scale.copy_(vector[Dec.NEXT_SCALE])
+            growth_tracker.copy_(tracker)
+            return norms, found, total, count, gathered, vector, payload, grad_scale
 
         kind = ("decision", view.growth_factor, view.backoff_factor, view.growth_interval,
                 None if loss is None else loss.data_ptr())
-        norms, found, total, count, gathered, vector, tracker, payload = self._replayed(kind, measure, groups, scale,
-                                                                                        self.step_graph)
-        packed = Packed(payload, Layout.of(gathered, norms))
-        return norms, found, (total, count), gathered, Decision(vector, tracker, packed=packed)
+        norms, found, total, count, gathered, vector, payload, grad_scale = self._replayed(
+            kind, measure, groups, scale, self.step_graph)
+        decision = Decision(vector, growth_tracker, packed=Packed(payload, Layout.of(gathered, norms)),
+                            grad_scale=grad_scale)
+        return norms, found, (total, count), gathered, decision
 
     def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False,
                sentinel: torch.Tensor | None = None, fp8: torch.Tensor | None = None,
@@ -565,6 +581,9 @@ class StepPipeline:
         adapter = self.adapter
         assert adapter is not None  # internal: measured.scaled
         adapter.force_found_inf(measured.found_inf_per_device, skip)  # GradScaler's record: the decision
+        if decision.grad_scale is not None:  # the step graph's (the scale itself is the next one already)
+            self._step_fused(skip, decision.grad_scale)
+            return
         scale = adapter.scale
         grad_scale = scale
         if uses_clipping(self.config_for(measured)):
@@ -593,6 +612,8 @@ class StepPipeline:
         d = decision.vector if decision.host is None else decision.host
         if adapter.shared:
             adapter.contribute(d[Dec.GRAD_NONFINITE] > 0, d[Dec.SKIP] > 0)
+        elif decision.grad_scale is not None:  # the step graph wrote the scale and tracker
+            adapter.updated_in_place()
         else:
             adapter.update(d[Dec.NEXT_SCALE], decision.tracker)
 

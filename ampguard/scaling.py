@@ -196,6 +196,17 @@ class GradScalerAdapter:
             self._hub.updated = True
         self.scaled_since_step = False
 
+    def updated_in_place(self) -> None:
+        """The next scale and growth tracker were written into GradScaler's own tensors on device (the step
+        graph: ``StepPipeline._through_decision``): the rest of what :meth:`update` does, GradScaler's
+        ``update``'s clearing of its per-iteration records, with no copy."""
+        states = self.scaler._per_optimizer_states
+        factory = states.default_factory  # type: ignore[attr-defined]  # a defaultdict: GradScaler.update's last line
+        self.scaler._per_optimizer_states = type(states)(factory)  # type: ignore[call-arg]
+        if self._hub is not None:
+            self._hub.updated = True
+        self.scaled_since_step = False
+
     def _apply(self, new_scale: torch.Tensor | float, tracker: torch.Tensor | int | None) -> None:
         self._call("update", new_scale=new_scale)
         if isinstance(tracker, int):

@@ -59,7 +59,10 @@ class _Graphs(MeasureGraph):
 
 
 def _state(pipe: Any) -> list[torch.Tensor]:
-    return [getattr(o, f.name) for o in (pipe.spikes, pipe.scale_state) for f in dataclasses.fields(o)]
+    """What the step writes in place: the carried state, GradScaler's scale and growth tracker."""
+    scaler = pipe.adapter.scaler
+    return [*(getattr(o, f.name) for o in (pipe.spikes, pipe.scale_state) for f in dataclasses.fields(o)),
+            scaler._scale, scaler._growth_tracker]
 
 
 def _run(step_graph: bool, steps: int = 16, addresses: int = 1) -> tuple[list[torch.Tensor], Any, Any]:
@@ -102,11 +105,12 @@ def _reports(opt: Any) -> list[str]:
 
 
 def test_a_run_through_the_step_graph_is_the_run_without_it_bit_for_bit() -> None:
-    want, plain, _ = _run(step_graph=False)
-    got, guarded, graphs = _run(step_graph=True)
+    want, plain, _ = _run(step_graph=False, steps=15)  # the last step (14) through the step graph
+    got, guarded, graphs = _run(step_graph=True, steps=15)
     assert graphs.captures >= 1 and graphs.replays >= 8  # the steps went through the graph
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert _reports(guarded) == _reports(plain)
+    assert not guarded.scaler._per_optimizer_states  # GradScaler's per-iteration records cleared, as its update does
     reports = guarded.history
     assert {r.step for r in reports if r.skipped} >= OVERFLOW_STEPS  # genuine overflows, skipped
     assert any(r.clip_coef < 1.0 for r in reports)  # ZClip clipped
