@@ -421,7 +421,9 @@ class _DeviceOps:
 _CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 """0, 1, NaN and -1 as float32 0-d tensors per device, made once: fills a step fewer on the
 device path. Process-wide, and safe so: a few bytes per device, never written (only ever read by
-``torch.stack``), never captured (the CUDA graph holds the decision, not this pack)."""
+``torch.stack``). A CUDA graph may read them (the step graph, ``StepPipeline._through_decision``) but never makes
+them: it is captured at a key's second sighting, after its first, eager, execution made them (a fill recorded in
+a capture would not run until the replay)."""
 
 
 def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
