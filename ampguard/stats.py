@@ -14,8 +14,10 @@ from __future__ import annotations
 import array
 import dataclasses
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from itertools import repeat
 from typing import Any, Protocol
 
 import torch
@@ -27,6 +29,10 @@ try:  # the helper clip_grad_norm_ itself uses; private, hence the fallback
     from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 except ImportError:  # pragma: no cover
     _group_tensors_by_device_and_dtype = None  # type: ignore[assignment]
+
+_IS = operator.is_
+_DTYPE = operator.attrgetter("dtype")
+_IS_CUDA = operator.attrgetter("is_cuda")
 
 __all__ = [
     "DECISION_K",
@@ -180,17 +186,24 @@ def sparse_values(params: Sequence[torch.Tensor]) -> tuple[GradGroups, GradGroup
 def _grouped(every: Sequence[torch.Tensor | None]) -> GradGroups:
     # Sharded (DTensor, FSDP2) gradients: this rank's shard, as a plain tensor sharing its storage.
     # Norms are then local (decide() adds the squares across ranks) and no op dispatches a collective.
-    present = [i for i, g in enumerate(every) if g is not None]
-    grads: list[torch.Tensor] = [every[i] for i in present]  # type: ignore[misc]
+    # Every step, on the host: each test below is one pass in C (map over an attribute getter) where it can be,
+    # not a Python expression per gradient (GPT-2's 292 gradients: 95 -> 81 us on the 2-core CPU, stop 39).
+    grads: list[torch.Tensor]
+    if any(map(_IS, every, repeat(None))):
+        present = [i for i, g in enumerate(every) if g is not None]
+        grads = [every[i] for i in present]  # type: ignore[misc]
+    else:  # every parameter has a gradient (the usual case)
+        present, grads = list(range(len(every))), list(every)  # type: ignore[arg-type]
     if not grads:  # a backward that reached no parameter: nothing to group (torch's helper refuses [])
         return GradGroups({}, [])
     own = True
-    if {type(g) for g in grads} != {torch.Tensor}:
-        grads = [local_tensor(g) for g in grads]  # type: ignore[arg-type]
+    if set(map(type, grads)) != {torch.Tensor}:
+        grads = [local_tensor(g) for g in grads]
         own = False
-    # One (device, dtype) for all (the usual case): the helper's answer, in order, without it.
-    # Comprehensions, not generators: no per-gradient call (this runs every step, on the host).
-    if len({(g.dtype, g.is_cuda, g.get_device()) for g in grads}) == 1:
+    # One (device, dtype) for all (the usual case): the helper's answer, in order, without it. The three
+    # attributes are each the same for all exactly when the triple is.
+    if (len(set(map(_DTYPE, grads))) == 1 and len(set(map(_IS_CUDA, grads))) == 1
+            and len(set(map(torch.Tensor.get_device, grads))) == 1):
         return GradGroups({(grads[0].device, grads[0].dtype): grads}, present, own)
     if _group_tensors_by_device_and_dtype is not None:
         # with_indices: the helper reports where each tensor came from, so the index survives
