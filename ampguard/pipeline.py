@@ -251,7 +251,8 @@ class StepPipeline:
         with the tensor decision, one rank and the local backend, go on to the local vector and the decision
         in the same execution, replayed as one CUDA graph (:meth:`_through_decision`), into
         :attr:`Measured.gathered` and :attr:`Measured.decided`; the same values as :meth:`gather` then
-        :meth:`decide`. Elsewhere, or with ``AMPGUARD_STEP_GRAPH`` off, those stay None."""
+        :meth:`decide`. Without a GradScaler (bf16, fp32) the same from the gradients as they are. Elsewhere, or
+        with ``AMPGUARD_STEP_GRAPH`` off, those stay None."""
         if self.adapter is not None and self.adapter.shared:
             self.adapter.check_iteration()  # before anything changes: one step per guard and iteration
         if fast and self.fast_path(guard):
@@ -265,6 +266,10 @@ class StepPipeline:
                     for grads in measured.groups.tensors.values():
                         torch._foreach_mul_(grads, inv)
                     measured.scaled = False
+                return measured
+        if decide and not sample and self.adapter is None and self._decides_through(loss):
+            measured = self._through_unscaled(loss)  # bf16/fp32: nothing to unscale
+            if measured is not None:
                 return measured
         numerics = None
         if sample:
@@ -315,8 +320,8 @@ class StepPipeline:
         tests turn :attr:`host_decision` off on the CPU), the local backend (one rank: its gather is the vector
         itself), and a loss the graph can read where it lies (a float32 0-d tensor on the guard's device, as
         :class:`~ampguard.stats.LossMeter` keeps it)."""
-        return (self.step_graph.enabled and not self.host_decision and self.fast_capable
-                and not self.adapter.shared  # type: ignore[union-attr]
+        scaler_ok = self.adapter is None or (self.fast_capable and not self.adapter.shared)
+        return (self.step_graph.enabled and not self.host_decision and scaler_ok
                 and getattr(self.backend, "name", None) == "local"
                 and (loss is None or (loss.device == self.device and loss.dtype == torch.float32
                                       and loss.dim() == 0)))
@@ -451,6 +456,38 @@ class StepPipeline:
         decision = Decision(vector, growth_tracker, packed=Packed(payload, Layout.of(gathered, norms)),
                             grad_scale=grad_scale)
         return norms, found, (total, count), gathered, decision
+
+    def _through_unscaled(self, loss: torch.Tensor | None) -> Measured | None:
+        """Without a GradScaler (bf16, fp32): the gradients' norms and their reductions (:meth:`_norms`), the local
+        vector, the local backend's gather, the decision and the payload without its optional parts, in one
+        execution replayed from :attr:`step_graph` where the gradients and the loss lie where they lay (the
+        measurement :meth:`_through_decision` makes on the fast path, with no scale to read or write). None where
+        some gradient is sparse (no norm kernel takes it: :meth:`measure`'s own path). No sync."""
+        groups = grads_by_device_and_dtype(self.params())
+        if not groups.index or not groups.own:
+            return None
+        device, config, backend = self.device, self.config, self.backend
+
+        def measure() -> tuple[Any, ...]:
+            norms = per_tensor_norms(groups, device)
+            total, count = total_and_nonfinite(norms)
+            vec = local_vector(loss=loss, tensor_norms=norms, reductions=(total, count), found_inf=None,
+                               pre_reduction=backend.pre_reduction_flags(), device=device)
+            gathered = backend.all_gather(vec).wait()
+            vector, _ = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
+                               scaler=None, grads_sharded=False)
+            return norms, total, count, gathered, vector, pack(vector, gathered, norms).vector
+
+        try:
+            norms, total, count, gathered, vector, payload = self._replayed(
+                ("decision, unscaled", None if loss is None else loss.data_ptr()), measure, groups,
+                graphs=self.step_graph)
+        except RuntimeError:
+            if sparse_values(self.params()) is None:
+                raise
+            return None  # sparse gradients: measure()'s own path, which measures their values
+        decision = Decision(vector, None, packed=Packed(payload, Layout.of(gathered, norms)))
+        return Measured({}, None, groups, norms, reductions=(total, count), gathered=gathered, decided=decision)
 
     def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False,
                sentinel: torch.Tensor | None = None, fp8: torch.Tensor | None = None,

@@ -27,12 +27,13 @@ class Switches:
     (:class:`ampguard.decision_graph.MeasureGraph`). ``AMPGUARD_CUDA_GRAPH=0``: run both eagerly."""
 
     step_graph: bool = False
-    """On CUDA, with the fused fast path, one rank and the local backend: measure the gradients, make the local
-    vector and take the decision in one execution, replayed as one CUDA graph where the gradients, the scale
-    and the loss lie where they lay (:meth:`ampguard.pipeline.StepPipeline.measure`'s ``decide``), instead of a
-    replay of the measurement, the vector's kernels and a replay of the decision. Off by default until it has
-    run on a CUDA device (``docs/design.md``, "What stop 39 taught"); ``AMPGUARD_STEP_GRAPH=1`` turns it on
-    (with ``AMPGUARD_CUDA_GRAPH`` on)."""
+    """On CUDA, with a fused optimizer (on the fused fast path, or without a GradScaler), one rank and the local
+    backend: measure the gradients, make the local vector, take the decision, pack the report's payload and (with
+    a GradScaler) write the next scale in one execution, replayed as one CUDA graph where the gradients, the
+    scale and the loss lie where they lay (:meth:`ampguard.pipeline.StepPipeline.measure`'s ``decide``), instead
+    of a replay of the measurement, the vector's kernels, a replay of the decision and the copies after it. Off
+    by default until it has run on a CUDA device (``docs/design.md``, "What stop 39 taught");
+    ``AMPGUARD_STEP_GRAPH=1`` turns it on (with ``AMPGUARD_CUDA_GRAPH`` on)."""
 
     fused_fast_path: bool = True
     """With a GradScaler and a fused optimizer, measure the still-scaled gradients and let the

@@ -28,15 +28,15 @@ CONFIG = {"spikes": {"grad_zscore": 3.0, "warmup": 4, "action": "skip"}, "zclip"
 
 
 class _Loop:
-    def __init__(self, step_graph: bool, config: dict | None = None) -> None:
+    def __init__(self, step_graph: bool, config: dict | None = None, precision: str = "fp16") -> None:
         torch.manual_seed(0)
         self.model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
                                    nn.Linear(256, 10)).cuda()
         inner = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
         env = {"AMPGUARD_CUDA_GRAPH": "1", "AMPGUARD_STEP_GRAPH": "1" if step_graph else "0"}
         with mock.patch.dict(os.environ, env):  # read at wrap time
-            self.opt = ampguard.wrap(inner, model=self.model, precision="fp16",
-                                     scaler=torch.amp.GradScaler("cuda", init_scale=2.0**24),  # real overflows first
+            scaler = torch.amp.GradScaler("cuda", init_scale=2.0**24) if precision == "fp16" else None  # overflows
+            self.opt = ampguard.wrap(inner, model=self.model, precision=precision, scaler=scaler,
                                      config=CONFIG if config is None else config)
 
     def step(self, x: torch.Tensor, y: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -54,10 +54,11 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(n)]
 
 
-def _train(step_graph: bool, batches: list, keep_from: int | None = None) -> tuple[list[torch.Tensor], str, _Loop]:
+def _train(step_graph: bool, batches: list, keep_from: int | None = None,
+           precision: str = "fp16") -> tuple[list[torch.Tensor], str, _Loop]:
     """``keep_from``: from that step on, every step's loss and gradients are kept alive, so the next step's lie
     elsewhere (new keys: measured and decided eagerly)."""
-    loop = _Loop(step_graph)
+    loop = _Loop(step_graph, precision=precision)
     kept: list[torch.Tensor] = []
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns
@@ -71,15 +72,19 @@ def _train(step_graph: bool, batches: list, keep_from: int | None = None) -> tup
     return [p.detach().clone() for p in loop.model.parameters()], reports, loop
 
 
-def test_the_step_graph_run_is_the_run_without_it_bit_for_bit() -> None:
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_step_graph_run_is_the_run_without_it_bit_for_bit(precision: str) -> None:
+    """fp16: the fast path's graph (the scaled norms, the next scale written); bf16: no GradScaler, the norms of
+    the gradients as they are."""
     batches = _batches(24)
-    want, want_reports, plain = _train(False, batches)
-    got, reports, loop = _train(True, batches)
+    want, want_reports, plain = _train(False, batches, precision=precision)
+    got, reports, loop = _train(True, batches, precision=precision)
     graphs = loop.opt._pipeline.step_graph
     assert graphs.replays >= 12 and 1 <= graphs.captures <= 3, (graphs.replays, graphs.captures)
     assert plain.opt._pipeline.step_graph.replays == 0
     assert reports == want_reports  # repr: exact floats, NaN equal to itself
-    assert any(r.skipped for r in loop.opt.history[:4])  # the first steps overflowed for real
+    if precision == "fp16":
+        assert any(r.skipped for r in loop.opt.history[:4])  # the first steps overflowed for real
     assert loop.opt.history[BAD].grad_spike and loop.opt.history[BAD].skipped
     assert any(r.clip_coef < 1.0 for r in loop.opt.history)  # ZClip clipped
     assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -15,6 +15,7 @@ import os
 from typing import Any
 from unittest import mock
 
+import pytest
 import torch
 
 import ampguard
@@ -26,6 +27,7 @@ from ._models import loss_of, make_data, make_model
 CONFIG = {"spikes": {"grad_zscore": 3.0, "warmup": 3, "action": "skip"}, "zclip": {"warmup": 3},
           "param_norms_every": 1, "numerics_every": 5}
 OVERFLOW_STEPS = {4, 9, 10}  # the loss times 2**14: the fp16 backward overflows (scaled by GradScaler's 2**10)
+NAN_STEP = 7  # bf16: a genuine NaN (LayerNorm with eps=0 over a constant row)
 
 
 class _StandIn:
@@ -59,21 +61,26 @@ class _Graphs(MeasureGraph):
 
 
 def _state(pipe: Any) -> list[torch.Tensor]:
-    """What the step writes in place: the carried state, GradScaler's scale and growth tracker."""
-    scaler = pipe.adapter.scaler
+    """What the step writes in place: the carried state, GradScaler's scale and growth tracker (if any)."""
+    scaler = pipe.adapter.scaler if pipe.adapter is not None else None
     return [*(getattr(o, f.name) for o in (pipe.spikes, pipe.scale_state) for f in dataclasses.fields(o)),
-            scaler._scale, scaler._growth_tracker]
+            *(() if scaler is None else (scaler._scale, scaler._growth_tracker))]
 
 
-def _run(step_graph: bool, steps: int = 16, addresses: int = 1) -> tuple[list[torch.Tensor], Any, Any]:
+def _run(step_graph: bool, steps: int = 16, addresses: int = 1, bf16: bool = False
+         ) -> tuple[list[torch.Tensor], Any, Any]:
     """A guarded run. On the CPU a tensor's address is malloc's choice: the gradients are kept (zeroed in place)
     and the kept loss is copied into one of ``addresses`` buffers in turn, so that keys repeat as they do on
-    CUDA's caching allocator (a CUDA loop's loss and gradients usually lie where they lay)."""
+    CUDA's caching allocator (a CUDA loop's loss and gradients usually lie where they lay). ``bf16``: no
+    GradScaler, a LayerNorm with ``eps=0`` first, and a batch with a constant row at NAN_STEP (its variance 0: a
+    genuine NaN)."""
     model = make_model(0)
+    if bf16:
+        model = torch.nn.Sequential(torch.nn.LayerNorm(8, eps=0.0, elementwise_affine=False), *model)
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    scaler = None if bf16 else torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
     with mock.patch.dict(os.environ, {"AMPGUARD_STEP_GRAPH": "1" if step_graph else "0"}):  # read at wrap time
-        opt = ampguard.wrap(inner, model=model, precision="fp16", scaler=scaler, config=CONFIG)
+        opt = ampguard.wrap(inner, model=model, precision="bf16" if bf16 else "fp16", scaler=scaler, config=CONFIG)
     pipe = opt._pipeline
     pipe.host_decision = False  # the tensor decision, as on CUDA
     opt._lagged_reports = True  # and its reports decoded steps later, as on CUDA (graph outputs rewritten meanwhile)
@@ -90,8 +97,11 @@ def _run(step_graph: bool, steps: int = 16, addresses: int = 1) -> tuple[list[to
 
     with mock.patch.object(LossMeter, "kept", staticmethod(kept)):
         for i, (x, y) in enumerate(make_data(steps)):
+            if bf16 and i == NAN_STEP:
+                x = x.clone()
+                x[0] = 1.0  # a constant row: LayerNorm(eps=0) divides 0 by 0
             with opt.autocast():
-                loss = loss_of(model, x, y) * (2.0**14 if i in OVERFLOW_STEPS else 1.0)
+                loss = loss_of(model, x, y) * (2.0**14 if i in OVERFLOW_STEPS and not bf16 else 1.0)
             opt.backward(loss)
             opt.step()
             opt.zero_grad(set_to_none=False)
@@ -117,11 +127,23 @@ def test_a_run_through_the_step_graph_is_the_run_without_it_bit_for_bit() -> Non
     assert any(r.grad_zero_fraction is not None for r in reports)  # sampled numerics steps (the stages apart)
 
 
-def test_a_loss_that_moves_is_measured_where_it_lies() -> None:
+def test_without_a_scaler_the_run_is_the_run_without_it_bit_for_bit() -> None:
+    """bf16, no GradScaler: the norms of the gradients as they are, the vector, the decision and the payload in
+    one replay; a genuine NaN (LayerNorm with eps=0 over a constant row) skipped, the same as without it."""
+    want, plain, _ = _run(step_graph=False, steps=15, bf16=True)
+    got, guarded, graphs = _run(step_graph=True, steps=15, bf16=True)
+    assert graphs.captures >= 1 and graphs.replays >= 8
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _reports(guarded) == _reports(plain)
+    assert guarded.history[NAN_STEP].skipped and not guarded.history[NAN_STEP - 1].skipped
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
+def test_a_loss_that_moves_is_measured_where_it_lies(bf16: bool) -> None:
     """The loss in two places by turns: two keys (the loss's address is in the key), each captured and replayed
     with its own loss; a replay that read the other place's loss would decide on the step before's."""
-    want, plain, _ = _run(step_graph=False, addresses=2)
-    got, guarded, graphs = _run(step_graph=True, addresses=2)
+    want, plain, _ = _run(step_graph=False, addresses=2, bf16=bf16)
+    got, guarded, graphs = _run(step_graph=True, addresses=2, bf16=bf16)
     assert graphs.captures == 2 and graphs.replays >= 8
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert _reports(guarded) == _reports(plain)
