@@ -316,9 +316,10 @@ class StepPipeline:
 
     def _decides_through(self, loss: torch.Tensor | None) -> bool:
         """Whether this step's measurement may go on to the decision (:meth:`measure`'s ``decide``): the step
-        graph switched on, the fused fast path (:attr:`fast_capable`) with the tensor decision (off the CPU;
-        tests turn :attr:`host_decision` off on the CPU), the local backend (one rank: its gather is the vector
-        itself), and a loss the graph can read where it lies (a float32 0-d tensor on the guard's device, as
+        graph switched on; the tensor decision (a fused optimizer off the CPU; tests turn :attr:`host_decision`
+        off on the CPU); no GradScaler, or the fused fast path's (:attr:`fast_capable`) on a GradScaler no other
+        guard shares (the step writes its next scale); the local backend (one rank: its gather is the vector
+        itself); and a loss the graph can read where it lies (a float32 0-d tensor on the guard's device, as
         :class:`~ampguard.stats.LossMeter` keeps it)."""
         scaler_ok = self.adapter is None or (self.fast_capable and not self.adapter.shared)
         return (self.step_graph.enabled and not self.host_decision and scaler_ok
