@@ -23,7 +23,7 @@ from .test_gpu import _Plain, assert_no_added_sync
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-BAD = 15  # a bad batch (the loss times 50): a gradient spike, skipped, and ZClip's clip after it
+BAD = 15  # a bad batch (the loss times 50): a gradient spike (fp16: an overflow), skipped
 CONFIG = {"spikes": {"grad_zscore": 3.0, "warmup": 4, "action": "skip"}, "zclip": {"warmup": 4}, "param_norms_every": 1}
 
 
@@ -85,7 +85,8 @@ def test_the_step_graph_run_is_the_run_without_it_bit_for_bit(precision: str) ->
     assert reports == want_reports  # repr: exact floats, NaN equal to itself
     if precision == "fp16":
         assert any(r.skipped for r in loop.opt.history[:4])  # the first steps overflowed for real
-    assert loop.opt.history[BAD].grad_spike and loop.opt.history[BAD].skipped
+    bad = loop.opt.history[BAD]  # fp16 at the highest scale that did not overflow: the loss times 50 overflows
+    assert bad.skipped and (bad.grad_spike or bad.nonfinite)
     assert any(r.clip_coef < 1.0 for r in loop.opt.history)  # ZClip clipped
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
