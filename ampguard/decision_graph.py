@@ -130,6 +130,13 @@ class MeasureGraph:
         self._stream: torch.cuda.Stream | None = None
         self.captures = 0
         self.replays = 0
+        self.misses = 0
+        """Runs since the last replay that ran eagerly (a key seen for the first time, or none left to capture)."""
+
+    @property
+    def failed(self) -> bool:
+        """A capture failed: every later run is eager."""
+        return self._failed
 
     def run(self, kind: str, fn: Callable[[], Any], grads: Sequence[torch.Tensor],
             scale: torch.Tensor | None = None) -> Any:
@@ -145,8 +152,10 @@ class MeasureGraph:
             self._graphs.move_to_end(key)
             hit[0].replay()
             self.replays += 1
+            self.misses = 0
             return hit[1]
         if key not in self._seen or self.captures >= self.MAX_CAPTURES:
+            self.misses += 1
             self._seen[key] = None
             if len(self._seen) > 4 * self.MAX_GRAPHS:
                 self._seen.popitem(last=False)
@@ -165,6 +174,7 @@ class MeasureGraph:
             self._graphs.popitem(last=False)
         graph.replay()
         self.replays += 1
+        self.misses = 0
         return out
 
     @staticmethod

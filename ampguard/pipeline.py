@@ -316,13 +316,17 @@ class StepPipeline:
 
     def _decides_through(self, loss: torch.Tensor | None) -> bool:
         """Whether this step's measurement may go on to the decision (:meth:`measure`'s ``decide``): the step
-        graph switched on; the tensor decision (a fused optimizer off the CPU; tests turn :attr:`host_decision`
-        off on the CPU); no GradScaler, or the fused fast path's (:attr:`fast_capable`) on a GradScaler no other
-        guard shares (the step writes its next scale); the local backend (one rank: its gather is the vector
-        itself); and a loss the graph can read where it lies (a float32 0-d tensor on the guard's device, as
-        :class:`~ampguard.stats.LossMeter` keeps it)."""
+        graph switched on, its capture not failed, and not :data:`STEP_GRAPH_MISSES` runs in a row without a
+        replay (a loss or gradients that move every step: run eagerly it would cost more than the stages' own
+        graphs, the measurement's and the decision's, which then take over); the tensor decision (a fused
+        optimizer off the CPU; tests turn :attr:`host_decision` off on the CPU); no GradScaler, or the fused fast
+        path's (:attr:`fast_capable`) on a GradScaler no other guard shares (the step writes its next scale); the
+        local backend (one rank: its gather is the vector itself); and a loss the graph can read where it lies (a
+        float32 0-d tensor on the guard's device, as :class:`~ampguard.stats.LossMeter` keeps it)."""
         scaler_ok = self.adapter is None or (self.fast_capable and not self.adapter.shared)
-        return (self.step_graph.enabled and not self.host_decision and scaler_ok
+        graphs = self.step_graph  # given up where it failed or keeps missing: the stages' own graphs then
+        return (graphs.enabled and not graphs.failed and graphs.misses < STEP_GRAPH_MISSES and not self.host_decision
+                and scaler_ok
                 and getattr(self.backend, "name", None) == "local"
                 and (loss is None or (loss.device == self.device and loss.dtype == torch.float32
                                       and loss.dim() == 0)))
@@ -655,6 +659,9 @@ class StepPipeline:
         else:
             adapter.update(d[Dec.NEXT_SCALE], decision.tracker)
 
+
+STEP_GRAPH_MISSES = 8
+"""Runs of the step graph in a row without a replay after which a guard stops taking it (its keys do not repeat)."""
 
 _FAST_BACKENDS = ("local", "torch.distributed")
 """Backends the fast path is taken on (Horovod: today's path; untested there)."""

@@ -20,6 +20,7 @@ import torch
 
 import ampguard
 from ampguard.decision_graph import MeasureGraph
+from ampguard.pipeline import STEP_GRAPH_MISSES
 from ampguard.stats import LossMeter
 
 from ._models import loss_of, make_data, make_model
@@ -44,15 +45,17 @@ class _Graphs(MeasureGraph):
     """A MeasureGraph that takes the CPU as capturable; its capture runs the function once for the outputs' shapes
     and puts back the state that run wrote (a CUDA capture records the kernels without running them)."""
 
-    def __init__(self, state: list[torch.Tensor]) -> None:
-        super().__init__(True)
-        self.state = state
+    def __init__(self, state: list[torch.Tensor], fail: bool = False) -> None:
+        super().__init__(True, "the step from the gradients to the decision", "AMPGUARD_STEP_GRAPH=0")
+        self.state, self.fail = state, fail
 
     @staticmethod
     def _capturable(device: torch.device) -> bool:
         return True
 
     def _capture(self, fn: Any, device: torch.device) -> tuple[Any, Any]:
+        if self.fail:
+            raise RuntimeError("operation not permitted when stream is capturing")
         saved = [t.clone() for t in self.state]
         outs = tuple(None if t is None else t.clone() for t in fn())
         for t, s in zip(self.state, saved):
@@ -67,7 +70,7 @@ def _state(pipe: Any) -> list[torch.Tensor]:
             *(() if scaler is None else (scaler._scale, scaler._growth_tracker))]
 
 
-def _run(step_graph: bool, steps: int = 16, addresses: int = 1, bf16: bool = False
+def _run(step_graph: bool, steps: int = 16, addresses: int = 1, bf16: bool = False, fail: bool = False
          ) -> tuple[list[torch.Tensor], Any, Any]:
     """A guarded run. On the CPU a tensor's address is malloc's choice: the gradients are kept (zeroed in place)
     and the kept loss is copied into one of ``addresses`` buffers in turn, so that keys repeat as they do on
@@ -86,7 +89,16 @@ def _run(step_graph: bool, steps: int = 16, addresses: int = 1, bf16: bool = Fal
     opt._lagged_reports = True  # and its reports decoded steps later, as on CUDA (graph outputs rewritten meanwhile)
     graphs = None
     if step_graph:
-        graphs = pipe.step_graph = _Graphs(_state(pipe))
+        graphs = pipe.step_graph = _Graphs(_state(pipe), fail)
+        graphs.taken = 0  # type: ignore[attr-defined]  # steps that went through the step graph's function
+
+        def counted(fn: Any) -> Any:
+            def call(*args: Any) -> Any:
+                graphs.taken += 1  # type: ignore[attr-defined]
+                return fn(*args)
+            return call
+        pipe._through_decision = counted(pipe._through_decision)
+        pipe._through_unscaled = counted(pipe._through_unscaled)
     buffers = [torch.zeros(()) for _ in range(addresses)]
     at = [0]
 
@@ -145,6 +157,26 @@ def test_a_loss_that_moves_is_measured_where_it_lies(bf16: bool) -> None:
     want, plain, _ = _run(step_graph=False, addresses=2, bf16=bf16)
     got, guarded, graphs = _run(step_graph=True, addresses=2, bf16=bf16)
     assert graphs.captures == 2 and graphs.replays >= 8
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _reports(guarded) == _reports(plain)
+
+
+def test_keys_that_never_repeat_give_the_step_graph_up() -> None:
+    """A loss at a new address every step: every run of the step graph is a first sighting, eager (the vector and
+    the decision without their graphs); after STEP_GRAPH_MISSES of them the guard stops taking it, and the stages'
+    own graphs take over. The run is the run without it throughout."""
+    want, plain, _ = _run(step_graph=False, addresses=64)
+    got, guarded, graphs = _run(step_graph=True, addresses=64)
+    assert graphs.replays == 0 and graphs.misses == graphs.taken == STEP_GRAPH_MISSES  # then no more runs
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _reports(guarded) == _reports(plain)
+
+
+def test_a_failed_capture_warns_once_and_the_stages_take_over() -> None:
+    with pytest.warns(RuntimeWarning, match="capture of the step from the gradients to the decision failed"):
+        got, guarded, graphs = _run(step_graph=True, fail=True)
+    want, plain, _ = _run(step_graph=False)
+    assert graphs.failed and graphs.captures == 0 and graphs.taken == 2  # the first sighting, the failed capture
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert _reports(guarded) == _reports(plain)
 
