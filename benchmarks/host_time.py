@@ -172,7 +172,7 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
         n_steps = max(steps, 20)
-        for variant in ("plain", "guard"):
+        for variant in names:  # plain, guard (and guard-step)
             fwd_bwd, step, zero, _ = loops[variant]
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
             with torch_profile(activities=acts) as prof:  # CUDA: the runtime calls (launches) too
@@ -199,20 +199,21 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
         import cProfile
         import io
         import pstats
-        prof = cProfile.Profile()
-        fwd_bwd, step, zero, _ = loops["guard"]
-        for _ in range(max(steps, 20)):  # step() only: the forward and backward are not profiled
-            fwd_bwd()
-            sync()
-            prof.enable()
-            step()
-            prof.disable()
-            sync()
-            zero(set_to_none=True)
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(profile)
-        print(f"\n--- cProfile of {max(steps, 20)} guarded step() calls, {model_name} {optim} ---")
-        print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:12000])
+        for variant in names[1:]:  # guard (and guard-step)
+            prof = cProfile.Profile()
+            fwd_bwd, step, zero, _ = loops[variant]
+            for _ in range(max(steps, 20)):  # step() only: the forward and backward are not profiled
+                fwd_bwd()
+                sync()
+                prof.enable()
+                step()
+                prof.disable()
+                sync()
+                zero(set_to_none=True)
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(profile)
+            print(f"\n--- cProfile of {max(steps, 20)} {variant} step() calls, {model_name} {optim} ---")
+            print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:12000])
     graphs = guard._pipeline.measure_graph  # the measurement's CUDA graph: how often it was replayed
     steps_run = guard.step_count
 
