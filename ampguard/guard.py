@@ -323,6 +323,9 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             fp8_bad = self._fp8.nonfinite(fp8)
         if measured.decided is not None:  # measured, gathered and decided in one replay (StepPipeline.measure)
             gathered, decided = measured.gathered, measured.decided
+        elif measured.gathered is not None:  # measured and gathered in one replay; the host decision next
+            gathered = measured.gathered
+            decided = pipe.decide(gathered, measured)
         else:
             gathered = pipe.gather(measured, self._loss.value(), no_grads=not fresh,
                                    sentinel=sentinel.value() if sentinel is not None else None, fp8=fp8_bad,

@@ -179,17 +179,34 @@ class HostCopy:
         run the path CUDA takes)."""
         if not (gathered.device.type != "cpu" if copy is None else copy):
             return cls(gathered, None, view)
+        flat = cls.flat(gathered, norms, numerics, view, device).cpu()  # SYNC off the CPU: the one
+        return cls.of_flat(flat, gathered, norms, numerics, view)
+
+    @staticmethod
+    def flat(gathered: torch.Tensor, norms: torch.Tensor, numerics: torch.Tensor | None, view: ScalerView | None,
+             device: torch.device) -> torch.Tensor:
+        """What :meth:`read` copies, on ``device``, in one vector: the statistics section, then the scale and
+        the growth tracker as float32 (:meth:`of_flat` cuts it). No sync."""
         parts = _statistics(gathered, norms, numerics)
-        n = sum(p.numel() for p in parts)
-        # The growth tracker (< growth_interval) rides as a float32, exact up to 2**24; a larger
-        # interval (not a realistic one) reads it on its own.
-        exact = view is not None and view.growth_interval <= 2**24
         if view is not None:
             parts.append(view.scale.reshape(1).float())
-            if exact:
+            if _exact(view):
                 parts.append(view.growth_tracker.reshape(1).float())
-        flat = torch.cat([p.to(device, non_blocking=True) for p in parts]).cpu()  # SYNC off the CPU: the one
+        return torch.cat([p.to(device, non_blocking=True) for p in parts])
+
+    @classmethod
+    def of_flat(cls, flat: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor, numerics: torch.Tensor | None,
+                view: ScalerView | None) -> HostCopy:
+        """The copy from :meth:`flat`'s vector on the host (``gathered``, ``norms``, ``numerics``, ``view``: what
+        it was made of, for the sizes and the scaler's factors)."""
+        n = gathered.numel() + norms.numel() + (0 if numerics is None else numerics.numel())
         if view is not None:
-            tracker = flat[n + 1 :].int() if exact else view.growth_tracker.reshape(1).cpu()
+            tracker = flat[n + 1 :].int() if _exact(view) else view.growth_tracker.reshape(1).cpu()
             view = ScalerView(flat[n : n + 1], tracker, view.growth_factor, view.backoff_factor, view.growth_interval)
         return cls(flat[: gathered.numel()].view(gathered.shape), flat[:n], view)
+
+
+def _exact(view: ScalerView) -> bool:
+    """The growth tracker (< growth_interval) rides the host copy as a float32, exact up to 2**24; a larger interval
+    (not a realistic one) reads it on its own."""
+    return view.growth_interval <= 2**24

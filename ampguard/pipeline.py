@@ -100,6 +100,9 @@ class Measured:
     ``decide``: one replay from the gradients to the decision); None: :meth:`StepPipeline.gather` makes it."""
     decided: Decision | None = None
     """The step's decision, made with :attr:`gathered`; None: :meth:`StepPipeline.decide` takes it."""
+    host_flat: torch.Tensor | None = None
+    """The host decision's copy, made on device with :attr:`gathered` (:meth:`ampguard.payload.HostCopy.flat`), in
+    the step graph's replay: :meth:`StepPipeline.decide` brings it to the host in one copy. None: it makes it."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -176,6 +179,10 @@ class StepPipeline:
         gathered statistics come to the host in one copy, which is that step's one sync, instead
         of GradScaler's ``found_inf.item()`` after a decision taken on device. Fused optimizers
         off the CPU: the tensor path (no host sync)."""
+        self.host_copies = device.type != "cpu"
+        """The host decision reads device tensors: the statistics come over in one copy (:class:`HostCopy`), the
+        local vector is made on device and the payload packed from the copy. Off on the CPU, where the host path
+        reads them as they are; tests turn it on there to run the path CUDA takes."""
         state_device = torch.device("cpu") if self.host_decision else device
         self.spikes = SpikeState.fresh(state_device)
         self.scale_state = ScaleState.fresh(state_device)
@@ -256,7 +263,8 @@ class StepPipeline:
         if self.adapter is not None and self.adapter.shared:
             self.adapter.check_iteration()  # before anything changes: one step per guard and iteration
         if fast and self.fast_path(guard):
-            through = (loss,) if decide and not sample and self._decides_through(loss) else None
+            through = (loss,) if (decide and not sample and not self.host_decision and not self.norms_first
+                                  and self._decides_through(loss)) else None
             measured = self._measure_scaled(norms_first=self.norms_first, through=through)
             if measured is not None:
                 if sample:
@@ -267,7 +275,7 @@ class StepPipeline:
                         torch._foreach_mul_(grads, inv)
                     measured.scaled = False
                 return measured
-        if decide and not sample and self.adapter is None and self._decides_through(loss):
+        if decide and not sample and self.adapter is None and not self.host_decision and self._decides_through(loss):
             measured = self._through_unscaled(loss)  # bf16/fp32: nothing to unscale
             if measured is not None:
                 return measured
@@ -287,6 +295,10 @@ class StepPipeline:
             (found_inf,) = found.values()
         elif found:
             found_inf = torch.stack([t.to(self.device, non_blocking=True).reshape(()) for t in found.values()]).sum()
+        if decide and numerics is None and self.host_decision and self.host_copies and self._decides_through(loss):
+            measured = self._through_host_copy(found, found_inf, loss)  # a non-fused optimizer off the CPU
+            if measured is not None:
+                return measured
         groups, (norms, reductions) = self._sparse_tolerant(self._norms, grads_by_device_and_dtype(self.params()))
         return Measured(found, found_inf, groups, norms, numerics, reductions=reductions)
 
@@ -318,15 +330,21 @@ class StepPipeline:
         """Whether this step's measurement may go on to the decision (:meth:`measure`'s ``decide``): the step
         graph switched on, its capture not failed, and not :data:`STEP_GRAPH_MISSES` runs in a row without a
         replay (a loss or gradients that move every step: run eagerly it would cost more than the stages' own
-        graphs, the measurement's and the decision's, which then take over); the tensor decision (a fused
-        optimizer off the CPU; tests turn :attr:`host_decision` off on the CPU); no GradScaler, or the fused fast
-        path's (:attr:`fast_capable`) on a GradScaler no other guard shares (the step writes its next scale); the
-        local backend (one rank: its gather is the vector itself); and a loss the graph can read where it lies (a
-        float32 0-d tensor on the guard's device, as :class:`~ampguard.stats.LossMeter` keeps it)."""
-        scaler_ok = self.adapter is None or (self.fast_capable and not self.adapter.shared)
+        graphs, the measurement's and the decision's, which then take over). With the tensor decision (a fused
+        optimizer off the CPU; tests turn :attr:`host_decision` off on the CPU): no GradScaler, or the fused
+        fast path's (:attr:`fast_capable`) on a GradScaler no other guard shares (the step writes its next
+        scale). With the host decision: its copy made from device tensors (:attr:`host_copies`: off the CPU),
+        and a GradScaler, if any, no other guard shares. The local backend (one rank: its gather is the vector
+        itself), and a loss the graph can read where it lies (a float32 0-d tensor on the guard's device, as
+        :class:`~ampguard.stats.LossMeter` keeps it)."""
+        adapter = self.adapter
+        if self.host_decision:  # the host copy's statistics (the decision on the host, after the copy)
+            path_ok = self.host_copies and (adapter is None or not adapter.shared)
+        else:  # the decision itself
+            path_ok = adapter is None or (self.fast_capable and not adapter.shared)
         graphs = self.step_graph  # given up where it failed or keeps missing: the stages' own graphs then
-        return (graphs.enabled and not graphs.failed and graphs.misses < STEP_GRAPH_MISSES and not self.host_decision
-                and scaler_ok
+        return (graphs.enabled and not graphs.failed and graphs.misses < STEP_GRAPH_MISSES and path_ok
+                and not self.norms_first
                 and getattr(self.backend, "name", None) == "local"
                 and (loss is None or (loss.device == self.device and loss.dtype == torch.float32
                                       and loss.dim() == 0)))
@@ -494,6 +512,39 @@ class StepPipeline:
         decision = Decision(vector, None, packed=Packed(payload, Layout.of(gathered, norms)))
         return Measured({}, None, groups, norms, reductions=(total, count), gathered=gathered, decided=decision)
 
+    def _through_host_copy(self, found: dict[torch.device, torch.Tensor], found_inf: torch.Tensor | None,
+                           loss: torch.Tensor | None) -> Measured | None:
+        """The host decision's side of the step graph (a non-fused optimizer off the CPU, after GradScaler's own
+        unscale): the norms of the unscaled gradients and their reductions, the local vector, the local backend's
+        gather and the host copy's vector (:meth:`ampguard.payload.HostCopy.flat`) in one execution, replayed from
+        :attr:`step_graph` where the gradients, GradScaler's ``found_inf``, the scale and the loss lie where they
+        lay. :meth:`decide` then brings that vector over in the step's one copy, as it would its own. None where
+        some gradient is sparse (:meth:`measure`'s own path). No sync."""
+        groups = grads_by_device_and_dtype(self.params())
+        if not groups.index or not groups.own:
+            return None
+        device, backend = self.device, self.backend
+        view: ScalerView | None = self.adapter.view() if self.adapter is not None else None
+
+        def measure() -> tuple[Any, ...]:
+            norms = per_tensor_norms(groups, device)
+            total, count = total_and_nonfinite(norms)
+            vec = local_vector(loss=loss, tensor_norms=norms, reductions=(total, count), found_inf=found_inf,
+                               pre_reduction=backend.pre_reduction_flags(), device=device, host=False)
+            gathered = backend.all_gather(vec).wait()
+            return norms, total, count, gathered, HostCopy.flat(gathered, norms, None, view, device)
+
+        kind = ("host copy", None if loss is None else loss.data_ptr(),
+                None if found_inf is None else found_inf.data_ptr())
+        try:
+            norms, total, count, gathered, flat = self._replayed(
+                kind, measure, groups, None if view is None else view.scale, self.step_graph)
+        except RuntimeError:
+            if sparse_values(self.params()) is None:
+                raise
+            return None  # sparse gradients: measure()'s own path, which measures their values
+        return Measured(found, found_inf, groups, norms, reductions=(total, count), gathered=gathered, host_flat=flat)
+
     def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False,
                sentinel: torch.Tensor | None = None, fp8: torch.Tensor | None = None,
                params_bad: torch.Tensor | None = None) -> torch.Tensor:
@@ -505,7 +556,7 @@ class StepPipeline:
         rank's parameters non-finite (None: not known)."""
         replicas = getattr(self.backend, "grad_replicas", 1) if self.backend.grads_sharded else 1
         vec = local_vector(loss=loss, tensor_norms=measured.norms, reductions=measured.reductions,
-                           found_inf=measured.found_inf,
+                           found_inf=measured.found_inf, host=not self.host_copies,
                            pre_reduction=self.backend.pre_reduction_flags(), device=self.device, no_grads=no_grads,
                            sentinel=sentinel, headroom=None if measured.numerics is None else measured.numerics[1],
                            fp8=fp8, params_bad=params_bad, norm_share=replicas**-0.5 if replicas > 1 else None)
@@ -519,7 +570,11 @@ class StepPipeline:
         config = self.config_for(measured)
         if self.host_decision:
             # off the CPU: the step's one sync
-            copied = HostCopy.read(gathered, measured.norms, measured.numerics, view, self.device)
+            if measured.host_flat is not None:  # made in the step graph's replay
+                copied = HostCopy.of_flat(measured.host_flat.cpu(), gathered, measured.norms, None, view)
+            else:
+                copied = HostCopy.read(gathered, measured.norms, measured.numerics, view, self.device,
+                                       copy=self.host_copies)
             values, tracker = decide_host(copied.gathered, config=config, spikes=self.spikes,
                                           scale_state=self.scale_state, scaler=copied.view,
                                           grads_sharded=self.backend.grads_sharded)
@@ -542,7 +597,7 @@ class StepPipeline:
         (:func:`ampguard.payload.unpacked_on_host`: every part is on the host, nothing to pack and read
         back). ``params``: a checked step's max|p| per parameter; ``fp8``: the fp8 monitor's ``[casts, 5]``
         rows (:meth:`ampguard.fp8.Fp8Monitor.collect`)."""
-        if decision.host is not None and self.device.type == "cpu":
+        if decision.host is not None and not self.host_copies:
             return unpacked_on_host(decision.vector, gathered, measured.norms, measured.numerics, indicators, params,
                                     fp8)
         if decision.packed is not None and measured.numerics is None and indicators is None and params is None \

@@ -27,9 +27,10 @@ class Switches:
     (:class:`ampguard.decision_graph.MeasureGraph`). ``AMPGUARD_CUDA_GRAPH=0``: run both eagerly."""
 
     step_graph: bool = False
-    """On CUDA, with a fused optimizer (on the fused fast path, or without a GradScaler), one rank and the local
-    backend: measure the gradients, make the local vector, take the decision, pack the report's payload and (with
-    a GradScaler) write the next scale in one execution, replayed as one CUDA graph where the gradients, the
+    """On CUDA, one rank and the local backend: with a fused optimizer (on the fused fast path, or without a
+    GradScaler), measure the gradients, make the local vector, take the decision, pack the report's payload and
+    (with a GradScaler) write the next scale in one execution (with a non-fused one, up to the host decision's
+    copy), replayed as one CUDA graph where the gradients, the
     scale and the loss lie where they lay (:meth:`ampguard.pipeline.StepPipeline.measure`'s ``decide``), instead
     of a replay of the measurement, the vector's kernels, a replay of the decision and the copies after it. Off
     by default until it has run on a CUDA device (``docs/design.md``, "What stop 39 taught");

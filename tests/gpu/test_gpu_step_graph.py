@@ -28,11 +28,13 @@ CONFIG = {"spikes": {"grad_zscore": 3.0, "warmup": 4, "action": "skip"}, "zclip"
 
 
 class _Loop:
-    def __init__(self, step_graph: bool, config: dict | None = None, precision: str = "fp16") -> None:
+    def __init__(self, step_graph: bool, config: dict | None = None, precision: str = "fp16",
+                 fused: bool = True) -> None:
         torch.manual_seed(0)
         self.model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(),
                                    nn.Linear(256, 10)).cuda()
-        inner = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
+        inner = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1,
+                                  **({"fused": True} if fused else {"foreach": True}))
         env = {"AMPGUARD_CUDA_GRAPH": "1", "AMPGUARD_STEP_GRAPH": "1" if step_graph else "0"}
         with mock.patch.dict(os.environ, env):  # read at wrap time
             scaler = torch.amp.GradScaler("cuda", init_scale=2.0**24) if precision == "fp16" else None  # overflows
@@ -55,10 +57,10 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _train(step_graph: bool, batches: list, keep_from: int | None = None,
-           precision: str = "fp16") -> tuple[list[torch.Tensor], str, _Loop]:
+           precision: str = "fp16", fused: bool = True) -> tuple[list[torch.Tensor], str, _Loop]:
     """``keep_from``: from that step on, every step's loss and gradients are kept alive, so the next step's lie
-    elsewhere (new keys: measured and decided eagerly)."""
-    loop = _Loop(step_graph, precision=precision)
+    elsewhere (new keys: measured and decided eagerly). ``fused=False``: foreach AdamW, the host decision."""
+    loop = _Loop(step_graph, precision=precision, fused=fused)
     kept: list[torch.Tensor] = []
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns
@@ -72,13 +74,15 @@ def _train(step_graph: bool, batches: list, keep_from: int | None = None,
     return [p.detach().clone() for p in loop.model.parameters()], reports, loop
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_the_step_graph_run_is_the_run_without_it_bit_for_bit(precision: str) -> None:
-    """fp16: the fast path's graph (the scaled norms, the next scale written); bf16: no GradScaler, the norms of
-    the gradients as they are."""
+def test_the_step_graph_run_is_the_run_without_it_bit_for_bit(precision: str, fused: bool) -> None:
+    """fp16 fused: the fast path's graph (the scaled norms, the next scale written); bf16 fused: no GradScaler,
+    the norms of the gradients as they are; foreach: the host decision's graph (after GradScaler's unscale, the
+    norms, the vector and the host copy's vector; found_inf's address in the key), then the one copy."""
     batches = _batches(24)
-    want, want_reports, plain = _train(False, batches, precision=precision)
-    got, reports, loop = _train(True, batches, precision=precision)
+    want, want_reports, plain = _train(False, batches, precision=precision, fused=fused)
+    got, reports, loop = _train(True, batches, precision=precision, fused=fused)
     graphs = loop.opt._pipeline.step_graph
     assert graphs.replays >= 12 and 1 <= graphs.captures <= 3, (graphs.replays, graphs.captures)
     assert plain.opt._pipeline.step_graph.replays == 0

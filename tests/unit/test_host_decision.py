@@ -525,9 +525,10 @@ _CONFIGS = {
 def test_the_one_host_copy_path_decides_and_reports_as_the_cpu_path(name, monkeypatch):
     """A non-fused optimizer off the CPU decides on the host from ONE copy of the gathered
     statistics, norms, sampled numerics, scale and growth tracker (``pipeline.HostCopy``), and its
-    report is built from that copy. CI has no GPU: this forces that copy on the CPU and asserts
-    the run is bit for bit the CPU path's (parameters, optimizer state, scale, every report field),
-    through natural fp16 overflows, injected infs, clipping, sampled numerics and indicators."""
+    report is built from that copy. CI has no GPU: this runs that path on the CPU (``host_copies``: the
+    local vector made on device, the one copy, the payload packed from it) and asserts the run is bit for
+    bit the CPU path's (parameters, optimizer state, scale, every report field), through natural fp16
+    overflows, injected infs, clipping, sampled numerics and indicators."""
     from ampguard import faults
     from ampguard.payload import HostCopy
 
@@ -535,15 +536,16 @@ def test_the_one_host_copy_path_decides_and_reports_as_the_cpu_path(name, monkey
         read = HostCopy.read
         copies = []
         if force:
-            def forced(*a, **k):
-                copies.append(1)
-                return read(*a, **k, copy=True)
-            monkeypatch.setattr(HostCopy, "read", forced)
+            def counted(*a, **k):
+                copies.append(k.get("copy"))
+                return read(*a, **k)
+            monkeypatch.setattr(HostCopy, "read", counted)
         model = make_model()
         interval = 2**25 if name == "huge-growth-interval" else 3
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=interval)
         opt = ampguard.wrap(make_opt(model), model=model, precision="fp16", scaler=scaler,
                             config={"param_norms_every": 1, **_CONFIGS[name]})
+        opt._pipeline.host_copies = force  # CUDA's host decision, on the CPU
         faults.inject(opt, faults.grad("0.weight", "inf", steps=[4]))
         guarded_steps(opt, model, make_data(14))
         opt.flush()
@@ -552,7 +554,7 @@ def test_the_one_host_copy_path_decides_and_reports_as_the_cpu_path(name, monkey
 
     ref_model, ref_opt, _ = run(False)
     model, opt, copies = run(True)
-    assert len(copies) == 14  # every step decided from the one copy
+    assert copies == [True] * 14  # every step decided from the one copy
     assert_same(snapshot(ref_model, ref_opt), snapshot(model, opt))
     assert opt.get_scale() == ref_opt.get_scale()
 

@@ -17,6 +17,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch.amp.grad_scaler import OptState
 
 import ampguard
 from ampguard.decision_graph import MeasureGraph
@@ -63,6 +64,31 @@ class _Graphs(MeasureGraph):
         return _StandIn(fn, outs), outs
 
 
+class _SteadyScaler(torch.amp.GradScaler):
+    """GradScaler whose ``unscale_`` leaves its per-device ``found_inf`` in one tensor per device (copied there),
+    where torch's leaves a new copy each step: on CUDA the caching allocator gives a steady loop's small tensors
+    back at their addresses, on the CPU malloc does not, and the host decision's step graph reads ``found_inf``
+    where it lies. Otherwise torch's ``unscale_`` line for line. ``addresses``: how many places it takes in turn."""
+
+    addresses = 1
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        assert state["stage"] is OptState.READY
+        inv_scale = self._scale.double().reciprocal().float()
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
+        found = self._unscale_grads_(optimizer, inv_scale, found_inf, False)  # per device: copies of found_inf
+        places = self.__dict__.setdefault("_places", [{} for _ in range(self.addresses)])
+        self._turn = getattr(self, "_turn", -1) + 1
+        steady = places[self._turn % len(places)]  # in turn among ``addresses`` places
+        state["found_inf_per_device"] = {dev: steady.setdefault(dev, torch.zeros_like(t)).copy_(t)
+                                         for dev, t in found.items()}
+        state["stage"] = OptState.UNSCALED
+
+
 def _state(pipe: Any) -> list[torch.Tensor]:
     """What the step writes in place: the carried state, GradScaler's scale and growth tracker (if any)."""
     scaler = pipe.adapter.scaler if pipe.adapter is not None else None
@@ -70,22 +96,27 @@ def _state(pipe: Any) -> list[torch.Tensor]:
             *(() if scaler is None else (scaler._scale, scaler._growth_tracker))]
 
 
-def _run(step_graph: bool, steps: int = 16, addresses: int = 1, bf16: bool = False, fail: bool = False
-         ) -> tuple[list[torch.Tensor], Any, Any]:
+def _run(step_graph: bool, steps: int = 16, addresses: int = 1, bf16: bool = False, fail: bool = False,
+         fused: bool = True) -> tuple[list[torch.Tensor], Any, Any]:
     """A guarded run. On the CPU a tensor's address is malloc's choice: the gradients are kept (zeroed in place)
     and the kept loss is copied into one of ``addresses`` buffers in turn, so that keys repeat as they do on
     CUDA's caching allocator (a CUDA loop's loss and gradients usually lie where they lay). ``bf16``: no
     GradScaler, a LayerNorm with ``eps=0`` first, and a batch with a constant row at NAN_STEP (its variance 0: a
-    genuine NaN)."""
+    genuine NaN). ``fused=False``: foreach AdamW, the host decision as CUDA takes it (``host_copies``), fp16 with
+    :class:`_SteadyScaler`."""
     model = make_model(0)
     if bf16:
         model = torch.nn.Sequential(torch.nn.LayerNorm(8, eps=0.0, elementwise_affine=False), *model)
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-    scaler = None if bf16 else torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, **({"fused": True} if fused else {"foreach": True}))
+    scaler = None if bf16 else (torch.amp.GradScaler if fused else _SteadyScaler)("cpu", init_scale=2.0**10,
+                                                                                  growth_interval=3)
     with mock.patch.dict(os.environ, {"AMPGUARD_STEP_GRAPH": "1" if step_graph else "0"}):  # read at wrap time
         opt = ampguard.wrap(inner, model=model, precision="bf16" if bf16 else "fp16", scaler=scaler, config=CONFIG)
     pipe = opt._pipeline
-    pipe.host_decision = False  # the tensor decision, as on CUDA
+    if fused:
+        pipe.host_decision = False  # the tensor decision, as on CUDA
+    else:
+        pipe.host_copies = True  # the host decision as CUDA takes it: the local vector on device, one copy
     opt._lagged_reports = True  # and its reports decoded steps later, as on CUDA (graph outputs rewritten meanwhile)
     graphs = None
     if step_graph:
@@ -99,6 +130,7 @@ def _run(step_graph: bool, steps: int = 16, addresses: int = 1, bf16: bool = Fal
             return call
         pipe._through_decision = counted(pipe._through_decision)
         pipe._through_unscaled = counted(pipe._through_unscaled)
+        pipe._through_host_copy = counted(pipe._through_host_copy)
     buffers = [torch.zeros(()) for _ in range(addresses)]
     at = [0]
 
@@ -159,6 +191,61 @@ def test_a_loss_that_moves_is_measured_where_it_lies(bf16: bool) -> None:
     assert graphs.captures == 2 and graphs.replays >= 8
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert _reports(guarded) == _reports(plain)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
+def test_the_host_decisions_step_graph_is_the_run_without_it_bit_for_bit(bf16: bool) -> None:
+    """A non-fused optimizer (foreach AdamW) decides on the host: after GradScaler's own unscale, the norms, the
+    local vector, the gather and the host copy's vector in one replay (found_inf's address in the key), then
+    the one copy and the host decision, as without it, bit for bit."""
+    want, plain, _ = _run(step_graph=False, steps=15, bf16=bf16, fused=False)
+    got, guarded, graphs = _run(step_graph=True, steps=15, bf16=bf16, fused=False)
+    assert graphs.captures >= 1 and graphs.replays >= 8 and graphs.taken >= 10
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _reports(guarded) == _reports(plain)
+    skipped = {r.step for r in guarded.history if r.skipped}
+    assert (NAN_STEP in skipped) if bf16 else skipped >= OVERFLOW_STEPS
+
+
+def test_found_inf_that_moves_is_read_where_it_lies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GradScaler's found_inf in two places by turns: two keys (its address is in the host copy's key), each
+    replayed with its own; a replay that read the other place would report the step before's overflow."""
+    monkeypatch.setattr(_SteadyScaler, "addresses", 2)
+    want, plain, _ = _run(step_graph=False, fused=False)
+    got, guarded, graphs = _run(step_graph=True, fused=False)
+    assert graphs.captures == 2 and graphs.replays >= 8
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _reports(guarded) == _reports(plain)
+
+
+def test_a_non_fused_optimizer_never_takes_the_tensor_decisions_graph() -> None:
+    """foreach AdamW with torch's own GradScaler on the CPU reads its norms first (``norms_first``: the fast
+    path's measurement, then ``_foreach_mul_``), and decides on the host: with CUDA's host path forced
+    (``host_copies``) and the step graph on, that measurement must not go on to the tensor decision (it did in a
+    first draft: the scale written before the ``_foreach_mul_`` read it), and the host copy is the one copy."""
+    runs = []
+    for step_graph in (False, True):
+        model = make_model(0)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        with mock.patch.dict(os.environ, {"AMPGUARD_STEP_GRAPH": "1" if step_graph else "0"}):
+            opt = ampguard.wrap(inner, model=model, precision="fp16", scaler=scaler, config=CONFIG)
+        pipe = opt._pipeline
+        assert pipe.norms_first and pipe.host_decision
+        pipe.host_copies = True
+        taken: list[int] = []
+        pipe._through_decision = lambda *a, _t=taken, _f=pipe._through_decision: _t.append(1) or _f(*a)
+        for i, (x, y) in enumerate(make_data(12)):
+            with opt.autocast():
+                loss = loss_of(model, x, y) * (2.0**14 if i in OVERFLOW_STEPS else 1.0)
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        opt.flush()
+        assert not taken
+        runs.append(([p.detach().clone() for p in model.parameters()], _reports(opt), opt.get_scale()))
+    (want, want_reports, want_scale), (got, reports, scale) = runs
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and reports == want_reports and scale == want_scale
 
 
 def test_keys_that_never_repeat_give_the_step_graph_up() -> None:
