@@ -14,34 +14,7 @@ import torch
 
 from ampguard.decision_graph import MeasureGraph
 
-
-class _StandIn:
-    def __init__(self, fn: Any, out: torch.Tensor) -> None:
-        self.fn, self.out, self.replays = fn, out, 0
-
-    def replay(self) -> None:
-        self.out.copy_(self.fn())
-        self.replays += 1
-
-
-class _Graphs(MeasureGraph):
-    """MeasureGraph with the CPU taken as capturable and the capture made by :class:`_StandIn`."""
-
-    def __init__(self, fail: bool = False, *names: str) -> None:
-        super().__init__(True, *names)
-        self.fail = fail
-        self.captured: list[_StandIn] = []
-
-    @staticmethod
-    def _capturable(device: torch.device) -> bool:
-        return True
-
-    def _capture(self, fn: Any, device: torch.device) -> tuple[Any, Any]:
-        if self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        graph = _StandIn(fn, fn().clone())
-        self.captured.append(graph)
-        return graph, graph.out
+from ._graphs import StandInGraphs as _Graphs
 
 
 def _norms(grads: list[torch.Tensor]) -> Any:

@@ -20,10 +20,10 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 import ampguard
-from ampguard.decision_graph import MeasureGraph
 from ampguard.pipeline import STEP_GRAPH_MISSES
 from ampguard.stats import LossMeter
 
+from ._graphs import StandInGraphs
 from ._models import loss_of, make_data, make_model
 
 CONFIG = {"spikes": {"grad_zscore": 3.0, "warmup": 3, "action": "skip"}, "zclip": {"warmup": 3},
@@ -32,36 +32,11 @@ OVERFLOW_STEPS = {4, 9, 10}  # the loss times 2**14: the fp16 backward overflows
 NAN_STEP = 7  # bf16: a genuine NaN (LayerNorm with eps=0 over a constant row)
 
 
-class _StandIn:
-    def __init__(self, fn: Any, outs: tuple[Any, ...]) -> None:
-        self.fn, self.outs = fn, outs
-
-    def replay(self) -> None:
-        for out, new in zip(self.outs, self.fn()):
-            if out is not None:
-                out.copy_(new)
-
-
-class _Graphs(MeasureGraph):
-    """A MeasureGraph that takes the CPU as capturable; its capture runs the function once for the outputs' shapes
-    and puts back the state that run wrote (a CUDA capture records the kernels without running them)."""
+class _Graphs(StandInGraphs):
+    """The step graph's stand-in: its capture puts back the ``state`` its shape-finding run wrote."""
 
     def __init__(self, state: list[torch.Tensor], fail: bool = False) -> None:
-        super().__init__(True, "the step from the gradients to the decision", "AMPGUARD_STEP_GRAPH=0")
-        self.state, self.fail = state, fail
-
-    @staticmethod
-    def _capturable(device: torch.device) -> bool:
-        return True
-
-    def _capture(self, fn: Any, device: torch.device) -> tuple[Any, Any]:
-        if self.fail:
-            raise RuntimeError("operation not permitted when stream is capturing")
-        saved = [t.clone() for t in self.state]
-        outs = tuple(None if t is None else t.clone() for t in fn())
-        for t, s in zip(self.state, saved):
-            t.copy_(s)
-        return _StandIn(fn, outs), outs
+        super().__init__(fail, "the step from the gradients to the decision", "AMPGUARD_STEP_GRAPH=0", state=state)
 
 
 class _SteadyScaler(torch.amp.GradScaler):
