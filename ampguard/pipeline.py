@@ -263,8 +263,9 @@ class StepPipeline:
         if self.adapter is not None and self.adapter.shared:
             self.adapter.check_iteration()  # before anything changes: one step per guard and iteration
         if fast and self.fast_path(guard):
-            through = (loss,) if (decide and not sample and not self.host_decision and not self.norms_first
-                                  and self._decides_through(loss)) else None
+            # the tensor decision (a fused optimizer off the CPU): the measurement goes on to it
+            through = (loss,) if decide and not sample and not self.host_decision and self._decides_through(loss) \
+                else None
             measured = self._measure_scaled(norms_first=self.norms_first, through=through)
             if measured is not None:
                 if sample:
@@ -327,24 +328,18 @@ class StepPipeline:
         return measure()
 
     def _decides_through(self, loss: torch.Tensor | None) -> bool:
-        """Whether this step's measurement may go on to the decision (:meth:`measure`'s ``decide``): the step
-        graph switched on, its capture not failed, and not :data:`STEP_GRAPH_MISSES` runs in a row without a
-        replay (a loss or gradients that move every step: run eagerly it would cost more than the stages' own
-        graphs, the measurement's and the decision's, which then take over). With the tensor decision (a fused
-        optimizer off the CPU; tests turn :attr:`host_decision` off on the CPU): no GradScaler, or the fused
-        fast path's (:attr:`fast_capable`) on a GradScaler no other guard shares (the step writes its next
-        scale). With the host decision: its copy made from device tensors (:attr:`host_copies`: off the CPU),
-        and a GradScaler, if any, no other guard shares. The local backend (one rank: its gather is the vector
-        itself), and a loss the graph can read where it lies (a float32 0-d tensor on the guard's device, as
-        :class:`~ampguard.stats.LossMeter` keeps it)."""
-        adapter = self.adapter
-        if self.host_decision:  # the host copy's statistics (the decision on the host, after the copy)
-            path_ok = self.host_copies and (adapter is None or not adapter.shared)
-        else:  # the decision itself
-            path_ok = adapter is None or (self.fast_capable and not adapter.shared)
+        """Whether this step's measurement may go on through the step graph (:meth:`measure`'s ``decide``; each
+        caller adds its own path: the fused fast path or no GradScaler with the tensor decision, or the host
+        decision's copy made from device tensors): the step graph switched on, its capture not failed, and not
+        :data:`STEP_GRAPH_MISSES` runs in a row without a replay (a loss or gradients that move every step: run
+        eagerly it would cost more than the stages' own graphs, the measurement's and the decision's, which then
+        take over); not a non-fused CPU optimizer's norms-first measurement; a GradScaler, if any, that no other
+        guard shares (the step writes its next scale, or copies its found_inf); the local backend (one rank: its
+        gather is the vector itself); and a loss the graph can read where it lies (a float32 0-d tensor on the
+        guard's device, as :class:`~ampguard.stats.LossMeter` keeps it)."""
         graphs = self.step_graph  # given up where it failed or keeps missing: the stages' own graphs then
-        return (graphs.enabled and not graphs.failed and graphs.misses < STEP_GRAPH_MISSES and path_ok
-                and not self.norms_first
+        return (graphs.enabled and not graphs.failed and graphs.misses < STEP_GRAPH_MISSES and not self.norms_first
+                and (self.adapter is None or not self.adapter.shared)
                 and getattr(self.backend, "name", None) == "local"
                 and (loss is None or (loss.device == self.device and loss.dtype == torch.float32
                                       and loss.dim() == 0)))
@@ -436,6 +431,30 @@ class StepPipeline:
 
         return self._replayed("scaled", measure, groups, scale)  # type: ignore[no-any-return]
 
+    def _local_gathered(self, loss: torch.Tensor | None, norms: torch.Tensor, total: torch.Tensor,
+                        count: torch.Tensor, found_inf: torch.Tensor | None) -> torch.Tensor:
+        """Inside the step graph: the local vector of ``loss`` and the measurement, as :meth:`gather` makes it for a
+        fresh step with no sentinel, fp8 or parameter flag, by device ops (as they are captured), and the local
+        backend's gather of it (the vector as the one row)."""
+        vec = local_vector(loss=loss, tensor_norms=norms, reductions=(total, count), found_inf=found_inf,
+                           pre_reduction=self.backend.pre_reduction_flags(), device=self.device, host=False)
+        return self.backend.all_gather(vec).wait()  # type: ignore[no-any-return]
+
+    def _replayed_step(self, kind: Any, measure: Callable[[GradGroups], Any],
+                       scale: torch.Tensor | None = None) -> tuple[GradGroups, Any] | None:
+        """The gradients, grouped, and ``measure()`` over them, replayed from :attr:`step_graph` (:meth:`_replayed`).
+        None where there is nothing to measure or some gradient is sparse or sharded (no norm kernel takes it:
+        :meth:`measure`'s own path). ``measure`` takes the groups."""
+        groups = grads_by_device_and_dtype(self.params())
+        if not groups.index or not groups.own:
+            return None
+        try:
+            return groups, self._replayed(kind, lambda: measure(groups), groups, scale, self.step_graph)
+        except RuntimeError:
+            if sparse_values(self.params()) is None:
+                raise
+            return None  # sparse gradients: measure()'s own path, which measures their values
+
     def _through_decision(self, groups: GradGroups, adapter: GradScalerAdapter, loss: torch.Tensor | None
                           ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor,
                                      Decision]:
@@ -452,16 +471,14 @@ class StepPipeline:
         scale, device = adapter.scale, self.device
         view = adapter.view()
         growth_tracker = view.growth_tracker
-        config, backend = self.config, self.backend
+        config = self.config
         clipping = uses_clipping(config)
 
         def measure() -> tuple[Any, ...]:
             norms = per_tensor_norms(groups, device) * adapter.inv_scale().to(device, non_blocking=True)
             total, count = total_and_nonfinite(norms)
             found = count.gt(0).to(scale.device, dtype=torch.float32, non_blocking=True).reshape(())
-            vec = local_vector(loss=loss, tensor_norms=norms, reductions=(total, count), found_inf=found,
-                               pre_reduction=backend.pre_reduction_flags(), device=device)
-            gathered = backend.all_gather(vec).wait()
+            gathered = self._local_gathered(loss, norms, total, count, found)
             vector, tracker = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                      scaler=view, grads_sharded=False)
             payload = pack(vector, gathered, norms).vector
@@ -485,30 +502,21 @@ class StepPipeline:
         vector, the local backend's gather, the decision and the payload without its optional parts, in one
         execution replayed from :attr:`step_graph` where the gradients and the loss lie where they lay (the
         measurement :meth:`_through_decision` makes on the fast path, with no scale to read or write). None where
-        some gradient is sparse (no norm kernel takes it: :meth:`measure`'s own path). No sync."""
-        groups = grads_by_device_and_dtype(self.params())
-        if not groups.index or not groups.own:
-            return None
-        device, config, backend = self.device, self.config, self.backend
+        some gradient is sparse (:meth:`_replayed_step`). No sync."""
+        device, config = self.device, self.config
 
-        def measure() -> tuple[Any, ...]:
+        def measure(groups: GradGroups) -> tuple[Any, ...]:
             norms = per_tensor_norms(groups, device)
             total, count = total_and_nonfinite(norms)
-            vec = local_vector(loss=loss, tensor_norms=norms, reductions=(total, count), found_inf=None,
-                               pre_reduction=backend.pre_reduction_flags(), device=device)
-            gathered = backend.all_gather(vec).wait()
+            gathered = self._local_gathered(loss, norms, total, count, None)
             vector, _ = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                scaler=None, grads_sharded=False)
             return norms, total, count, gathered, vector, pack(vector, gathered, norms).vector
 
-        try:
-            norms, total, count, gathered, vector, payload = self._replayed(
-                ("decision, unscaled", None if loss is None else loss.data_ptr()), measure, groups,
-                graphs=self.step_graph)
-        except RuntimeError:
-            if sparse_values(self.params()) is None:
-                raise
-            return None  # sparse gradients: measure()'s own path, which measures their values
+        replayed = self._replayed_step(("decision, unscaled", None if loss is None else loss.data_ptr()), measure)
+        if replayed is None:
+            return None
+        groups, (norms, total, count, gathered, vector, payload) = replayed
         decision = Decision(vector, None, packed=Packed(payload, Layout.of(gathered, norms)))
         return Measured({}, None, groups, norms, reductions=(total, count), gathered=gathered, decided=decision)
 
@@ -519,30 +527,22 @@ class StepPipeline:
         gather and the host copy's vector (:meth:`ampguard.payload.HostCopy.flat`) in one execution, replayed from
         :attr:`step_graph` where the gradients, GradScaler's ``found_inf``, the scale and the loss lie where they
         lay. :meth:`decide` then brings that vector over in the step's one copy, as it would its own. None where
-        some gradient is sparse (:meth:`measure`'s own path). No sync."""
-        groups = grads_by_device_and_dtype(self.params())
-        if not groups.index or not groups.own:
-            return None
-        device, backend = self.device, self.backend
+        some gradient is sparse (:meth:`_replayed_step`). No sync."""
+        device = self.device
         view: ScalerView | None = self.adapter.view() if self.adapter is not None else None
 
-        def measure() -> tuple[Any, ...]:
+        def measure(groups: GradGroups) -> tuple[Any, ...]:
             norms = per_tensor_norms(groups, device)
             total, count = total_and_nonfinite(norms)
-            vec = local_vector(loss=loss, tensor_norms=norms, reductions=(total, count), found_inf=found_inf,
-                               pre_reduction=backend.pre_reduction_flags(), device=device, host=False)
-            gathered = backend.all_gather(vec).wait()
+            gathered = self._local_gathered(loss, norms, total, count, found_inf)
             return norms, total, count, gathered, HostCopy.flat(gathered, norms, None, view, device)
 
         kind = ("host copy", None if loss is None else loss.data_ptr(),
                 None if found_inf is None else found_inf.data_ptr())
-        try:
-            norms, total, count, gathered, flat = self._replayed(
-                kind, measure, groups, None if view is None else view.scale, self.step_graph)
-        except RuntimeError:
-            if sparse_values(self.params()) is None:
-                raise
-            return None  # sparse gradients: measure()'s own path, which measures their values
+        replayed = self._replayed_step(kind, measure, None if view is None else view.scale)
+        if replayed is None:
+            return None
+        groups, (norms, total, count, gathered, flat) = replayed
         return Measured(found, found_inf, groups, norms, reductions=(total, count), gathered=gathered, host_flat=flat)
 
     def gather(self, measured: Measured, loss: torch.Tensor | None, *, no_grads: bool = False,
