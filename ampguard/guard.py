@@ -31,7 +31,7 @@ from .indicators import Indicators
 from .integrity import Verdict, amax_per_tensor
 from .optimizer_view import InnerOptimizerView, param_names
 from .outcome import Outcome, Readers
-from .pipeline import Measured, StepPipeline, grad_marks, marks_after_step
+from .pipeline import Measured, StepPipeline, grad_marks, marks_after_step, marks_changed, same_mark
 from .records import RunInfo
 from .scaling import GradScalerAdapter
 from .schedules import ScheduledLR
@@ -560,9 +560,9 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
 
     def _fresh_grads(self) -> bool:
         """Whether a backward since the last step/zero_grad reached any parameter (version counters
-        of the gradients: one attribute read per parameter, no sync)."""
+        of the gradients, no sync; it stops at the first gradient a backward reached)."""
         params = self._pipeline.params()
-        return any(p.grad is not None for p in params) if self._marks is None else grad_marks(params) != self._marks
+        return any(p.grad is not None for p in params) if self._marks is None else marks_changed(params, self._marks)
 
     def _cleared_elsewhere(self) -> tuple[list[Any] | None] | None:
         """After step(), before the guard's own zero_grad(): were the gradients the step left all cleared
@@ -576,7 +576,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             return (None,)
         now = grad_marks(params)
         before = self._marks if self._marks is not None else [None] * len(now)
-        if any(b is not None and n == b for n, b in zip(now, before)):
+        if any(b is not None and same_mark(n, b) for n, b in zip(now, before)):
             return None
         return (None if all(n is None for n in now) else now,)
 

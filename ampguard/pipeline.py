@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,7 +66,7 @@ from .stats import (
 )
 from .switches import implementation_switches
 
-__all__ = ["Decision", "Measured", "StepPipeline", "grad_marks", "marks_after_step"]
+__all__ = ["Decision", "Measured", "StepPipeline", "grad_marks", "marks_after_step", "marks_changed", "same_mark"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -730,10 +731,40 @@ def _takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:
         return True
 
 
+_ref = weakref.ref
+
+
 def grad_marks(params: Sequence[torch.Tensor]) -> list[Any]:
     """Which gradient tensors exist, and their autograd version counters: a backward that adds
-    to a gradient, or replaces it, changes this. One attribute read per parameter, no sync."""
-    return [None if (g := p.grad) is None else (id(g), g._version) for p in params]
+    to a gradient, or replaces it, changes this. One attribute read per parameter, no sync.
+
+    A mark names its tensor by a weak reference, not by ``id()``: a gradient freed by
+    ``model.zero_grad()`` and the one the next backward makes often share an address, hence an
+    ``id()``, and both have version 0 when the step did not write them (a fused optimizer), so a
+    fresh backward looked stale (a false "no backward" on a one-parameter model). A live tensor's
+    weak reference is the same object each time (CPython keeps one per object); a freed tensor's
+    is dead. Compare marks with :func:`same_mark` or :func:`marks_changed`: ``==`` on two
+    distinct live references compares the tensors."""
+    return [None if (g := p.grad) is None else (_ref(g), g._version) for p in params]
+
+
+def same_mark(a: Any, b: Any) -> bool:
+    """Whether two marks of one parameter name the same gradient tensor at the same version."""
+    return a is b or (a is not None and b is not None and a[0] is b[0] and a[1] == b[1])
+
+
+def marks_changed(params: Sequence[torch.Tensor], marks: Sequence[Any]) -> bool:
+    """Whether any parameter's gradient differs from its mark (another tensor, another version,
+    made or cleared): stops at the first difference, so a step after a backward reads one or two
+    ``.grad`` in the common case, and all of them only when nothing changed."""
+    for p, m in zip(params, marks):
+        g = p.grad
+        if g is None:
+            if m is not None:
+                return True
+        elif m is None or m[0]() is not g or m[1] != g._version:
+            return True
+    return False
 
 
 def marks_after_step(groups: GradGroups, params: Sequence[torch.Tensor]) -> list[Any]:
@@ -747,6 +778,6 @@ def marks_after_step(groups: GradGroups, params: Sequence[torch.Tensor]) -> list
     k = 0
     for grads in groups.tensors.values():
         for g in grads:
-            marks[groups.index[k]] = (id(g), g._version)
+            marks[groups.index[k]] = (_ref(g), g._version)
             k += 1
     return marks

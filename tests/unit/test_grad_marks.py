@@ -2,18 +2,23 @@
 parameter holds and its autograd version counter, by which the guard tells a fresh backward from a stale step.
 ``marks_after_step`` reads them from the step's grouping instead of ``.grad``: both against the plain definition
 on every shape of grouping (all present, some missing, several (device, dtype) groups, none), and as a backward
-moves them. (Stop 39 tried one-pass-in-C forms of both: no faster, 50 -> 55 and 34 -> 32 us at 292 parameters.)"""
+moves them; and a gradient freed by ``model.zero_grad()`` whose successor takes its ``id()`` is still new.
+(Stop 39 tried one-pass-in-C forms of both: no faster, 50 -> 55 and 34 -> 32 us at 292 parameters.)"""
 
 from __future__ import annotations
 
+import warnings
+import weakref
+
 import torch
 
-from ampguard.pipeline import grad_marks, marks_after_step
+import ampguard
+from ampguard.pipeline import grad_marks, marks_after_step, marks_changed, same_mark
 from ampguard.stats import grads_by_device_and_dtype
 
 
 def _definition(params: list[torch.Tensor]) -> list[object]:
-    return [None if p.grad is None else (id(p.grad), p.grad._version) for p in params]
+    return [None if p.grad is None else (weakref.ref(p.grad), p.grad._version) for p in params]
 
 
 def _params(dtypes: list[torch.dtype], missing: tuple[int, ...] = ()) -> list[torch.nn.Parameter]:
@@ -46,3 +51,43 @@ def test_marks_move_with_a_backward_and_with_new_tensors() -> None:
         p.grad = None
     model(torch.ones(2, 4)).sum().backward()  # new tensors
     assert grad_marks(params) == _definition(params)
+
+
+def test_marks_changed_stops_at_the_first_difference_and_sees_each_kind() -> None:
+    params = _params([torch.float32] * 4, missing=(2,))
+    marks = grad_marks(params)
+    assert not marks_changed(params, marks) and all(same_mark(a, b) for a, b in zip(marks, grad_marks(params)))
+    params[3].grad.add_(1)  # written in place: its version moves
+    assert marks_changed(params, marks)
+    marks = grad_marks(params)
+    params[2].grad = torch.ones(3)  # made
+    assert marks_changed(params, marks)
+    marks = grad_marks(params)
+    params[0].grad = None  # cleared
+    assert marks_changed(params, marks)
+    marks = grad_marks(params)
+    params[1].grad = params[1].grad.clone()  # another tensor, same version
+    assert marks_changed(params, marks) and not same_mark(marks[1], grad_marks(params)[1])
+
+
+def test_a_new_gradient_in_a_freed_gradients_place_is_fresh() -> None:
+    """A fused optimizer (which leaves the gradients at version 0) on a one-parameter model, and
+    ``model.zero_grad()`` between the forward and the backward: the freed gradient's Python object and the
+    next backward's (made when step() first reads ``.grad``) share an address, so ``id()`` marks called
+    the step stale and step() raised GuardStateError ("no backward in between") on the second step (the
+    code before this test). The loop ``backward; step; model.zero_grad()`` hit the same at random steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1, bias=False)
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model, precision="fp32")
+    reused = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the backward the guard did not see: no loss to report
+        for _ in range(20):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            before = id(model.weight.grad) if model.weight.grad is not None else None
+            model.zero_grad()
+            loss.backward()
+            opt.step()
+            reused += before == id(model.weight.grad)
+    assert reused, "no gradient took the freed one's id: this test no longer tests the case"
+    assert opt.step_count == 20
