@@ -24,7 +24,7 @@ import contextlib
 import gc
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -138,12 +138,12 @@ class MeasureGraph:
         """A capture failed: every later run is eager."""
         return self._failed
 
-    def run(self, kind: str, fn: Callable[[], Any], grads: Sequence[torch.Tensor],
+    def run(self, kind: Hashable, fn: Callable[[], Any], grads: Sequence[torch.Tensor],
             scale: torch.Tensor | None = None) -> Any:
-        """``fn()`` (its kernels read only ``grads`` and ``scale``; ``kind`` names what it computes: one graph
-        per kind and addresses), eagerly or replayed: see the class."""
+        """``fn()`` (its kernels read only ``grads`` and ``scale``; ``kind``, any hashable, names what it computes:
+        one graph per kind and addresses), eagerly or replayed: see the class."""
         device = grads[0].device
-        if not self.enabled or self._failed or not self._capturable(device):
+        if not self.enabled or self._failed or not self.capturable(device):
             return fn()
         key = (kind, grads[0].dtype, 0 if scale is None else scale.data_ptr(), len(grads),
                *map(torch.Tensor.data_ptr, grads))
@@ -178,7 +178,8 @@ class MeasureGraph:
         return out
 
     @staticmethod
-    def _capturable(device: torch.device) -> bool:
+    def capturable(device: torch.device) -> bool:
+        """Whether a graph can be captured on ``device`` (CUDA)."""
         return device.type == "cuda"
 
     def _capture(self, fn: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:

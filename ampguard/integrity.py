@@ -112,7 +112,9 @@ def state_tensors(optimizer_state: Mapping[Any, Any], labels: Mapping[Any, str])
 
 def amax_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """max|x| of each tensor, float32, stacked on the first tensor's device (NaN or Inf exactly
-    where the tensor holds one). No host sync; one read, by device and dtype."""
+    where the tensor holds one). No host sync; one read, by device and dtype: a group's maxima are
+    stacked and converted once (not one ``.to`` a tensor: ~2.6 us each on the H200's host), and one
+    group with no empty tensor (the usual case) is the vector as it is."""
     if not tensors:
         return torch.zeros(0)
     device = tensors[0].device
@@ -123,19 +125,16 @@ def amax_per_tensor(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         if t.numel():  # an empty tensor (an FSDP2 shard of an uneven split) has no max: 0
             groups.setdefault((t.device, t.dtype), []).append(i)
         else:
-            out[i] = torch.zeros((), dtype=torch.float32, device=t.device)
+            out[i] = torch.zeros((), dtype=torch.float32, device=device)
     for (dev, dtype), idx in groups.items():
         ts = [local[i] for i in idx]
-        if cpu_amax_ok(dev, dtype):
-            amax = cpu_amax(ts)
-            if len(idx) == len(local):  # one group, no empty tensor (the usual case): the vector as it is
-                return amax.to(device=device, dtype=torch.float32)
-            norms: Sequence[torch.Tensor] = amax.unbind()
-        else:
-            norms = torch._foreach_norm(ts, math.inf)
-        for i, n in zip(idx, norms):
+        amax = cpu_amax(ts) if cpu_amax_ok(dev, dtype) else torch.stack(torch._foreach_norm(ts, math.inf))
+        amax = amax.to(device=device, dtype=torch.float32)  # a max is exact in float32: the same values
+        if len(idx) == len(local):
+            return amax
+        for i, n in zip(idx, amax.unbind()):
             out[i] = n
-    return torch.stack([n.to(device=device, dtype=torch.float32) for n in out])  # type: ignore[union-attr]
+    return torch.stack(out)  # type: ignore[arg-type]
 
 
 def nonfinite_names(amax: Sequence[float], names: Sequence[str]) -> tuple[str, ...]:

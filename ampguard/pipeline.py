@@ -197,6 +197,10 @@ class StepPipeline:
                                        "the step from the gradients to the decision", "AMPGUARD_STEP_GRAPH=0")
         """The fast path from the gradients to the decision in one replay (:meth:`measure`'s ``decide``): graphs of
         their own, so that a failure there leaves :attr:`measure_graph` as it was."""
+        self.param_graph = MeasureGraph(switches.cuda_graph, "the parameter check")
+        """The parameter check's max|p| (``GuardConfig.param_check_every``), replayed where the parameters lie
+        (:meth:`params_graphable`): an optimizer updates them in place, so they lie where they lay."""
+        self._graphable: tuple[list[torch.Tensor], bool] | None = None
         self._clip_configs: dict[float, GuardConfig] = {}
         self.numerics = Numerics(config.numerics_every, device=device,
                                  headroom=adapter is not None and adapter.scaler.is_enabled())
@@ -224,6 +228,22 @@ class StepPipeline:
                 or any(a is not b or len(a) != n for a, (b, n) in zip(lists, cached[0]))):
             flat = [p for ps in lists for p in ps]
             self._params = cached = ([(ps, len(ps)) for ps in lists], flat)
+        return cached[1]
+
+    def params_graphable(self) -> bool:
+        """Whether :attr:`param_graph` may replay a function of :meth:`params`: CUDA, the graph usable, and every
+        parameter a plain ``Parameter`` (no DTensor shard, whose address is its local tensor's, no subclass),
+        non-empty, on the guard's device (a capture is made there); checked again only when that list is made
+        again. Their dtypes are in the graph's key (a parameter's dtype can change under it: ``model.to``)."""
+        graph, params = self.param_graph, self.params()
+        if not graph.enabled or graph.failed or not graph.capturable(self.device):
+            return False
+        cached = self._graphable
+        if cached is None or cached[0] is not params:
+            device = self.device
+            ok = bool(params) and all(type(p) is torch.nn.Parameter and p.numel() > 0 and p.device == device
+                                      for p in params)
+            self._graphable = cached = (params, ok)
         return cached[1]
 
     def param_ids(self) -> frozenset[int]:

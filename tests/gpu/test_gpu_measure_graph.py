@@ -7,6 +7,7 @@ Skipped without CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from unittest import mock
@@ -95,3 +96,47 @@ def test_gradients_that_move_are_measured_where_they_are() -> None:
     assert repr(seen) == repr(ref_seen)
     for a, b in zip(ref_params, params):
         assert torch.equal(a, b)
+
+
+def test_the_parameter_check_is_replayed_with_each_steps_values() -> None:
+    """The parameter check (``param_check_every=1``) from ``StepPipeline.param_graph``: captured at the second
+    check, replayed at every check after, each replay the eager ``amax_per_tensor`` of the weights as that step
+    left them, bit for bit; a NaN written into a weight through its integer view is named on the next check."""
+    from ampguard.integrity import amax_per_tensor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10)).cuda()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    with mock.patch.dict(os.environ, {"AMPGUARD_CUDA_GRAPH": "1"}):
+        opt = ampguard.wrap(inner, model=model, precision="bf16", config=ampguard.GuardConfig(param_check_every=1))
+    measured = opt._param_amax
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def recording() -> torch.Tensor:
+        out = measured()
+        seen.append((out.clone(), amax_per_tensor(list(model.parameters()))))
+        return out
+
+    opt._param_amax = recording  # type: ignore[method-assign]
+    batches = _batches(12)
+    for i, (x, y) in enumerate(batches):
+        if i == 10:
+            with torch.no_grad():
+                model[2].weight.view(torch.int32)[3, 7] = 0x7FC00000  # a NaN, through the integer view
+        with opt.autocast():
+            loss = F.cross_entropy(model(x), y)
+        opt.backward(loss)
+        try:
+            opt.step()
+        except ampguard.NonFiniteError:
+            break
+        opt.zero_grad(set_to_none=True)
+    with contextlib.suppress(ampguard.NonFiniteError):
+        opt.flush()  # the reports still on their way (the host runs ahead)
+    graph = opt._pipeline.param_graph
+    assert graph.captures == 1 and graph.replays >= 8, (graph.captures, graph.replays)
+    for got, eager in seen:  # bit for bit, the NaN's bits too
+        assert torch.equal(got.view(torch.int32), eager.view(torch.int32))
+    assert not torch.equal(seen[1][0], seen[9][0])  # the weights moved between the capture and a later replay
+    named = [a for a in opt.anomalies if a.kind == "nonfinite_params"]
+    assert named and named[0].params == ("2.weight",), named

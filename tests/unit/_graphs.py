@@ -39,7 +39,7 @@ class StandInGraphs(MeasureGraph):
         self.fail, self.state = fail, list(state)
 
     @staticmethod
-    def _capturable(device: torch.device) -> bool:
+    def capturable(device: torch.device) -> bool:
         return True
 
     def _capture(self, fn: Any, device: torch.device) -> tuple[Any, Any]:
