@@ -12,7 +12,7 @@ python -c "import torch; print(torch.__version__)" | tee -a "$OUT/gpu_$TAG.txt"
 git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu_$TAG.txt"
 if [ "${FIRST:-1}" = 1 ]; then  # first: stop 38's unexplained sync (its sites printed) and the step graph's tests
   timeout -k 5 "${FIRST_S:-150}" python -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_gpu_detectors.py \
-    tests/gpu/test_gpu_step_graph.py > "$OUT/first_$TAG.txt" 2>&1
+    tests/gpu/test_gpu_step_graph.py tests/gpu/test_gpu_measure_graph.py > "$OUT/first_$TAG.txt" 2>&1
   echo "first tests rc=$?"; tail -n 25 "$OUT/first_$TAG.txt"
 fi
 if [ "${TESTS:-1}" = 1 ]; then  # ~250 s on the H200 at stop 37 (a 200 s bound cut it short): its whole log kept
