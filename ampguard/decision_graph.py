@@ -45,13 +45,27 @@ def _collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def captured(fn: Callable[[], Any]) -> tuple[Any, Any]:
+def captured(fn: Callable[[], Any], stream: torch.cuda.Stream | None = None) -> tuple[Any, Any]:
     """``(graph, out)``: ``fn()``'s kernels recorded (not run) in a new CUDA graph, and what it returned (the graph's
-    static output), with the garbage collector paused for the capture (module docstring). Raises what the capture
-    raises; the caller falls back to eager. A one-time sync."""
+    static output), with the garbage collector paused for the capture (module docstring). Recorded on a side stream
+    (``stream``, or a new one on the current device) that first waits for the current stream, which then waits for
+    it, with ``capture_error_mode="thread_local"``: not through ``torch.cuda.graph``, whose entry calls
+    ``torch.cuda.synchronize()`` (a host sync in the step that captures: the one sync stop 38's sync check counted in
+    the detectors' run, at ``torch/cuda/__init__.py``) and ``torch.cuda.empty_cache()`` (which hands the cached blocks
+    back and moves the next backward's gradients, so :class:`MeasureGraph`'s keys miss). Raises what the capture
+    raises; the caller falls back to eager. No sync."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(device) if stream is None else stream
+    current = torch.cuda.current_stream(device)
+    stream.wait_stream(current)
     graph = torch.cuda.CUDAGraph()
-    with _collector_paused(), torch.cuda.graph(graph):
-        out = fn()
+    with _collector_paused(), torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            out = fn()
+        finally:
+            graph.capture_end()
+    current.wait_stream(stream)
     return graph, out
 
 
@@ -185,14 +199,5 @@ class MeasureGraph:
     def _capture(self, fn: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
-        stream, current = self._stream, torch.cuda.current_stream(device)
-        stream.wait_stream(current)
-        graph = torch.cuda.CUDAGraph()
-        with _collector_paused(), torch.cuda.stream(stream):  # as captured(): a collection can invalidate a capture
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                out = fn()
-            finally:
-                graph.capture_end()
-        current.wait_stream(stream)
-        return graph, out
+        with torch.cuda.device(device):
+            return captured(fn, self._stream)

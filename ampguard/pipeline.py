@@ -201,6 +201,9 @@ class StepPipeline:
         """The parameter check's max|p| (``GuardConfig.param_check_every``), replayed where the parameters lie
         (:meth:`params_graphable`): an optimizer updates them in place, so they lie where they lay."""
         self._graphable: tuple[list[torch.Tensor], bool] | None = None
+        self._found_buffer: torch.Tensor | None = None
+        """GradScaler's ``found_inf`` copied where the step graph's host-copy side reads it: GradScaler makes a
+        new tensor each ``unscale_``, whose address (on CUDA) seldom repeats: a graph keyed by it was never captured."""
         self._clip_configs: dict[float, GuardConfig] = {}
         self.numerics = Numerics(config.numerics_every, device=device,
                                  headroom=adapter is not None and adapter.scaler.is_enabled())
@@ -551,15 +554,21 @@ class StepPipeline:
         some gradient is sparse (:meth:`_replayed_step`). No sync."""
         device = self.device
         view: ScalerView | None = self.adapter.view() if self.adapter is not None else None
+        found_in = None
+        if found_inf is not None:  # GradScaler's, a new tensor each unscale_: its value in a buffer of the graph's
+            found_in = self._found_buffer
+            if found_in is None or found_in.device != found_inf.device:
+                found_in = self._found_buffer = torch.zeros((), dtype=torch.float32, device=found_inf.device)
+            found_in.copy_(found_inf)
 
         def measure(groups: GradGroups) -> tuple[Any, ...]:
             norms = per_tensor_norms(groups, device)
             total, count = total_and_nonfinite(norms)
-            gathered = self._local_gathered(loss, norms, total, count, found_inf)
+            gathered = self._local_gathered(loss, norms, total, count, found_in)
             return norms, total, count, gathered, HostCopy.flat(gathered, norms, None, view, device)
 
         kind = ("host copy", None if loss is None else loss.data_ptr(),
-                None if found_inf is None else found_inf.data_ptr())
+                None if found_in is None else found_in.data_ptr())
         replayed = self._replayed_step(kind, measure, None if view is None else view.scale)
         if replayed is None:
             return None

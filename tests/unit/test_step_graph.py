@@ -183,12 +183,14 @@ def test_the_host_decisions_step_graph_is_the_run_without_it_bit_for_bit(bf16: b
 
 
 def test_found_inf_that_moves_is_read_where_it_lies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GradScaler's found_inf in two places by turns: two keys (its address is in the host copy's key), each
-    replayed with its own; a replay that read the other place would report the step before's overflow."""
+    """GradScaler's found_inf in two places by turns (on CUDA a new tensor each unscale_, whose address seldom
+    repeats: the graph keyed by it was never captured there): its value copied into the graph's own buffer each
+    step, one key (two captures with the address in the key, as before), each replay the run without it. (The
+    value is also in the norms' non-finite count: a stale copy would not show here.)"""
     monkeypatch.setattr(_SteadyScaler, "addresses", 2)
     want, plain, _ = _run(step_graph=False, fused=False)
     got, guarded, graphs = _run(step_graph=True, fused=False)
-    assert graphs.captures == 2 and graphs.replays >= 8
+    assert graphs.captures == 1 and graphs.replays >= 8
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert _reports(guarded) == _reports(plain)
 
