@@ -31,7 +31,7 @@ from .indicators import Indicators
 from .integrity import Verdict, amax_per_tensor
 from .optimizer_view import InnerOptimizerView, param_names
 from .outcome import Outcome, Readers
-from .pipeline import Measured, StepPipeline, grad_marks, marks_after_step, marks_changed, same_mark
+from .pipeline import Measured, StepPipeline, first_ref, grad_marks, marks_after_step, marks_changed, same_mark
 from .records import RunInfo
 from .scaling import GradScalerAdapter
 from .schedules import ScheduledLR
@@ -116,6 +116,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         self._step = 0  # step() calls completed = index of the step being prepared
         self._loss = LossMeter()
         self._marks: list[Any] | None = None  # the gradients as the last step left them
+        self._first: Any = None  # a weak reference to the first of them (pipeline.marks_changed)
         self._measured: Any = None  # this step's early measurement (unscale_() before step())
         self._loss_hooks: OrderedDict[int, Callable[[torch.Tensor, int], torch.Tensor]] = OrderedDict()
         self._pre_unscale_hooks: OrderedDict[int, Callable[[int], None]] = OrderedDict()
@@ -202,7 +203,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             self._forensics.replay_loss = kept
             return
         if cleared is not None:  # as opt.zero_grad() would leave them; set once the backward ran
-            self._marks = cleared[0]
+            self._marks, self._first = cleared
         self._loss.add(loss, "mean", kept)
         if batch_id is not None:
             self._outcome.batch_ids.append(batch_id)
@@ -368,7 +369,8 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         self.backend.zero_grad(self.optimizer, set_to_none)
         self._loss.reset()
         self._measured = None
-        self._marks = None if set_to_none else grad_marks(self._pipeline.params())
+        params = self._pipeline.params()
+        self._marks, self._first = (None, None) if set_to_none else (grad_marks(params), first_ref(params))
         self._stage = Stage.READY
 
     # ------------------------------------------------------------------ extension points
@@ -517,6 +519,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
     def _resume(self, loaded: tuple[int, Verdict | None]) -> None:
         self._step, self._loaded = loaded
         self._stage, self._marks, self._measured, self._outcome.batch_ids = Stage.READY, None, None, []
+        self._first = None
         self._loss.reset()
 
     def _state_without_optimizer(self) -> dict[str, Any]:
@@ -563,23 +566,25 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         """Whether a backward since the last step/zero_grad reached any parameter (version counters
         of the gradients, no sync; it stops at the first gradient a backward reached)."""
         params = self._pipeline.params()
-        return any(p.grad is not None for p in params) if self._marks is None else marks_changed(params, self._marks)
+        if self._marks is None:
+            return any(p.grad is not None for p in params)
+        return marks_changed(params, self._marks, self._first)
 
-    def _cleared_elsewhere(self) -> tuple[list[Any] | None] | None:
+    def _cleared_elsewhere(self) -> tuple[list[Any] | None, Any] | None:
         """After step(), before the guard's own zero_grad(): were the gradients the step left all cleared
         by another one (``model.zero_grad()``, the inner optimizer's, ``p.grad = None``)? Each is None now,
         another tensor, or written since (``zero_()`` moves its version counter); a gradient left as the
-        step left it would have the next backward added to it. Returns ``(marks,)``, the marks
-        ``opt.zero_grad()`` would have left (None: every gradient is None), or None when some gradient
-        is still the step's. One attribute read per parameter, no sync."""
+        step left it would have the next backward added to it. Returns ``(marks, first)``, the marks
+        ``opt.zero_grad()`` would have left (None: every gradient is None) and :func:`first_ref` of them, or None
+        when some gradient is still the step's. One attribute read per parameter, no sync."""
         params = self._pipeline.params()
         if all(p.grad is None for p in params):  # set_to_none, the default of every zero_grad: nothing to compare
-            return (None,)
+            return None, None
         now = grad_marks(params)
         before = self._marks if self._marks is not None else [None] * len(now)
         if any(b is not None and same_mark(n, b) for n, b in zip(now, before)):
             return None
-        return (None if all(n is None for n in now) else now,)
+        return (None, None) if all(n is None for n in now) else (now, first_ref(params))
 
     def _check_step_call(self, fresh: bool) -> None:
         """Before anything changes: is there a new backward's worth of gradients to step on? A
@@ -641,6 +646,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         self._stage = Stage.STEPPED
         params = self._pipeline.params()
         self._marks = grad_marks(params) if measured is None else marks_after_step(measured.groups, params)
+        self._first = first_ref(params)
         if self._scaler is not None:
             self._scaler.scaled_since_step = False
         if self._fp8 is not None:  # the next forward's casts are the next step's
