@@ -24,7 +24,9 @@ CONFIG = {"spikes": {"grad_zscore": 4.0, "warmup": 5, "action": "skip"}, "zclip"
 class _Guarded:
     def __init__(self, graph: bool):
         self.model = _model(0)
-        with mock.patch.dict(os.environ, {"AMPGUARD_CUDA_GRAPH": "1" if graph else "0"}):  # read at wrap time
+        # the decision's own graph (the step graph, on by default, decides in its replay: test_gpu_step_graph.py)
+        env = {"AMPGUARD_CUDA_GRAPH": "1" if graph else "0", "AMPGUARD_STEP_GRAPH": "0"}
+        with mock.patch.dict(os.environ, env):  # read at wrap time
             self.opt = ampguard.wrap(_adamw(self.model, fused=True), model=self.model, precision="fp16",
                                      scaler=torch.amp.GradScaler("cuda", init_scale=2.0**10), config=CONFIG)
 

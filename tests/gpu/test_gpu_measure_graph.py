@@ -28,7 +28,8 @@ def _loop(graph: bool, precision: str = "fp16") -> tuple[nn.Module, ampguard.Gua
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     # fp16: the first steps overflow for real (skipped); bf16: no scaler, the norms of the unscaled gradients
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**24) if precision == "fp16" else None
-    with mock.patch.dict(os.environ, {"AMPGUARD_CUDA_GRAPH": "1" if graph else "0"}):  # read at wrap time
+    # the stages apart (the step graph, on by default, would measure in its own replay: test_gpu_step_graph.py)
+    with mock.patch.dict(os.environ, {"AMPGUARD_CUDA_GRAPH": "1" if graph else "0", "AMPGUARD_STEP_GRAPH": "0"}):
         opt = ampguard.wrap(inner, model=model, scaler=scaler, precision=precision,
                             config=ampguard.GuardConfig(param_norms_every=1))  # every report: the per-tensor norms
     return model, opt

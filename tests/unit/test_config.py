@@ -98,9 +98,9 @@ def test_implementation_switches_come_from_the_environment():
     off = implementation_switches({"AMPGUARD_CUDA_GRAPH": "0", "AMPGUARD_FUSED_FAST_PATH": "0"})
     assert not off.cuda_graph and not off.fused_fast_path
     defaults = implementation_switches({})
-    assert defaults.cuda_graph and defaults.fused_fast_path and not defaults.step_graph  # off until run on CUDA
-    assert implementation_switches({"AMPGUARD_STEP_GRAPH": "1"}).step_graph
-    assert not implementation_switches({"AMPGUARD_STEP_GRAPH": ""}).step_graph
+    assert defaults.cuda_graph and defaults.fused_fast_path and defaults.step_graph  # on since it ran on CUDA
+    assert not implementation_switches({"AMPGUARD_STEP_GRAPH": "0"}).step_graph
+    assert implementation_switches({"AMPGUARD_STEP_GRAPH": ""}).step_graph
     with pytest.raises(ValueError, match=r"AMPGUARD_CUDA_GRAPH='false'; allowed: '0' \(off\) or '1'"):
         implementation_switches({"AMPGUARD_CUDA_GRAPH": "false"})
     model = make_model()

@@ -245,11 +245,12 @@ def test_a_failed_capture_warns_once_and_the_stages_take_over() -> None:
     assert _reports(guarded) == _reports(plain)
 
 
-def test_off_by_default_and_not_taken_on_the_host_decision() -> None:
+def test_on_by_default_and_not_taken_on_the_host_decision() -> None:
     model = make_model(0)
-    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), fused=True), model=model, precision="fp16")
+    with mock.patch.dict(os.environ, {"AMPGUARD_STEP_GRAPH": "0"}):
+        opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), fused=True), model=model, precision="fp16")
     assert not opt._pipeline.step_graph.enabled
-    with mock.patch.dict(os.environ, {"AMPGUARD_STEP_GRAPH": "1"}):
+    with mock.patch.dict(os.environ, {"AMPGUARD_STEP_GRAPH": ""}):
         opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), fused=True), model=model, precision="fp16")
     assert opt._pipeline.step_graph.enabled
     for x, y in make_data(3):  # the CPU's host decision: the stages apart
