@@ -2,8 +2,10 @@
 # Issue 26 on the H200: host time of step() with its breakdown (benchmarks/host_time.py), and tests/gpu. Run through
 # the device tool: OUT=$OUT bash benchmarks/gpu_issue26.sh [TAG]. Writes $OUT/host_time_TAG.{txt,json}, $OUT/tests_TAG.txt,
 # $OUT/first_TAG.txt. STEP_GRAPH=1: host_time.py also times the step graph's guard (--step-graph) in the same blocks.
-# The next session's first call (stop 39's plan): STEP_GRAPH=1 TESTS=0 OUT=$OUT bash benchmarks/gpu_issue26.sh a; then the
-# whole tests/gpu (FIRST=0 PROFILE=0 STEP_GRAPH= ... b), each call under the 600 s bound.
+# Stop 40 ran call a on an H100 (benchmarks/results/gpu_stop40/). The next session: STEP_GRAPH=1 TESTS=0 OUT=$OUT bash
+# benchmarks/gpu_issue26.sh a (the first tests check stop 40's fixes: capture without sync, found_inf's buffer, the sync
+# check on healthy steps), then the same host_time again for a second run (FIRST=0 PROFILE=0), then the whole tests/gpu
+# (FIRST=0 ... with MODELS= skipped by hand), each call under the 600 s bound (PROFILE=40 made call a overrun it).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
