@@ -768,10 +768,10 @@ def grad_marks(params: Sequence[torch.Tensor]) -> list[Any]:
     """Which gradient tensors exist, and their autograd version counters: a backward that adds
     to a gradient, or replaces it, changes this. One attribute read per parameter, no sync.
 
-    A mark is ``(id(g), g._version)``: plain ints (no object the garbage collector tracks
-    afterwards; a weak reference a gradient was tried: in the H100's profile the marks of GPT-2
-    350M's 292 gradients took 5.1x the time of the grouping's ``.grad`` reads, 1.25x with ints on
-    the H200 at stop 38). An ``id()`` can name another
+    A mark is ``(id(g), g._version)``: plain ints (a weak reference a gradient was tried: in the
+    H100's profile the marks of GPT-2 350M's 292 gradients took 5.1x the time of the grouping's
+    ``.grad`` reads, 1.25x with ints on the H200 at stop 38; +23 % on the 2-core CPU,
+    ``benchmarks/results/cpu_stop40/marks_cost.py``). An ``id()`` can name another
     tensor: a gradient freed by ``model.zero_grad()`` and the one the next backward makes often
     share an address, and both have version 0 when the step did not write them (a fused
     optimizer). :func:`first_ref` and :func:`marks_changed` tell those apart."""
