@@ -31,7 +31,7 @@ from .indicators import Indicators
 from .integrity import Verdict, amax_per_tensor
 from .optimizer_view import InnerOptimizerView, param_names
 from .outcome import Outcome, Readers
-from .pipeline import Measured, StepPipeline, first_ref, grad_marks, marks_after_step, marks_changed, same_mark
+from .pipeline import Measured, StepPipeline, first_ref, grad_marks, marks_after_step, marks_changed
 from .records import RunInfo
 from .scaling import GradScalerAdapter
 from .schedules import ScheduledLR
@@ -582,7 +582,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             return None, None
         now = grad_marks(params)
         before = self._marks if self._marks is not None else [None] * len(now)
-        if any(b is not None and same_mark(n, b) for n, b in zip(now, before)):
+        if any(b is not None and n == b for n, b in zip(now, before)):
             return None
         return (None, None) if all(n is None for n in now) else (now, first_ref(params))
 

@@ -39,6 +39,7 @@ gradient whose squares overflow float32 is stepped on, as in the plain loop.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import weakref
@@ -66,8 +67,7 @@ from .stats import (
 )
 from .switches import implementation_switches
 
-__all__ = ["Decision", "Measured", "StepPipeline", "first_ref", "grad_marks", "marks_after_step", "marks_changed",
-           "same_mark"]
+__all__ = ["Decision", "Measured", "StepPipeline", "first_ref", "grad_marks", "marks_after_step", "marks_changed"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -331,15 +331,15 @@ class StepPipeline:
     def _norms(self, groups: GradGroups) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
         """The gradients' per-tensor norms on the guard's device and, off the CPU,
         :attr:`Measured.reductions` (:meth:`_replayed`). No sync."""
-        device = self.device
-        if device.type == "cpu":
-            return per_tensor_norms(groups, device), None
+        if self.device.type == "cpu":
+            return per_tensor_norms(groups, self.device), None
+        return self._replayed("norms", functools.partial(self._norms_of, groups), groups)  # type: ignore[no-any-return]
 
-        def measure() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-            norms = per_tensor_norms(groups, device)
-            return norms, total_and_nonfinite(norms)
-
-        return self._replayed("norms", measure, groups)  # type: ignore[no-any-return]
+    def _norms_of(self, groups: GradGroups) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The kernels of :meth:`_norms` (and of the step graph's unscaled sides): the per-tensor norms and
+        their reductions, eagerly or under a capture."""
+        norms = per_tensor_norms(groups, self.device)
+        return norms, total_and_nonfinite(norms)
 
     def _replayed(self, kind: Any, measure: Callable[[], Any], groups: GradGroups,
                   scale: torch.Tensor | None = None, graphs: MeasureGraph | None = None) -> Any:
@@ -446,15 +446,17 @@ class StepPipeline:
         reciprocal), ``found_inf`` (float32, 0-d, on the scale's device) := one of them is not finite, and
         :attr:`Measured.reductions` (the total norm, the count of non-finite norms: the local vector's ops;
         ``found_inf`` is that count > 0) (:meth:`_replayed`). No sync."""
-        scale, device = adapter.scale, self.device
+        measure = functools.partial(self._scaled_norms_of, groups, adapter)
+        return self._replayed("scaled", measure, groups, adapter.scale)  # type: ignore[no-any-return]
 
-        def measure() -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-            norms = per_tensor_norms(groups, device) * adapter.inv_scale().to(device, non_blocking=True)
-            total, count = total_and_nonfinite(norms)
-            found = count.gt(0).to(scale.device, dtype=torch.float32, non_blocking=True).reshape(())
-            return norms, found, (total, count)
-
-        return self._replayed("scaled", measure, groups, scale)  # type: ignore[no-any-return]
+    def _scaled_norms_of(self, groups: GradGroups, adapter: GradScalerAdapter
+                         ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The kernels of :meth:`_scaled_norms` (and of the step graph's fast path), eagerly or under a capture."""
+        device = self.device
+        norms = per_tensor_norms(groups, device) * adapter.inv_scale().to(device, non_blocking=True)
+        total, count = total_and_nonfinite(norms)
+        found = count.gt(0).to(adapter.scale.device, dtype=torch.float32, non_blocking=True).reshape(())
+        return norms, found, (total, count)
 
     def _local_gathered(self, loss: torch.Tensor | None, norms: torch.Tensor, total: torch.Tensor,
                         count: torch.Tensor, found_inf: torch.Tensor | None) -> torch.Tensor:
@@ -493,16 +495,14 @@ class StepPipeline:
         overflow run) is written in place by each replay, as by the decision's own graph, and so are the next
         scale and growth tracker, into GradScaler's own tensors, after the step's ``grad_scale`` was taken
         (:attr:`Decision.grad_scale`). Returns ``(norms, found_inf, reductions, gathered, decision)``. No sync."""
-        scale, device = adapter.scale, self.device
+        scale = adapter.scale
         view = adapter.view()
         growth_tracker = view.growth_tracker
         config = self.config
         clipping = uses_clipping(config)
 
         def measure() -> tuple[Any, ...]:
-            norms = per_tensor_norms(groups, device) * adapter.inv_scale().to(device, non_blocking=True)
-            total, count = total_and_nonfinite(norms)
-            found = count.gt(0).to(scale.device, dtype=torch.float32, non_blocking=True).reshape(())
+            norms, found, (total, count) = self._scaled_norms_of(groups, adapter)
             gathered = self._local_gathered(loss, norms, total, count, found)
             vector, tracker = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                      scaler=view, grads_sharded=False)
@@ -528,11 +528,10 @@ class StepPipeline:
         execution replayed from :attr:`step_graph` where the gradients and the loss lie where they lay (the
         measurement :meth:`_through_decision` makes on the fast path, with no scale to read or write). None where
         some gradient is sparse (:meth:`_replayed_step`). No sync."""
-        device, config = self.device, self.config
+        config = self.config
 
         def measure(groups: GradGroups) -> tuple[Any, ...]:
-            norms = per_tensor_norms(groups, device)
-            total, count = total_and_nonfinite(norms)
+            norms, (total, count) = self._norms_of(groups)
             gathered = self._local_gathered(loss, norms, total, count, None)
             vector, _ = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                scaler=None, grads_sharded=False)
@@ -563,8 +562,7 @@ class StepPipeline:
             found_in.copy_(found_inf)
 
         def measure(groups: GradGroups) -> tuple[Any, ...]:
-            norms = per_tensor_norms(groups, device)
-            total, count = total_and_nonfinite(norms)
+            norms, (total, count) = self._norms_of(groups)
             gathered = self._local_gathered(loss, norms, total, count, found_in)
             return norms, total, count, gathered, HostCopy.flat(gathered, norms, None, view, device)
 
@@ -776,11 +774,6 @@ def grad_marks(params: Sequence[torch.Tensor]) -> list[Any]:
     share an address, and both have version 0 when the step did not write them (a fused
     optimizer). :func:`first_ref` and :func:`marks_changed` tell those apart."""
     return [None if (g := p.grad) is None else (id(g), g._version) for p in params]
-
-
-def same_mark(a: Any, b: Any) -> bool:
-    """Whether two marks of one parameter name the same gradient id at the same version."""
-    return a == b
 
 
 def first_ref(params: Sequence[torch.Tensor]) -> Any:
