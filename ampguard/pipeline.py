@@ -202,9 +202,8 @@ class StepPipeline:
         """The parameter check's max|p| (``GuardConfig.param_check_every``), replayed where the parameters lie
         (:meth:`params_graphable`): an optimizer updates them in place, so they lie where they lay."""
         self._graphable: tuple[list[torch.Tensor], bool] | None = None
-        self._found_buffer: torch.Tensor | None = None
-        """GradScaler's ``found_inf`` copied where the step graph's host-copy side reads it: GradScaler makes a
-        new tensor each ``unscale_``, whose address (on CUDA) seldom repeats: a graph keyed by it was never captured."""
+        self._held: dict[str, torch.Tensor] = {}
+        """The step graph's own buffers for its 0-d inputs that somebody else allocates each step (:meth:`_hold`)."""
         self._clip_configs: dict[float, GuardConfig] = {}
         self.numerics = Numerics(config.numerics_every, device=device,
                                  headroom=adapter is not None and adapter.scaler.is_enabled())
@@ -458,6 +457,21 @@ class StepPipeline:
         found = count.gt(0).to(adapter.scale.device, dtype=torch.float32, non_blocking=True).reshape(())
         return norms, found, (total, count)
 
+    def _hold(self, slot: str, value: torch.Tensor | None) -> torch.Tensor | None:
+        """``value``, a float32 0-d tensor that somebody else allocates each step (the loss, which the user's forward
+        makes; GradScaler's ``found_inf``, a new tensor each ``unscale_``), copied into the step graph's own buffer
+        for ``slot``, which the graph reads: a graph keyed by such a tensor's address replays only where the
+        allocator happens to give the same place back (stop 40: GradScaler's ``found_inf`` never did on CUDA, and
+        the fp16 foreach step graph was never captured; stop 41: with the loss's address in the key, the step
+        graph's keys cycled over more places than it keeps graphs). One small copy a step. None stays None."""
+        if value is None:
+            return None
+        buf = self._held.get(slot)
+        if buf is None or buf.device != value.device:
+            buf = self._held[slot] = torch.zeros((), dtype=torch.float32, device=value.device)
+        buf.copy_(value)
+        return buf
+
     def _local_gathered(self, loss: torch.Tensor | None, norms: torch.Tensor, total: torch.Tensor,
                         count: torch.Tensor, found_inf: torch.Tensor | None) -> torch.Tensor:
         """Inside the step graph: the local vector of ``loss`` and the measurement, as :meth:`gather` makes it for a
@@ -489,15 +503,16 @@ class StepPipeline:
         the measurement, as :meth:`gather` makes it for a fresh step with no sentinel, fp8 or parameter flag),
         the local backend's gather (the vector as the one row), the decision (:func:`decide`, as
         :meth:`decide` takes it) and the payload without its optional parts (:attr:`Decision.packed`): one
-        execution, replayed from :attr:`step_graph` where the gradients, the scale and the loss lie where they
-        lay (the loss's address is in the key). The decision's constants are too: the scaler's factors, as
-        :class:`~ampguard.decision_graph.DecisionGraph` keys them. The carried state (spike averages, the
+        execution, replayed from :attr:`step_graph` where the gradients and the scale lie where they lay (the loss
+        copied into the graph's own buffer: :meth:`_hold`). The decision's constants are keyed too: the scaler's
+        factors, as :class:`~ampguard.decision_graph.DecisionGraph` keys them. The carried state (spike averages, the
         overflow run) is written in place by each replay, as by the decision's own graph, and so are the next
         scale and growth tracker, into GradScaler's own tensors, after the step's ``grad_scale`` was taken
         (:attr:`Decision.grad_scale`). Returns ``(norms, found_inf, reductions, gathered, decision)``. No sync."""
         scale = adapter.scale
         view = adapter.view()
         growth_tracker = view.growth_tracker
+        loss = self._hold("loss", loss)
         config = self.config
         clipping = uses_clipping(config)
 
@@ -515,7 +530,7 @@ class StepPipeline:
             return norms, found, total, count, gathered, vector, payload, grad_scale
 
         kind = ("decision", view.growth_factor, view.backoff_factor, view.growth_interval,
-                None if loss is None else loss.data_ptr())
+                None if loss is None else loss.data_ptr())  # the loss held: its buffer's address (None: no loss)
         norms, found, total, count, gathered, vector, payload, grad_scale = self._replayed(
             kind, measure, groups, scale, self.step_graph)
         decision = Decision(vector, growth_tracker, packed=Packed(payload, Layout.of(gathered, norms)),
@@ -525,10 +540,12 @@ class StepPipeline:
     def _through_unscaled(self, loss: torch.Tensor | None) -> Measured | None:
         """Without a GradScaler (bf16, fp32): the gradients' norms and their reductions (:meth:`_norms`), the local
         vector, the local backend's gather, the decision and the payload without its optional parts, in one
-        execution replayed from :attr:`step_graph` where the gradients and the loss lie where they lay (the
-        measurement :meth:`_through_decision` makes on the fast path, with no scale to read or write). None where
+        execution replayed from :attr:`step_graph` where the gradients lie where they lay, the loss held
+        (:meth:`_hold`) (the measurement :meth:`_through_decision` makes on the fast path, with no scale to read or
+        write). None where
         some gradient is sparse (:meth:`_replayed_step`). No sync."""
         config = self.config
+        loss = self._hold("loss", loss)
 
         def measure(groups: GradGroups) -> tuple[Any, ...]:
             norms, (total, count) = self._norms_of(groups)
@@ -549,17 +566,12 @@ class StepPipeline:
         """The host decision's side of the step graph (a non-fused optimizer off the CPU, after GradScaler's own
         unscale): the norms of the unscaled gradients and their reductions, the local vector, the local backend's
         gather and the host copy's vector (:meth:`ampguard.payload.HostCopy.flat`) in one execution, replayed from
-        :attr:`step_graph` where the gradients, GradScaler's ``found_inf``, the scale and the loss lie where they
-        lay. :meth:`decide` then brings that vector over in the step's one copy, as it would its own. None where
-        some gradient is sparse (:meth:`_replayed_step`). No sync."""
+        :attr:`step_graph` where the gradients and the scale lie where they lay (GradScaler's ``found_inf`` and the
+        loss held: :meth:`_hold`). :meth:`decide` then brings that vector over in the step's one copy, as it would
+        its own. None where some gradient is sparse (:meth:`_replayed_step`). No sync."""
         device = self.device
         view: ScalerView | None = self.adapter.view() if self.adapter is not None else None
-        found_in = None
-        if found_inf is not None:  # GradScaler's, a new tensor each unscale_: its value in a buffer of the graph's
-            found_in = self._found_buffer
-            if found_in is None or found_in.device != found_inf.device:
-                found_in = self._found_buffer = torch.zeros((), dtype=torch.float32, device=found_inf.device)
-            found_in.copy_(found_inf)
+        found_in, loss = self._hold("found_inf", found_inf), self._hold("loss", loss)
 
         def measure(groups: GradGroups) -> tuple[Any, ...]:
             norms, (total, count) = self._norms_of(groups)

@@ -6,6 +6,7 @@ Skipped without CUDA. Run: ``pytest -m gpu tests/gpu -v``.
 from __future__ import annotations
 
 import os
+import traceback
 import warnings
 from typing import Any
 from unittest import mock
@@ -102,14 +103,22 @@ SYNC_SITES: list[str] = []
 def _syncs_of_one_step(loop: _Plain | _Guarded, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, bool]:
     """(synchronising calls counted in "warn" mode, whether the step raised in "error" mode)."""
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    sites: list[str] = []
+
+    def seen(message: Any, category: Any, filename: str, lineno: int, *args: Any, **kwargs: Any) -> None:
+        if "synchroniz" in str(message).lower():  # the site, and the project's frames that led there
+            frames = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()[:-1]
+                      if "ampguard" in f.filename or f.filename == filename]
+            sites.append(f"{filename}:{lineno} <- " + " <- ".join(reversed(frames)))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = seen
         torch.cuda.set_sync_debug_mode("warn")
         try:
             loop.step(*batch)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    sites = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message).lower()]
     SYNC_SITES[:] = sites  # where the counted syncs were made: for a failing assertion's message
     n = len(sites)
     torch.cuda.synchronize()
