@@ -202,6 +202,8 @@ class StepPipeline:
         """The parameter check's max|p| (``GuardConfig.param_check_every``), replayed where the parameters lie
         (:meth:`params_graphable`): an optimizer updates them in place, so they lie where they lay."""
         self._graphable: tuple[list[torch.Tensor], bool] | None = None
+        self._step_graph_rested = 0
+        """Steps the step graph was not tried since it missed :data:`STEP_GRAPH_MISSES` runs in a row."""
         self._held: dict[str, torch.Tensor] = {}
         """The step graph's own buffers for its 0-d inputs that somebody else allocates each step (:meth:`_hold`)."""
         self._clip_configs: dict[float, GuardConfig] = {}
@@ -354,19 +356,38 @@ class StepPipeline:
     def _decides_through(self, loss: torch.Tensor | None) -> bool:
         """Whether this step's measurement may go on through the step graph (:meth:`measure`'s ``decide``; each
         caller adds its own path: the fused fast path or no GradScaler with the tensor decision, or the host
-        decision's copy made from device tensors): the step graph switched on, its capture not failed, and not
-        :data:`STEP_GRAPH_MISSES` runs in a row without a replay (a loss or gradients that move every step: run
+        decision's copy made from device tensors): the step graph switched on, its capture not failed; not a
+        non-fused CPU optimizer's norms-first measurement; a GradScaler, if any, that no other guard shares (the
+        step writes its next scale, or copies its found_inf); the local backend (one rank: its gather is the vector
+        itself); a loss the graph can read (a float32 0-d tensor on the guard's device, as
+        :class:`~ampguard.stats.LossMeter` keeps it; copied into the graph's buffer: :meth:`_hold`); and not
+        resting after :data:`STEP_GRAPH_MISSES` runs in a row without a replay (gradients that move every step: run
         eagerly it would cost more than the stages' own graphs, the measurement's and the decision's, which then
-        take over); not a non-fused CPU optimizer's norms-first measurement; a GradScaler, if any, that no other
-        guard shares (the step writes its next scale, or copies its found_inf); the local backend (one rank: its
-        gather is the vector itself); and a loss the graph can read where it lies (a float32 0-d tensor on the
-        guard's device, as :class:`~ampguard.stats.LossMeter` keeps it)."""
+        take over: :meth:`_step_graph_due`)."""
         graphs = self.step_graph  # given up where it failed or keeps missing: the stages' own graphs then
-        return (graphs.enabled and not graphs.failed and graphs.misses < STEP_GRAPH_MISSES and not self.norms_first
+        return (graphs.enabled and not graphs.failed and not self.norms_first
                 and (self.adapter is None or not self.adapter.shared)
                 and getattr(self.backend, "name", None) == "local"
                 and (loss is None or (loss.device == self.device and loss.dtype == torch.float32
-                                      and loss.dim() == 0)))
+                                      and loss.dim() == 0))
+                and self._step_graph_due())
+
+    def _step_graph_due(self) -> bool:
+        """The last of :meth:`_decides_through`'s conditions (asked once a step, where every other holds): yes
+        until :data:`STEP_GRAPH_MISSES` runs in a row missed (keys that do not repeat: gradients that move, or an
+        allocator still settling in a run's first steps, fp16's overflowing ones among them); then no for
+        :data:`STEP_GRAPH_REST` steps (the stages' own graphs), then :data:`STEP_GRAPH_PROBES` more tries: a key
+        seen twice among them is captured and replayed, and the step graph is taken again. (Before stop 41 a guard
+        gave it up for good: on an H100 the fp16 foreach step graph, whose first steps overflowed, never ran.)"""
+        graphs = self.step_graph
+        if graphs.misses < STEP_GRAPH_MISSES:
+            return True
+        self._step_graph_rested += 1
+        if self._step_graph_rested < STEP_GRAPH_REST:
+            return False
+        self._step_graph_rested = 0
+        graphs.misses = STEP_GRAPH_MISSES - STEP_GRAPH_PROBES
+        return True
 
     def _sparse_tolerant(self, fn: Callable[[GradGroups], Any], groups: GradGroups) -> tuple[GradGroups, Any]:
         """``(groups, fn(groups))``; where ``fn`` fails because some gradients are sparse (no norm
@@ -757,7 +778,14 @@ class StepPipeline:
 
 
 STEP_GRAPH_MISSES = 8
-"""Runs of the step graph in a row without a replay after which a guard stops taking it (its keys do not repeat)."""
+"""Runs of the step graph in a row without a replay after which a guard stops taking it for a while (its keys do
+not repeat: :meth:`StepPipeline._step_graph_due`)."""
+
+STEP_GRAPH_REST = 50
+"""Steps a guard that stopped taking the step graph runs the stages apart before it tries again."""
+
+STEP_GRAPH_PROBES = 4
+"""Tries after a rest: enough for a key to come back in a loop whose gradients take two or three places in turn."""
 
 _FAST_BACKENDS = ("local", "torch.distributed")
 """Backends the fast path is taken on (Horovod: today's path; untested there)."""

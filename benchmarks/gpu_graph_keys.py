@@ -9,7 +9,10 @@ eagerly; ``C``: captured; ``R``: replayed; ``-``: off). Variants, each a fresh g
 - ``empty-cache``: each capture preceded by ``torch.cuda.synchronize()`` and ``torch.cuda.empty_cache()``, what
   ``torch.cuda.graph`` did before stop 40's ``captured()`` (to tell whether handing the cached blocks back made
   the gradients' places steadier);
-- ``set-to-none=False``: the loop zeroes the gradients in place (their places cannot move).
+- ``set-to-none=False``: the loop zeroes the gradients in place (their places cannot move);
+- ``overflows``: GradScaler's scale starts at 2**24, so the first steps overflow for real (as the GPU tests' runs);
+- ``stages``: the step graph off (``AMPGUARD_STEP_GRAPH=0``), the last report read after every step (as
+  ``tests/gpu/test_gpu_measure_graph.py`` does): the measurement's own graph.
 
 Run: ``PYTHONPATH=$PWD python benchmarks/gpu_graph_keys.py``. Diagnosis only: nothing here is asserted.
 """
@@ -34,12 +37,14 @@ from ampguard import decision_graph
 CONFIG = {"spikes": {"grad_zscore": 3.0, "warmup": 4, "action": "skip"}, "zclip": {"warmup": 4}, "param_norms_every": 1}
 
 
-def run(precision: str, fused: bool, variant: str, steps: int = 24, init_scale: float = 2.0**10) -> str:
+def run(precision: str, fused: bool, variant: str, steps: int = 24) -> str:
+    init_scale = 2.0**24 if variant == "overflows" else 2.0**10
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10)).cuda()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1,
                               **({"fused": True} if fused else {"foreach": True}))
-    with mock.patch.dict(os.environ, {"AMPGUARD_CUDA_GRAPH": "1", "AMPGUARD_STEP_GRAPH": "1"}):
+    with mock.patch.dict(os.environ, {"AMPGUARD_CUDA_GRAPH": "1", "AMPGUARD_STEP_GRAPH": "0" if variant == "stages"
+                                      else "1"}):
         scaler = torch.amp.GradScaler("cuda", init_scale=init_scale) if precision == "fp16" else None
         opt = ampguard.wrap(inner, model=model, precision=precision, scaler=scaler, config=CONFIG)
     places: dict[tuple[int, ...], str] = {}
@@ -78,6 +83,8 @@ def run(precision: str, fused: bool, variant: str, steps: int = 24, init_scale: 
             opt.backward(loss)
             opt.step()
             opt.zero_grad(set_to_none=variant != "set-to-none=False")
+            if variant == "stages":
+                assert opt.last_report is not None
             if len(log) == n:
                 log.append("-")
             log[-1] += " "
@@ -85,7 +92,8 @@ def run(precision: str, fused: bool, variant: str, steps: int = 24, init_scale: 
     sg, mg = graphs["step"], graphs["measure"]
     skipped = [r.step for r in opt.history if r.skipped]
     return (f"{precision} {'fused' if fused else 'foreach'} {variant}: step graph (C {sg.captures}, R {sg.replays}, "
-            f"misses {sg.misses}, failed {sg.failed}), measure graph (C {mg.captures}, R {mg.replays}); "
+            f"misses {sg.misses}, failed {sg.failed}), measure graph (C {mg.captures}, R {mg.replays}, misses "
+            f"{mg.misses}); "
             f"{len(places)} places; skipped {skipped}\n  " + "".join(log))
 
 
@@ -93,7 +101,7 @@ def main() -> None:
     print(torch.__version__, torch.cuda.get_device_name())
     for precision in ("fp16", "bf16"):
         for fused in (True, False):
-            for variant in ("as-is", "empty-cache", "set-to-none=False"):
+            for variant in ("as-is", "overflows", "stages"):
                 try:
                     print(run(precision, fused, variant), flush=True)
                 except Exception as exc:  # diagnosis: go on to the next

@@ -20,6 +20,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 import ampguard
+from ampguard import pipeline
 from ampguard.pipeline import STEP_GRAPH_MISSES
 from ampguard.stats import LossMeter
 
@@ -72,14 +73,14 @@ def _state(pipe: Any) -> list[torch.Tensor]:
 
 
 def _run(step_graph: bool, steps: int = 16, addresses: int = 1, bf16: bool = False, fail: bool = False,
-         fused: bool = True, moving: bool = False) -> tuple[list[torch.Tensor], Any, Any]:
+         fused: bool = True, moving: int = 0) -> tuple[list[torch.Tensor], Any, Any]:
     """A guarded run. On the CPU a tensor's address is malloc's choice: the gradients are kept (zeroed in place)
     and the kept loss is copied into one of ``addresses`` buffers in turn, so that keys repeat as they do on
     CUDA's caching allocator (a CUDA loop's loss and gradients usually lie where they lay). ``bf16``: no
     GradScaler, a LayerNorm with ``eps=0`` first, and a batch with a constant row at NAN_STEP (its variance 0: a
     genuine NaN). ``fused=False``: foreach AdamW, the host decision as CUDA takes it (``host_copies``), fp16 with
-    :class:`_SteadyScaler`. ``moving``: every step's gradients kept alive and set to None, so that each backward
-    writes new ones elsewhere (keys that never repeat)."""
+    :class:`_SteadyScaler`. ``moving``: the first ``moving`` steps' gradients kept alive and set to None, so that
+    each of those backwards writes new ones elsewhere (keys that do not repeat)."""
     model = make_model(0)
     if bf16:
         model = torch.nn.Sequential(torch.nn.LayerNorm(8, eps=0.0, elementwise_affine=False), *model)
@@ -125,9 +126,9 @@ def _run(step_graph: bool, steps: int = 16, addresses: int = 1, bf16: bool = Fal
                 loss = loss_of(model, x, y) * (2.0**14 if i in OVERFLOW_STEPS and not bf16 else 1.0)
             opt.backward(loss)
             opt.step()
-            if moving:
+            if i < moving:
                 held.extend(p.grad for p in model.parameters())
-            opt.zero_grad(set_to_none=moving)
+            opt.zero_grad(set_to_none=i < moving)
     opt.flush()
     return [p.detach().clone() for p in model.parameters()], opt, graphs
 
@@ -236,9 +237,23 @@ def test_keys_that_never_repeat_give_the_step_graph_up() -> None:
     """Gradients at new addresses every step: every run of the step graph is a first sighting, eager (the vector
     and the decision without their graphs); after STEP_GRAPH_MISSES of them the guard stops taking it, and the
     stages' own graphs take over. The run is the run without it throughout."""
-    want, plain, _ = _run(step_graph=False, moving=True)
-    got, guarded, graphs = _run(step_graph=True, moving=True)
+    want, plain, _ = _run(step_graph=False, moving=16)
+    got, guarded, graphs = _run(step_graph=True, moving=16)
     assert graphs.replays == 0 and graphs.misses == graphs.taken == STEP_GRAPH_MISSES  # then no more runs
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _reports(guarded) == _reports(plain)
+
+
+def test_a_step_graph_given_up_is_tried_again_once_the_keys_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradients at new addresses for the first 10 steps (an allocator still settling, as in a run's first, fp16
+    overflowing, steps on an H100, where a guard then gave the step graph up for good): given up after
+    STEP_GRAPH_MISSES runs, tried again after STEP_GRAPH_REST steps (3 here), then captured and replayed on the
+    steady steps; the run is the run without it throughout."""
+    monkeypatch.setattr(pipeline, "STEP_GRAPH_REST", 3)
+    want, plain, _ = _run(step_graph=False, moving=10, steps=24)
+    got, guarded, graphs = _run(step_graph=True, moving=10, steps=24)
+    assert graphs.captures == 1 and graphs.replays >= 8, (graphs.captures, graphs.replays, graphs.misses)
+    assert graphs.taken < 24  # it rested
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert _reports(guarded) == _reports(plain)
 
