@@ -50,10 +50,10 @@ def captured(fn: Callable[[], Any], stream: torch.cuda.Stream | None = None) -> 
     static output), with the garbage collector paused for the capture (module docstring). Recorded on a side stream
     (``stream``, or a new one on the current device) that first waits for the current stream, which then waits for
     it, with ``capture_error_mode="thread_local"``: not through ``torch.cuda.graph``, whose entry calls
-    ``torch.cuda.synchronize()`` (a host sync in the step that captures: the one sync stop 38's sync check counted in
-    the detectors' run, at ``torch/cuda/__init__.py``) and ``torch.cuda.empty_cache()`` (which hands the cached blocks
-    back and moves the next backward's gradients, so :class:`MeasureGraph`'s keys miss). Raises what the capture
-    raises; the caller falls back to eager. No sync."""
+    ``torch.cuda.synchronize()`` (a host sync in the step that captures; torch's sync debug mode does not flag it:
+    the one sync stops 38-40's check counted was torch's own one-time notice, not this) and
+    ``torch.cuda.empty_cache()`` (which hands every cached block back to the driver in the middle of a training
+    step). Raises what the capture raises; the caller falls back to eager. No sync."""
     device = torch.device("cuda", torch.cuda.current_device())
     stream = torch.cuda.Stream(device) if stream is None else stream
     current = torch.cuda.current_stream(device)
