@@ -364,7 +364,7 @@ class StepPipeline:
         resting after :data:`STEP_GRAPH_MISSES` runs in a row without a replay (gradients that move every step: run
         eagerly it would cost more than the stages' own graphs, the measurement's and the decision's, which then
         take over: :meth:`_step_graph_due`)."""
-        graphs = self.step_graph  # given up where it failed or keeps missing: the stages' own graphs then
+        graphs = self.step_graph  # not taken where it failed, or while it rests: the stages' own graphs then
         return (graphs.enabled and not graphs.failed and not self.norms_first
                 and (self.adapter is None or not self.adapter.shared)
                 and getattr(self.backend, "name", None) == "local"

@@ -30,12 +30,13 @@ class Switches:
     """On CUDA, one rank and the local backend: with a fused optimizer (on the fused fast path, or without a
     GradScaler), measure the gradients, make the local vector, take the decision, pack the report's payload and
     (with a GradScaler) write the next scale in one execution (with a non-fused one, up to the host decision's
-    copy), replayed as one CUDA graph where the gradients, the
-    scale and the loss lie where they lay (:meth:`ampguard.pipeline.StepPipeline.measure`'s ``decide``), instead
-    of a replay of the measurement, the vector's kernels, a replay of the decision and the copies after it. On
-    since it ran on a CUDA device (an H100: bit for bit the run without it, host time of a step added +435 ->
-    +90 us on the MLP; ``docs/design.md``, "What stop 40 taught"); ``AMPGUARD_STEP_GRAPH=0`` turns it off (so does
-    ``AMPGUARD_CUDA_GRAPH=0``)."""
+    copy), replayed as one CUDA graph where the gradients and the scale lie where they lay (the loss and
+    GradScaler's ``found_inf`` copied into the graph's own buffers; :meth:`ampguard.pipeline.StepPipeline.measure`'s
+    ``decide``), instead of a replay of the measurement, the vector's kernels, a replay of the decision and the copies
+    after it. On since it ran on a CUDA device (H100s: bit for bit the run without it; host time a step adds on the
+    fused MLP, stages apart -> step graph: +435 -> +90 us at stop 40, +615 -> +168 and +493 -> +131 us on two other
+    leases at stop 41; ``docs/design.md``, "What stop 40 taught" and "What stop 41 taught"); ``AMPGUARD_STEP_GRAPH=0``
+    turns it off (so does ``AMPGUARD_CUDA_GRAPH=0``)."""
 
     fused_fast_path: bool = True
     """With a GradScaler and a fused optimizer, measure the still-scaled gradients and let the
