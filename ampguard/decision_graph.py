@@ -130,7 +130,11 @@ class MeasureGraph:
     outputs are the graph's own tensors, rewritten by the next replay: every consumer within the step copies them (the
     gathered vector, the report's payload)."""
 
-    MAX_GRAPHS = 2
+    MAX_GRAPHS = 4
+    """Graphs kept. The gradients of a steady CUDA loop take two or three places in turn: on an H100 (stop 42,
+    ``benchmarks/gpu_graph_keys.py``) the bf16 fused step graph and the stages' measurement took three in turn, and
+    two graphs kept, least recently used dropped, captured again every step (7 captures in 24 steps). A graph
+    holds its outputs (a few floats a tensor) and a private pool of the capture's small temporaries."""
     MAX_CAPTURES = 8
 
     def __init__(self, enabled: bool, what: str = "the gradient measurement",

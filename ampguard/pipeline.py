@@ -777,9 +777,12 @@ class StepPipeline:
             adapter.update(d[Dec.NEXT_SCALE], decision.tracker)
 
 
-STEP_GRAPH_MISSES = 8
+STEP_GRAPH_MISSES = 16
 """Runs of the step graph in a row without a replay after which a guard stops taking it for a while (its keys do
-not repeat: :meth:`StepPipeline._step_graph_due`)."""
+not repeat: :meth:`StepPipeline._step_graph_due`). A run's first steps move the gradients for a while: on an H100
+(stop 42, ``benchmarks/gpu_graph_keys.py``) fp16 foreach AdamW from a scale that overflows put them in 8 new places
+in its first 8 steps (5 overflowing steps, forensics armed by them, AdamW's state made at its first taken step),
+then in 2 by turns; with 8 here that guard rested from step 8 on and missed the steady loop's start."""
 
 STEP_GRAPH_REST = 50
 """Steps a guard that stopped taking the step graph runs the stages apart before it tries again."""

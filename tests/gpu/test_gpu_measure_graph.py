@@ -83,19 +83,21 @@ def test_replayed_measurement_is_the_eager_one_bit_for_bit(precision: str) -> No
         assert not all(math.isfinite(r[0]) for r in ref_seen)  # the overflow steps were measured too
     for a, b in zip(ref_params, params):
         assert torch.equal(a, b)
-    assert graphs.replays >= 12 and 1 <= graphs.captures <= 2, (graphs.replays, graphs.captures)  # type: ignore[attr-defined]
+    # the gradients take two or three places in turn (stop 42, benchmarks/gpu_graph_keys.py): one capture each
+    assert graphs.replays >= 12 and 1 <= graphs.captures <= 3, (graphs.replays, graphs.captures)  # type: ignore[attr-defined]
 
 
 def test_gradients_that_move_are_measured_where_they_are() -> None:
-    """After 8 steady steps, each step's gradients are kept alive, so every later backward writes new ones
+    """After 12 steady steps, each step's gradients are kept alive, so every later backward writes new ones
     elsewhere: those steps are measured eagerly (a stale replay would read the kept gradients: other
     norms, another update), and the whole run is the eager run's, bit for bit. A scale that does not overflow:
     with 2**24 (the H100, stop 40) the steady part replayed twice, likely because forensics, armed by the early
     overflows once their report arrived, allocates its flags in each later forward and moved the gradients once
-    more."""
-    batches = _batches(16)
-    ref_params, ref_seen, _ = _train(False, batches, keep_from=8, init_scale=2.0**10)
-    params, seen, graphs = _train(True, batches, keep_from=8, init_scale=2.0**10)
+    more. 12 steady steps: on an H100 (stop 42) the first 8 replayed twice, their gradients taking 4 places, then 3
+    in turn."""
+    batches = _batches(20)
+    ref_params, ref_seen, _ = _train(False, batches, keep_from=12, init_scale=2.0**10)
+    params, seen, graphs = _train(True, batches, keep_from=12, init_scale=2.0**10)
     assert repr(seen) == repr(ref_seen)  # first the values, then the count
     for a, b in zip(ref_params, params):
         assert torch.equal(a, b)

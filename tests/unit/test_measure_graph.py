@@ -73,6 +73,20 @@ def test_at_most_max_graphs_are_kept_and_max_captures_made() -> None:
     assert graphs.replays == replays + 1
 
 
+def test_gradients_that_take_three_places_in_turn_are_all_replayed() -> None:
+    """A steady CUDA loop's gradients may take three places in turn (an H100, stop 42,
+    ``benchmarks/gpu_graph_keys.py``: the bf16 fused step graph and the stages' measurement). Each place is
+    captured once and replayed from then on; with two graphs kept, least recently used dropped, each capture
+    dropped the one needed next, and every step captured again until MAX_CAPTURES ran out."""
+    graphs = _Graphs()
+    places = [[torch.randn(3), torch.randn(2)] for _ in range(3)]
+    for _ in range(8):
+        for grads in places:
+            out = graphs.run("norms", _norms(grads), grads)
+            assert torch.equal(out, torch.stack([g.norm() for g in grads]))
+    assert graphs.captures == 3 and graphs.replays == 3 * 7, (graphs.captures, graphs.replays)
+
+
 def test_a_failed_capture_warns_once_and_measures_eagerly_from_then_on() -> None:
     grads = [torch.randn(4)]
     graphs = _Graphs(fail=True)
