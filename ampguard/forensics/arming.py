@@ -18,7 +18,7 @@ import torch
 
 from ..backends.base import Backend
 from ..config import GuardConfig
-from ..records import Anomaly, StepReport
+from ..records import Anomaly, SkipReason, StepReport
 from ..stats import Dec, Loc, origin_ranks
 from ..vocab import AnomalyKind, Cause, Phase
 from .localizer import Finding, Localizer
@@ -88,6 +88,8 @@ class Forensics:
         self.live_from = 0
         """The first step whose forward the armed hooks saw from its start."""
         self._clean = 0
+        self._nonfinite_before = False
+        """The last report seen was non-finite (a second one in a row arms even a routine-looking overflow)."""
         self.replaying = False
         """True while a replay closure runs: its ``backward()`` scales and back-propagates only."""
         self.replay_loss: torch.Tensor | None = None
@@ -104,9 +106,11 @@ class Forensics:
         """Fixed point: arm after a non-finite step (hooks from the next forward on: that of step
         ``next_forward``), disarm after ``forensics_window`` clean ones. ``block``: the block the
         sentinel named on that step: the hooks arm inside it only (again if they watched another)."""
+        lone = not self._nonfinite_before
+        self._nonfinite_before = report.nonfinite
         if report.nonfinite:
             self._clean = 0
-            if not self.enabled:
+            if not self.enabled or (lone and self._routine(report, block)):
                 return
             target = block if block not in self._outside_of else None
             within = self.localizer.within if self.localizer is not None else None
@@ -120,6 +124,14 @@ class Forensics:
             self._clean += 1
             if self._clean >= self.config.forensics_window:
                 self.remove()
+
+    def _routine(self, report: StepReport, block: str | None) -> bool:
+        """A lone overflow of a GradScaler's fp16 backward: finite loss, no fp8 cast and no block that the sentinel
+        named, after a finite step. That is the loss scale at work (GradScaler's growth overshoots by design, every
+        ``growth_interval`` steps): arming on it cost ``forensics_window`` steps of hooks on every module and a host
+        sync each. A fault that lasts shows on the next step too, and arms then; a non-finite loss arms at once."""
+        return (self.fp16 and not report.nonfinite_loss and report.reason != SkipReason.NONFINITE_FP8
+                and block is None)
 
     def remove(self) -> None:
         if self.localizer is not None:
