@@ -3,7 +3,7 @@
 # the device tool: OUT=$OUT bash benchmarks/gpu_issue26.sh [TAG]. Writes $OUT/host_time_TAG.{txt,json}, $OUT/tests_TAG.txt,
 # $OUT/first_TAG.txt. STEP_GRAPH=1: host_time.py also times the step graph's guard (--step-graph) in the same blocks.
 # Stop 41 ran call a on an H100 (benchmarks/results/gpu_stop41/, with call b: benchmarks/gpu_graph_keys.py and the tests);
-# stop 42 ran calls c and d (benchmarks/results/gpu_stop42*/). The next session, first: FIRST=1 TESTS=1 MODELS=mlp (the
+# stop 42 ran calls c, d and e (benchmarks/results/gpu_stop42*/). The next session, first: FIRST=1 TESTS=1 MODELS=mlp (the
 # graphs' counts after 2569462: 4 graphs kept, 16 misses before a rest), then the GPT-2 350M rows (MODELS=gpt2-350m,
 # PROFILE=0, --blocks 6: its rows alone take ~400 s at 10 blocks), each call under the 600 s bound.
 set -uo pipefail
