@@ -278,9 +278,9 @@ class GuardConfig:
 
     forensics: bool = True
     """After a non-finite step, arm module hooks on ``wrap(model=...)`` to name the first module
-    that goes non-finite next (healthy runs never register a hook). Under fp16 with a GradScaler a lone
-    overflow (the loss finite, the step before finite) arms nothing: a second one in a row does, and a
-    non-finite loss at once (docs/diagnosis.md). Needs ``model``."""
+    that goes non-finite next (healthy runs never register a hook). Under fp16 with a GradScaler an
+    overflow with a finite loss arms only right after a step that backed the scale off (backing off did not
+    cure it); a non-finite loss arms at once (docs/diagnosis.md). Needs ``model``."""
 
     forensics_window: int = 50
     """Clean steps after which armed forensics hooks are removed again (>= 1)."""

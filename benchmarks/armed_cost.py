@@ -2,7 +2,7 @@
 """What forensics' armed hooks cost a training step: the same guarded fp16 loop (GradScaler, fused AdamW), blocks
 of steps with the hooks armed and disarmed in turn, in one process. Until stop 42 every non-finite step armed them
 for ``forensics_window`` (50) clean steps, GradScaler's routine growth overshoot included (once every
-``growth_interval`` steps or so); since then a lone fp16 overflow with a finite loss arms nothing
+``growth_interval`` steps or so); since then an fp16 overflow with a finite loss arms only right after a back-off
 (docs/diagnosis.md). The hooks are armed as ``Forensics.after_report`` arms them (a ``Localizer`` on the whole
 model) and the window is made endless, so that only the blocks decide. Each block is timed whole, the device
 drained at its end; the figure is the per-block ratio armed / disarmed of adjacent blocks, p25 / median / p75.

@@ -88,8 +88,9 @@ class Forensics:
         self.live_from = 0
         """The first step whose forward the armed hooks saw from its start."""
         self._clean = 0
-        self._nonfinite_before = False
-        """The last report seen was non-finite (a second one in a row arms even a routine-looking overflow)."""
+        self._uncured = False
+        """The last report seen was non-finite and backed the loss scale off (or found it at ``min_scale``): a
+        non-finite step next is a fault that backing off did not cure, and arms even where it looks routine."""
         self.replaying = False
         """True while a replay closure runs: its ``backward()`` scales and back-propagates only."""
         self.replay_loss: torch.Tensor | None = None
@@ -106,11 +107,11 @@ class Forensics:
         """Fixed point: arm after a non-finite step (hooks from the next forward on: that of step
         ``next_forward``), disarm after ``forensics_window`` clean ones. ``block``: the block the
         sentinel named on that step: the hooks arm inside it only (again if they watched another)."""
-        lone = not self._nonfinite_before
-        self._nonfinite_before = report.nonfinite
+        uncured = self._uncured
+        self._uncured = report.nonfinite and (report.scale_backoff or report.next_loss_scale <= self.config.min_scale)
         if report.nonfinite:
             self._clean = 0
-            if not self.enabled or (lone and self._routine(report, block)):
+            if not self.enabled or (not uncured and self._routine(report, block)):
                 return
             target = block if block not in self._outside_of else None
             within = self.localizer.within if self.localizer is not None else None
@@ -126,10 +127,12 @@ class Forensics:
                 self.remove()
 
     def _routine(self, report: StepReport, block: str | None) -> bool:
-        """A lone overflow of a GradScaler's fp16 backward: finite loss, no fp8 cast and no block that the sentinel
-        named, after a finite step. That is the loss scale at work (GradScaler's growth overshoots by design, every
-        ``growth_interval`` steps): arming on it cost ``forensics_window`` steps of hooks on every module and a host
-        sync each. A fault that lasts shows on the next step too, and arms then; a non-finite loss arms at once."""
+        """An overflow of a GradScaler's fp16 backward that the loss scale has not yet been backed off for: finite
+        loss, no fp8 cast and no block that the sentinel named. That is the loss scale at work (GradScaler's growth
+        overshoots by design, every ``growth_interval`` steps; with ``hysteresis`` > 1 the first overflows after a
+        growth come in a row before it backs off): arming on it cost ``forensics_window`` steps of hooks on every
+        module and a host sync each. A fault that lasts is still there on the step after the back-off, and arms
+        then; a non-finite loss arms at once."""
         return (self.fp16 and not report.nonfinite_loss and report.reason != SkipReason.NONFINITE_FP8
                 and block is None)
 

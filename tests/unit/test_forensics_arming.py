@@ -1,7 +1,8 @@
-"""When forensics arms under fp16 with a GradScaler: not on a lone overflow of the backward with a finite loss
-(GradScaler's growth overshooting, by design, every ``growth_interval`` steps: arming on it cost
-``forensics_window`` steps of hooks on every module and a host sync each), but on a second non-finite step in a
-row (a fault that backing off did not cure), and at once on a non-finite loss. Real models and real overflows:
+"""When forensics arms under fp16 with a GradScaler: not on an overflow of the backward with a finite loss that the
+scale has not yet been backed off for (GradScaler's growth overshooting, by design, every ``growth_interval``
+steps: arming on it cost ``forensics_window`` steps of hooks on every module and a host sync each), but on a
+non-finite step right after one that backed the scale off (a fault that backing off did not cure), and at once on
+a non-finite loss. Real models and real overflows:
 a tiny GPT-2 from its ``transformers`` config whose loss scale grows until its fp16 backward overflows, and a
 hand-written RMS without an epsilon whose backward goes NaN on a zero row.
 """
@@ -20,15 +21,19 @@ def _hooks(model: torch.nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
-def test_lone_overflows_of_a_growing_loss_scale_do_not_arm_forensics() -> None:
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_overflows_of_a_growing_loss_scale_do_not_arm_forensics(hysteresis: int) -> None:
     """GPT-2 in fp16, GradScaler from its default 2**16, doubling every 2 clean steps: its backward overflows for
-    real, the scale backs off, grows again, overflows again. The lone overflows (a finite step before) arm
-    nothing; the first overflow that follows another arms the hooks (from then on: the window is 50 steps)."""
+    real, the scale backs off, grows again, overflows again. An overflow the scale has not yet been backed off for
+    arms nothing: a lone one (hysteresis 1, GradScaler's rule), or the first of a pair (hysteresis 2: the first
+    overflow after a growth keeps the scale, so the next step overflows too). The first overflow that follows a
+    back-off arms the hooks (from then on: the window is 50 steps)."""
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32,
                                                                  n_layer=2, n_head=2))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
-    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, scaler=scaler)
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, scaler=scaler,
+                        config={"hysteresis": hysteresis})
     g = torch.Generator().manual_seed(1)
     armed = []
     for _ in range(16):
@@ -39,13 +44,16 @@ def test_lone_overflows_of_a_growing_loss_scale_do_not_arm_forensics() -> None:
         opt.step()
         opt.zero_grad()
         armed.append(_hooks(model) > 0)  # the CPU's reports are read in their own step(): armed for the next
-    bad = {r.step for r in opt.history if r.nonfinite}
-    assert not any(r.nonfinite_loss for r in opt.history)  # overflows of the backward, the loss finite
-    pairs = [k for k in sorted(bad) if k - 1 in bad]
-    lone = [k for k in sorted(bad) if k - 1 not in bad and (not pairs or k < pairs[0])]
-    assert len(lone) >= 2, sorted(bad)  # genuine lone overflows before any pair
-    assert armed == [any(k <= i for k in pairs) for i in range(16)], (sorted(bad), armed)
-    assert not [a for a in opt.anomalies if a.module is not None and a.step < (pairs or [16])[0]]
+    history = opt.history
+    assert not any(r.nonfinite_loss for r in history)  # overflows of the backward, the loss finite
+    bad = [r.step for r in history if r.nonfinite]
+    uncured = [k for k in bad if k - 1 in bad and history[k - 1].scale_backoff]
+    routine = [k for k in bad if not uncured or k < uncured[0]]
+    assert len(routine) >= 2, bad  # genuine overflows, none armed
+    if hysteresis == 2:
+        assert any(k - 1 in routine for k in routine), bad  # a pair in a row, the first not backed off
+    assert armed == [any(k <= i for k in uncured) for i in range(16)], (bad, armed)
+    assert not [a for a in opt.anomalies if a.module is not None and a.step < (uncured or [16])[0]]
 
 
 class _RmsGain(torch.nn.Module):
