@@ -35,9 +35,9 @@ class Switches:
     ``decide``), instead of a replay of the measurement, the vector's kernels, a replay of the decision and the copies
     after it. On since it ran on a CUDA device (H100s: bit for bit the run without it; host time a step adds on the
     fused MLP, stages apart -> step graph: +435 -> +90 us at stop 40, +615 -> +168 and +493 -> +131 us on two other
-    leases at stop 41, +469 -> +151 and +364 -> +90 us on two more at stop 42; ``docs/design.md``, "What stop 40
-    taught" to "What stop 42 taught", ``benchmarks/RESULTS.md``); ``AMPGUARD_STEP_GRAPH=0``
-    turns it off (so does ``AMPGUARD_CUDA_GRAPH=0``)."""
+    leases at stop 41, +469 -> +151, +364 -> +90 and +511 -> +164 us on three more at stop 42, and GPT-2 350M +790
+    -> +235 us; ``docs/design.md``, "What stop 40 taught" to "What stop 42 taught", ``benchmarks/RESULTS.md``);
+    ``AMPGUARD_STEP_GRAPH=0`` turns it off (so does ``AMPGUARD_CUDA_GRAPH=0``)."""
 
     fused_fast_path: bool = True
     """With a GradScaler and a fused optimizer, measure the still-scaled gradients and let the
