@@ -563,8 +563,7 @@ class StepPipeline:
         vector, the local backend's gather, the decision and the payload without its optional parts, in one
         execution replayed from :attr:`step_graph` where the gradients lie where they lay, the loss held
         (:meth:`_hold`) (the measurement :meth:`_through_decision` makes on the fast path, with no scale to read or
-        write). None where
-        some gradient is sparse (:meth:`_replayed_step`). No sync."""
+        write). None where some gradient is sparse (:meth:`_replayed_step`). No sync."""
         config = self.config
         loss = self._hold("loss", loss)
 

@@ -13,6 +13,11 @@ def make_model(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
 
+def hook_count(model: torch.nn.Module) -> int:
+    """Forward and forward-pre hooks registered on ``model``'s modules (forensics' armed hooks among them)."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
 def make_data(n: int = 12, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(n)]

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import ampguard
 from ampguard import faults
 
-from ._models import step_once
+from ._models import hook_count, step_once
 
 VOCAB, WIDTH, SEQ, BLOCKS = 32, 16, 8, 6
 
@@ -179,17 +179,13 @@ def test_healthy_run_registers_no_hook_and_hooks_disarm_after_window():
     model = lm()
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
                         config={"forensics_window": 3})
-
-    def hooks():
-        return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-
     train(opt, model, batches(4))
-    assert hooks() == 0
+    assert hook_count(model) == 0
     faults.inject(opt, faults.loss("nan", steps=[4]))
     train(opt, model, batches(1))
-    assert hooks() > 0  # armed after the non-finite step
+    assert hook_count(model) > 0  # armed after the non-finite step
     train(opt, model, batches(3))
-    assert hooks() == 0  # removed after 3 clean steps
+    assert hook_count(model) == 0  # removed after 3 clean steps
 
 
 def test_escalation_ladder_rolls_back_and_then_stops():

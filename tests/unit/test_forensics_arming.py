@@ -14,11 +14,9 @@ import torch
 
 import ampguard
 
+from ._models import hook_count
+
 transformers = pytest.importorskip("transformers")
-
-
-def _hooks(model: torch.nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
 @pytest.mark.parametrize("hysteresis", [1, 2])
@@ -43,7 +41,7 @@ def test_overflows_of_a_growing_loss_scale_do_not_arm_forensics(hysteresis: int)
         opt.backward(loss)
         opt.step()
         opt.zero_grad()
-        armed.append(_hooks(model) > 0)  # the CPU's reports are read in their own step(): armed for the next
+        armed.append(hook_count(model) > 0)  # the CPU's reports are read in their own step(): armed for the next
     history = opt.history
     assert not any(r.nonfinite_loss for r in history)  # overflows of the backward, the loss finite
     bad = [r.step for r in history if r.nonfinite]
@@ -83,7 +81,7 @@ def test_a_lasting_backward_fault_with_a_finite_loss_is_still_named() -> None:
         opt.backward(loss)
         opt.step()
         opt.zero_grad()
-        armed.append(_hooks(model) > 0)
+        armed.append(hook_count(model) > 0)
     assert all(r.nonfinite and not r.nonfinite_loss for r in opt.history)
     assert armed == [False, True, True, True]
     named = [a for a in opt.anomalies if a.module is not None]
