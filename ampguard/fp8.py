@@ -12,7 +12,9 @@ measures, per role (``input``, ``weight``, ``grad_output``, :data:`FP8_ROLES`):
 - ``scale``: torchao's dynamic scale for the layer's config, ``finfo(fp8).max / clamp(amax, min=1e-12)`` in
   float64 rounded to float32 (and down to a power of 2 where the config says so); rowwise: the smallest over rows;
 - on sampled steps (every ``numerics_every``-th): the underflow fraction (elements non-zero in high precision and
-  zero after the cast, as Transformer Engine defines it) and the dynamic range ``log2(amax / min nonzero |x|)``.
+  zero after the cast, as Transformer Engine defines it) and the dynamic range ``log2(amax / min nonzero |x|)``,
+  both on a row sample of at most :data:`SAMPLE_ELEMENTS` elements of a larger tensor (every k-th row, cast with
+  its own scale: an estimate); the amax and the scale of a sampled step stay over the whole tensor.
 
 Saturation is None: torchao 0.18 scales float8 training dynamically only (the scale comes from this tensor's own
 amax, so nothing is clamped); there is no static or delayed scale that could saturate.
@@ -36,7 +38,7 @@ from ._versions import require
 from .records import FP8_ROLES, Fp8Cast
 from .stats import local_tensor
 
-__all__ = ["WIDTH", "Fp8Monitor", "float8_modules", "is_float8_linear", "layer_cast_stats"]
+__all__ = ["SAMPLE_ELEMENTS", "WIDTH", "Fp8Monitor", "float8_modules", "is_float8_linear", "layer_cast_stats"]
 
 _EPS = 1e-12  # torchao.float8.float8_utils.EPS
 WIDTH = 5
@@ -120,39 +122,66 @@ def _torchao_amax(x: torch.Tensor, role: str, *, rowwise: bool, dim: int = -1) -
     return amax.amax() if rowwise else amax
 
 
+SAMPLE_ELEMENTS = 1 << 20
+"""Elements of a cast the monitor's underflow and dynamic range are measured on (:func:`cast_stats`'s ``sample``): a
+tensor of more is measured on every k-th row, the fewest k that keeps it at most this many (plus one row). The amax,
+the scale and the non-finite flag are always over the whole tensor."""
+
+
+def sample_rows(n_rows: int, n_cols: int, sample: int | None) -> int:
+    """The row stride :func:`cast_stats` measures the underflow and the range at: 1 (every row) for a tensor of at
+    most ``sample`` elements or ``sample`` None, else the fewest k with ``ceil(n_rows / k)`` rows of at most
+    ``sample`` elements (one row at least)."""
+    if sample is None or n_rows * n_cols <= sample:
+        return 1
+    keep = max(1, sample // max(n_cols, 1))
+    return -(-n_rows // keep)
+
+
 @torch.no_grad()
 def cast_stats(x: torch.Tensor, dtype: torch.dtype, *, rowwise: bool, pow2: bool,
-               row_amax: torch.Tensor | None = None) -> torch.Tensor:
+               row_amax: torch.Tensor | None = None, sample: int | None = None) -> torch.Tensor:
     """``[1, amax, scale, underflow, dynamic_range]`` of one cast of ``x`` to ``dtype`` by torchao's dynamic
     scaling, on ``x``'s device: a sampled step's whole statistics (:meth:`Fp8Monitor.collect` puts the cast's order
     in the first column). ``row_amax``: the amaxes of ``x``'s rows (``x.reshape(-1, n)``), float32 ``[rows, 1]``
     (tensorwise ``[1, 1]``), where the caller has them (under compile: torchao's own, merged with its reduction);
-    computed here otherwise."""
-    hp = x.detach().float()
-    rows = hp.reshape(-1, hp.shape[-1]) if hp.dim() > 0 else hp.reshape(1, 1)
-    if row_amax is None:
-        row_amax = (torch.linalg.vector_norm(rows, ord=math.inf, dim=-1, keepdim=True) if rowwise
-                    else torch.linalg.vector_norm(rows, ord=math.inf).reshape(1, 1))
+    computed here otherwise.
+
+    ``sample`` (None: every element): the underflow and the smallest non-zero ``|x|`` of the range are measured on
+    every k-th row (:func:`sample_rows`), cast with those rows' own scales, so a large tensor costs a read of at most
+    ``sample`` elements more than its amax; an estimate of the whole tensor's fraction (rows are a block's tokens or
+    a weight's output features). The amax, the scale and the non-finite flag stay over every row."""
+    rows = x.detach().reshape(-1, x.shape[-1]) if x.dim() > 0 else x.detach().reshape(1, 1)
+    if row_amax is None:  # max |x| is exact in x's own dtype: float32 accumulation changes nothing, and copies nothing
+        row_amax = (torch.linalg.vector_norm(rows, ord=math.inf, dim=-1, keepdim=True, dtype=torch.float32) if rowwise
+                    else torch.linalg.vector_norm(rows, ord=math.inf, dtype=torch.float32).reshape(1, 1))
     scales = _scale(row_amax, torch.finfo(dtype).max, pow2)
     amax, scale = row_amax.amax(), scales.amin()
     if rowwise:  # a NaN row: amax() propagates it; the scale of that row is NaN and amin() propagates it too
         amax = torch.where(row_amax.isnan().any(), torch.full_like(amax, math.nan), amax)
+    stride = sample_rows(rows.shape[0], rows.shape[1], sample)
+    if stride > 1:
+        rows = rows[::stride]
+        if rowwise:
+            scales = scales[::stride]
+    hp = rows.float()
     fmax = torch.finfo(dtype).max
-    cast = (rows * scales).clamp(-fmax, fmax).to(dtype).float()
-    nonzero = rows != 0
-    underflow = (nonzero & (cast == 0)).sum().float() / max(rows.numel(), 1)
-    smallest = torch.where(nonzero, rows.abs(), torch.full_like(rows, math.inf)).amin()
+    cast = (hp * scales).clamp(-fmax, fmax).to(dtype).float()
+    nonzero = hp != 0
+    underflow = (nonzero & (cast == 0)).sum().float() / max(hp.numel(), 1)
+    smallest = torch.where(nonzero, hp.abs(), torch.full_like(hp, math.inf)).amin()
     dynamic_range = torch.log2(amax / smallest)
     return torch.stack([torch.ones_like(amax), amax, scale, underflow, dynamic_range])
 
 
-def _merged_cast_stats(x: torch.Tensor, role: str, dtype: torch.dtype, *, rowwise: bool, pow2: bool) -> torch.Tensor:
+def _merged_cast_stats(x: torch.Tensor, role: str, dtype: torch.dtype, *, rowwise: bool, pow2: bool,
+                       sample: int | None = None) -> torch.Tensor:
     """:func:`cast_stats` with the row amaxes taken by torchao's own reduction (:func:`_torchao_reduction`), which a
     compiled graph's CSE merges with torchao's: a sampled cast inside ``torch.compile`` reads ``x`` once more, not
     twice."""
     with torch.no_grad():
         row_amax = _torchao_reduction(x, role, rowwise=rowwise).reshape(-1, 1).float()
-    return cast_stats(x, dtype, rowwise=rowwise, pow2=pow2, row_amax=row_amax)
+    return cast_stats(x, dtype, rowwise=rowwise, pow2=pow2, row_amax=row_amax, sample=sample)
 
 
 def layer_cast_stats(module: torch.nn.Module, role: str, x: torch.Tensor) -> torch.Tensor:
@@ -183,19 +212,21 @@ class _GradProbe(torch.autograd.Function):
 class _GradStatsProbe(torch.autograd.Function):
     """:class:`_GradProbe` on a sampled step: in the backward, the whole statistics of the cast torchao makes of the
     gradient (:func:`cast_stats`: ``[1, amax, scale, underflow, dynamic_range]``) become the gradient of ``probe``, a
-    ``[5]`` float64 leaf the monitor owns. Summed over the forwards of a step (gradient accumulation): the first
-    entry then counts them, and :meth:`Fp8Monitor._take_probes` divides the underflow and the range by it."""
+    ``[5]`` float64 leaf the monitor owns (the underflow and the range on the monitor's row sample). Summed over the
+    forwards of a step (gradient accumulation): the first entry then counts them, and :meth:`Fp8Monitor._take_probes`
+    divides the underflow and the range by it."""
 
     @staticmethod
     def forward(ctx: Any, output: torch.Tensor, probe: torch.Tensor,
-                spec: tuple[torch.dtype, bool, bool]) -> torch.Tensor:
+                spec: tuple[torch.dtype, bool, bool, int | None]) -> torch.Tensor:
         ctx.spec = spec
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        dtype, rowwise, pow2 = ctx.spec
-        return grad, _merged_cast_stats(grad, "grad_output", dtype, rowwise=rowwise, pow2=pow2).double(), None
+        dtype, rowwise, pow2, sample = ctx.spec
+        stats = _merged_cast_stats(grad, "grad_output", dtype, rowwise=rowwise, pow2=pow2, sample=sample)
+        return grad, stats.double(), None
 
 
 def _grad_output_reduction(module: Any, input_grad: bool) -> tuple[bool, int]:
@@ -239,6 +270,8 @@ class Fp8Monitor:
                 "fp8 monitoring found no torchao Float8Linear in the model: convert it first with "
                 "torchao.float8.convert_to_float8_training(model), or leave fp8 monitoring off")
         self.numerics_every = numerics_every
+        self.sample: int | None = SAMPLE_ELEMENTS
+        """Elements of a cast its underflow and range are measured on (:func:`cast_stats`; None: all of them)."""
         self.names: list[tuple[str, str]] = [(name, role) for name, _ in self.modules for role in FP8_ROLES]
         self._slots: list[torch.Tensor | None] = [None] * len(self.names)
         """Per cast this step: its 5 statistics (sampled steps), or its float32 amax alone (other steps)."""
@@ -299,9 +332,9 @@ class Fp8Monitor:
         hp = x.to(cast_to) if cast_to is not None else x  # the tensor torchao casts (only the input is cast first)
         dtype, rowwise, pow2 = _dtype(module, role), _rowwise(module, role), _pow2(module)
         if torch.compiler.is_compiling():  # the row amaxes torchao's (merged with its reduction)
-            stats = _merged_cast_stats(hp, role, dtype, rowwise=rowwise, pow2=pow2)
+            stats = _merged_cast_stats(hp, role, dtype, rowwise=rowwise, pow2=pow2, sample=self.sample)
         else:
-            stats = cast_stats(hp, dtype, rowwise=rowwise, pow2=pow2)
+            stats = cast_stats(hp, dtype, rowwise=rowwise, pow2=pow2, sample=self.sample)
         if old is not None:  # a second forward in the step: the worst of both
             stats = torch.stack([old[0], torch.maximum(old[1], stats[1]), torch.minimum(old[2], stats[2]),
                                  torch.fmax(old[3], stats[3]), torch.fmax(old[4], stats[4])])
@@ -333,7 +366,7 @@ class Fp8Monitor:
             # writes the monitor's state): the probe, a pure function, carries the amax out as a gradient instead.
             self.probed = True
             if self._sampled:  # the underflow and the range too (a second compiled variant: sampled or not)
-                spec = (_dtype(module, "grad_output"), _rowwise(module, "grad_output"), _pow2(module))
+                spec = (_dtype(module, "grad_output"), _rowwise(module, "grad_output"), _pow2(module), self.sample)
                 return _GradStatsProbe.apply(output, self._stat_probes[index], spec)
             input_grad = bool(args) and isinstance(args[0], torch.Tensor) and args[0].requires_grad
             return _GradProbe.apply(output, self._probes[index], _grad_output_reduction(module, input_grad))

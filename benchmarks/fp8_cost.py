@@ -1,16 +1,18 @@
 #!/usr/bin/env python
 """The cost of the guard's fp8 monitoring on a GPT-2-style model trained with torchao float8 (issue 28's target).
 
-Four variants of the same run, each on its own copy of one converted model (fused AdamW, bf16 autocast):
+Variants of the same run, each on its own copy of one converted model (fused AdamW, bf16 autocast):
 ``plain`` (fp8, no guard), ``guard`` (``ampguard.wrap(..., fp8=False)``), ``guard+fp8`` (``wrap(model=...)``:
-every cast's amax and scale each step, the underflow sampled every ``--numerics-every`` steps) and
-``guard+fp8-nosample`` (amax and scale only). They run in paired, interleaved blocks (the order rotated per
-block) of ``--steps`` steps, each block timed from a drained device to a drained device. Printed: per variant the
-p25/median/p75 of the per-step time over the blocks, and the p25/median/p75 of its per-block ratio to ``plain``'s
-block of the same round (the target: ``guard+fp8`` at most 1.01x, ``guard+fp8-nosample`` at most 1.005x), and the
-fastest-quartile ratio (the mean of the variant's fastest quarter of blocks over ``plain``'s: a host hiccup only
-ever adds time, so the fastest blocks are the least disturbed; ``benchmarks/table.py``'s method). ``plain2``, the
-plain run built a second time, is the control: ``plain2 / plain`` is the noise floor of the same measurement.
+every cast's amax and scale each step, the underflow sampled every ``--numerics-every`` steps),
+``guard+fp8-nosample`` (amax and scale only) and ``guard+fp8-whole`` (``guard+fp8`` with the underflow and the
+range over every element of each cast, ``Fp8Monitor.sample = None``: the monitor before its row sample). They run
+in paired, interleaved blocks (the order rotated per block) of ``--steps`` steps, each block timed from a drained
+device to a drained device. Printed: per variant the p25/median/p75 of the per-step time over the blocks, and the
+p25/median/p75 of its per-block ratio to ``plain``'s block of the same round (the target: ``guard+fp8`` at most
+1.01x, ``guard+fp8-nosample`` at most 1.005x), and the fastest-quartile ratio (the mean of the variant's fastest
+quarter of blocks over ``plain``'s: a host hiccup only ever adds time, so the fastest blocks are the least
+disturbed; ``benchmarks/table.py``'s method). ``plain2``, the plain run built a second time, is the control:
+``plain2 / plain`` is the noise floor of the same measurement.
 
     python benchmarks/fp8_cost.py --device cuda --blocks 30 [--compile] --out fp8_cost.json
     python benchmarks/fp8_cost.py --device cpu --blocks 3 --steps 2 --layers 2 --width 64 --seq 32   # emulated
@@ -78,7 +80,7 @@ def main() -> None:
                         help="after the timing: this many steps of each variant under torch.profiler; prints the "
                              "device kernel time and count per step, and the kernels each guarded variant adds to "
                              "plain's")
-    parser.add_argument("--variants", default="plain,plain2,guard,guard+fp8,guard+fp8-nosample",
+    parser.add_argument("--variants", default="plain,plain2,guard,guard+fp8,guard+fp8-nosample,guard+fp8-whole",
                         help="comma-separated subset of the variants (plain is always kept: the ratios' base)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -86,7 +88,7 @@ def main() -> None:
     base = _model(args)
     runs: dict[str, dict[str, Any]] = {}
     variants = (("plain", None), ("plain2", None), ("guard", False), ("guard+fp8", args.numerics_every),
-                ("guard+fp8-nosample", 10**9))
+                ("guard+fp8-nosample", 10**9), ("guard+fp8-whole", args.numerics_every))
     wanted = set(args.variants.split(",")) | {"plain"}
     for name, every in variants:
         if name not in wanted:
@@ -97,6 +99,8 @@ def main() -> None:
         if every is not None:
             opt = ampguard.wrap(opt, model=model, precision="bf16", fp8=every is not False,
                                 config={"numerics_every": every if every else None, "param_check_every": None})
+        if name == "guard+fp8-whole":  # the underflow over every element (the monitor before its row sample)
+            opt._fp8.sample = None
         runs[name] = {"model": fwd, "opt": opt, "guarded": every is not None, "times": []}
     tokens = torch.randint(0, 8192, (args.batch, args.seq), device=args.device)
 

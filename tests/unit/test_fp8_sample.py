@@ -1,0 +1,128 @@
+"""A sampled fp8 step measures the underflow and the dynamic range on a row sample of a large cast (issue 28: the
+sampled underflow was what put the guarded fp8 run over its 1.01x target on the H200): at most ``Fp8Monitor.sample``
+elements more are read per cast, beyond the amax every step takes; the amax, the scale and the non-finite flag stay over
+the whole tensor. Real torchao float8 training (CPU: ``Float8LinearConfig(emulate=True)``)."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+torchao_float8 = pytest.importorskip("torchao.float8")
+
+from ampguard import fp8  # noqa: E402
+from ampguard.fp8 import Fp8Monitor, cast_stats, sample_rows  # noqa: E402
+from tests.unit.test_fp8 import _model  # noqa: E402  (16 -> 32 -> 16)
+
+_ROWS = 4096  # the batch: fc1's input is 4096 x 16 (65536 elements), its output gradient 4096 x 32
+_SAMPLE = 2048
+_VIEWS = {"detach", "view", "_unsafe_view", "slice", "reshape", "t", "transpose", "expand", "as_strided", "alias"}
+"""Ops that make a view and read nothing."""
+
+
+class _Reads(TorchDispatchMode):
+    """Every aten op run, with the largest number of elements among its tensor inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        sizes = [a.numel() for a in leaves if isinstance(a, torch.Tensor)]
+        self.ops[(str(func), max(sizes, default=0))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _large_reads(sample: int | str | None, step: int, recipe: str = "tensorwise") -> collections.Counter:
+    """The ops of one step of the float8 model that read a tensor of more than ``_ROWS`` elements (more than a row
+    sample, ``_SAMPLE`` plus a row, and than the rowwise recipe's row amaxes, one value a row), under a monitor that
+    measures (``sample``: its row sample; "off": no monitor; ``step`` 0 sampled)."""
+    torch.manual_seed(1)
+    model = _model(recipe)
+    x = torch.randn(_ROWS, 16)
+    if sample != "off":
+        monitor = Fp8Monitor(model, numerics_every=2)
+        monitor.sample = sample
+        monitor.begin_step(step)
+    with _Reads() as reads:
+        model(x).square().mean().backward()
+    if sample != "off":
+        monitor.collect()
+    return collections.Counter({op: n for op, n in reads.ops.items()
+                                if op[1] > _ROWS and op[0].split(".")[1] not in _VIEWS})
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_sampled_step_reads_each_large_cast_once_for_its_amax_and_no_more(recipe):
+    """Over the plain step's ops, a sampled step adds one reduction (its amax) per large cast: fc1's and fc2's input
+    and grad_output (4096 rows; the weights are 512 elements, under the sample), and reads nothing else of them
+    but views. Before the sample, each of them was copied to float32 and cast again whole: a dozen full reads
+    more."""
+    plain = _large_reads("off", 0, recipe)
+    sampled = _large_reads(_SAMPLE, 0, recipe)
+    unsampled = _large_reads(_SAMPLE, 1, recipe)
+    assert not plain - sampled
+    extra = sampled - plain
+    norms = [op for op in extra.elements() if "linalg_vector_norm" in op[0]]
+    assert len(norms) == 4 and not extra - collections.Counter(norms), extra
+    # the unsampled step takes the same one reduction a cast
+    assert unsampled - plain == extra
+
+
+def test_with_no_sample_every_element_is_read_again():
+    """The monitor's ``sample=None`` (forensics' exact statistics) reads the large casts whole: the bound above is
+    the sample's doing."""
+    extra = _large_reads(None, 0) - _large_reads("off", 0)
+    assert sum(extra.values()) > 3
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_the_sample_is_every_kth_row_cast_with_its_own_scale(rowwise):
+    """The underflow of a sampled cast is, exactly, the underflow of every k-th row cast with the scale the whole
+    tensor (tensorwise) or that row (rowwise) gets; the amax and the scale are the whole tensor's."""
+    torch.manual_seed(3)
+    # magnitudes over 40 binades: e4m3fn holds ~18 below its maximum, so a real share of each row underflows
+    x = torch.randn(_ROWS, 64) * torch.exp2(-40 * torch.rand(_ROWS, 64))
+    k = sample_rows(_ROWS, 64, _SAMPLE)
+    assert k == 128 and math.ceil(_ROWS / k) * 64 <= _SAMPLE
+    whole = cast_stats(x, torch.float8_e4m3fn, rowwise=rowwise, pow2=False)
+    sampled = cast_stats(x, torch.float8_e4m3fn, rowwise=rowwise, pow2=False, sample=_SAMPLE)
+    assert torch.equal(whole[:3], sampled[:3])  # the count, the amax and the scale
+    rows = x[::k]
+    amax = torch.linalg.vector_norm(rows if rowwise else x, ord=math.inf, dim=-1 if rowwise else None,
+                                    keepdim=rowwise)
+    scale = (torch.finfo(torch.float8_e4m3fn).max / amax.double().clamp(min=1e-12)).float()
+    cast = (rows * scale).to(torch.float8_e4m3fn).float()
+    expected = ((rows != 0) & (cast == 0)).sum() / rows.numel()
+    assert sampled[3].item() == pytest.approx(expected.item(), rel=0, abs=1e-7)
+    # an estimate of the whole tensor's fraction
+    assert 0.2 < whole[3].item() < 0.8 and abs(sampled[3].item() - whole[3].item()) < 0.05
+
+
+def test_a_nan_in_a_row_the_sample_skips_still_makes_the_cast_nonfinite():
+    """Row 1 is never in the sample (every 128th row: 0, 128, ...): its NaN still reaches the amax and the scale,
+    and the monitor's flag."""
+    model = _model()
+    monitor = Fp8Monitor(model, numerics_every=1)
+    monitor.sample = _SAMPLE
+    x = torch.randn(_ROWS, 16)
+    x[1, 3] = math.nan
+    monitor.begin_step(0)
+    model(x).square().mean().backward()
+    collected = monitor.collect()
+    assert monitor.nonfinite(collected).item() == 1.0
+    cast = next(c for c in monitor.decode(collected.tolist()) if (c.module, c.role) == ("fc1", "input"))
+    assert math.isnan(cast.amax) and not cast.finite
+
+
+def test_the_default_sample_and_small_tensors():
+    """A tensor of at most the sample is read whole (stride 1); the default sample is 2**20 elements; one row of more
+    than the sample is the sample (stride = the rows)."""
+    assert fp8.SAMPLE_ELEMENTS == 1 << 20 and Fp8Monitor(_model()).sample == fp8.SAMPLE_ELEMENTS
+    assert sample_rows(1024, 1024, 1 << 20) == 1 and sample_rows(1025, 1024, 1 << 20) == 2
+    assert sample_rows(10, 1 << 21, 1 << 20) == 10 and sample_rows(10, 10, None) == 1
