@@ -106,7 +106,7 @@ class Timers:
 
 
 def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: int, warmup: int,
-        profile: int = 0, ops: int = 0, step_graph: bool = False) -> dict[str, Any]:
+        profile: int = 0, ops: int = 0, step_graph: bool = False, pstats_dir: Path | None = None) -> dict[str, Any]:
     dtype = torch.float16
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     loops = {}
@@ -212,6 +212,11 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
                 zero(set_to_none=True)
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(profile)
+            if pstats_dir is not None:  # the raw profile, to read at full precision: pstats.Stats(path)
+                pstats_dir.mkdir(parents=True, exist_ok=True)
+                prof.dump_stats(str(pstats_dir / f"{model_name}_{optim}_{variant}.pstats"))
+            text.write("\n  ampguard's own functions by cumulative time:\n")
+            pstats.Stats(prof, stream=text).sort_stats("cumtime").print_stats("ampguard", profile)
             print(f"\n--- cProfile of {max(steps, 20)} {variant} step() calls, {model_name} {optim} ---")
             print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:12000])
     graphs = guard._pipeline.measure_graph  # the measurement's CUDA graph: how often it was replayed
@@ -259,6 +264,7 @@ def main() -> int:
                     help="also print cProfile's top N functions inside step() (own time)")
     ap.add_argument("--ops", type=int, default=0, help="also print the top N torch ops inside step() (torch.profiler)")
     ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    ap.add_argument("--pstats", type=Path, default=None, help="with --profile: also dump each raw profile here")
     ap.add_argument("--step-graph", action="store_true",
                     help="also time a guard with the step graph on (the default since stop 40), in the same blocks; "
                          "'guard' is then the stages apart (AMPGUARD_STEP_GRAPH=0)")
@@ -272,7 +278,7 @@ def main() -> int:
     for model_name in args.models.split(","):
         for optim in args.optims.split(","):
             row = run(model_name, optim, device, args.blocks, args.steps, args.warmup, args.profile, args.ops,
-                      args.step_graph)
+                      args.step_graph, args.pstats)
             rows.append(row)
             p, g = row["plain_us"], row["guard_us"]
             print(f"\n{model_name} {optim} on {device}: plain {p['median']:.0f} us (p25 {p['p25']:.0f}, p75 "
