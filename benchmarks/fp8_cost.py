@@ -11,10 +11,15 @@ device to a drained device. Printed: per variant the p25/median/p75 of the per-s
 p25/median/p75 of its per-block ratio to ``plain``'s block of the same round (the target: ``guard+fp8`` at most
 1.01x, ``guard+fp8-nosample`` at most 1.005x), and the fastest-quartile ratio (the mean of the variant's fastest
 quarter of blocks over ``plain``'s: a host hiccup only ever adds time, so the fastest blocks are the least
-disturbed; ``benchmarks/table.py``'s method). ``plain2``, the plain run built a second time, is the control:
-``plain2 / plain`` is the noise floor of the same measurement.
+disturbed; ``benchmarks/table.py``'s method), and the mean of the per-block ratios. ``plain2``, the plain run built
+a second time, is the control: ``plain2 / plain`` is the noise floor of the same measurement. ``guard+numerics`` is
+``guard`` with the guard's own sampled numerics every ``--numerics-every`` steps (the gradients' zero fractions,
+``GuardConfig.numerics_every``, which ``guard+fp8`` samples too): ``guard+fp8`` over it is what the fp8 monitoring
+adds. Give ``--steps`` a multiple of ``--numerics-every``: each block then holds the same number of sampled steps
+(with 5 steps a block and sampling every 10, every other block held one, and the per-block ratios of the sampled
+variants were two populations, their median neither's).
 
-    python benchmarks/fp8_cost.py --device cuda --blocks 30 [--compile] --out fp8_cost.json
+    python benchmarks/fp8_cost.py --device cuda --blocks 30 --steps 10 [--compile] --out fp8_cost.json
     python benchmarks/fp8_cost.py --device cpu --blocks 3 --steps 2 --layers 2 --width 64 --seq 32   # emulated
 """
 
@@ -80,28 +85,30 @@ def main() -> None:
                         help="after the timing: this many steps of each variant under torch.profiler; prints the "
                              "device kernel time and count per step, and the kernels each guarded variant adds to "
                              "plain's")
-    parser.add_argument("--variants", default="plain,plain2,guard,guard+fp8,guard+fp8-nosample,guard+fp8-whole",
+    parser.add_argument("--variants",
+                        default="plain,plain2,guard,guard+numerics,guard+fp8,guard+fp8-nosample,guard+fp8-whole",
                         help="comma-separated subset of the variants (plain is always kept: the ratios' base)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
     base = _model(args)
     runs: dict[str, dict[str, Any]] = {}
-    variants = (("plain", None), ("plain2", None), ("guard", False), ("guard+fp8", args.numerics_every),
-                ("guard+fp8-nosample", 10**9), ("guard+fp8-whole", args.numerics_every))
+    every = args.numerics_every  # per variant: (fp8 monitoring, GuardConfig.numerics_every); None: no guard
+    variants = (("plain", None), ("plain2", None), ("guard", (False, None)), ("guard+numerics", (False, every)),
+                ("guard+fp8", (True, every)), ("guard+fp8-nosample", (True, 10**9)), ("guard+fp8-whole", (True, every)))
     wanted = set(args.variants.split(",")) | {"plain"}
-    for name, every in variants:
+    for name, guarded in variants:
         if name not in wanted:
             continue
         model = copy.deepcopy(base)
         fwd = torch.compile(model) if args.compile else model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
-        if every is not None:
-            opt = ampguard.wrap(opt, model=model, precision="bf16", fp8=every is not False,
-                                config={"numerics_every": every if every else None, "param_check_every": None})
+        if guarded is not None:
+            opt = ampguard.wrap(opt, model=model, precision="bf16", fp8=guarded[0],
+                                config={"numerics_every": guarded[1], "param_check_every": None})
         if name == "guard+fp8-whole":  # the underflow over every element (the monitor before its row sample)
             opt._fp8.sample = None
-        runs[name] = {"model": fwd, "opt": opt, "guarded": every is not None, "times": []}
+        runs[name] = {"model": fwd, "opt": opt, "guarded": guarded is not None, "times": []}
     tokens = torch.randint(0, 8192, (args.batch, args.seq), device=args.device)
 
     def block(run: dict[str, Any], steps: int) -> float:
@@ -146,9 +153,13 @@ def main() -> None:
         fastest = (statistics.fmean(sorted(runs[name]["times"])[:quarter])
                    / statistics.fmean(sorted(runs["plain"]["times"])[:quarter]))
         result["ms_per_step"][name] = {"p25": p25 * 1e3, "median": med * 1e3, "p75": p75 * 1e3}
-        result["ratio_to_plain"][name] = {"p25": r25, "median": rmed, "p75": r75, "fastest_quartile": fastest}
+        mean = statistics.fmean(ratios)
+        result["ratio_to_plain"][name] = {"p25": r25, "median": rmed, "p75": r75, "fastest_quartile": fastest,
+                                          "mean": mean}
+        result.setdefault("block_ms", {})[name] = [t * 1e3 for t in runs[name]["times"]]
         print(f"{name:20s} p25 {p25 * 1e3:9.3f}  median {med * 1e3:9.3f}  p75 {p75 * 1e3:9.3f} ms/step   "
-              f"ratio to plain p25 {r25:.4f} median {rmed:.4f} p75 {r75:.4f} fastest-quartile {fastest:.4f}")
+              f"ratio to plain p25 {r25:.4f} median {rmed:.4f} p75 {r75:.4f} fastest-quartile {fastest:.4f} "
+              f"mean {mean:.4f}")
     print("skipped steps:", skipped)
     if args.profile_steps:
         result["profile"] = {name: _profile(lambda run=run: block(run, args.profile_steps), args.profile_steps)
