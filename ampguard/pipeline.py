@@ -271,7 +271,7 @@ class StepPipeline:
                 and self.adapter.fast_path_ok(guard, self.optimizer))  # type: ignore[union-attr]
 
     def measure(self, guard: object, *, fast: bool = False, sample: bool = False, decide: bool = False,
-                loss: torch.Tensor | None = None) -> Measured:
+                loss: torch.Tensor | None = None, fp8: torch.Tensor | None = None) -> Measured:
         """Unscale (adopting an ``unscale_`` already done this iteration), check and measure the
         gradients: one read. ``guard``: the guarded optimizer (GradScaler may know it by its id).
         ``fast`` (only from ``step()``, never from ``unscale_()``, whose caller wants unscaled
@@ -280,17 +280,19 @@ class StepPipeline:
         (:mod:`ampguard.numerics`) of the still-scaled gradients, before they are unscaled.
 
         ``decide`` (from ``step()``, where the step's local vector would hold nothing but ``loss``, the
-        measurement and constants: fresh gradients, no sentinel, fp8 or parameter flag): on the fused fast path
-        with the tensor decision, one rank and the local backend, go on to the local vector and the decision
+        measurement, ``fp8`` and constants: fresh gradients, no sentinel or parameter flag): on the fused fast
+        path with the tensor decision, one rank and the local backend, go on to the local vector and the decision
         in the same execution, replayed as one CUDA graph (:meth:`_through_decision`), into
         :attr:`Measured.gathered` and :attr:`Measured.decided`; the same values as :meth:`gather` then
         :meth:`decide`. Without a GradScaler (bf16, fp32) the same from the gradients as they are. Elsewhere, or
-        with ``AMPGUARD_STEP_GRAPH`` off, those stay None."""
+        with ``AMPGUARD_STEP_GRAPH`` off, those stay None. ``fp8``: the fp8 monitor's non-finite flag
+        (:meth:`ampguard.fp8.Fp8Monitor.nonfinite`; None: monitoring off), which the step graph reads from its
+        own buffer (:meth:`_hold`)."""
         if self.adapter is not None and self.adapter.shared:
             self.adapter.check_iteration()  # before anything changes: one step per guard and iteration
         if fast and self.fast_path(guard):
             # the tensor decision (a fused optimizer off the CPU): the measurement goes on to it
-            through = (loss,) if decide and not sample and not self.host_decision and self._decides_through(loss) \
+            through = (loss, fp8) if decide and not sample and not self.host_decision and self._decides_through(loss) \
                 else None
             measured = self._measure_scaled(norms_first=self.norms_first, through=through)
             if measured is not None:
@@ -303,7 +305,7 @@ class StepPipeline:
                     measured.scaled = False
                 return measured
         if decide and not sample and self.adapter is None and not self.host_decision and self._decides_through(loss):
-            measured = self._through_unscaled(loss)  # bf16/fp32: nothing to unscale
+            measured = self._through_unscaled(loss, fp8)  # bf16/fp32: nothing to unscale
             if measured is not None:
                 return measured
         numerics = None
@@ -404,7 +406,7 @@ class StepPipeline:
             return views, fn(coalesced)
 
     def _measure_scaled(self, norms_first: bool = False,
-                        through: tuple[torch.Tensor | None] | None = None) -> Measured | None:
+                        through: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> Measured | None:
         """The fused fast path's measurement: per-tensor norms of the still-scaled gradients (the
         one read), times ``1/scale`` on device: with a power-of-two scale that is exact, so the
         norms (and the total) are bitwise those of the unscaled gradients, barring float32 over-
@@ -419,7 +421,7 @@ class StepPipeline:
         CPU tensor, and where a scaled norm is not finite (before anything is recorded): GradScaler's
         element check then decides on today's path, as in the plain loop (a finite gradient whose squares
         overflow float32 is stepped on, as torch's ``test_grad_scale_will_not_overflow`` has it); that
-        step reads the gradients twice. ``through``: ``(loss,)``, go on to the decision (:meth:`measure`'s
+        step reads the gradients twice. ``through``: ``(loss, fp8)``, go on to the decision (:meth:`measure`'s
         ``decide``, off the host decision only). No sync."""
         adapter = self.adapter
         assert adapter is not None  # internal: fast_path() checked
@@ -434,7 +436,7 @@ class StepPipeline:
             if on_host:
                 norms = per_tensor_norms(groups, self.device)
             elif through is not None:  # and the local vector and the decision: one replay from the gradients
-                norms, found_inf, reductions, gathered, decided = self._through_decision(groups, adapter, through[0])
+                norms, found_inf, reductions, gathered, decided = self._through_decision(groups, adapter, *through)
             else:  # times 1/scale, found_inf and the reductions: one graph replay where the gradients lie
                 norms, found_inf, reductions = self._scaled_norms(groups, adapter)
         except RuntimeError:
@@ -480,10 +482,10 @@ class StepPipeline:
 
     def _hold(self, slot: str, value: torch.Tensor | None) -> torch.Tensor | None:
         """``value``, a float32 0-d tensor that somebody else allocates each step (the loss, which the user's forward
-        makes; GradScaler's ``found_inf``, a new tensor each ``unscale_``), copied into the step graph's own buffer
-        for ``slot``, which the graph reads: a graph keyed by such a tensor's address replays only where the
-        allocator happens to give the same place back (stop 40: GradScaler's ``found_inf`` never did on CUDA, and
-        the fp16 foreach step graph was never captured; stop 41: with the loss's address in the key, the step
+        makes; GradScaler's ``found_inf``, a new tensor each ``unscale_``; the fp8 monitor's flag), copied into the step
+        graph's own buffer for ``slot``, which the graph reads: a graph keyed by such a tensor's address replays only
+        where the allocator happens to give the same place back (stop 40: GradScaler's ``found_inf`` never did on CUDA,
+        and the fp16 foreach step graph was never captured; stop 41: with the loss's address in the key, the step
         graph's keys cycled over more places than it keeps graphs). One small copy a step. None stays None."""
         if value is None:
             return None
@@ -494,12 +496,15 @@ class StepPipeline:
         return buf
 
     def _local_gathered(self, loss: torch.Tensor | None, norms: torch.Tensor, total: torch.Tensor,
-                        count: torch.Tensor, found_inf: torch.Tensor | None) -> torch.Tensor:
-        """Inside the step graph: the local vector of ``loss`` and the measurement, as :meth:`gather` makes it for a
-        fresh step with no sentinel, fp8 or parameter flag, by device ops (as they are captured), and the local
-        backend's gather of it (the vector as the one row)."""
+                        count: torch.Tensor, found_inf: torch.Tensor | None,
+                        fp8: torch.Tensor | None = None) -> torch.Tensor:
+        """Inside the step graph: the local vector of ``loss``, the measurement and ``fp8`` (the fp8 monitor's
+        non-finite flag, held: None without fp8 monitoring), as :meth:`gather` makes it for a fresh step with no
+        sentinel or parameter flag, by device ops (as they are captured), and the local backend's gather of it
+        (the vector as the one row)."""
         vec = local_vector(loss=loss, tensor_norms=norms, reductions=(total, count), found_inf=found_inf,
-                           pre_reduction=self.backend.pre_reduction_flags(), device=self.device, host=False)
+                           pre_reduction=self.backend.pre_reduction_flags(), device=self.device, host=False,
+                           fp8=fp8)
         return self.backend.all_gather(vec).wait()  # type: ignore[no-any-return]
 
     def _replayed_step(self, kind: Any, measure: Callable[[GradGroups], Any],
@@ -517,11 +522,12 @@ class StepPipeline:
                 raise
             return None  # sparse gradients: measure()'s own path, which measures their values
 
-    def _through_decision(self, groups: GradGroups, adapter: GradScalerAdapter, loss: torch.Tensor | None
+    def _through_decision(self, groups: GradGroups, adapter: GradScalerAdapter, loss: torch.Tensor | None,
+                          fp8: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor,
                                      Decision]:
-        """:meth:`_scaled_norms`, then the local vector (:func:`~ampguard.stats.local_vector` of ``loss`` and
-        the measurement, as :meth:`gather` makes it for a fresh step with no sentinel, fp8 or parameter flag),
+        """:meth:`_scaled_norms`, then the local vector (:func:`~ampguard.stats.local_vector` of ``loss``, the
+        measurement and ``fp8``, as :meth:`gather` makes it for a fresh step with no sentinel or parameter flag),
         the local backend's gather (the vector as the one row), the decision (:func:`decide`, as
         :meth:`decide` takes it) and the payload without its optional parts (:attr:`Decision.packed`): one
         execution, replayed from :attr:`step_graph` where the gradients and the scale lie where they lay (the loss
@@ -533,13 +539,13 @@ class StepPipeline:
         scale = adapter.scale
         view = adapter.view()
         growth_tracker = view.growth_tracker
-        loss = self._hold("loss", loss)
+        loss, fp8 = self._hold("loss", loss), self._hold("fp8", fp8)
         config = self.config
         clipping = uses_clipping(config)
 
         def measure() -> tuple[Any, ...]:
             norms, found, (total, count) = self._scaled_norms_of(groups, adapter)
-            gathered = self._local_gathered(loss, norms, total, count, found)
+            gathered = self._local_gathered(loss, norms, total, count, found, fp8)
             vector, tracker = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                      scaler=view, grads_sharded=False)
             payload = pack(vector, gathered, norms).vector
@@ -551,30 +557,32 @@ class StepPipeline:
             return norms, found, total, count, gathered, vector, payload, grad_scale
 
         kind = ("decision", view.growth_factor, view.backoff_factor, view.growth_interval,
-                None if loss is None else loss.data_ptr())  # the loss held: its buffer's address (None: no loss)
+                None if loss is None else loss.data_ptr(),  # the loss held: its buffer's address (None: no loss)
+                None if fp8 is None else fp8.data_ptr())  # the fp8 flag held (None: no fp8 monitoring)
         norms, found, total, count, gathered, vector, payload, grad_scale = self._replayed(
             kind, measure, groups, scale, self.step_graph)
         decision = Decision(vector, growth_tracker, packed=Packed(payload, Layout.of(gathered, norms)),
                             grad_scale=grad_scale)
         return norms, found, (total, count), gathered, decision
 
-    def _through_unscaled(self, loss: torch.Tensor | None) -> Measured | None:
+    def _through_unscaled(self, loss: torch.Tensor | None, fp8: torch.Tensor | None = None) -> Measured | None:
         """Without a GradScaler (bf16, fp32): the gradients' norms and their reductions (:meth:`_norms`), the local
         vector, the local backend's gather, the decision and the payload without its optional parts, in one
         execution replayed from :attr:`step_graph` where the gradients lie where they lay, the loss held
         (:meth:`_hold`) (the measurement :meth:`_through_decision` makes on the fast path, with no scale to read or
         write). None where some gradient is sparse (:meth:`_replayed_step`). No sync."""
         config = self.config
-        loss = self._hold("loss", loss)
+        loss, fp8 = self._hold("loss", loss), self._hold("fp8", fp8)
 
         def measure(groups: GradGroups) -> tuple[Any, ...]:
             norms, (total, count) = self._norms_of(groups)
-            gathered = self._local_gathered(loss, norms, total, count, None)
+            gathered = self._local_gathered(loss, norms, total, count, None, fp8)
             vector, _ = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                scaler=None, grads_sharded=False)
             return norms, total, count, gathered, vector, pack(vector, gathered, norms).vector
 
-        replayed = self._replayed_step(("decision, unscaled", None if loss is None else loss.data_ptr()), measure)
+        replayed = self._replayed_step(("decision, unscaled", None if loss is None else loss.data_ptr(),
+                                        None if fp8 is None else fp8.data_ptr()), measure)
         if replayed is None:
             return None
         groups, (norms, total, count, gathered, vector, payload) = replayed
