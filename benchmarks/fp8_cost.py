@@ -1,23 +1,24 @@
 #!/usr/bin/env python
 """The cost of the guard's fp8 monitoring on a GPT-2-style model trained with torchao float8 (issue 28's target).
 
-Variants of the same run, each on its own copy of one converted model (fused AdamW, bf16 autocast):
-``plain`` (fp8, no guard), ``guard`` (``ampguard.wrap(..., fp8=False)``), ``guard+fp8`` (``wrap(model=...)``:
-every cast's amax and scale each step, the underflow sampled every ``--numerics-every`` steps),
-``guard+fp8-nosample`` (amax and scale only) and ``guard+fp8-whole`` (``guard+fp8`` with the underflow and the
-range over every element of each cast, ``Fp8Monitor.sample = None``: the monitor before its row sample). They run
-in paired, interleaved blocks (the order rotated per block) of ``--steps`` steps, each block timed from a drained
-device to a drained device. Printed: per variant the p25/median/p75 of the per-step time over the blocks, and the
-p25/median/p75 of its per-block ratio to ``plain``'s block of the same round (the target: ``guard+fp8`` at most
-1.01x, ``guard+fp8-nosample`` at most 1.005x), and the fastest-quartile ratio (the mean of the variant's fastest
-quarter of blocks over ``plain``'s: a host hiccup only ever adds time, so the fastest blocks are the least
-disturbed; ``benchmarks/table.py``'s method), and the mean of the per-block ratios. ``plain2``, the plain run built
-a second time, is the control: ``plain2 / plain`` is the noise floor of the same measurement. ``guard+numerics`` is
-``guard`` with the guard's own sampled numerics every ``--numerics-every`` steps (the gradients' zero fractions,
-``GuardConfig.numerics_every``, which ``guard+fp8`` samples too): ``guard+fp8`` over it is what the fp8 monitoring
-adds. Give ``--steps`` a multiple of ``--numerics-every``: each block then holds the same number of sampled steps
-(with 5 steps a block and sampling every 10, every other block held one, and the per-block ratios of the sampled
-variants were two populations, their median neither's).
+Variants of the same run, each on its own copy of one converted model (fused AdamW, bf16 autocast): ``plain`` (fp8, no
+guard), ``guard`` (``ampguard.wrap(..., fp8=False)``), ``guard+fp8`` (``wrap(model=...)``: every cast's amax and scale
+each step, the underflow sampled every ``--numerics-every`` steps), ``guard+fp8-nosample`` (amax and scale only),
+``guard+fp8-whole`` (``guard+fp8`` with the underflow and the range over every element of each cast,
+``Fp8Monitor.sample = None``: the monitor before its row sample) and ``guard+fp8-stages`` (``guard+fp8`` with
+``AMPGUARD_STEP_GRAPH=0``: the measurement, the local vector and the decision as separate stages, as every
+fp8-monitored step ran before the fp8 flag joined the step graph). They run in paired, interleaved blocks (the order
+rotated per block) of ``--steps`` steps, each block timed from a drained device to a drained device. Printed: per
+variant the p25/median/p75 of the per-step time over the blocks, and the p25/median/p75 of its per-block ratio to
+``plain``'s block of the same round (the target: ``guard+fp8`` at most 1.01x, ``guard+fp8-nosample`` at most 1.005x),
+and the fastest-quartile ratio (the mean of the variant's fastest quarter of blocks over ``plain``'s: a host hiccup
+only ever adds time, so the fastest blocks are the least disturbed; ``benchmarks/table.py``'s method), and the mean of
+the per-block ratios. ``plain2``, the plain run built a second time, is the control: ``plain2 / plain`` is the noise
+floor of the same measurement. ``guard+numerics`` is ``guard`` with the guard's own sampled numerics every
+``--numerics-every`` steps (the gradients' zero fractions, ``GuardConfig.numerics_every``, which ``guard+fp8`` samples
+too): ``guard+fp8`` over it is what the fp8 monitoring adds. Give ``--steps`` a multiple of ``--numerics-every``: each
+block then holds the same number of sampled steps (with 5 steps a block and sampling every 10, every other block held
+one, and the per-block ratios of the sampled variants were two populations, their median neither's).
 
     python benchmarks/fp8_cost.py --device cuda --blocks 30 --steps 10 [--compile] --out fp8_cost.json
     python benchmarks/fp8_cost.py --device cpu --blocks 3 --steps 2 --layers 2 --width 64 --seq 32   # emulated
@@ -29,11 +30,13 @@ import argparse
 import copy
 import gc
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -86,7 +89,8 @@ def main() -> None:
                              "device kernel time and count per step, and the kernels each guarded variant adds to "
                              "plain's")
     parser.add_argument("--variants",
-                        default="plain,plain2,guard,guard+numerics,guard+fp8,guard+fp8-nosample,guard+fp8-whole",
+                        default="plain,plain2,guard,guard+numerics,guard+fp8,guard+fp8-nosample,guard+fp8-whole,"
+                                "guard+fp8-stages",
                         help="comma-separated subset of the variants (plain is always kept: the ratios' base)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -95,7 +99,8 @@ def main() -> None:
     runs: dict[str, dict[str, Any]] = {}
     every = args.numerics_every  # per variant: (fp8 monitoring, GuardConfig.numerics_every); None: no guard
     variants = (("plain", None), ("plain2", None), ("guard", (False, None)), ("guard+numerics", (False, every)),
-                ("guard+fp8", (True, every)), ("guard+fp8-nosample", (True, 10**9)), ("guard+fp8-whole", (True, every)))
+                ("guard+fp8", (True, every)), ("guard+fp8-nosample", (True, 10**9)), ("guard+fp8-whole", (True, every)),
+                ("guard+fp8-stages", (True, every)))
     wanted = set(args.variants.split(",")) | {"plain"}
     for name, guarded in variants:
         if name not in wanted:
@@ -104,8 +109,10 @@ def main() -> None:
         fwd = torch.compile(model) if args.compile else model
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
         if guarded is not None:
-            opt = ampguard.wrap(opt, model=model, precision="bf16", fp8=guarded[0],
-                                config={"numerics_every": guarded[1], "param_check_every": None})
+            # guard+fp8-stages: the step graph off (read at wrap time), as every fp8 step ran before 4676bd1
+            with mock.patch.dict(os.environ, {"AMPGUARD_STEP_GRAPH": "0"} if name == "guard+fp8-stages" else {}):
+                opt = ampguard.wrap(opt, model=model, precision="bf16", fp8=guarded[0],
+                                    config={"numerics_every": guarded[1], "param_check_every": None})
         if name == "guard+fp8-whole":  # the underflow over every element (the monitor before its row sample)
             opt._fp8.sample = None
         runs[name] = {"model": fwd, "opt": opt, "guarded": guarded is not None, "times": []}
