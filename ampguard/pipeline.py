@@ -325,7 +325,7 @@ class StepPipeline:
         elif found:
             found_inf = torch.stack([t.to(self.device, non_blocking=True).reshape(()) for t in found.values()]).sum()
         if decide and numerics is None and self.host_decision and self.host_copies and self._decides_through(loss):
-            measured = self._through_host_copy(found, found_inf, loss)  # a non-fused optimizer off the CPU
+            measured = self._through_host_copy(found, found_inf, loss, fp8)  # a non-fused optimizer off the CPU
             if measured is not None:
                 return measured
         groups, (norms, reductions) = self._sparse_tolerant(self._norms, grads_by_device_and_dtype(self.params()))
@@ -590,24 +590,25 @@ class StepPipeline:
         return Measured({}, None, groups, norms, reductions=(total, count), gathered=gathered, decided=decision)
 
     def _through_host_copy(self, found: dict[torch.device, torch.Tensor], found_inf: torch.Tensor | None,
-                           loss: torch.Tensor | None) -> Measured | None:
+                           loss: torch.Tensor | None, fp8: torch.Tensor | None = None) -> Measured | None:
         """The host decision's side of the step graph (a non-fused optimizer off the CPU, after GradScaler's own
-        unscale): the norms of the unscaled gradients and their reductions, the local vector, the local backend's
-        gather and the host copy's vector (:meth:`ampguard.payload.HostCopy.flat`) in one execution, replayed from
-        :attr:`step_graph` where the gradients and the scale lie where they lay (GradScaler's ``found_inf`` and the
-        loss held: :meth:`_hold`). :meth:`decide` then brings that vector over in the step's one copy, as it would
-        its own. None where some gradient is sparse (:meth:`_replayed_step`). No sync."""
+        unscale): the norms of the unscaled gradients and their reductions, the local vector, the local backend's gather
+        and the host copy's vector (:meth:`ampguard.payload.HostCopy.flat`) in one execution, replayed from
+        :attr:`step_graph` where the gradients and the scale lie where they lay (GradScaler's ``found_inf`` and the loss
+        held: :meth:`_hold`; and ``fp8``, the fp8 monitor's flag, held). :meth:`decide` then brings that vector over in
+        the step's one copy, as it would its own. None where some gradient is sparse (:meth:`_replayed_step`). No
+        sync."""
         device = self.device
         view: ScalerView | None = self.adapter.view() if self.adapter is not None else None
-        found_in, loss = self._hold("found_inf", found_inf), self._hold("loss", loss)
+        found_in, loss, fp8 = self._hold("found_inf", found_inf), self._hold("loss", loss), self._hold("fp8", fp8)
 
         def measure(groups: GradGroups) -> tuple[Any, ...]:
             norms, (total, count) = self._norms_of(groups)
-            gathered = self._local_gathered(loss, norms, total, count, found_in)
+            gathered = self._local_gathered(loss, norms, total, count, found_in, fp8)
             return norms, total, count, gathered, HostCopy.flat(gathered, norms, None, view, device)
 
         kind = ("host copy", None if loss is None else loss.data_ptr(),
-                None if found_in is None else found_in.data_ptr())
+                None if found_in is None else found_in.data_ptr(), None if fp8 is None else fp8.data_ptr())
         replayed = self._replayed_step(kind, measure, None if view is None else view.scale)
         if replayed is None:
             return None

@@ -86,9 +86,12 @@ def test_the_step_graph_run_is_the_run_without_it_bit_for_bit(precision: str, fu
     graphs = loop.opt._pipeline.step_graph
     assert reports == want_reports  # repr: exact floats, NaN equal to itself (first: the values, then the counts)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    # a capture per place the gradients take in turn, at most the graphs kept (more: they thrash); an H100 (stop 42,
-    # call d): fp16 fused and foreach from a scale that overflows, 4 captures and 17 replays in 24 steps
-    assert graphs.replays >= 12 and 1 <= graphs.captures <= graphs.MAX_GRAPHS, (
+    # Most steps replayed (a thrash, each capture dropping the graph needed next, replays next to none) and a
+    # capture per place the gradients take, which the allocator decides: H100s gave fp16 fused and foreach from a
+    # scale that overflows 4 captures and 17 replays in 24 steps (stop 42, call d), and fp16 fused, on the same
+    # code path, 7 captures and 14 replays (stop 43, call c: forensics' hooks, armed at steps 4 and 15, move the
+    # gradients' places). Bounded at twice the graphs kept, not at the graphs kept.
+    assert graphs.replays >= 12 and 1 <= graphs.captures <= 2 * graphs.MAX_GRAPHS, (
         graphs.replays, graphs.captures, graphs.misses, graphs.failed)
     assert plain.opt._pipeline.step_graph.replays == 0
     if precision == "fp16":
