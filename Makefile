@@ -37,10 +37,11 @@ demo: install
 dashboards: install
 	$(PY) -m ampguard.dashboards dashboards
 
+# Two pytest workers (CI's two cores): the suite in ~6 minutes instead of ~9 on one.
 test: install horovod prometheus
 	$(PY) -m ruff check ampguard tests examples benchmarks
 	$(PY) -m mypy
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2
 
 test-fast: install
 	$(PY) -m pytest -m "not horovod and not integration"
