@@ -6,6 +6,10 @@
 # stop 42 ran calls c, d and e (benchmarks/results/gpu_stop42*/). The next session, first: FIRST=1 TESTS=1 MODELS=mlp (the
 # graphs' counts after 2569462: 4 graphs kept, 16 misses before a rest), then the GPT-2 350M rows (MODELS=gpt2-350m,
 # PROFILE=0, --blocks 6: its rows alone take ~400 s at 10 blocks), each call under the 600 s bound.
+# Stop 43 (benchmarks/results/gpu_stop43_*/) left for the next: the whole tests/gpu once (not run whole since stop 42's call
+# d), and the fp8 step graph's host effect: `python benchmarks/host_time.py --device cuda --models mlp-fp8 --optims fused
+# --step-graph` (the torchao wheel carried: pip install --no-index --no-deps --target /tmp/site .whl/torchao-*.whl and
+# PYTHONPATH=$PWD:/tmp/site), whose "guard" arm is how fp8 steps ran before 4676bd1; then a quiet fp8_cost.py run.
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD

@@ -21,6 +21,7 @@ models there (``gpt2-deep``: GPT-2's 148 parameter tensors at width 32) to see t
 grows with the parameter count. Run::
 
     python benchmarks/host_time.py --device cuda --models mlp,gpt2-350m --optims fused,foreach
+    python benchmarks/host_time.py --device cuda --models mlp-fp8 --optims fused --step-graph   # torchao float8
     python benchmarks/host_time.py --device cpu --models mlp,gpt2-deep --optims fused,foreach --blocks 6 --clock thread
 """
 
@@ -57,11 +58,15 @@ STAGES = {  # owner attribute path on the guard -> stage methods timed
 
 def build(name: str, device: torch.device) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
     torch.manual_seed(0)
-    if name == "mlp":  # issue 26's 8x256 MLP
+    if name in ("mlp", "mlp-fp8"):  # issue 26's 8x256 MLP; mlp-fp8: its 8 hidden layers as torchao Float8Linear
         layers: list[torch.nn.Module] = []
         for _ in range(8):
             layers += [torch.nn.Linear(256, 256), torch.nn.GELU()]
         model = torch.nn.Sequential(*layers, torch.nn.Linear(256, 10)).to(device)
+        if name == "mlp-fp8":  # the guard's fp8 monitoring turns on (wrap(model=...)); emulated off CUDA
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+            model = convert_to_float8_training(model, config=Float8LinearConfig(emulate=device.type != "cuda"),
+                                               module_filter_fn=lambda m, fqn: fqn != "16")  # the 10-wide head stays
         x, y = torch.randn(64, 256, device=device), torch.randint(0, 10, (64,), device=device)
         return model, lambda: torch.nn.functional.cross_entropy(model(x), y)
     from transformers import GPT2Config, GPT2LMHeadModel
