@@ -14,7 +14,7 @@ import ampguard
 from ampguard import numerics
 from ampguard.numerics import chunked_count
 
-from ._models import loss_of, make_data, make_model
+from ._models import guarded_steps, make_data, make_model
 
 
 def test_chunked_counts_are_count_nonzero_exactly_past_float32s_integers() -> None:
@@ -41,12 +41,7 @@ def test_the_headroom_read_is_made_only_with_a_grad_scaler(monkeypatch: pytest.M
     model = make_model(0)
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision=precision,
                         config={"numerics_every": 1})
-    for x, y in make_data(2):
-        with opt.autocast():
-            loss = loss_of(model, x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
+    guarded_steps(opt, model, make_data(2))
     opt.flush()
     reports = opt.history
     assert all(r.grad_zero_fraction is not None for r in reports)

@@ -72,6 +72,20 @@ def _state(pipe: Any) -> list[torch.Tensor]:
             *(() if scaler is None else (scaler._scale, scaler._growth_tracker))]
 
 
+def _count_through(pipe: Any, graphs: _Graphs) -> None:
+    """``graphs.taken``: the steps that went through one of the step graph's functions (fused, unscaled, host copy),
+    counted by wrapping them on ``pipe``."""
+    graphs.taken = 0  # type: ignore[attr-defined]
+
+    def counted(fn: Any) -> Any:
+        def call(*args: Any) -> Any:
+            graphs.taken += 1  # type: ignore[attr-defined]
+            return fn(*args)
+        return call
+    for name in ("_through_decision", "_through_unscaled", "_through_host_copy"):
+        setattr(pipe, name, counted(getattr(pipe, name)))
+
+
 def _run(step_graph: bool, steps: int = 16, addresses: int = 1, bf16: bool = False, fail: bool = False,
          fused: bool = True, moving: int = 0) -> tuple[list[torch.Tensor], Any, Any]:
     """A guarded run. On the CPU a tensor's address is malloc's choice: the gradients are kept (zeroed in place)
@@ -98,16 +112,7 @@ def _run(step_graph: bool, steps: int = 16, addresses: int = 1, bf16: bool = Fal
     graphs = None
     if step_graph:
         graphs = pipe.step_graph = _Graphs(_state(pipe), fail)
-        graphs.taken = 0  # type: ignore[attr-defined]  # steps that went through the step graph's function
-
-        def counted(fn: Any) -> Any:
-            def call(*args: Any) -> Any:
-                graphs.taken += 1  # type: ignore[attr-defined]
-                return fn(*args)
-            return call
-        pipe._through_decision = counted(pipe._through_decision)
-        pipe._through_unscaled = counted(pipe._through_unscaled)
-        pipe._through_host_copy = counted(pipe._through_host_copy)
+        _count_through(pipe, graphs)
     buffers = [torch.zeros(()) for _ in range(addresses)]
     at = [0]
     held: list[Any] = []

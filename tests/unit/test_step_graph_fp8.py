@@ -22,7 +22,7 @@ from ampguard.vocab import SkipReason
 torchao_float8 = pytest.importorskip("torchao.float8")
 
 from tests.unit.test_fp8 import _model as _mlp  # noqa: E402  (16 -> 32 -> 16, float8)
-from tests.unit.test_step_graph import _Graphs, _reports, _state, _SteadyScaler  # noqa: E402
+from tests.unit.test_step_graph import _count_through, _Graphs, _reports, _state, _SteadyScaler  # noqa: E402
 
 _OVERFLOW_ROW_STEPS = {5, 11}  # bf16: a batch row of 3e38, whose fc1 output overflows into fc2's rowwise cast
 
@@ -51,15 +51,7 @@ def _run(step_graph: bool, fp16: bool, fused: bool = True, steps: int = 16) -> t
     graphs = None
     if step_graph:
         graphs = pipe.step_graph = _Graphs(_state(pipe))
-        graphs.taken = 0  # type: ignore[attr-defined]
-
-        def counted(fn: Any) -> Any:
-            def call(*args: Any) -> Any:
-                graphs.taken += 1  # type: ignore[attr-defined]
-                return fn(*args)
-            return call
-        for name in ("_through_decision", "_through_unscaled", "_through_host_copy"):
-            setattr(pipe, name, counted(getattr(pipe, name)))
+        _count_through(pipe, graphs)
     buffer = torch.zeros(())
     gen = torch.Generator().manual_seed(3)
     with mock.patch.object(LossMeter, "kept", staticmethod(lambda loss: buffer.copy_(loss.detach().reshape(())))):
