@@ -118,8 +118,9 @@ class MeasureGraph:
     lies exactly where it lay at capture, which in a steady training loop (``zero_grad(set_to_none=True)``
     included) the caching allocator usually gives back step after step. A key is captured the second
     time it is seen (a first sighting runs eagerly; gradients that move every step are never captured, so
-    they pay no capture), at most :attr:`MAX_GRAPHS` graphs are kept (least recently used dropped) and
-    after :attr:`MAX_CAPTURES` captures none is made again (eager from then on). The capture is made on a
+    they pay no capture), at most :attr:`MAX_GRAPHS` graphs are kept (least recently used dropped), and a
+    capture spends one of at most :attr:`MAX_CAPTURES` credits, which every run earns back at
+    :attr:`CREDIT_PER_RUN` (captures that find no credit: eager). The capture is made on a
     side stream with ``capture_error_mode="thread_local"``, without ``torch.cuda.graph``'s synchronize
     and ``empty_cache`` (which would hand the cached blocks back and move the next backward's
     gradients). The replayed values are the eager ones, bit for bit (the same kernels on the same
@@ -136,6 +137,14 @@ class MeasureGraph:
     two graphs kept, least recently used dropped, captured again every step (7 captures in 24 steps). A graph
     holds its outputs (a few floats a tensor) and a private pool of the capture's small temporaries."""
     MAX_CAPTURES = 8
+    """Captures a guard may make in a row (its credits when it starts, and at most): a loop whose gradients take
+    more places than :attr:`MAX_GRAPHS` would otherwise capture every step (a capture costs the host more than an
+    eager run)."""
+    CREDIT_PER_RUN = 1 / 128
+    """Credit each run earns back (replayed or eager), up to :attr:`MAX_CAPTURES`: at most one capture in 128 runs
+    once the credits are spent. Before stop 44 the credits were for life: a long fp16 run whose gradients moved
+    once in a while (each overflow arms forensics, whose hooks move them; an evaluation or a checkpoint between
+    steps) spent its 8 captures in its first few such events and measured eagerly for the rest of the run."""
 
     def __init__(self, enabled: bool, what: str = "the gradient measurement",
                  switch: str = "AMPGUARD_CUDA_GRAPH=0") -> None:
@@ -148,6 +157,8 @@ class MeasureGraph:
         self._stream: torch.cuda.Stream | None = None
         self.captures = 0
         self.replays = 0
+        self.credit = float(self.MAX_CAPTURES)
+        """Captures this object may make now (:attr:`CREDIT_PER_RUN`)."""
         self.misses = 0
         """Runs since the last replay that ran eagerly (a key seen for the first time, or none left to capture)."""
 
@@ -165,6 +176,7 @@ class MeasureGraph:
             return fn()
         key = (kind, grads[0].dtype, 0 if scale is None else scale.data_ptr(), len(grads),
                *map(torch.Tensor.data_ptr, grads))
+        self.credit = min(self.credit + self.CREDIT_PER_RUN, float(self.MAX_CAPTURES))
         hit = self._graphs.get(key)
         if hit is not None:
             self._graphs.move_to_end(key)
@@ -172,7 +184,7 @@ class MeasureGraph:
             self.replays += 1
             self.misses = 0
             return hit[1]
-        if key not in self._seen or self.captures >= self.MAX_CAPTURES:
+        if key not in self._seen or self.credit < 1:
             self.misses += 1
             self._seen[key] = None
             if len(self._seen) > 4 * self.MAX_GRAPHS:
@@ -186,6 +198,7 @@ class MeasureGraph:
                           f"{self.switch} to silence this)", RuntimeWarning, stacklevel=2)
             return fn()
         self.captures += 1
+        self.credit -= 1
         self._seen.pop(key, None)
         self._graphs[key] = (graph, out)
         if len(self._graphs) > self.MAX_GRAPHS:
