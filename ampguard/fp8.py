@@ -422,7 +422,9 @@ class Fp8Monitor:
 
     def collect(self) -> torch.Tensor:
         """``[n_casts, 5]`` float32 on device: order, amax, scale, underflow, dynamic range (``order`` k: the k-th
-        cast measured this step; NaN rows for casts that did not run, e.g. a frozen layer's grad_output)."""
+        cast measured this step; a cast that did not run, e.g. a frozen layer's grad_output, has order NaN and amax 0,
+        so :meth:`nonfinite` reads the amaxes alone). An unsampled step makes it in 8 small kernels (12 with scales
+        rounded to powers of 2): each is a launch that costs the host more than its work costs the device."""
         if self.compiled and not self._warned:
             self._warned = True
             warnings.warn("ampguard fp8 monitoring inside torch.compile does not measure the grad_output casts of a "
@@ -434,23 +436,23 @@ class Fp8Monitor:
         if self.probed:
             self._take_probes(device)
         if self._sampled:
-            nan = self._const(device, ("nan", WIDTH), [math.nan] * WIDTH)
-            rows = torch.stack([s if s is not None else nan for s in self._slots])
+            absent = self._const(device, ("absent", WIDTH), [math.nan, 0.0] + [math.nan] * (WIDTH - 2))
+            rows = torch.stack([s if s is not None else absent for s in self._slots])
             return torch.cat([self._const(device, ("order", *self._orders), self._orders).unsqueeze(1), rows[:, 1:]], 1)
         # An unsampled step: one stack of the amaxes, then every scale at once (torchao's formula, as cast_stats)
-        nan = self._const(device, ("nan",), [math.nan])[0]
-        amax = torch.stack([s if s is not None else nan for s in self._slots]).float()  # compiled: float64 amaxes
-        for dtype in set(self._rounded.values()):
+        zero = self._const(device, ("zero",), [0.0])[0]
+        amax = torch.stack([s if s is not None else zero for s in self._slots]).float()  # compiled: float64 amaxes
+        for dtype in set(self._rounded.values()):  # the autocast dtype's rounding (exact in float32: where promotes)
             mask = self._const(device, ("round", dtype, *sorted(self._rounded.items(), key=lambda kv: kv[0])),
-                               [1.0 if self._rounded.get(k) is dtype else 0.0 for k in range(len(self._slots))])
-            amax = torch.where(mask > 0, amax.to(dtype).float(), amax)
-        pow2 = self._const(device, ("pow2",), [1.0 if p else 0.0 for p in self._pow2]) > 0 if any(self._pow2) else False
+                               [self._rounded.get(k) is dtype for k in range(len(self._slots))], torch.bool)
+            amax = torch.where(mask, amax.to(dtype), amax)
+        pow2 = self._const(device, ("pow2",), self._pow2, torch.bool) if any(self._pow2) else False
         scale = _scale(amax, self._const(device, ("fmax",), self._fmax, torch.float64), pow2)
         order = self._const(device, ("order", *self._orders), self._orders)
         none = self._const(device, ("nans", len(self._slots)), [math.nan] * len(self._slots))
         return torch.stack([order, amax, scale, none, none], 1)
 
-    def _const(self, device: torch.device, key: tuple[Any, ...], values: Sequence[float],
+    def _const(self, device: torch.device, key: tuple[Any, ...], values: Sequence[float | bool],
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``values`` as a tensor on ``device``, made once per key (a pinned copy, not waited for); a model's casts
         run in the same order every step, so the keys repeat. Kept: at most 64."""
@@ -466,10 +468,12 @@ class Fp8Monitor:
         return t
 
     def nonfinite(self, collected: torch.Tensor) -> torch.Tensor:
-        """0-dim float32 on device: 1.0 where a cast that ran has a non-finite amax or a non-finite or zero scale."""
-        ran = collected[:, 0] >= 1
-        bad = ~collected[:, 1].isfinite() | ~collected[:, 2].isfinite() | (collected[:, 2] == 0)
-        return (ran & bad).any().float()
+        """0-dim float32 on device: 1.0 where a cast that ran has a non-finite amax or a non-finite or zero scale.
+        The amaxes alone tell: torchao's scale ``fmax / clamp(amax, 1e-12)`` (rounded down to a power of 2 or not)
+        is finite and positive for every finite amax, NaN for a NaN and 0 for an infinite one; a cast that did not
+        run has amax 0 (:meth:`collect`). ``amax - amax`` is 0 where finite and NaN elsewhere: 4 small kernels."""
+        amax = collected[:, 1]
+        return (amax - amax).ne(0).any().float()
 
     def decode(self, rows: Sequence[Sequence[float]]) -> tuple[Fp8Cast, ...]:
         """The records of the casts that ran, from the host copy of :meth:`collect`, in the order they ran (the
