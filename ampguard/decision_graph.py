@@ -162,6 +162,11 @@ class MeasureGraph:
         self.misses = 0
         """Runs since the last replay that ran eagerly (a key seen for the first time, or none left to capture)."""
 
+    def try_again(self, tries: int, after: int) -> None:
+        """After a rest (the caller's: it stopped running this object once ``misses`` reached ``after``): count the
+        misses so that ``tries`` more runs without a replay bring them back to ``after``."""
+        self.misses = after - tries
+
     @property
     def failed(self) -> bool:
         """A capture failed: every later run is eager."""

@@ -388,7 +388,7 @@ class StepPipeline:
         if self._step_graph_rested < STEP_GRAPH_REST:
             return False
         self._step_graph_rested = 0
-        graphs.misses = STEP_GRAPH_MISSES - STEP_GRAPH_PROBES
+        graphs.try_again(STEP_GRAPH_PROBES, after=STEP_GRAPH_MISSES)
         return True
 
     def _sparse_tolerant(self, fn: Callable[[GradGroups], Any], groups: GradGroups) -> tuple[GradGroups, Any]:

@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_time import build
 
 import ampguard
-from ampguard.forensics.localizer import Localizer
 
 
 def run(name: str, device: torch.device, blocks: int, steps: int) -> str:
@@ -38,10 +37,9 @@ def run(name: str, device: torch.device, blocks: int, steps: int) -> str:
     forensics = opt._outcome.forensics
 
     def block(armed: bool) -> float:
-        if armed and forensics.localizer is None:
-            forensics.localizer = Localizer(model)
-            forensics.live_from = opt.step_count
-        elif not armed:
+        if armed:
+            forensics.arm(opt.step_count)
+        else:
             forensics.remove()
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         sync()

@@ -117,14 +117,20 @@ class Forensics:
             within = self.localizer.within if self.localizer is not None else None
             if within is not None and (within in self._outside_of or target not in (None, within)):
                 self.remove()  # another block, or the whole model: the fault arose outside this one
-            if self.localizer is None:
-                assert self.model is not None  # internal: enabled
-                self.localizer = Localizer(self.model, within=target)
-                self.live_from = next_forward
+            self.arm(next_forward, within=target)
         elif self.localizer is not None:
             self._clean += 1
             if self._clean >= self.config.forensics_window:
                 self.remove()
+
+    def arm(self, next_forward: int, within: str | None = None) -> None:
+        """The localizer's hooks, live from the forward of step ``next_forward`` on, on the modules inside ``within``
+        (a block's name; None: the whole model); nothing where they are armed already (``remove()`` first to move
+        them). :meth:`after_report` arms through it, and so does ``benchmarks/armed_cost.py``."""
+        if self.localizer is None:
+            assert self.model is not None  # internal: the caller checked enabled
+            self.localizer = Localizer(self.model, within=within)
+            self.live_from = next_forward
 
     def _routine(self, report: StepReport, block: str | None) -> bool:
         """An overflow of a GradScaler's fp16 backward that the loss scale has not yet been backed off for: finite
