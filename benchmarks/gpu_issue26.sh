@@ -10,6 +10,9 @@
 # d), and the fp8 step graph's host effect: `python benchmarks/host_time.py --device cuda --models mlp-fp8 --optims fused
 # --step-graph` (the torchao wheel carried: pip install --no-index --no-deps --target /tmp/site .whl/torchao-*.whl and
 # PYTHONPATH=$PWD:/tmp/site), whose "guard" arm is how fp8 steps ran before 4676bd1; then a quiet fp8_cost.py run.
+# Stop 44 (benchmarks/results/gpu_stop44_*/) ran those. Left for the next: the whole tests/gpu on 4244e0c's capture
+# credits (call a's whole run failed the step graph's fp16 fused bound, 8 captures; call c passed that file with three
+# others), the framework rows and the compiled row (not measured since stop 37), GPT-2 350M, foreach, and eager fp8.
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
