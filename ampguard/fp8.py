@@ -423,8 +423,9 @@ class Fp8Monitor:
     def collect(self) -> torch.Tensor:
         """``[n_casts, 5]`` float32 on device: order, amax, scale, underflow, dynamic range (``order`` k: the k-th
         cast measured this step; a cast that did not run, e.g. a frozen layer's grad_output, has order NaN and amax 0,
-        so :meth:`nonfinite` reads the amaxes alone). An unsampled step makes it in 8 small kernels (12 with scales
-        rounded to powers of 2): each is a launch that costs the host more than its work costs the device."""
+        so :meth:`nonfinite` reads the amaxes alone). An unsampled step makes it in 6 small kernels, 2 more where CUDA's
+        autocast rounds the inputs and 4 more with scales rounded to powers of 2: each is a launch that costs the host
+        more than its work costs the device."""
         if self.compiled and not self._warned:
             self._warned = True
             warnings.warn("ampguard fp8 monitoring inside torch.compile does not measure the grad_output casts of a "

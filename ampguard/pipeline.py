@@ -557,8 +557,7 @@ class StepPipeline:
             return norms, found, total, count, gathered, vector, payload, grad_scale
 
         kind = ("decision", view.growth_factor, view.backoff_factor, view.growth_interval,
-                None if loss is None else loss.data_ptr(),  # the loss held: its buffer's address (None: no loss)
-                None if fp8 is None else fp8.data_ptr())  # the fp8 flag held (None: no fp8 monitoring)
+                *_addresses(loss, fp8))  # the loss and the fp8 flag held: their buffers (None: no loss, no fp8)
         norms, found, total, count, gathered, vector, payload, grad_scale = self._replayed(
             kind, measure, groups, scale, self.step_graph)
         decision = Decision(vector, growth_tracker, packed=Packed(payload, Layout.of(gathered, norms)),
@@ -581,8 +580,7 @@ class StepPipeline:
                                scaler=None, grads_sharded=False)
             return norms, total, count, gathered, vector, pack(vector, gathered, norms).vector
 
-        replayed = self._replayed_step(("decision, unscaled", None if loss is None else loss.data_ptr(),
-                                        None if fp8 is None else fp8.data_ptr()), measure)
+        replayed = self._replayed_step(("decision, unscaled", *_addresses(loss, fp8)), measure)
         if replayed is None:
             return None
         groups, (norms, total, count, gathered, vector, payload) = replayed
@@ -607,8 +605,7 @@ class StepPipeline:
             gathered = self._local_gathered(loss, norms, total, count, found_in, fp8)
             return norms, total, count, gathered, HostCopy.flat(gathered, norms, None, view, device)
 
-        kind = ("host copy", None if loss is None else loss.data_ptr(),
-                None if found_in is None else found_in.data_ptr(), None if fp8 is None else fp8.data_ptr())
+        kind = ("host copy", *_addresses(loss, found_in, fp8))
         replayed = self._replayed_step(kind, measure, None if view is None else view.scale)
         if replayed is None:
             return None
@@ -783,6 +780,12 @@ class StepPipeline:
             adapter.updated_in_place()
         else:
             adapter.update(d[Dec.NEXT_SCALE], decision.tracker)
+
+
+def _addresses(*held: torch.Tensor | None) -> tuple[int | None, ...]:
+    """The addresses of the step graph's held buffers (:meth:`StepPipeline._hold`), None for one not held: part of a
+    graph's key."""
+    return tuple(None if t is None else t.data_ptr() for t in held)
 
 
 STEP_GRAPH_MISSES = 16
