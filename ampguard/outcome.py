@@ -36,8 +36,9 @@ from .exporters.base import MultiExporter
 from .forensics.arming import Forensics
 from .logs import Voice
 from .records import Anomaly, History, RunInfo, StepReport
-from .reporter import Reporter
+from .reporter import REPORT_BATCH, Reporter
 from .schedules import Schedules
+from .switches import implementation_switches
 from .vocab import SkipReason
 
 if TYPE_CHECKING:
@@ -84,6 +85,8 @@ class Outcome:
         """This step's ``backward(batch_id=...)`` values (a fresh list per step: the records keep the old one)."""
         self._guard = weakref.ref(guard)  # the guard owns this object: no cycle (see build())
         self._model, self._optimizer = guard.model, guard.optimizer
+        self._batch = REPORT_BATCH if implementation_switches().report_batch else 1
+        """Healthy reports a fixed point may leave undecoded, plus one (1: none; :meth:`Reporter.quiet`)."""
 
     @classmethod
     def build(cls, guard: Loop, *, exporter: MultiExporter, on_rollback: OnRollback | None,
@@ -110,6 +113,12 @@ class Outcome:
     @property
     def ladder(self) -> Ladder | None:
         return self.records.ladder
+
+    def _batching(self) -> bool:
+        """Whether healthy reports may wait for their batch (:data:`~ampguard.reporter.REPORT_BATCH`): not where
+        a healthy report is acted on: a registered scheduler (advanced per taken step), the ladder (its snapshots),
+        armed forensics (disarmed after clean steps)."""
+        return not (self.schedules.schedulers or self.records.ladder is not None or self.forensics.armed)
 
     # ------------------------------------------------------------------ reading (no action)
     def decoded(self) -> Reporter:
@@ -158,6 +167,8 @@ class Outcome:
         decode only the reports of the steps before it (the guard's report lag; None: all)."""
         rep = self.records
         if rep.idle(before):  # nothing due, decoded or asked since the last fixed point (CPU, synced steps)
+            return False
+        if self._batching() and rep.quiet(before, self._batch):  # healthy reports wait for their batch
             return False
         rep.decode(before)
         self.schedules.advance()  # once per decoded taken step, before the next inner step

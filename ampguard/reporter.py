@@ -13,12 +13,13 @@ step on every rank.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -38,20 +39,37 @@ from .records import Anomaly, Fp8Cast, History, StepReport
 from .stats import REASONS, Dec, Loc, origin_ranks
 from .vocab import AnomalyKind, Phase, SkipReason
 
-__all__ = ["Actions", "Reporter"]
+__all__ = ["REPORT_BATCH", "Actions", "Reporter"]
 
 
-_FREE_PER_SIZE = 4
-"""Decoded pinned buffers kept per payload length (a payload is a few hundred bytes to a few KiB)."""
+REPORT_BATCH = 16
+"""Healthy steps' reports a fixed point leaves undecoded, at most, minus one (:meth:`Reporter.quiet`): they are
+decoded, logged and exported up to 16 at a time, each in a warm loop (on the 2-core CPU a report decoded alone at
+its step took ~60 us, in a batch ~15: docs/design.md, "What stop 45 taught"). ``AMPGUARD_REPORT_BATCH=0``: 1."""
+
+REPORT_WAIT_S = 1.0
+"""Seconds a healthy report may wait for its batch (:meth:`Reporter.quiet`): a run of slow steps exports each
+one at its fixed point, so dashboards and alerts never see a run stand still for 16 long steps."""
+
+_FREE_PER_SIZE = 4 + REPORT_BATCH
+"""Decoded pinned buffers kept per payload length: a batch's, and the report lag's (a payload is a few hundred
+bytes to a few KiB)."""
+
+_C_TYPES = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
+"""A host payload's floats read where they lie (:meth:`Reporter._healthy`), by its dtype."""
+
+_FLAGS = slice(Dec.SKIP, Dec.ZCLIP_REBASELINE + 1)
+"""The decision's flags (:class:`~ampguard.stats.Dec`): a report with one of them set asks for something."""
 
 
 class _Pending:
-    __slots__ = ("batch_ids", "buf", "event", "index", "layout", "step", "unpacked")
+    __slots__ = ("batch_ids", "buf", "event", "index", "layout", "since", "step", "unpacked")
 
     def __init__(self, step: int, buf: torch.Tensor | None, layout: Layout | None, event: Any, index: list[int],
                  batch_ids: list[Any], unpacked: Unpacked | None = None) -> None:
         self.step, self.buf, self.layout, self.event = step, buf, layout, event
         self.index, self.batch_ids, self.unpacked = index, batch_ids, unpacked
+        self.since = time.monotonic()
 
 
 @dataclasses.dataclass(slots=True)
@@ -113,6 +131,8 @@ class Reporter:
         self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
         """Pinned buffers (and their events) whose payload was decoded, by length, for the next copies."""
         self._unexported: list[tuple[StepReport, list[Anomaly]]] = []
+        self._quiet = 0
+        """How many of the first pending payloads :meth:`quiet` found healthy (each is read once)."""
 
     # ------------------------------------------------------------------ device -> host
     def enqueue(self, step: int, packed: Packed | Unpacked, index: list[int], batch_ids: list[Any]) -> None:
@@ -147,8 +167,50 @@ class Reporter:
         return not (due or self._unexported or a.reports or a.snapshots or a.abort is not None
                     or a.stop is not None or a.blocks)
 
+    def quiet(self, before: int | None, batch: int) -> bool:
+        """Whether a fixed point may leave the due payloads (those of the steps before ``before``; None: all)
+        undecoded: nothing decoded or asked since the last one, fewer than ``batch`` of them, the oldest younger
+        than :data:`REPORT_WAIT_S`, and each one healthy (:meth:`_healthy`). Each payload is read once, where it
+        lies (no copy, no sync: one still on its way is not healthy yet, and :meth:`decode` waits for it as it
+        always has)."""
+        a = self.actions
+        if self._unexported or a.reports or a.snapshots or a.abort is not None or a.stop is not None or a.blocks:
+            return False
+        pending, k = self._pending, self._quiet
+        if pending and time.monotonic() - pending[0].since >= REPORT_WAIT_S:
+            return False
+        while k < len(pending) and (before is None or pending[k].step < before):
+            if k + 1 >= batch or not self._healthy(pending[k]):
+                return False
+            k += 1
+            self._quiet = k
+        return True
+
+    def _healthy(self, p: _Pending) -> bool:
+        """A payload whose report asks for nothing: no flag of the decision set (no skip, overflow, spike, scale
+        change or re-baseline), every parameter checked finite (this rank's and, with several ranks, every
+        rank's), and no finding, block or divergence waiting for its step."""
+        step = p.step
+        if step in self.findings or step in self._blocks or (self.divergence is not None
+                                                              and self.divergence.step == step):
+            return False
+        u = p.unpacked
+        if u is None:  # a pinned buffer: its floats read in place once its copy has arrived
+            if p.event is not None and not p.event.query():
+                return False
+            assert p.buf is not None and p.layout is not None  # internal: enqueued packed
+            c_type = _C_TYPES.get(p.buf.dtype)
+            if c_type is None:
+                return False
+            floats = (c_type * p.buf.numel()).from_address(p.buf.data_ptr())
+            u = p.layout.unpack(cast(Sequence[float], floats))  # its slices are lists
+        d = u.decision
+        return (not d[Dec.REASON] and not any(d[_FLAGS]) and (not u.params or math.isfinite(sum(u.params)))
+                and not (self.world_size > 1 and any(row[Loc.PARAMS_NONFINITE] for row in u.rows)))
+
     def clear_pending(self) -> None:
         self._pending.clear()
+        self._quiet = 0
 
     def decode(self, before: int | None = None) -> None:
         """Turn the pending payloads into records, in step order: all of them, or those of the
@@ -156,6 +218,7 @@ class Reporter:
         for). Waits only for the copies it decodes."""
         while self._pending and (before is None or self._pending[0].step < before):
             pending = self._pending.popleft()
+            self._quiet = max(self._quiet - 1, 0)
             payload = pending.unpacked
             if payload is None:
                 assert pending.buf is not None and pending.layout is not None  # internal: enqueued packed

@@ -44,16 +44,22 @@ class Switches:
     optimizer's kernel unscale (and clip) them (:mod:`ampguard.pipeline`). ``AMPGUARD_FUSED_FAST_PATH=0``:
     unscale first, as with any other optimizer."""
 
+    report_batch: bool = True
+    """Decode, log and export healthy steps' reports in batches of up to :data:`ampguard.reporter.REPORT_BATCH`
+    steps (:meth:`ampguard.reporter.Reporter.quiet`); a report that asks for anything is decoded at the next fixed
+    point, with every report before it, as are all of them on a read, ``flush()``, ``state_dict()`` and ``close()``.
+    ``AMPGUARD_REPORT_BATCH=0``: decode each at its fixed point (the behaviour before stop 45)."""
+
 
 _SWITCH_VARIABLES = {"cuda_graph": "AMPGUARD_CUDA_GRAPH", "fused_fast_path": "AMPGUARD_FUSED_FAST_PATH",
-                     "step_graph": "AMPGUARD_STEP_GRAPH"}
+                     "step_graph": "AMPGUARD_STEP_GRAPH", "report_batch": "AMPGUARD_REPORT_BATCH"}
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(Switches)}
 
 
 def implementation_switches(environ: Mapping[str, str] | None = None) -> Switches:
     """The :class:`Switches` from the environment (``os.environ`` unless ``environ`` is given):
-    ``AMPGUARD_CUDA_GRAPH``, ``AMPGUARD_FUSED_FAST_PATH`` and ``AMPGUARD_STEP_GRAPH``, each ``"1"`` (on) or
-    ``"0"`` (off); unset or empty: the field's default (on). Any other value raises
+    ``AMPGUARD_CUDA_GRAPH``, ``AMPGUARD_FUSED_FAST_PATH``, ``AMPGUARD_STEP_GRAPH`` and ``AMPGUARD_REPORT_BATCH``,
+    each ``"1"`` (on) or ``"0"`` (off); unset or empty: the field's default (on). Any other value raises
     ValueError naming the variable."""
     env = os.environ if environ is None else environ
     values = {}

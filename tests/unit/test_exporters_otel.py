@@ -45,9 +45,11 @@ def _one(points: dict[str, list[tuple[dict[str, Any], Any]]], name: str, **attrs
     return found[0]
 
 
-def test_otel_shows_the_steps_and_values_of_the_jsonl_log_of_the_same_run(tmp_path):
+def test_otel_shows_the_steps_and_values_of_the_jsonl_log_of_the_same_run(tmp_path, monkeypatch):
     """Read after every step: the counters count the JSONL log's steps, the gauges hold its values
-    (a non-finite value is not recorded: the gauge keeps the last finite one)."""
+    (a non-finite value is not recorded: the gauge keeps the last finite one). Each report exported at its step:
+    healthy ones otherwise wait for their batch (tests/unit/test_report_lag.py)."""
+    monkeypatch.setenv("AMPGUARD_REPORT_BATCH", "0")
     reader = InMemoryMetricReader()
     seen: list[dict[str, list[tuple[dict[str, Any], Any]]]] = []
     opt, records = train(tmp_path, OtelExporter(MeterProvider(metric_readers=[reader])),

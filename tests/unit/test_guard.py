@@ -287,6 +287,7 @@ def test_history_is_bounded_and_indexed_by_step():
 
 def test_exporter_failure_is_contained_and_reported_once(monkeypatch, caplog):
     monkeypatch.setattr(ampguard.MultiExporter, "RETRY_FIRST_S", 3600.0)  # no retry before close(), however slow
+    monkeypatch.setenv("AMPGUARD_REPORT_BATCH", "0")  # each report exported at its step, so the failure is seen now
     calls = []
 
     class Broken:

@@ -1,28 +1,58 @@
 """The report lag of the sync-free path (fused optimizer on CUDA; emulated here on CPU with
 ``_lagged_reports``): ``step()`` never waits on the previous step's report copy. Step S's report is
 decoded at step S+2's ``step()`` (the host may run two steps ahead of the device), or at S+1's
-where the next update needs it (a registered scheduler, the ladder); readers decode on demand."""
+where the next update needs it (a registered scheduler, the ladder); readers decode on demand.
+
+Healthy reports then wait for their batch (``ampguard.reporter.REPORT_BATCH``): decoded, logged and exported
+up to 16 at a time, while a report that asks for something (here a real fp16 overflow) is decoded at its own
+fixed point with every report before it. The lag tests turn the batches off (``AMPGUARD_REPORT_BATCH=0``)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 import ampguard
+from ampguard.reporter import REPORT_BATCH
 
 
-def _run(steps: int, *, schedule: bool = False, config: dict | None = None) -> list[list[int]]:
-    """The steps whose reports are still pending after each step() call."""
+class _Seen:
+    """An exporter that writes down, at each export, the step the guard is at and the report's step."""
+
+    def __init__(self) -> None:
+        self.at: list[tuple[int, int]] = []
+        self.opt: ampguard.GuardedOptimizer | None = None
+
+    def open(self, info) -> None:
+        pass
+
+    def export(self, report, anomalies) -> None:
+        assert self.opt is not None
+        self.at.append((self.opt.step_count, report.step))
+
+    def close(self) -> None:
+        pass
+
+
+def _run(steps: int, *, schedule: bool = False, config: dict | None = None, lagged: bool = True,
+         overflow_at: int | None = None, seen: _Seen | None = None) -> list[list[int]]:
+    """The steps whose reports are still pending after each step() call. ``overflow_at``: that step's batch is
+    x 6e4, which overflows the fp16 autocast's first linear layer (a non-finite loss: skipped)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model, precision="fp16",
-                        scaler=torch.amp.GradScaler("cpu"), config=config)
-    opt._pipeline.host_decision, opt._lagged_reports = False, True  # the fused CUDA path's tensor decision, its lag
+                        scaler=torch.amp.GradScaler("cpu"), config=config, exporters=[seen] if seen else ())
+    if seen is not None:
+        seen.opt = opt
+    if lagged:  # the fused CUDA path's tensor decision, its lag
+        opt._pipeline.host_decision, opt._lagged_reports = False, True
     if schedule:
         opt.schedule(torch.optim.lr_scheduler.StepLR(opt, step_size=2))
     pending = []
-    for _ in range(steps):
-        x = torch.randn(4, 8)
+    for step in range(steps):
+        x = torch.randn(4, 8) * (6e4 if step == overflow_at else 1.0)
         with opt.autocast():
             loss = model(x).float().pow(2).mean()
         opt.backward(loss)
@@ -33,6 +63,13 @@ def _run(steps: int, *, schedule: bool = False, config: dict | None = None) -> l
     return pending
 
 
+@pytest.fixture
+def per_step(monkeypatch):
+    """Each report decoded at its own fixed point (no batches)."""
+    monkeypatch.setenv("AMPGUARD_REPORT_BATCH", "0")
+
+
+@pytest.mark.usefixtures("per_step")
 def test_step_waits_on_no_previous_report():
     # after step S's step(): S's own copy and S-1's are in flight; S-2's was decoded at S's step()
     assert _run(5) == [[0], [0, 1], [1, 2], [2, 3], [3, 4]]
@@ -40,6 +77,45 @@ def test_step_waits_on_no_previous_report():
 
 @pytest.mark.parametrize("why", ["schedule", "ladder"])
 def test_a_scheduler_or_the_ladder_reads_the_previous_step_first(why):
+    # batches on (the default): a scheduler and the ladder act on every report, so none waits for a batch
     # the next update's LR (held on a skipped step), the snapshot the ladder names: one step late
     config = {"escalation": ampguard.Escalation(snapshot_every=2)} if why == "ladder" else None
     assert _run(4, schedule=why == "schedule", config=config) == [[0], [1], [2], [3]]
+
+
+@pytest.mark.parametrize("lagged", [True, False], ids=["sync-free", "host"])
+def test_healthy_reports_are_exported_in_batches_and_all_by_close(lagged):
+    seen = _Seen()
+    pending = _run(40, lagged=lagged, seen=seen)
+    assert [step for _, step in seen.at] == list(range(40))  # each once, in order, the last ones by close()
+    assert max(map(len, pending)) <= REPORT_BATCH + 1  # never more than a batch (and the lag's copies) behind
+    exported_at = [at for at, _ in seen.at[:32]]
+    assert len(set(exported_at)) <= 4  # 32 healthy reports in a few batches, not 32 fixed points
+    assert all(at - step <= REPORT_BATCH + 2 for at, step in seen.at)
+
+
+@pytest.mark.parametrize("lagged", [True, False], ids=["sync-free", "host"])
+def test_a_report_that_asks_for_something_is_decoded_at_its_own_fixed_point(lagged):
+    # a real overflow at step 7, in the middle of a batch: its report, and the six healthy ones before it, leave
+    # when the lag allows (step 9's step() on the sync-free path, step 7's own on the host path)
+    seen = _Seen()
+    _run(12, lagged=lagged, overflow_at=7, seen=seen)
+    at = dict((step, when) for when, step in seen.at)
+    assert at[7] == (9 if lagged else 8)  # step_count at export: after step 8's update, or step 7's own
+    assert all(at[s] == at[7] for s in range(7))  # those before it go with it, in order
+    assert [step for _, step in seen.at] == list(range(12))
+
+
+def test_a_reader_decodes_what_waits_for_its_batch():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model, precision="bf16")
+    for _ in range(5):
+        with opt.autocast():
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    assert len(opt._reporter._pending) == 5  # waiting for their batch
+    assert [r.step for r in opt.history] == [0, 1, 2, 3, 4] and math.isfinite(opt.last_report.grad_norm)
+    opt.close()
