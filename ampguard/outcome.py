@@ -168,7 +168,7 @@ class Outcome:
         rep = self.records
         if rep.idle(before):  # nothing due, decoded or asked since the last fixed point (CPU, synced steps)
             return False
-        if self._batching() and rep.quiet(before, self._batch):  # healthy reports wait for their batch
+        if self._batch > 1 and self._batching() and rep.quiet(before, self._batch):  # healthy ones wait for a batch
             return False
         rep.decode(before)
         self.schedules.advance()  # once per decoded taken step, before the next inner step

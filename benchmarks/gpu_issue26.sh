@@ -13,6 +13,9 @@
 # Stop 44 (benchmarks/results/gpu_stop44_*/) ran those. Left for the next: the whole tests/gpu on 4244e0c's capture
 # credits (call a's whole run failed the step graph's fp16 fused bound, 8 captures; call c passed that file with three
 # others), the framework rows and the compiled row (not measured since stop 37), GPT-2 350M, foreach, and eager fp8.
+# Stop 45 had no device. It built reports in batches (4e359e8): the next call, first, STEP_GRAPH=1 BATCH=1 MODELS=mlp
+# (host_time.py --batch-arm: the step graph's guard with and without the batches, in the same blocks; read the means),
+# then the whole tests/gpu (TESTS=1), then MODELS=gpt2-350m with BATCH=1 (its settle was 432 us a step at stop 40).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
@@ -29,4 +32,4 @@ if [ "${TESTS:-1}" = 1 ]; then  # ~250 s on the H200 at stop 37 (a 200 s bound c
   echo "tests rc=$?"; tail -n 15 "$OUT/tests_$TAG.txt"
 fi
 python benchmarks/host_time.py --device cuda --models ${MODELS:-mlp,gpt2-350m} --optims fused,foreach --blocks 10 --steps 30 \
-  --profile ${PROFILE:-0} --ops ${OPS:-30} ${STEP_GRAPH:+--step-graph} --json "$OUT/host_time_$TAG.json" 2>&1 | grep -v Warning | tee "$OUT/host_time_$TAG.txt"
+  --profile ${PROFILE:-0} --ops ${OPS:-30} ${STEP_GRAPH:+--step-graph} ${BATCH:+--batch-arm} --json "$OUT/host_time_$TAG.json" 2>&1 | grep -v Warning | tee "$OUT/host_time_$TAG.txt"

@@ -23,6 +23,10 @@ grows with the parameter count. Run::
     python benchmarks/host_time.py --device cuda --models mlp,gpt2-350m --optims fused,foreach
     python benchmarks/host_time.py --device cuda --models mlp-fp8 --optims fused --step-graph   # torchao float8
     python benchmarks/host_time.py --device cpu --models mlp,gpt2-deep --optims fused,foreach --blocks 6 --clock thread
+    python benchmarks/host_time.py --device cpu --models mlp-small --optims foreach --batch-arm --clock thread
+
+``--batch-arm`` also times the default guard with each report decoded at its own step (``AMPGUARD_REPORT_BATCH=0``,
+the behaviour before stop 45) in the same blocks: compare the means, since a batch's decode lands on one step in 16.
 """
 
 from __future__ import annotations
@@ -119,11 +123,13 @@ class Timers:
 
 
 def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: int, warmup: int,
-        profile: int = 0, ops: int = 0, step_graph: bool = False, pstats_dir: Path | None = None) -> dict[str, Any]:
+        profile: int = 0, ops: int = 0, step_graph: bool = False, pstats_dir: Path | None = None,
+        batch_arm: bool = False) -> dict[str, Any]:
     dtype = torch.float16
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     loops = {}
-    for variant in ("plain", "guard", "guard-step") if step_graph else ("plain", "guard"):
+    variants = ["plain", "guard"] + (["guard-step"] if step_graph else []) + (["guard-perstep"] if batch_arm else [])
+    for variant in variants:
         model, loss_fn = build(model_name, device)
         inner = torch.optim.AdamW(model.parameters(), lr=1e-4, **{optim: True})
         if variant == "plain":
@@ -138,8 +144,11 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
                 scaler.step(inner)
                 scaler.update()
             loops[variant] = (fwd_bwd, step, inner.zero_grad, None)
-        else:  # guard-step: the step graph on (the default since stop 40); guard: the stages apart (=0)
-            with mock.patch.dict(os.environ, {"AMPGUARD_STEP_GRAPH": "1" if variant == "guard-step" else "0"}):
+        else:  # guard-step: the step graph on (the default since stop 40); guard: the stages apart (=0);
+            # guard-perstep: the step graph on, each report decoded at its step (AMPGUARD_REPORT_BATCH=0, stop 45)
+            env = {"AMPGUARD_STEP_GRAPH": "0" if variant == "guard" else "1",
+                   "AMPGUARD_REPORT_BATCH": "0" if variant == "guard-perstep" else "1"}
+            with mock.patch.dict(os.environ, env):
                 opt = ampguard.wrap(inner, model=model, precision="fp16", exporters=[])
 
             def fwd_bwd(opt=opt, loss_fn=loss_fn) -> None:
@@ -261,6 +270,14 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
                                             "replays": sg.replays}}
         out["guard_step"]["added_us"] = out["guard_step"]["us"]["median"] - out["plain_us"]["median"]
         stepped.close()
+    if batch_arm:  # each report decoded at its step, in the same blocks: what the batches save (the mean counts them)
+        per = loops["guard-perstep"][3]
+        p_stages, p_total = breakdown(*breakdowns["guard-perstep"])
+        out["guard_perstep"] = {"us": q(times["guard-perstep"]), "breakdown_us": p_stages,
+                                "breakdown_total_us": p_total}
+        out["guard_perstep"]["added_us"] = out["guard_perstep"]["us"]["median"] - out["plain_us"]["median"]
+        out["guard_perstep"]["added_mean_us"] = out["guard_perstep"]["us"]["mean"] - out["plain_us"]["mean"]
+        per.close()
     guard.close()
     return out
 
@@ -281,6 +298,9 @@ def main() -> int:
     ap.add_argument("--step-graph", action="store_true",
                     help="also time a guard with the step graph on (the default since stop 40), in the same blocks; "
                          "'guard' is then the stages apart (AMPGUARD_STEP_GRAPH=0)")
+    ap.add_argument("--batch-arm", action="store_true",
+                    help="also time the default guard with each report decoded at its step (AMPGUARD_REPORT_BATCH=0) "
+                         "in the same blocks; compare the means (a batch's decode lands on one step in 16)")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="thread: the thread's CPU time (a CPU run on a busy machine, OMP_NUM_THREADS=1)")
     args = ap.parse_args()
@@ -291,7 +311,7 @@ def main() -> int:
     for model_name in args.models.split(","):
         for optim in args.optims.split(","):
             row = run(model_name, optim, device, args.blocks, args.steps, args.warmup, args.profile, args.ops,
-                      args.step_graph, args.pstats)
+                      args.step_graph, args.pstats, args.batch_arm)
             rows.append(row)
             p, g = row["plain_us"], row["guard_us"]
             print(f"\n{model_name} {optim} on {device}: plain {p['median']:.0f} us (p25 {p['p25']:.0f}, p75 "
@@ -310,6 +330,14 @@ def main() -> int:
                       f"added {st['added_us']:+.0f} us; mean {u['mean']:.0f}; step graph: {sg['replays']} replays, "
                       f"{sg['captures']} captures in {sg['steps']} steps")
                 print(f"  its breakdown ({st['breakdown_total_us']:.0f} us, median):")
+                for k, v in sorted(st["breakdown_us"].items(), key=lambda kv: -kv[1]):
+                    print(f"    {k:<26} {v:8.1f} us")
+            if "guard_perstep" in row:
+                st = row["guard_perstep"]
+                u = st["us"]
+                print(f"  guard, each report decoded at its step: {u['median']:.0f} us (p25 {u['p25']:.0f}, p75 "
+                      f"{u['p75']:.0f}); added {st['added_us']:+.0f} us; mean {u['mean']:.0f}, added "
+                      f"{st['added_mean_us']:+.0f} us (the default guard's mean: added {row['added_mean_us']:+.0f})")
                 for k, v in sorted(st["breakdown_us"].items(), key=lambda kv: -kv[1]):
                     print(f"    {k:<26} {v:8.1f} us")
             sys.stdout.flush()
