@@ -45,7 +45,7 @@ __all__ = ["REPORT_BATCH", "Actions", "Reporter"]
 REPORT_BATCH = 16
 """Healthy steps' reports a fixed point leaves undecoded, at most, minus one (:meth:`Reporter.quiet`): they are
 decoded, logged and exported up to 16 at a time, each in a warm loop (on the 2-core CPU a report decoded alone at
-its step took ~60 us, in a batch ~15: docs/design.md, "What stop 45 taught"). ``AMPGUARD_REPORT_BATCH=0``: 1."""
+its step took ~55 us, in a batch ~16: docs/design.md, "What stop 45 taught"). ``AMPGUARD_REPORT_BATCH=0``: 1."""
 
 REPORT_WAIT_S = 1.0
 """Seconds a healthy report may wait for its batch (:meth:`Reporter.quiet`): a run of slow steps exports each
