@@ -17,25 +17,9 @@ import torch.nn.functional as F
 import ampguard
 from ampguard.reporter import REPORT_BATCH
 
+from ..unit.test_report_lag import _Seen  # an exporter that notes when each report reached it
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
-
-
-class _Seen:
-    """An exporter that writes down, at each export, the guard's step count and the report's step."""
-
-    def __init__(self) -> None:
-        self.at: list[tuple[int, int]] = []
-        self.opt: ampguard.GuardedOptimizer | None = None
-
-    def open(self, info) -> None:
-        pass
-
-    def export(self, report, anomalies) -> None:
-        assert self.opt is not None
-        self.at.append((self.opt.step_count, report.step))
-
-    def close(self) -> None:
-        pass
 
 
 def _run(steps: int, overflow_at: int | None = None) -> tuple[_Seen, list[int], list[int]]:
