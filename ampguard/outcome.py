@@ -235,7 +235,12 @@ class Readers:
     @property
     def step_was_skipped(self) -> bool:
         """Whether the last ``step()`` skipped the inner optimizer. Reading it right after a step
-        that did not synchronise (fused optimizer on CUDA) waits for that step's decision."""
+        that did not synchronise (fused optimizer on CUDA) waits for that step's decision. It reads the skip
+        flag where the step's payload lies and decodes nothing (a framework reads it every step: accelerate's
+        ``optimizer_step_was_skipped``), so healthy reports still wait for their batch."""
+        skipped = self._outcome.records.last_skipped()
+        if skipped is not None:
+            return skipped
         last = self.last_report
         return bool(last and last.skipped)
 

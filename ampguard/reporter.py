@@ -194,19 +194,43 @@ class Reporter:
         if step in self.findings or step in self._blocks or (self.divergence is not None
                                                               and self.divergence.step == step):
             return False
-        u = p.unpacked
-        if u is None:  # a pinned buffer: its floats read in place once its copy has arrived
-            if p.event is not None and not p.event.query():
-                return False
-            assert p.buf is not None and p.layout is not None  # internal: enqueued packed
-            c_type = _C_TYPES.get(p.buf.dtype)
-            if c_type is None:
-                return False
-            floats = (c_type * p.buf.numel()).from_address(p.buf.data_ptr())
-            u = p.layout.unpack(cast(Sequence[float], floats))  # its slices are lists
+        u = self._peek(p, wait=False)
+        if u is None:
+            return False
         d = u.decision
         return (not d[Dec.REASON] and not any(d[_FLAGS]) and (not u.params or math.isfinite(sum(u.params)))
                 and not (self.world_size > 1 and any(row[Loc.PARAMS_NONFINITE] for row in u.rows)))
+
+    @staticmethod
+    def _peek(p: _Pending, *, wait: bool) -> Unpacked | None:
+        """A pending payload's parts, read where they lie: a host payload as it is, a pinned buffer's floats in
+        place (no copy, no tensor op) once its copy has arrived. None: still on its way (``wait``: waited for, as a
+        decode waits), or a dtype read otherwise."""
+        if p.unpacked is not None:
+            return p.unpacked
+        assert p.buf is not None and p.layout is not None  # internal: enqueued packed
+        if p.event is not None and not p.event.query():
+            if not wait:
+                return None
+            p.event.synchronize()  # that step's copy only, as decode() waits for it
+        c_type = _C_TYPES.get(p.buf.dtype)
+        if c_type is None:
+            return None
+        floats = (c_type * p.buf.numel()).from_address(p.buf.data_ptr())
+        return p.layout.unpack(cast(Sequence[float], floats))  # its slices are lists
+
+    def last_skipped(self) -> bool | None:
+        """Whether the latest step skipped, from its payload where it still waits to be decoded (its copy waited
+        for if still on its way, as reading its report would): the decision's skip flag, what its report's
+        ``skipped`` will say. None where the latest report is decoded (or recorded without a payload, as a
+        rollback's), or nothing is pending: read the history then."""
+        if not self._pending:
+            return None
+        p = self._pending[-1]
+        if self.history.steps_reported > p.step:
+            return None
+        u = self._peek(p, wait=True)
+        return None if u is None else u.decision[Dec.SKIP] > 0
 
     def clear_pending(self) -> None:
         self._pending.clear()

@@ -119,3 +119,28 @@ def test_a_reader_decodes_what_waits_for_its_batch():
     assert len(opt._reporter._pending) == 5  # waiting for their batch
     assert [r.step for r in opt.history] == [0, 1, 2, 3, 4] and math.isfinite(opt.last_report.grad_norm)
     opt.close()
+
+
+@pytest.mark.parametrize("lagged", [True, False], ids=["sync-free", "host"])
+def test_step_was_skipped_reads_the_flag_and_decodes_nothing(lagged):
+    # accelerate's optimizer_step_was_skipped reads it after every step: the answer is the step's report's, a real
+    # overflow included, and the healthy reports behind it still wait for their batch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model, precision="fp16",
+                        scaler=torch.amp.GradScaler("cpu"))
+    if lagged:
+        opt._pipeline.host_decision, opt._lagged_reports = False, True
+    answers, waiting = [], []
+    for step in range(10):
+        with opt.autocast():
+            loss = model(torch.randn(4, 8) * (6e4 if step in (3, 8) else 1.0)).float().pow(2).mean()
+        opt.backward(loss)
+        opt.step()
+        answers.append(opt.step_was_skipped)
+        waiting.append(len(opt._reporter._pending))
+        opt.zero_grad()
+    assert answers == [r.skipped for r in opt.history]
+    assert answers[3] and answers[8] and not any(answers[:3])
+    assert waiting[2] >= 3  # read after steps 0-2: nothing decoded (step 3's overflow then decodes them with it)
+    opt.close()
