@@ -116,9 +116,9 @@ class Outcome:
 
     def _batching(self) -> bool:
         """Whether healthy reports may wait for their batch (:data:`~ampguard.reporter.REPORT_BATCH`): not where
-        a healthy report is acted on: a registered scheduler (advanced per taken step), the ladder (its snapshots),
-        armed forensics (disarmed after clean steps)."""
-        return not (self.schedules.schedulers or self.records.ladder is not None or self.forensics.armed)
+        a decoded healthy report is acted on: the ladder (its snapshots), armed forensics (disarmed after clean
+        steps). A registered scheduler steps for the waiting healthy steps, which were taken (:meth:`settle`)."""
+        return not (self.records.ladder is not None or self.forensics.armed)
 
     # ------------------------------------------------------------------ reading (no action)
     def decoded(self) -> Reporter:
@@ -169,6 +169,7 @@ class Outcome:
         if rep.idle(before):  # nothing due, decoded or asked since the last fixed point (CPU, synced steps)
             return False
         if self._batch > 1 and self._batching() and rep.quiet(before, self._batch):  # healthy ones wait for a batch
+            self.schedules.advance()  # they were taken: registered schedulers step for them before the next update
             return False
         rep.decode(before)
         self.schedules.advance()  # once per decoded taken step, before the next inner step

@@ -186,6 +186,12 @@ class Reporter:
             self._quiet = k
         return True
 
+    @property
+    def taken_waiting(self) -> int:
+        """Steps whose payloads :meth:`quiet` read healthy and left waiting for their batch: taken steps, each (its
+        skip flag is 0), which a registered scheduler steps for at once (:meth:`ampguard.schedules.Schedules.taken`)."""
+        return self._quiet
+
     def _healthy(self, p: _Pending) -> bool:
         """A payload whose report asks for nothing: no flag of the decision set (no skip, overflow, spike, scale
         change or re-baseline), every parameter checked finite (this rank's and, with several ranks, every

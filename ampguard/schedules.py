@@ -5,7 +5,8 @@ a step was skipped costs a host sync on the sync-free path (fused optimizer on C
 
 - **Schedulers** registered with :meth:`GuardedOptimizer.schedule` are stepped by the guard,
   once per *taken* step, at the guard's fixed points (:meth:`ampguard.outcome.Outcome.settle`),
-  where the step's report has been decoded anyway. Where the step synchronised or decides on
+  where the step's report has been decoded anyway, or its payload read while it waits for its batch (a healthy
+  step, so a taken one). Where the step synchronised or decides on
   the host (CPU; non-fused optimizers on CUDA), that is right after the step. On the sync-free
   path a registered scheduler keeps the guard's report lag at one step (without one, reports are
   decoded two steps late: ``GuardedOptimizer._report_lag``): step N's report is decoded at the
@@ -46,6 +47,9 @@ class Records(Protocol):
     history: History
     skipped_total: int
 
+    @property
+    def taken_waiting(self) -> int: ...
+
     def decode(self) -> None: ...
 
 
@@ -62,8 +66,10 @@ class Schedules:
 
     @property
     def taken(self) -> int:
-        """Taken steps among the decoded reports (no decode here)."""
-        return self.records.history.steps_reported - self.records.skipped_total
+        """Taken steps among the decoded reports and the healthy ones waiting for their batch (read already: a
+        healthy step is a taken one; :meth:`ampguard.reporter.Reporter.quiet`). No decode here."""
+        records = self.records
+        return records.history.steps_reported - records.skipped_total + records.taken_waiting
 
     def advance(self) -> None:
         """Step every scheduler once per taken step decoded since the last call. Decodes nothing:

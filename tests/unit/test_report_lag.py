@@ -76,8 +76,11 @@ def test_step_waits_on_no_previous_report():
 
 
 @pytest.mark.parametrize("why", ["schedule", "ladder"])
-def test_a_scheduler_or_the_ladder_reads_the_previous_step_first(why):
-    # batches on (the default): a scheduler and the ladder act on every report, so none waits for a batch
+def test_a_scheduler_or_the_ladder_reads_the_previous_step_first(why, monkeypatch):
+    # the ladder acts on every decoded report, so none waits for a batch; a scheduler needs only each step's skip
+    # flag, so with batches its healthy reports wait (next test): here each is decoded at its fixed point
+    if why == "schedule":
+        monkeypatch.setenv("AMPGUARD_REPORT_BATCH", "0")
     # the next update's LR (held on a skipped step), the snapshot the ladder names: one step late
     config = {"escalation": ampguard.Escalation(snapshot_every=2)} if why == "ladder" else None
     assert _run(4, schedule=why == "schedule", config=config) == [[0], [1], [2], [3]]
@@ -144,3 +147,32 @@ def test_step_was_skipped_reads_the_flag_and_decodes_nothing(lagged):
     assert answers[3] and answers[8] and not any(answers[:3])
     assert waiting[2] >= 3  # read after steps 0-2: nothing decoded (step 3's overflow then decodes them with it)
     opt.close()
+
+
+def test_a_scheduler_steps_for_the_healthy_steps_that_wait_for_their_batch():
+    # the LR each update reads is the one a per-step decode gives (tests/unit/test_schedule.py: the eager loop's,
+    # across real overflows), while the healthy reports wait
+    def lrs(batch: str) -> tuple[list[float], int]:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("AMPGUARD_REPORT_BATCH", batch)
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+            opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model,
+                                precision="fp16", scaler=torch.amp.GradScaler("cpu"))
+        opt._pipeline.host_decision, opt._lagged_reports = False, True
+        opt.schedule(torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
+        seen, waiting = [], 0
+        for step in range(12):
+            with opt.autocast():
+                loss = model(torch.randn(4, 8) * (6e4 if step == 5 else 1.0)).float().pow(2).mean()
+            opt.backward(loss)
+            opt.step()
+            seen.append(opt.optimizer.param_groups[0]["lr"])
+            waiting = max(waiting, len(opt._reporter._pending))
+            opt.zero_grad()
+        opt.close()
+        return seen, waiting
+
+    batched, waited = lrs("1")
+    per_step, _ = lrs("0")
+    assert batched == per_step and waited > 2
