@@ -28,7 +28,7 @@ def _run(steps: int, overflow_at: int | None = None) -> tuple[_Seen, list[int], 
     model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10)).cuda()
     seen = _Seen()
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model, precision="fp16",
-                        scaler=torch.amp.GradScaler("cuda"), exporters=[seen])
+                        scaler=torch.amp.GradScaler("cuda", init_scale=1024.0), exporters=[seen])  # no overflow
     seen.opt = opt
     x, y = torch.randn(32, 64, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
     pending, waited = [], []
