@@ -75,14 +75,22 @@ class Layout(NamedTuple):
         """Cut ``values`` (the whole vector, as host floats) into its parts, once."""
         if len(values) != self.size:  # internal: packed by pack() with this very header
             raise ValueError(f"payload of {len(values)} floats, its layout {self} says {self.size}")
+        decision, rows, params = self.head(values)
         at = DECISION_K + self.world * LOCAL_K
-        rows = [values[k : k + LOCAL_K] for k in range(DECISION_K, at, LOCAL_K)]
         numerics_at = at + self.norms
         indicators_at = numerics_at + self.numerics
-        params_at = indicators_at + self.indicators
-        fp8_at = params_at + self.params
-        return Unpacked(values[:DECISION_K], rows, values[at:numerics_at], values[numerics_at:indicators_at],
-                        values[indicators_at:params_at], values[params_at:fp8_at], values[fp8_at:])
+        return Unpacked(decision, rows, values[at:numerics_at], values[numerics_at:indicators_at],
+                        values[indicators_at:indicators_at + self.indicators], params,
+                        values[indicators_at + self.indicators + self.params:])
+
+    def head(self, values: Sequence[float]) -> tuple[Sequence[float], list[Sequence[float]], Sequence[float]]:
+        """``(decision, rows, params)``: the parts of :meth:`unpack` that say whether a report asks for something
+        (``ampguard.reporter.Reporter.quiet``), without the per-tensor norms and the other parts, so a read of them
+        grows with the ranks and, on a checked step only, the parameters."""
+        at = DECISION_K + self.world * LOCAL_K
+        params_at = self.statistics.stop + self.indicators
+        return (values[:DECISION_K], [values[k : k + LOCAL_K] for k in range(DECISION_K, at, LOCAL_K)],
+                values[params_at:params_at + self.params])
 
 
 class Unpacked(NamedTuple):

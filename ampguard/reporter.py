@@ -162,10 +162,14 @@ class Reporter:
     def idle(self, before: int | None = None) -> bool:
         """Nothing to decode (before step ``before``: see :meth:`decode`), nothing decoded and not
         yet exported or acted on: a fixed point has nothing to do."""
-        a = self.actions
         due = bool(self._pending) and (before is None or self._pending[0].step < before)
-        return not (due or self._unexported or a.reports or a.snapshots or a.abort is not None
-                    or a.stop is not None or a.blocks)
+        return not (due or self._asked())
+
+    def _asked(self) -> bool:
+        """Something decoded and not yet exported or acted on since the last fixed point."""
+        a = self.actions
+        return bool(self._unexported or a.reports or a.snapshots or a.abort is not None or a.stop is not None
+                    or a.blocks)
 
     def quiet(self, before: int | None, batch: int) -> bool:
         """Whether a fixed point may leave the due payloads (those of the steps before ``before``; None: all)
@@ -173,8 +177,7 @@ class Reporter:
         than :data:`REPORT_WAIT_S`, and each one healthy (:meth:`_healthy`). Each payload is read once, where it
         lies (no copy, no sync: one still on its way is not healthy yet, and :meth:`decode` waits for it as it
         always has)."""
-        a = self.actions
-        if self._unexported or a.reports or a.snapshots or a.abort is not None or a.stop is not None or a.blocks:
+        if self._asked():
             return False
         pending, k = self._pending, self._quiet
         if pending and time.monotonic() - pending[0].since >= REPORT_WAIT_S:
@@ -200,20 +203,22 @@ class Reporter:
         if step in self.findings or step in self._blocks or (self.divergence is not None
                                                               and self.divergence.step == step):
             return False
-        u = self._peek(p, wait=False)
-        if u is None:
+        head = self._peek(p, wait=False)
+        if head is None:
             return False
-        d = u.decision
-        return (not d[Dec.REASON] and not any(d[_FLAGS]) and (not u.params or math.isfinite(sum(u.params)))
-                and not (self.world_size > 1 and any(row[Loc.PARAMS_NONFINITE] for row in u.rows)))
+        d, rows, params = head
+        return (not d[Dec.REASON] and not any(d[_FLAGS]) and (not params or math.isfinite(sum(params)))
+                and not (self.world_size > 1 and any(row[Loc.PARAMS_NONFINITE] for row in rows)))
 
     @staticmethod
-    def _peek(p: _Pending, *, wait: bool) -> Unpacked | None:
-        """A pending payload's parts, read where they lie: a host payload as it is, a pinned buffer's floats in
-        place (no copy, no tensor op) once its copy has arrived. None: still on its way (``wait``: waited for, as a
-        decode waits), or a dtype read otherwise."""
-        if p.unpacked is not None:
-            return p.unpacked
+    def _peek(p: _Pending, *, wait: bool) -> tuple[Sequence[float], list[Sequence[float]], Sequence[float]] | None:
+        """A pending payload's :meth:`~ampguard.payload.Layout.head` (decision, rows, params), read where it lies: a
+        host payload as it is, a pinned buffer's floats in place (no copy, no tensor op, not the per-tensor norms:
+        :meth:`decode` reads the whole payload once) once its copy has arrived. None: still on its way (``wait``:
+        waited for, as a decode waits), or a dtype read otherwise."""
+        u = p.unpacked
+        if u is not None:
+            return u.decision, u.rows, u.params
         assert p.buf is not None and p.layout is not None  # internal: enqueued packed
         if p.event is not None and not p.event.query():
             if not wait:
@@ -223,7 +228,7 @@ class Reporter:
         if c_type is None:
             return None
         floats = (c_type * p.buf.numel()).from_address(p.buf.data_ptr())
-        return p.layout.unpack(cast(Sequence[float], floats))  # its slices are lists
+        return p.layout.head(cast(Sequence[float], floats))  # its slices are lists
 
     def last_skipped(self) -> bool | None:
         """Whether the latest step skipped, from its payload where it still waits to be decoded (its copy waited
@@ -235,8 +240,8 @@ class Reporter:
         p = self._pending[-1]
         if self.history.steps_reported > p.step:
             return None
-        u = self._peek(p, wait=True)
-        return None if u is None else u.decision[Dec.SKIP] > 0
+        head = self._peek(p, wait=True)
+        return None if head is None else head[0][Dec.SKIP] > 0
 
     def clear_pending(self) -> None:
         self._pending.clear()

@@ -77,10 +77,8 @@ def build(name: str, device: torch.device) -> tuple[torch.nn.Module, Callable[[]
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import overhead
         size = overhead.SIZES[name]
-        model = overhead.build_model(size, device)
-        x, y = torch.randn(size["batch"], size["d_in"], device=device), torch.randint(0, size["classes"],
-                                                                                     (size["batch"],), device=device)
-        return model, lambda: torch.nn.functional.cross_entropy(model(x), y)
+        model, batch = overhead.build_model(size, device), overhead.make_batch(size, device)
+        return model, lambda: overhead.compute_loss(model, batch)
     from transformers import GPT2Config, GPT2LMHeadModel
     shapes = {"gpt2-350m": dict(n_layer=24, n_embd=1024, n_head=16, batch=8, seq=512),
               "gpt2-124m": dict(n_layer=12, n_embd=768, n_head=12, batch=8, seq=512),
