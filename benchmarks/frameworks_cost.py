@@ -143,11 +143,17 @@ class Arm:
         self._t_edge = 0.0
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._started = False
+        self.profile: Any = None
+        """``--pstats``: a ``cProfile.Profile`` the arm's thread runs its whole loop under (cProfile sees one
+        thread: each arm profiles its own)."""
 
     def _main(self) -> None:
         self._go.wait()
         self._go.clear()
         try:
+            if self.profile is not None:
+                self.profile.runcall(self.body, self)
+                return
             self.body(self)
         except BaseException:
             self.error = traceback.format_exc()[-3000:]
@@ -446,6 +452,42 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------- main
+def print_profiles(arms: list[Arm], where: str, top: int = 25) -> None:
+    """``--pstats``: dump each arm's profile, then per framework the functions on which the guarded arm spends more own
+    time a step than the plain one (the largest first), ampguard's functions by cumulative time a step, and the calls
+    a step of what can wait for the device (``synchronize``, ``item``, ``query``, ``tolist``, ``cpu``)."""
+    import pstats
+
+    os.makedirs(where, exist_ok=True)
+    per_step: dict[str, dict[tuple[str, int, str], tuple[float, float, float]]] = {}
+    for arm in arms:
+        if arm.profile is None:
+            continue
+        path = os.path.join(where, f"{arm.name}.pstats")
+        arm.profile.dump_stats(path)
+        n = max(arm.steps, 1)
+        stats = pstats.Stats(path).stats  # type: ignore[attr-defined]
+        per_step[arm.name] = {k: (v[1] / n, v[2] / n * 1e6, v[3] / n * 1e6) for k, v in stats.items()}
+    waiting = ("synchronize", "item", "query", "tolist", "cpu")
+    for fw in dict.fromkeys(a.framework for a in arms):
+        plain, guarded = per_step.get(f"{fw}_plain"), per_step.get(f"{fw}_guarded")
+        if plain is None or guarded is None:
+            continue
+        diff = sorted(((g[1] - plain.get(k, (0.0, 0.0, 0.0))[1], k, g) for k, g in guarded.items()), reverse=True)
+        print(f"\n{fw}: own time a step, guarded minus plain (us), the largest {top}:")
+        for extra, (file, line, name), (calls, _own, _cum) in diff[:top]:
+            print(f"  {extra:9.1f}  {calls:7.2f} calls  {name} ({os.path.basename(file)}:{line})")
+        ours = sorted(((v[2], k, v) for k, v in guarded.items() if "ampguard" in k[0]), reverse=True)
+        print(f"{fw}: ampguard's functions by cumulative time a step (us):")
+        for cum, (file, line, name), (calls, _own, _c) in ours[:top]:
+            print(f"  {cum:9.1f}  {calls:7.2f} calls  {name} ({os.path.relpath(file)}:{line})")
+        for arm_name, table in ((f"{fw}_plain", plain), (f"{fw}_guarded", guarded)):
+            waits = {name: calls for (_f, _l, name), (calls, _o, _c) in table.items()
+                     if any(name.endswith(w) or name.endswith(w + "'>") for w in waiting)}
+            print(f"{fw}: calls a step that may wait for the device, {arm_name}: "
+                  + (", ".join(f"{k} {v:.2f}" for k, v in sorted(waits.items())) or "none"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -459,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
                          "seconds since start (default 300)")
     ap.add_argument("--no-syncs", action="store_true", help="skip the accelerate sync count (CUDA only anyway)")
     ap.add_argument("--out", default=None, help="write the JSON results here")
+    ap.add_argument("--pstats", default=None,
+                    help="run each arm's loop under cProfile, dump <arm>.pstats here and print where each guarded "
+                         "arm's host time goes beside its plain arm's, per optimizer step (profiled timings are not "
+                         "the figures: take those from a run without it)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
 
@@ -533,6 +579,9 @@ def main(argv: list[str] | None = None) -> int:
             except Exception:
                 arm.error, arm.finished = traceback.format_exc()[-3000:], True
                 print(f"{elapsed()} {arm.name}: could not be built:\n{arm.error}", flush=True)
+            if args.pstats:
+                import cProfile
+                arm.profile = cProfile.Profile()
             arms.append(arm)
     del base
     gc.collect()
@@ -576,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
     meta["wall_s"] = time.perf_counter() - t_start
     save()
     print_table(results)
+    if args.pstats:
+        print_profiles(arms, args.pstats)
     print(f"\n{elapsed()} total", flush=True)
     return 1 if any(a.error for a in arms) else 0
 

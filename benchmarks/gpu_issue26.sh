@@ -16,9 +16,17 @@
 # Stop 45 had no device. It built reports in batches (4e359e8): the next call, first, STEP_GRAPH=1 BATCH=1 MODELS=mlp
 # (host_time.py --batch-arm: the step graph's guard with and without the batches, in the same blocks; read the means),
 # then the whole tests/gpu (TESTS=1), then MODELS=gpt2-350m with BATCH=1 (its settle was 432 us a step at stop 40).
+# Stop 46 ran those on an H100 (benchmarks/results/gpu_stop46/). Left for the next, first: MODELS=gpt2-350m,mlp OPS=0
+# BLOCKS=4 STEP_GRAPH=1 BATCH=1 (host_time.py now prints each stage's mean: the batched arm's whole-step mean rose
+# while its settle fell, find where), then the framework rows with their profile (python benchmarks/frameworks_cost.py
+# --device cuda --blocks 6 --pstats $OUT/fw_pstats: where the guarded arms' 1-3 ms a step go; not a timing run), then
+# FP8_EAGER=1 with FP8_S=400 FP8_BLOCKS=30 alone in its call (190 s was not enough), and GPT-2 350M foreach.
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
+if ls .whl/torchao-*.whl >/dev/null 2>&1; then  # carried (carry [".whl"]): nothing is pip-installable on the device
+  pip install -q --no-index --no-deps --target /tmp/site .whl/torchao-*.whl >/dev/null 2>&1 && export PYTHONPATH=$PWD:/tmp/site
+fi
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu_$TAG.txt"
 python -c "import torch; print(torch.__version__)" | tee -a "$OUT/gpu_$TAG.txt"
 git log --oneline -1 2>/dev/null | tee -a "$OUT/gpu_$TAG.txt"
@@ -31,5 +39,29 @@ if [ "${TESTS:-1}" = 1 ]; then  # ~250 s on the H200 at stop 37 (a 200 s bound c
   timeout -k 5 "${TESTS_S:-330}" python -m pytest -q -p no:cacheprovider -rfE tests/gpu > "$OUT/tests_$TAG.txt" 2>&1
   echo "tests rc=$?"; tail -n 15 "$OUT/tests_$TAG.txt"
 fi
-python benchmarks/host_time.py --device cuda --models ${MODELS:-mlp,gpt2-350m} --optims fused,foreach --blocks 10 --steps 30 \
-  --profile ${PROFILE:-0} --ops ${OPS:-30} ${STEP_GRAPH:+--step-graph} ${BATCH:+--batch-arm} --json "$OUT/host_time_$TAG.json" 2>&1 | grep -v Warning | tee "$OUT/host_time_$TAG.txt"
+if [ "${HOST:-1}" = 1 ]; then
+  timeout -k 5 "${HOST_S:-300}" python benchmarks/host_time.py --device cuda --models ${MODELS:-mlp,gpt2-350m} \
+    --optims ${OPTIMS:-fused,foreach} --blocks ${BLOCKS:-10} --steps 30 --profile ${PROFILE:-0} --ops ${OPS:-30} \
+    ${STEP_GRAPH:+--step-graph} ${BATCH:+--batch-arm} --json "$OUT/host_time_$TAG.json" > "$OUT/host_time_$TAG.txt" 2>&1
+  echo "host rc=$?"; grep -v Warning "$OUT/host_time_$TAG.txt" | grep -E "on cuda|graph:|breakdown|^    " | head -60
+fi
+# Stop 46 adds FRAMEWORKS=1 (the framework rows), COMPILE=1 (the compiled row) and FP8_EAGER=1 (issue 28's eager
+# figures), none measured on a device since stop 37 (the fp8 ones never whole: its eager runs outlasted their bounds).
+if [ "${FRAMEWORKS:-0}" = 1 ]; then
+  timeout -k 5 "${FRAMEWORKS_S:-130}" python benchmarks/frameworks_cost.py --device cuda \
+    --frameworks accelerate,transformers,lightning --blocks 20 --budget-s $(( ${FRAMEWORKS_S:-130} - 20 )) \
+    --out "$OUT/frameworks_$TAG.json" > "$OUT/frameworks_$TAG.txt" 2>&1
+  echo "frameworks rc=$?"; grep -v Warning "$OUT/frameworks_$TAG.txt" | tail -n 22
+fi
+if [ "${COMPILE:-0}" = 1 ]; then
+  timeout -k 5 "${COMPILE_S:-110}" python benchmarks/table.py --device cuda --groups compile --blocks 30 \
+    --budget-s $(( ${COMPILE_S:-110} - 25 )) --profile-steps 0 --out "$OUT/table_compile_$TAG.json" \
+    > "$OUT/table_compile_$TAG.txt" 2>&1
+  echo "compile rc=$?"; grep -v Warning "$OUT/table_compile_$TAG.txt" | tail -n 20
+fi
+if [ "${FP8_EAGER:-0}" = 1 ]; then  # torchao carried: pip install --no-index --no-deps --target /tmp/site .whl/torchao-*.whl
+  timeout -k 5 "${FP8_S:-200}" python benchmarks/fp8_cost.py --device cuda --blocks ${FP8_BLOCKS:-30} --steps 10 \
+    --batch 32 --variants plain,plain2,guard,guard+fp8,guard+fp8-nosample --profile-steps 10 \
+    --out "$OUT/fp8_eager_$TAG.json" > "$OUT/fp8_eager_$TAG.txt" 2>&1
+  echo "fp8 eager rc=$?"; grep -E "^(plain|guard|profile)" "$OUT/fp8_eager_$TAG.txt"
+fi

@@ -253,9 +253,18 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
         total = statistics.median(broken) / 1e3
         stages["rest"] = total - sum(stages.values())  # no timed stage runs inside another
         return stages, total
+
+    def means(timers: Timers, broken: list[int]) -> dict[str, float]:
+        """Each stage's time a step, mean over the timed steps (what every N-th step pays counts: a batch of
+        reports decoded on one step in 16 moves a stage's median and leaves its mean), and the rest's."""
+        n = len(broken)
+        out = {k: sum(v) / n / 1e3 for k, v in timers.ns.items() if v}
+        out["rest"] = statistics.fmean(broken) / 1e3 - sum(out.values())
+        return out
     stages, inner_total = breakdown(timers, broken)
     out = {"model": model_name, "optim": optim, "device": str(device), "plain_us": q(times["plain"]),
-           "guard_us": q(times["guard"]), "breakdown_us": stages, "breakdown_total_us": inner_total}
+           "guard_us": q(times["guard"]), "breakdown_us": stages, "breakdown_total_us": inner_total,
+           "breakdown_mean_us": means(timers, broken)}
     out["measure_graph"] = {"steps": steps_run, "captures": graphs.captures, "replays": graphs.replays}
     out["added_us"] = out["guard_us"]["median"] - out["plain_us"]["median"]
     out["added_mean_us"] = out["guard_us"]["mean"] - out["plain_us"]["mean"]
@@ -264,20 +273,29 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
         sg = stepped._pipeline.step_graph
         s_stages, s_total = breakdown(*breakdowns["guard-step"])
         out["guard_step"] = {"us": q(times["guard-step"]), "breakdown_us": s_stages, "breakdown_total_us": s_total,
+                             "breakdown_mean_us": means(*breakdowns["guard-step"]),
                              "step_graph": {"steps": stepped.step_count, "captures": sg.captures,
                                             "replays": sg.replays}}
         out["guard_step"]["added_us"] = out["guard_step"]["us"]["median"] - out["plain_us"]["median"]
+        out["guard_step"]["added_mean_us"] = out["guard_step"]["us"]["mean"] - out["plain_us"]["mean"]
         stepped.close()
     if batch_arm:  # each report decoded at its step, in the same blocks: what the batches save (the mean counts them)
         per = loops["guard-perstep"][3]
         p_stages, p_total = breakdown(*breakdowns["guard-perstep"])
         out["guard_perstep"] = {"us": q(times["guard-perstep"]), "breakdown_us": p_stages,
-                                "breakdown_total_us": p_total}
+                                "breakdown_total_us": p_total, "breakdown_mean_us": means(*breakdowns["guard-perstep"])}
         out["guard_perstep"]["added_us"] = out["guard_perstep"]["us"]["median"] - out["plain_us"]["median"]
         out["guard_perstep"]["added_mean_us"] = out["guard_perstep"]["us"]["mean"] - out["plain_us"]["mean"]
         per.close()
     guard.close()
     return out
+
+
+def stage_lines(arm: dict[str, Any]) -> None:
+    """An arm's stages, the largest median first, each with its mean a step beside it."""
+    mean = arm.get("breakdown_mean_us", {})
+    for k, v in sorted(arm["breakdown_us"].items(), key=lambda kv: -kv[1]):
+        print(f"    {k:<26} {v:8.1f} us   mean {mean.get(k, float('nan')):8.1f}")
 
 
 def main() -> int:
@@ -319,25 +337,23 @@ def main() -> int:
             mg = row["measure_graph"]
             print(f"  measurement graph: {mg['replays']} replays, {mg['captures']} captures in {mg['steps']} steps")
             print(f"  breakdown of a timed guarded step ({row['breakdown_total_us']:.0f} us, median):")
-            for k, v in sorted(row["breakdown_us"].items(), key=lambda kv: -kv[1]):
-                print(f"    {k:<26} {v:8.1f} us")
+            stage_lines(row)
             if "guard_step" in row:
                 st = row["guard_step"]
                 u, sg = st["us"], st["step_graph"]
                 print(f"  guard with the step graph: {u['median']:.0f} us (p25 {u['p25']:.0f}, p75 {u['p75']:.0f}); "
-                      f"added {st['added_us']:+.0f} us; mean {u['mean']:.0f}; step graph: {sg['replays']} replays, "
-                      f"{sg['captures']} captures in {sg['steps']} steps")
+                      f"added {st['added_us']:+.0f} us; mean {u['mean']:.0f}, added {st['added_mean_us']:+.0f} us; "
+                      f"step graph: {sg['replays']} replays, {sg['captures']} captures in {sg['steps']} steps")
                 print(f"  its breakdown ({st['breakdown_total_us']:.0f} us, median):")
-                for k, v in sorted(st["breakdown_us"].items(), key=lambda kv: -kv[1]):
-                    print(f"    {k:<26} {v:8.1f} us")
+                stage_lines(st)
             if "guard_perstep" in row:
                 st = row["guard_perstep"]
                 u = st["us"]
+                default = row.get("guard_step", row)  # the default guard: the step graph's arm where it ran
                 print(f"  guard, each report decoded at its step: {u['median']:.0f} us (p25 {u['p25']:.0f}, p75 "
                       f"{u['p75']:.0f}); added {st['added_us']:+.0f} us; mean {u['mean']:.0f}, added "
-                      f"{st['added_mean_us']:+.0f} us (the default guard's mean: added {row['added_mean_us']:+.0f})")
-                for k, v in sorted(st["breakdown_us"].items(), key=lambda kv: -kv[1]):
-                    print(f"    {k:<26} {v:8.1f} us")
+                      f"{st['added_mean_us']:+.0f} us (the batched arm's mean: added {default['added_mean_us']:+.0f})")
+                stage_lines(st)
             sys.stdout.flush()
     if args.json:
         args.json.write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__, "clock": args.clock,

@@ -1,0 +1,58 @@
+"""The host-time instruments the next device run reads (stop 46), run for real on the CPU at tiny sizes.
+
+- ``benchmarks/host_time.py`` reports each stage's mean a step beside its median, and the batched arm's added mean
+  beside the per-step arm's. On the H100 (``benchmarks/results/gpu_stop46/``) the default guard's whole-step mean
+  rose while its ``settle`` fell; the medians alone could not say where the mean went. Before stop 46 the per-step
+  arm's line quoted the *stages-apart* arm's mean as "the default guard's".
+- ``benchmarks/frameworks_cost.py --pstats`` profiles every arm's own loop thread (cProfile sees one thread) and
+  prints, per framework, where the guarded arm's host time a step goes beside the plain arm's. The framework rows
+  miss by 1-3 ms a step on the H100 while the guard's own ``step()`` adds ~0.1 ms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(args: list[str], timeout: float) -> str:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_host_time_reports_stage_means_and_the_batched_arms_added_mean(tmp_path):
+    out = tmp_path / "rows.json"
+    text = _run(["benchmarks/host_time.py", "--device", "cpu", "--models", "mlp", "--optims", "fused", "--blocks", "1",
+                 "--steps", "6", "--warmup", "2", "--step-graph", "--batch-arm", "--json", str(out)], timeout=240)
+    (row,) = json.loads(out.read_text())["rows"]
+    for arm in (row, row["guard_step"], row["guard_perstep"]):
+        means = arm["breakdown_mean_us"]
+        assert "outcome.settle" in means and "rest" in means
+        assert all(v == v for v in means.values())  # no NaN: every stage timed on every step
+    step = row["guard_step"]
+    assert step["added_mean_us"] == pytest.approx(step["us"]["mean"] - row["plain_us"]["mean"])
+    # the per-step arm is compared with the batched (step graph) arm's mean, not the stages-apart arm's
+    assert f"(the batched arm's mean: added {step['added_mean_us']:+.0f})" in text
+    assert "   mean " in text
+
+
+def test_frameworks_cost_pstats_profiles_each_arms_own_thread(tmp_path):
+    pytest.importorskip("lightning")
+    where = tmp_path / "profiles"
+    text = _run(["benchmarks/frameworks_cost.py", "--device", "cpu", "--quick", "--frameworks", "lightning",
+                 "--no-syncs", "--blocks", "2", "--pstats", str(where)], timeout=300)
+    assert sorted(p.name for p in where.iterdir()) == ["lightning_guarded.pstats", "lightning_plain.pstats"]
+    assert "lightning: own time a step, guarded minus plain (us)" in text
+    ours = text.split("lightning: ampguard's functions by cumulative time a step (us):")[1]
+    # the guarded loop's thread was profiled: the guard's step is in it, once a step
+    assert "step (ampguard/guard.py:" in ours
+    assert "lightning: calls a step that may wait for the device, lightning_guarded:" in text
