@@ -18,8 +18,10 @@
 # then the whole tests/gpu (TESTS=1), then MODELS=gpt2-350m with BATCH=1 (its settle was 432 us a step at stop 40).
 # Stop 46 ran those on an H100 (benchmarks/results/gpu_stop46/). Left for the next, first: MODELS=gpt2-350m,mlp OPS=0
 # BLOCKS=4 STEP_GRAPH=1 BATCH=1 (host_time.py now prints each stage's mean: the batched arm's whole-step mean rose
-# while its settle fell, find where), then the framework rows with their profile (python benchmarks/frameworks_cost.py
-# --device cuda --blocks 6 --pstats $OUT/fw_pstats: where the guarded arms' 1-3 ms a step go; not a timing run), then
+# while its settle fell, find where), then the framework rows twice, as shipped and with AMPGUARD_REPORT_BATCH=0 (one
+# H100 run read accelerate 1.140, H200 runs 1.001-1.079: lease or regression?), and with their profile (python
+# benchmarks/frameworks_cost.py --device cuda --blocks 6 --pstats $OUT/fw_pstats: where the guarded arms' 1-3 ms a
+# step go; not a timing run), then
 # FP8_EAGER=1 with FP8_S=400 FP8_BLOCKS=30 alone in its call (190 s was not enough), and GPT-2 350M foreach.
 set -uo pipefail
 TAG=${1:-now}
