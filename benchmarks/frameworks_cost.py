@@ -452,6 +452,16 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------- main
+def _own_name(name: str) -> str:
+    """A profiled callable's own name: pstats names a C method ``<method 'item' of '...' objects>`` and a builtin
+    ``<built-in method torch.dot>``; a Python function by its name."""
+    if name.startswith("<method '"):
+        return name.split("'")[1]
+    if name.startswith("<built-in method "):
+        return name[len("<built-in method "):].rstrip(">").split(".")[-1]
+    return name
+
+
 def print_profiles(arms: list[Arm], where: str, top: int = 25) -> None:
     """``--pstats``: dump each arm's profile, then per framework the functions on which the guarded arm spends more own
     time a step than the plain one (the largest first), ampguard's functions by cumulative time a step, and the calls
@@ -483,7 +493,7 @@ def print_profiles(arms: list[Arm], where: str, top: int = 25) -> None:
             print(f"  {cum:9.1f}  {calls:7.2f} calls  {name} ({os.path.relpath(file)}:{line})")
         for arm_name, table in ((f"{fw}_plain", plain), (f"{fw}_guarded", guarded)):
             waits = {name: calls for (_f, _l, name), (calls, _o, _c) in table.items()
-                     if any(name.endswith(w) or name.endswith(w + "'>") for w in waiting)}
+                     if _own_name(name) in waiting}
             print(f"{fw}: calls a step that may wait for the device, {arm_name}: "
                   + (", ".join(f"{k} {v:.2f}" for k, v in sorted(waits.items())) or "none"))
 
