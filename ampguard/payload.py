@@ -78,10 +78,10 @@ class Layout(NamedTuple):
         decision, rows, params = self.head(values)
         at = DECISION_K + self.world * LOCAL_K
         numerics_at = at + self.norms
-        indicators_at = numerics_at + self.numerics
+        indicators_at = self.statistics.stop
+        params_at = indicators_at + self.indicators
         return Unpacked(decision, rows, values[at:numerics_at], values[numerics_at:indicators_at],
-                        values[indicators_at:indicators_at + self.indicators], params,
-                        values[indicators_at + self.indicators + self.params:])
+                        values[indicators_at:params_at], params, values[params_at + self.params:])
 
     def head(self, values: Sequence[float]) -> tuple[Sequence[float], list[Sequence[float]], Sequence[float]]:
         """``(decision, rows, params)``: the parts of :meth:`unpack` that say whether a report asks for something

@@ -56,7 +56,7 @@ _FREE_PER_SIZE = 4 + REPORT_BATCH
 bytes to a few KiB)."""
 
 _C_TYPES = {torch.float32: ctypes.c_float, torch.float64: ctypes.c_double}
-"""A host payload's floats read where they lie (:meth:`Reporter._healthy`), by its dtype."""
+"""A host payload's floats read where they lie (:meth:`Reporter._peek`), by its dtype."""
 
 _FLAGS = slice(Dec.SKIP, Dec.ZCLIP_REBASELINE + 1)
 """The decision's flags (:class:`~ampguard.stats.Dec`): a report with one of them set asks for something."""
