@@ -63,12 +63,18 @@ _FLAGS = slice(Dec.SKIP, Dec.ZCLIP_REBASELINE + 1)
 
 
 class _Pending:
-    __slots__ = ("batch_ids", "buf", "event", "index", "layout", "since", "step", "unpacked")
+    __slots__ = ("batch_ids", "buf", "early", "event", "index", "layout", "since", "skip", "step", "unpacked")
 
     def __init__(self, step: int, buf: torch.Tensor | None, layout: Layout | None, event: Any, index: list[int],
-                 batch_ids: list[Any], unpacked: Unpacked | None = None) -> None:
+                 batch_ids: list[Any], unpacked: Unpacked | None = None, skip: bool | None = None,
+                 early: tuple[torch.Tensor, Any] | None = None) -> None:
         self.step, self.buf, self.layout, self.event = step, buf, layout, event
         self.index, self.batch_ids, self.unpacked = index, batch_ids, unpacked
+        self.skip = skip
+        """The skip as the host knew it at the step (a host decision), or None (decided on the device)."""
+        self.early = early
+        """The device decision's skip flag, copied to the host ahead of the inner step (:meth:`Reporter.copy_skip`),
+        and the event of that copy; None where it was not copied."""
         self.since = time.monotonic()
 
 
@@ -133,14 +139,43 @@ class Reporter:
         self._unexported: list[tuple[StepReport, list[Anomaly]]] = []
         self._quiet = 0
         """How many of the first pending payloads :meth:`quiet` found healthy (each is read once)."""
+        self.early_skip = False
+        """Whether each device decision's skip flag is copied to the host ahead of the inner step (:meth:`copy_skip`).
+        Turned on by :meth:`last_skipped` once it had to wait for the payloads of two steps in a row (a framework
+        reading ``step_was_skipped`` every step: the transformers Trainer, a held scheduler in Lightning's manual
+        optimization): from then on such a read waits for the decision, not for the optimizer's kernels queued
+        behind it, which a host blocked there would leave the device without work after."""
+        self._early: list[tuple[torch.Tensor, Any]] = []
+        """Two pinned one-float buffers and their events, used in turn by :meth:`copy_skip`."""
+        self._early_step: tuple[int, tuple[torch.Tensor, Any]] | None = None
+        """The step whose skip flag :meth:`copy_skip` copied last, and where (attached by :meth:`enqueue`)."""
+        self._waited_at = -2
+        """The step whose payload :meth:`last_skipped` last had to wait for."""
 
     # ------------------------------------------------------------------ device -> host
-    def enqueue(self, step: int, packed: Packed | Unpacked, index: list[int], batch_ids: list[Any]) -> None:
+    def copy_skip(self, step: int, decision: torch.Tensor) -> None:
+        """With :attr:`early_skip` on, start copying the device decision's skip flag to the host, between the
+        decision and the inner step (one non_blocking copy of one float and an event; nothing otherwise)."""
+        if not self.early_skip or decision.device.type != "cuda":
+            return
+        if not self._early:
+            self._early = [(torch.empty(1, dtype=decision.dtype, pin_memory=True), torch.cuda.Event())
+                           for _ in range(2)]
+        slot = self._early[step % 2]  # in turn: the previous step's flag stays readable while this one's copies
+        slot[0].copy_(decision[Dec.SKIP:Dec.SKIP + 1], non_blocking=True)
+        slot[1].record()
+        self._early_step = (step, slot)
+
+    def enqueue(self, step: int, packed: Packed | Unpacked, index: list[int], batch_ids: list[Any],
+                skip: bool | None = None) -> None:
         """Start copying the step's payload to the host (non_blocking into pinned memory on CUDA);
         a payload already unpacked on the host (the CPU) waits for no copy. ``index``: the parameter
-        of each per-tensor norm (``GradGroups.index``)."""
+        of each per-tensor norm (``GradGroups.index``). ``skip``: the host decision's skip (None: decided on
+        the device), which :meth:`last_skipped` answers with at once."""
+        early, self._early_step = self._early_step, None
+        early_slot = early[1] if early is not None and early[0] == step else None
         if isinstance(packed, Unpacked):
-            self._pending.append(_Pending(step, None, None, None, index, batch_ids, packed))
+            self._pending.append(_Pending(step, None, None, None, index, batch_ids, packed, skip))
             return
         payload = packed.vector
         if payload.device.type == "cuda":
@@ -153,7 +188,7 @@ class Reporter:
             event.record()
         else:  # a host payload is the step's own fresh tensor (cat): no copy needed
             buf, event = payload.cpu(), None
-        self._pending.append(_Pending(step, buf, packed.layout, event, index, batch_ids))
+        self._pending.append(_Pending(step, buf, packed.layout, event, index, batch_ids, None, skip, early_slot))
 
     @property
     def pending(self) -> bool:
@@ -234,12 +269,24 @@ class Reporter:
         """Whether the latest step skipped, from its payload where it still waits to be decoded (its copy waited
         for if still on its way, as reading its report would): the decision's skip flag, what its report's
         ``skipped`` will say. None where the latest report is decoded (or recorded without a payload, as a
-        rollback's), or nothing is pending: read the history then."""
+        rollback's), or nothing is pending: read the history then. A host decision's skip is known without a wait;
+        a device decision's waits for its payload, or for its skip flag alone where :meth:`copy_skip` copied it
+        (reads that waited for two steps' payloads in a row turn that copy on: :attr:`early_skip`)."""
         if not self._pending:
             return None
         p = self._pending[-1]
         if self.history.steps_reported > p.step:
             return None
+        if p.skip is not None:
+            return p.skip
+        if p.event is not None and not p.event.query():
+            if p.early is not None:
+                flag, event = p.early
+                event.synchronize()  # the decision's copy only: the optimizer's kernels behind it go on
+                return flag.tolist()[0] > 0
+            if p.step == self._waited_at + 1:
+                self.early_skip = True  # read every step: from the next step on, copy the flag ahead
+            self._waited_at = p.step
         head = self._peek(p, wait=True)
         return None if head is None else head[0][Dec.SKIP] > 0
 

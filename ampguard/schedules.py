@@ -27,6 +27,7 @@ See ``docs/schedules.md``.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -77,7 +78,7 @@ class Schedules:
         taken = self.taken
         while self.applied < taken:
             for wrapper in self.schedulers:
-                wrapper.scheduler.step()  # the scheduler's own step (the wrapper's is refused)
+                wrapper.advance()  # the scheduler's own step (the wrapper's is refused)
             self.applied += 1
         if self.applied > taken:  # cannot happen through the guard's calls; never step backwards
             self.applied = taken
@@ -108,11 +109,14 @@ class Schedules:
                 ema.load_state_dict(sd)
         self.resync()
 
-    def add_scheduler(self, optimizer: torch.optim.Optimizer, scheduler: _LRScheduler) -> ScheduledLR:
-        """Register ``scheduler`` (built on ``optimizer``, the guard's inner optimizer, or the guard)."""
+    def add_scheduler(self, optimizer: torch.optim.Optimizer, scheduler: _LRScheduler,
+                      advance: Callable[[], None] | None = None) -> ScheduledLR:
+        """Register ``scheduler`` (built on ``optimizer``, the guard's inner optimizer, or the guard).
+        ``advance``: what one taken step does to it (default: its own ``step()``; accelerate's
+        ``AcceleratedScheduler`` steps it once per process, :mod:`ampguard.integrations.accelerate`)."""
         self._check_scheduler(optimizer, scheduler)
         self.catch_up()  # registering waits for pending reports (once, not per step); the others catch up
-        wrapper = ScheduledLR(scheduler, self)
+        wrapper = ScheduledLR(scheduler, self, advance)
         self.schedulers.append(wrapper)
         return wrapper
 
@@ -168,13 +172,27 @@ class ScheduledLR:
     its own ``step()`` is not refused, so do not call it. Pickled and deep-copied as the scheduler
     alone (a copy is not registered)."""
 
-    def __init__(self, scheduler: _LRScheduler, owner: Schedules) -> None:
+    def __init__(self, scheduler: _LRScheduler, owner: Schedules, advance: Callable[[], None] | None = None) -> None:
         self.scheduler = scheduler
         self._owner: weakref.ReferenceType[Schedules] | None = weakref.ref(owner)
         """The guard's schedules (weak: the guard owns them); None once handed back by ``close()``."""
+        self._advance = advance
+        """What one taken step does (:meth:`advance`); None: the scheduler's own ``step()``."""
+
+    @property
+    def registered(self) -> bool:
+        """Whether the guard still steps the scheduler (False once ``close()`` handed it back)."""
+        return self._owner is not None and self._owner() is not None
+
+    def advance(self) -> None:
+        """One taken step's advance, as the guard applies it (:meth:`Schedules.advance`)."""
+        if self._advance is not None:
+            self._advance()
+        else:
+            self.scheduler.step()
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._owner is None or self._owner() is None:  # handed back by close(), or the guard is gone
+        if not self.registered:  # handed back by close(), or the guard is gone
             self.scheduler.step(*args, **kwargs)
             return
         raise GuardStateError(

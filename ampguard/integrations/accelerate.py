@@ -72,6 +72,7 @@ require("accelerate")
 
 from accelerate import Accelerator  # noqa: E402  (after the version check)
 from accelerate.optimizer import AcceleratedOptimizer  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
 from accelerate.utils import DistributedType  # noqa: E402
 
 __all__ = ["GuardedAcceleratedOptimizer", "attach", "load_fsdp", "resolve", "save_fsdp"]
@@ -211,23 +212,85 @@ def attach(prepared: AcceleratedOptimizer, guard: GuardedOptimizer,
                       "loss is unknown (None); call opt.observe_loss(loss) per micro-batch to report it",
                       RuntimeWarning, stacklevel=3)
         return GuardedAcceleratedOptimizer(prepared, guard)
-    wrapped = GuardedAcceleratedOptimizer(prepared, guard, _AcceleratorHooks.add(accelerator, guard))
-    _take_place(accelerator, prepared, wrapped)
+    hooks = _AcceleratorHooks.add(accelerator, guard)
+    wrapped = GuardedAcceleratedOptimizer(prepared, guard, hooks)
+    _take_place(accelerator, prepared, wrapped, hooks)
     return wrapped
 
 
 # ---------------------------------------------------------------------------------------- internals
-def _take_place(accelerator: Accelerator, prepared: AcceleratedOptimizer, wrapped: GuardedAcceleratedOptimizer) -> None:
+def _take_place(accelerator: Accelerator, prepared: AcceleratedOptimizer, wrapped: GuardedAcceleratedOptimizer,
+                hooks: _AcceleratorHooks) -> None:
     """Put ``wrapped`` where ``prepared`` was: in ``accelerator._optimizers`` (what ``save_state``,
     ``load_state``, ``optimizer_step_was_skipped`` and ``unscale_gradients`` read; accelerate has
     no public call to replace a prepared optimizer) and in the public ``optimizers`` list of each
-    ``AcceleratedScheduler`` prepared with it."""
+    ``AcceleratedScheduler`` prepared with it; then hand the guard those it can step (:func:`_hold`)."""
     optimizers = accelerator._optimizers
     optimizers[:] = [wrapped if o is prepared else o for o in optimizers]
     for scheduler in accelerator._schedulers:
         held = getattr(scheduler, "optimizers", None)
         if isinstance(held, (list, tuple)) and held is not optimizers and any(o is prepared for o in held):
             scheduler.optimizers = [wrapped if o is prepared else o for o in held]
+        hooks.hold(scheduler, wrapped)
+
+
+_HELD = ("step", "get_last_lr", "state_dict")
+"""The ``AcceleratedScheduler`` methods a held one has as instance attributes (:func:`_hold`)."""
+
+
+def _hold(scheduler: Any, wrapped: GuardedAcceleratedOptimizer) -> bool:
+    """Hand ``scheduler`` (an ``AcceleratedScheduler``) to ``wrapped``'s guard, where it holds that optimizer alone,
+    steps with it (``step_scheduler_with_optimizer``) and wraps an ``LRScheduler`` built on it: the guard steps it
+    once per *taken* step at its fixed points, as ``opt.schedule()`` does (``docs/schedules.md``), and its own
+    ``step()`` on a step boundary does nothing. accelerate's ``step()`` reads ``step_was_skipped``, which on the
+    sync-free path (a fused optimizer on CUDA) waits for the whole optimizer step every step, where the plain
+    accelerate loop waits for nothing (it only learns whether ``optimizer.step`` was called; with a fused
+    optimizer it always is). ``get_last_lr()`` and ``state_dict()`` first apply the advance still pending
+    (waiting for the last step's report), so every value read is accelerate's. Instance attributes only (the
+    class is not patched); the guard's ``close()`` hands it back. Returns whether it is held."""
+    guard = wrapped.optimizer
+    inner = getattr(scheduler, "scheduler", None)
+    held = getattr(scheduler, "optimizers", None)
+    if (not isinstance(held, (list, tuple)) or len(held) != 1 or held[0] is not wrapped
+            or not getattr(scheduler, "step_with_optimizer", False) or any(n in scheduler.__dict__ for n in _HELD)
+            or not isinstance(inner, torch.optim.lr_scheduler.LRScheduler)
+            or isinstance(inner, torch.optim.lr_scheduler.ReduceLROnPlateau)
+            or getattr(getattr(inner, "optimizer", None), "param_groups", None) is not guard.param_groups):
+        return False  # accelerate's own step (it reads step_was_skipped: a wait per step on the sync-free path)
+    cls = type(scheduler)
+
+    def advance() -> None:  # accelerate's AcceleratedScheduler.step after its skip check (accelerate 1.x)
+        times = 1 if scheduler.split_batches else AcceleratorState().num_processes
+        for _ in range(times):
+            if hasattr(inner, "total_steps") and inner._step_count > inner.total_steps:
+                continue  # OneCycleLR without drop_last, as accelerate
+            inner.step()
+
+    wrapper = guard._outcome.schedules.add_scheduler(guard.optimizer, inner, advance)
+
+    def step(*args: Any, **kwargs: Any) -> None:
+        if not wrapper.registered:  # the guard closed: accelerate's own again
+            cls.step(scheduler, *args, **kwargs)
+            return
+        if args or kwargs:
+            raise TypeError(f"this AcceleratedScheduler is stepped by the guard (once per taken optimizer step), "
+                            f"which passes nothing to {type(inner).__name__}.step(); got {args or kwargs}. Call "
+                            "scheduler.step() with no arguments. Nothing was changed.")
+        if not scheduler.gradient_state.sync_gradients:  # a micro-step: accelerate's own bookkeeping
+            cls.step(scheduler)
+
+    def get_last_lr() -> Any:
+        if wrapper.registered:
+            guard._outcome.catch_up()
+        return cls.get_last_lr(scheduler)
+
+    def state_dict() -> Any:
+        if wrapper.registered:
+            guard._outcome.catch_up()
+        return cls.state_dict(scheduler)
+
+    scheduler.step, scheduler.get_last_lr, scheduler.state_dict = step, get_last_lr, state_dict
+    return True
 
 
 class _AcceleratorHooks:
@@ -238,6 +301,8 @@ class _AcceleratorHooks:
     - ``unscale_gradients()`` (what ``clip_grad_norm_``/``clip_grad_value_`` call first), only
       without a GradScaler: on a step boundary the guards measure the gradients before the caller
       clips (with one, accelerate's own ``scaler.unscale_`` already reaches the guard).
+    - ``prepare_scheduler()`` (what ``prepare`` calls for a scheduler): a scheduler prepared after ``wrap`` is
+      handed to the guard like one prepared before (:func:`_hold`).
     - ``save_state()``: refused (``CheckpointError``) before anything is written, or rotated out,
       when a guard's state holds a NaN/Inf (``integrity.refuse_unhealthy``). Under FSDP it saves the
       inner optimizers and each guard's own state per rank; ``load_state()`` reads them back
@@ -248,12 +313,15 @@ class _AcceleratorHooks:
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
         self.guards: list[GuardedOptimizer] = []
-        names = ("backward", "save_state", "load_state", "clip_grad_norm_") + (
+        self.held: list[tuple[GuardedOptimizer, Any]] = []
+        """``(guard, AcceleratedScheduler)`` of each scheduler a guard steps (:func:`_hold`)."""
+        names = ("backward", "save_state", "load_state", "clip_grad_norm_", "prepare_scheduler") + (
             () if accelerator.scaler is not None else ("unscale_gradients",))
         self.previous = {name: accelerator.__dict__.get(name) for name in names}
-        backward_, unscale_gradients_, save_state_, load_state_, clip_grad_norm_ = (
+        backward_, unscale_gradients_, save_state_, load_state_, clip_grad_norm_, prepare_scheduler_ = (
             self.previous.get(n) or types.MethodType(getattr(Accelerator, n), accelerator)
-            for n in ("backward", "unscale_gradients", "save_state", "load_state", "clip_grad_norm_"))
+            for n in ("backward", "unscale_gradients", "save_state", "load_state", "clip_grad_norm_",
+                      "prepare_scheduler"))
 
         def save_state(*args: Any, **kwargs: Any) -> Any:
             # Before accelerate touches the disk (it rotates old checkpoints out first): a state with a
@@ -300,12 +368,24 @@ class _AcceleratorHooks:
                         return guard.clip_grad_norm_(max_norm, norm_type, parameters=params)
             return clip_grad_norm_(params, max_norm, norm_type, **kwargs)
 
+        def prepare_scheduler(scheduler: Any) -> Any:
+            prepared = prepare_scheduler_(scheduler)
+            for _, wrapped in self._guarded_places():
+                self.hold(prepared, wrapped)
+            return prepared
+
+        accelerator.prepare_scheduler = prepare_scheduler  # type: ignore[method-assign]
         accelerator.backward = backward  # type: ignore[method-assign]
         accelerator.save_state = save_state  # type: ignore[method-assign]
         accelerator.load_state = load_state  # type: ignore[method-assign]
         accelerator.clip_grad_norm_ = clip  # type: ignore[method-assign]
         if "unscale_gradients" in names:
             accelerator.unscale_gradients = unscale_gradients  # type: ignore[method-assign]
+
+    def hold(self, scheduler: Any, wrapped: GuardedAcceleratedOptimizer) -> None:
+        """Hand ``scheduler`` to ``wrapped``'s guard where it can be (:func:`_hold`)."""
+        if _hold(scheduler, wrapped):
+            self.held.append((wrapped.optimizer, scheduler))
 
     def open_guards(self) -> list[GuardedOptimizer]:
         return [g for g in self.guards if not g._closed]
@@ -342,6 +422,11 @@ class _AcceleratorHooks:
         return hooks  # type: ignore[no-any-return]
 
     def remove(self, guard: GuardedOptimizer) -> None:
+        for g, scheduler in self.held:  # the schedulers it held get accelerate's own methods back
+            if g is guard:
+                for name in _HELD:
+                    scheduler.__dict__.pop(name, None)
+        self.held = [(g, s) for g, s in self.held if g is not guard]
         self.guards = [g for g in self.guards if g is not guard]
         acc = self.accelerator
         if self.guards or acc.__dict__.get(self._ATTR) is not self:
