@@ -23,6 +23,11 @@
 # benchmarks/frameworks_cost.py --device cuda --blocks 6 --pstats $OUT/fw_pstats: where the guarded arms' 1-3 ms a
 # step go; not a timing run), then
 # FP8_EAGER=1 with FP8_S=400 FP8_BLOCKS=30 alone in its call (190 s was not enough), and GPT-2 350M foreach.
+# Stop 47 got no device (its whole budget went on refused starts). It changed what the framework rows measure: the
+# guard steps accelerate's prepared scheduler (no read of step_was_skipped, which waited for the whole optimizer step
+# every step), and a read of the skip every step waits for the decision only (Reporter.early_skip). The next call,
+# first: FIRST=0 TESTS=0 HOST=0 FRAMEWORKS=1 FW_BASE=c3def41 FW_BLOCKS=16 FRAMEWORKS_S=100 (stop 46's library and
+# this one in turn, twice, ~450 s), then tests/gpu whole (its two new tests in test_gpu_host.py), then the rest above.
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
@@ -49,11 +54,21 @@ if [ "${HOST:-1}" = 1 ]; then
 fi
 # Stop 46 adds FRAMEWORKS=1 (the framework rows), COMPILE=1 (the compiled row) and FP8_EAGER=1 (issue 28's eager
 # figures), none measured on a device since stop 37 (the fp8 ones never whole: its eager runs outlasted their bounds).
+fw_run() {  # fw_run NAME [PYTHONPATH]: the framework rows, the library from PYTHONPATH (default: this tree)
+  PYTHONPATH=${2:-$PYTHONPATH} timeout -k 5 "${FRAMEWORKS_S:-130}" python benchmarks/frameworks_cost.py --device cuda \
+    --frameworks accelerate,transformers,lightning --blocks ${FW_BLOCKS:-20} --budget-s $(( ${FRAMEWORKS_S:-130} - 20 )) \
+    --out "$OUT/frameworks_$1.json" > "$OUT/frameworks_$1.txt" 2>&1
+  echo "frameworks $1 rc=$?"; grep -A5 "^framework " "$OUT/frameworks_$1.txt"; grep -A4 "host syncs per step" "$OUT/frameworks_$1.txt"
+}
 if [ "${FRAMEWORKS:-0}" = 1 ]; then
-  timeout -k 5 "${FRAMEWORKS_S:-130}" python benchmarks/frameworks_cost.py --device cuda \
-    --frameworks accelerate,transformers,lightning --blocks 20 --budget-s $(( ${FRAMEWORKS_S:-130} - 20 )) \
-    --out "$OUT/frameworks_$TAG.json" > "$OUT/frameworks_$TAG.txt" 2>&1
-  echo "frameworks rc=$?"; grep -v Warning "$OUT/frameworks_$TAG.txt" | tail -n 22
+  if [ -n "${FW_BASE:-}" ]; then  # FW_BASE=REV: that commit's ampguard and this tree's, in turn, twice (same harness)
+    rm -rf /tmp/fw_base && mkdir -p /tmp/fw_base && git archive "$FW_BASE" ampguard | tar -x -C /tmp/fw_base
+    for round in 1 2; do
+      fw_run "${TAG}_base$round" "/tmp/fw_base:$PYTHONPATH"; fw_run "${TAG}_this$round"
+    done
+  else
+    fw_run "$TAG"
+  fi
 fi
 if [ "${COMPILE:-0}" = 1 ]; then
   timeout -k 5 "${COMPILE_S:-110}" python benchmarks/table.py --device cuda --groups compile --blocks 30 \
