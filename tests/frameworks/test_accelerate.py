@@ -291,6 +291,36 @@ def test_on_the_sync_free_path_the_guard_steps_the_prepared_scheduler_and_nothin
     assert "prepare_scheduler" not in acc.__dict__
 
 
+@pytest.mark.parametrize("case", ["not_with_the_optimizer", "plateau", "two_optimizers"])
+def test_a_scheduler_the_guard_cannot_step_stays_accelerates(case):
+    """Where the guard cannot step an AcceleratedScheduler as accelerate would (it does not step with the optimizer,
+    it steps on a metric, it holds another optimizer too), it is left as accelerate made it: no instance attribute,
+    and its step() is accelerate's (which reads step_was_skipped where it checks it)."""
+    acc = _accelerator("bf16")
+    if case == "not_with_the_optimizer":
+        acc.step_scheduler_with_optimizer = False
+    model = make_model(0)
+    first, second = list(model.parameters())[:2], list(model.parameters())[2:]
+    inner = torch.optim.AdamW(model.parameters() if case != "two_optimizers" else first, lr=1e-2)
+    sched = (torch.optim.lr_scheduler.ReduceLROnPlateau(inner) if case == "plateau"
+             else torch.optim.lr_scheduler.LambdaLR(inner, lambda k: 0.9**k))
+    objs = [model, inner, sched] + ([torch.optim.SGD(second, lr=0.1)] if case == "two_optimizers" else [])
+    prepared = acc.prepare(*objs)
+    model, opt, sched = prepared[0], prepared[1], prepared[2]
+    if case == "two_optimizers":  # one AcceleratedScheduler holding both optimizers, as accelerate builds it when
+        sched.optimizers = [opt, prepared[3]]  # it finds none of its own (the full list)
+    opt = ampguard.wrap(opt, accelerator=acc, model=model)
+    assert not any(n in sched.__dict__ for n in ("step", "get_last_lr", "state_dict"))
+    assert opt.guard._outcome.schedules.schedulers == []
+    x, y = make_data(1)[0]
+    acc.backward(loss_of(model, x, y))
+    opt.step()
+    sched.step(1.0) if case == "plateau" else sched.step()
+    if case != "plateau":
+        assert sched.get_last_lr()[0] == pytest.approx(1e-2 * 0.9)  # accelerate's own step ran
+    opt.close()
+
+
 @pytest.mark.parametrize(("accelerator_precision", "guard_kwargs"), [
     ("fp16", {"scaler": "accelerator's"}),  # even the right scaler and precision: guard after prepare
     ("bf16", {"precision": "bf16"}),
