@@ -28,6 +28,7 @@
 # every step), and a read of the skip every step waits for the decision only (Reporter.early_skip). The next call,
 # first: FIRST=0 TESTS=0 HOST=0 FRAMEWORKS=1 FW_BASE=c3def41 FW_BLOCKS=16 FRAMEWORKS_S=100 (stop 46's library and
 # this one in turn, twice, ~450 s), then tests/gpu whole (its two new tests in test_gpu_host.py), then the rest above.
+# FW_LIST=...,transformers_noclip adds the Trainer without clipping (max_grad_norm=0; issue 26's 1.005 row, never run).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
@@ -56,7 +57,7 @@ fi
 # figures), none measured on a device since stop 37 (the fp8 ones never whole: its eager runs outlasted their bounds).
 fw_run() {  # fw_run NAME [PYTHONPATH]: the framework rows, the library from PYTHONPATH (default: this tree)
   PYTHONPATH=${2:-$PYTHONPATH} timeout -k 5 "${FRAMEWORKS_S:-130}" python benchmarks/frameworks_cost.py --device cuda \
-    --frameworks accelerate,transformers,lightning --blocks ${FW_BLOCKS:-20} --budget-s $(( ${FRAMEWORKS_S:-130} - 20 )) \
+    --frameworks ${FW_LIST:-accelerate,transformers,lightning} --blocks ${FW_BLOCKS:-20} --budget-s $(( ${FRAMEWORKS_S:-130} - 20 )) \
     --out "$OUT/frameworks_$1.json" > "$OUT/frameworks_$1.txt" 2>&1
   echo "frameworks $1 rc=$?"; grep -A5 "^framework " "$OUT/frameworks_$1.txt"; grep -A4 "host syncs per step" "$OUT/frameworks_$1.txt"
 }
