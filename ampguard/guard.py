@@ -247,7 +247,9 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         ``min(1, max_norm / (norm + 1e-6))`` goes into the fused optimizer's ``grad_scale``: no pass
         over the gradients here. Otherwise (and on a second call in the step, which first applies the
         folded clip) it unscales (:meth:`unscale_`) and calls torch's ``clip_grad_norm_``, as the
-        plain loop does. The report's ``clip_coef`` is the first call's coefficient."""
+        plain loop does. The report's ``clip_coef`` is the first call's coefficient. ``max_norm=inf``
+        is torch's norm with no clip (transformers 5 asks for it every step to log the norm, with
+        ``max_grad_norm=0``): folded, it is the measurement alone, and the coefficient stays 1."""
         self._check_open("clip_grad_norm_")
         max_norm = _clip_max_norm(max_norm)
         params = self._pipeline.params()
@@ -258,22 +260,26 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             same = {id(p) for p in chosen if p.requires_grad} == self._pipeline.param_ids()
         foldable = (same and float(norm_type) == 2.0 and self.config.clip_grad_norm is None
                     and self.config.zclip is None)
+        clips = math.isfinite(max_norm)  # inf: torch's norm with no clip (what transformers 5 logs every step)
         measured = self._measured
         if measured is None and foldable:
             measured = self._measured = self._measure(fast=True)
             if measured.scaled:
-                measured.clip_norm = max_norm
+                if clips:
+                    measured.clip_norm = max_norm
                 return torch.linalg.vector_norm(measured.norms, 2.0)
         elif measured is not None and measured.scaled:  # a second call: apply the folded clip first
             first = self._pipeline.measure(self)  # GradScaler's unscale_, as the plain loop's
-            first.numerics, first.clip_norm, first.clip_applied = measured.numerics, measured.clip_norm, True
+            folded = measured.clip_norm
+            first.numerics, first.clip_norm, first.clip_applied = measured.numerics, folded, folded is not None
             self._measured = first
-            torch.nn.utils.clip_grad_norm_(params, measured.clip_norm)  # type: ignore[arg-type]
+            if folded is not None:
+                torch.nn.utils.clip_grad_norm_(params, folded)
             foldable = False
         self.unscale_()
         total = torch.nn.utils.clip_grad_norm_(chosen, max_norm, norm_type)
         measured = self._measured
-        if foldable and measured.clip_norm is None:  # the report's clip_coef: this clip's
+        if foldable and clips and measured.clip_norm is None:  # the report's clip_coef: this clip's
             measured.clip_norm, measured.clip_applied = max_norm, True
         return total
 
@@ -657,12 +663,13 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
 
 
 def _clip_max_norm(max_norm: Any) -> float:
-    """``clip_grad_norm_``'s ``max_norm`` as a float; a clear error for anything but a finite number > 0."""
+    """``clip_grad_norm_``'s ``max_norm`` as a float; a clear error for anything but a number > 0 (``inf``, as in
+    torch: the norm, and no clip)."""
     if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:
         max_norm = max_norm.item()
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
         raise TypeError(f"clip_grad_norm_(max_norm={max_norm!r}): expects a number, e.g. max_norm=1.0")
-    if not (math.isfinite(max_norm) and max_norm > 0):
-        raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): allowed: a finite number > 0 (e.g. 1.0); to not "
-                         "clip, do not call it. Nothing was changed.")
+    if not max_norm > 0:  # NaN fails too
+        raise ValueError(f"clip_grad_norm_(max_norm={max_norm!r}): allowed: a number > 0 (e.g. 1.0; inf: the norm "
+                         "and no clip, as torch's); to not clip, do not call it. Nothing was changed.")
     return float(max_norm)

@@ -52,7 +52,6 @@ Wrapping before ``prepare`` (``accelerator.prepare(ampguard.wrap(optimizer))``) 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import types
 import warnings
@@ -359,9 +358,10 @@ class _AcceleratorHooks:
             # On a step boundary, the parameters of one guard: the guard's clip (on the fused fast
             # path folded into its step: no unscale_, no pass over the gradients here).
             # Frozen parameters do not count (the Trainer passes model.parameters()).
-            # max_norm=inf (the Trainer's norm for logging, no clip) stays accelerate's.
+            # max_norm=inf (transformers 5's norm for its log, every step, with max_grad_norm=0) too: the guard's
+            # measurement, no clip, where accelerate would unscale, take the norm and multiply by 1 (three passes).
             params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            if accelerator.sync_gradients and not kwargs and 0 < max_norm < math.inf:
+            if accelerator.sync_gradients and not kwargs and max_norm > 0:
                 ids = {id(p) for p in params if p.requires_grad}
                 for guard in self.open_guards():
                     if ids == guard._pipeline.param_ids():

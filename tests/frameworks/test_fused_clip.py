@@ -72,6 +72,22 @@ def test_folded_clip_matches_the_plain_loop_with_no_unscale():
     assert all(c < 1.0 for c in coefs)  # the report's coefficient is the folded clip's
 
 
+@pytest.mark.parametrize("clips", [(math.inf,), (math.inf, CLIP)], ids=["inf", "inf_then_clip"])
+def test_an_inf_clip_is_the_norm_alone_folded_with_no_unscale(clips):
+    """``clip_grad_norm_(inf)`` is torch's norm with no clip; transformers 5 asks for it every step with
+    ``max_grad_norm=0``, to log the norm, and accelerate's answer unscales, takes the norm and multiplies every
+    gradient by 1 (three passes). On the fused path the guard answers with its own measurement: nothing is unscaled,
+    the update is the plain loop's, the report's coefficient stays 1. A clip after it in the step is torch's, on
+    unscaled gradients, as the plain loop's. Refused (``ValueError``) before."""
+    want, want_norms = _plain(fused=True, clips=clips)
+    got, norms, opt, scaled = _guarded(fused=True, clips=clips)
+    assert all(scaled) if len(clips) == 1 else not any(scaled)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert norms == pytest.approx(want_norms, rel=1e-5)
+    assert all(r.clip_coef == 1.0 for r in opt.history)  # the first call's: no clip
+
+
 def test_fallback_non_fused_is_bitwise_the_plain_loop():
     want, want_norms = _plain(fused=False)
     got, norms, opt, scaled = _guarded(fused=False)
@@ -105,7 +121,7 @@ def test_a_parameter_subset_falls_back_to_torch():
     opt.step()
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf])
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, -math.inf])
 def test_bad_max_norm_is_refused_and_changes_nothing(bad):
     model = make_model(0)
     opt = ampguard.wrap(_inner(model, True), precision="fp16", scaler=_scaler(), model=model)
@@ -121,7 +137,10 @@ def test_bad_max_norm_is_refused_and_changes_nothing(bad):
     assert opt.history[0].clip_coef == 1.0
 
 
-def test_accelerate_clip_routes_into_the_guard():
+@pytest.mark.parametrize("max_norm", [CLIP, math.inf], ids=["clip", "norm_only"])
+def test_accelerate_clip_routes_into_the_guard(max_norm):
+    """``norm_only``: transformers 5's ``accelerator.clip_grad_norm_(params, inf)`` (``max_grad_norm=0``) is the guard's
+    measurement too; it was accelerate's (an unscale, the norm, a multiply by 1)."""
     steps = {}
     for guarded in (False, True):
         acc, model, opt, sched = _prepared("fp16")
@@ -142,10 +161,10 @@ def test_accelerate_clip_routes_into_the_guard():
                 return out
 
             acc.clip_grad_norm_ = spy
-        steps[guarded] = _train(acc, model, opt, sched, make_data(4), clip=CLIP)
+        steps[guarded] = _train(acc, model, opt, sched, make_data(4), clip=max_norm)
         if guarded:
             assert seen and all(seen)  # the guard's folded clip: accelerate's unscale_ never ran
-            assert all(r.clip_coef < 1.0 for r in opt.history)
+            assert all(r.clip_coef < 1.0 if max_norm == CLIP else r.clip_coef == 1.0 for r in opt.history)
     for (s0, lr0, _, n0), (s1, lr1, _, n1) in zip(steps[False], steps[True]):
         assert (s0, lr0) == (s1, lr1)
         assert n1 == pytest.approx(n0, rel=1e-5)

@@ -208,6 +208,39 @@ def test_healthy_run_matches_the_plain_trainer_bit_for_bit(tmp_path: Path, preci
         assert plain.accelerator.scaler.get_scale() == guarded.guard.get_scale()
 
 
+def test_without_clipping_the_logged_norm_is_the_guards_measurement_and_nothing_is_unscaled(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 26's row without clipping: with ``max_grad_norm=0`` transformers 5 still calls
+    ``accelerator.clip_grad_norm_(model.parameters(), inf)`` every step, for the norm it logs. In fp16 with a fused
+    AdamW the guard answers from its own measurement of the still-scaled gradients: no unscale (accelerate's answer
+    unscales, takes the norm and multiplies every gradient by 1), the same logged norms and losses as the plain
+    Trainer, and the same training within float rounding (the fused kernel unscales instead of ``unscale_``).
+    Before, every step unscaled (the inf clip was left to accelerate)."""
+    kw = dict(max_steps=4, max_grad_norm=0.0, optim="adamw_torch_fused", gradient_accumulation_steps=1)
+    plain, _ = _trainer(tmp_path / "plain", "fp16", guarded=False, **kw)
+    plain.train()
+    unscaled = {"n": 0}
+    unscale_ = ampguard.GuardedOptimizer.unscale_
+
+    def counted(self: ampguard.GuardedOptimizer) -> None:
+        unscaled["n"] += 1
+        unscale_(self)
+
+    monkeypatch.setattr(ampguard.GuardedOptimizer, "unscale_", counted)
+    guarded, _ = _trainer(tmp_path / "guarded", "fp16", **kw)
+    guarded.train()
+    assert guarded.guard is not None and guarded.guard.skipped_steps == 0 and guarded.guard.step_count == 4
+    assert unscaled["n"] == 0
+    plain_logs, logs = _train_logs(plain), _train_logs(guarded)
+    assert [h["loss"] for h in logs] == pytest.approx([h["loss"] for h in plain_logs], rel=1e-4)
+    assert [h["grad_norm"] for h in logs] == pytest.approx([h["grad_norm"] for h in plain_logs], rel=1e-5)
+    assert [r.grad_norm for r in guarded.guard.history] == pytest.approx([h["grad_norm"] for h in logs], rel=1e-5)
+    assert all(r.clip_coef == 1.0 for r in guarded.guard.history)
+    want, got = _params(plain), _params(guarded)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------ resume
 def _as_fsdp2(trainer: Trainer) -> None:
     """The Trainer's FSDP2 checkpoint branches (``save_fsdp_model``/``save_fsdp_optimizer`` and their loads, DCP),
