@@ -343,8 +343,8 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         decision = decided.vector
         if self._forensics.armed:  # armed only after an anomaly
             self._forensics.collect(self._step, decision, gathered)
-        if decided.skipped is None:  # a device decision: its skip flag ahead of the inner step, when read every step
-            self._reporter.copy_skip(self._step, decision)
+        # a device decision: its skip flag copied ahead of the inner step, when read every step (Reporter.early_skip)
+        early = self._reporter.copy_skip(self._step, decision) if decided.skipped is None else None
         pipe.clip(measured, decided)
         ind = self._indicators  # a sampled step copies the weights before the inner step
         every = self.config.indicators_every
@@ -362,7 +362,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         if params is not None and self.backend.world_size > 1:  # every rank learns it in the next step's gather
             self._params_bad = (~torch.isfinite(params)).any().float()
         self._reporter.enqueue(self._step, pipe.payload(decided, gathered, measured, tail, params, fp8),
-                               measured.groups.index, self._outcome.batch_ids, decided.skipped)
+                               measured.groups.index, self._outcome.batch_ids, decided.skipped, early)
         self._end_step(measured)
         every = self.config.consistency_every
         if every is not None and self.backend.world_size > 1 and self._step % every == 0:  # collective

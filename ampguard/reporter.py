@@ -147,33 +147,31 @@ class Reporter:
         behind it, which a host blocked there would leave the device without work after."""
         self._early: list[tuple[torch.Tensor, Any]] = []
         """Two pinned one-float buffers and their events, used in turn by :meth:`copy_skip`."""
-        self._early_step: tuple[int, tuple[torch.Tensor, Any]] | None = None
-        """The step whose skip flag :meth:`copy_skip` copied last, and where (attached by :meth:`enqueue`)."""
         self._waited_at = -2
         """The step whose payload :meth:`last_skipped` last had to wait for."""
 
     # ------------------------------------------------------------------ device -> host
-    def copy_skip(self, step: int, decision: torch.Tensor) -> None:
+    def copy_skip(self, step: int, decision: torch.Tensor) -> tuple[torch.Tensor, Any] | None:
         """With :attr:`early_skip` on, start copying the device decision's skip flag to the host, between the
-        decision and the inner step (one non_blocking copy of one float and an event; nothing otherwise)."""
+        decision and the inner step (one non_blocking copy of one float and an event; nothing otherwise). Returns
+        the buffer and its event, for the step's :meth:`enqueue`; None where nothing was copied."""
         if not self.early_skip or decision.device.type != "cuda":
-            return
+            return None
         if not self._early:
             self._early = [(torch.empty(1, dtype=decision.dtype, pin_memory=True), torch.cuda.Event())
                            for _ in range(2)]
         slot = self._early[step % 2]  # in turn: the previous step's flag stays readable while this one's copies
         slot[0].copy_(decision[Dec.SKIP:Dec.SKIP + 1], non_blocking=True)
         slot[1].record()
-        self._early_step = (step, slot)
+        return slot
 
     def enqueue(self, step: int, packed: Packed | Unpacked, index: list[int], batch_ids: list[Any],
-                skip: bool | None = None) -> None:
+                skip: bool | None = None, early: tuple[torch.Tensor, Any] | None = None) -> None:
         """Start copying the step's payload to the host (non_blocking into pinned memory on CUDA);
         a payload already unpacked on the host (the CPU) waits for no copy. ``index``: the parameter
         of each per-tensor norm (``GradGroups.index``). ``skip``: the host decision's skip (None: decided on
-        the device), which :meth:`last_skipped` answers with at once."""
-        early, self._early_step = self._early_step, None
-        early_slot = early[1] if early is not None and early[0] == step else None
+        the device), which :meth:`last_skipped` answers with at once; ``early``: what :meth:`copy_skip` returned
+        for this step."""
         if isinstance(packed, Unpacked):
             self._pending.append(_Pending(step, None, None, None, index, batch_ids, packed, skip))
             return
@@ -188,7 +186,7 @@ class Reporter:
             event.record()
         else:  # a host payload is the step's own fresh tensor (cat): no copy needed
             buf, event = payload.cpu(), None
-        self._pending.append(_Pending(step, buf, packed.layout, event, index, batch_ids, None, skip, early_slot))
+        self._pending.append(_Pending(step, buf, packed.layout, event, index, batch_ids, None, skip, early))
 
     @property
     def pending(self) -> bool:

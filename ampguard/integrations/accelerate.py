@@ -278,17 +278,15 @@ def _hold(scheduler: Any, wrapped: GuardedAcceleratedOptimizer) -> bool:
         if not scheduler.gradient_state.sync_gradients:  # a micro-step: accelerate's own bookkeeping
             cls.step(scheduler)
 
-    def get_last_lr() -> Any:
-        if wrapper.registered:
-            guard._outcome.catch_up()
-        return cls.get_last_lr(scheduler)
+    def caught_up(read: Callable[[Any], Any]) -> Callable[[], Any]:  # a reader: the pending advance applied first
+        def call() -> Any:
+            if wrapper.registered:
+                guard._outcome.catch_up()
+            return read(scheduler)
+        return call
 
-    def state_dict() -> Any:
-        if wrapper.registered:
-            guard._outcome.catch_up()
-        return cls.state_dict(scheduler)
-
-    scheduler.step, scheduler.get_last_lr, scheduler.state_dict = step, get_last_lr, state_dict
+    scheduler.step, scheduler.get_last_lr, scheduler.state_dict = step, caught_up(cls.get_last_lr), caught_up(
+        cls.state_dict)
     return True
 
 
