@@ -369,6 +369,8 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             consistency.check_outcome(self._outcome, self._step, self._scaler, pipe.params(), self.device, self.config)
         if synced or not self._lagged_reports:
             self._outcome.settle(next_forward=self._step)  # after _end_step: the next forward is this step's
+        else:  # its outcome learnt later: the schedulers advance now as if it was taken, undone if it was not
+            self._outcome.schedules.step_ahead(self._step - 1)
         return result
 
     @_eager

@@ -228,6 +228,13 @@ class Reporter:
         skip flag is 0), which a registered scheduler steps for at once (:meth:`ampguard.schedules.Schedules.taken`)."""
         return self._quiet
 
+    @property
+    def unresolved_from(self) -> int | None:
+        """The first step whose outcome the host has not read (its payload neither decoded nor read healthy by
+        :meth:`quiet`); None: every step's is. Steps before it are counted in the history or :attr:`taken_waiting`."""
+        k = self._quiet
+        return self._pending[k].step if k < len(self._pending) else None
+
     def _healthy(self, p: _Pending) -> bool:
         """A payload whose report asks for nothing: no flag of the decision set (no skip, overflow, spike, scale
         change or re-baseline), every parameter checked finite (this rank's and, with several ranks, every

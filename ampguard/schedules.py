@@ -26,6 +26,8 @@ See ``docs/schedules.md``.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -51,7 +53,25 @@ class Records(Protocol):
     @property
     def taken_waiting(self) -> int: ...
 
+    @property
+    def unresolved_from(self) -> int | None: ...
+
     def decode(self) -> None: ...
+
+    def last_skipped(self) -> bool | None: ...
+
+
+@dataclasses.dataclass
+class _Ahead:
+    """One advance made ahead for ``step`` (:meth:`Schedules.step_ahead`): what it changed, as it was before."""
+
+    step: int
+    states: list[tuple[_LRScheduler, dict[str, Any]]]
+    """Each scheduler's ``state_dict()`` before the advance."""
+    groups: list[tuple[dict[str, Any], dict[str, Any]]]
+    """Each param group the schedulers set, and its values (not ``params``) before the advance."""
+    known: bool = False
+    """A reader learnt the step was taken (:meth:`Schedules.exact`): nothing left to learn before the fixed point."""
 
 
 class Schedules:
@@ -63,7 +83,9 @@ class Schedules:
         self.schedulers: list[ScheduledLR] = []
         self.emas: list[EMA] = []
         self.applied = 0
-        """Taken steps the schedulers have been stepped for."""
+        """Advances applied to the schedulers: one per taken step counted, and one per step advanced ahead."""
+        self._ahead: list[_Ahead] = []
+        """Advances made ahead for steps whose outcome the host does not know yet, oldest first."""
 
     @property
     def taken(self) -> int:
@@ -73,15 +95,67 @@ class Schedules:
         return records.history.steps_reported - records.skipped_total + records.taken_waiting
 
     def advance(self) -> None:
-        """Step every scheduler once per taken step decoded since the last call. Decodes nothing:
-        the caller has (a fixed point, ``flush()``, ``state_dict()``)."""
-        taken = self.taken
+        """Step every scheduler once per taken step decoded since the last call, and settle the advances made
+        ahead (:meth:`step_ahead`) for the steps now known: kept where those steps were taken, undone where one
+        was skipped (the schedulers' state put back, then stepped once per taken step). Decodes nothing: the
+        caller has (a fixed point, ``flush()``, ``state_dict()``)."""
+        taken, ahead = self.taken, self._ahead
+        if ahead:
+            first = self.records.unresolved_from
+            known = sum(first is None or a.step < first for a in ahead)
+            confirmed = self.applied - len(ahead)
+            if taken - confirmed == known:  # each known one was taken (the rule: a skip is rare)
+                del ahead[:known]
+                return
+            later = [a.step for a in ahead[known:]]
+            self._put_back(ahead[0])
+            self.applied = confirmed
+            while self.applied < taken:
+                self._step_all()
+            for step in later:
+                self.step_ahead(step)
+            return
         while self.applied < taken:
-            for wrapper in self.schedulers:
-                wrapper.advance()  # the scheduler's own step (the wrapper's is refused)
-            self.applied += 1
+            self._step_all()
         if self.applied > taken:  # cannot happen through the guard's calls; never step backwards
             self.applied = taken
+
+    def step_ahead(self, step: int) -> None:
+        """Right after ``step``'s inner update was queued, its outcome not known on the host (the sync-free path):
+        advance the schedulers as if it was taken, so that ``param_groups`` and the schedulers show the next
+        update's LR between steps as in the eager loop. The next fixed point keeps it, or undoes it where the
+        step was skipped, before the next update reads the LR (:meth:`advance`). Host work only: each
+        scheduler's ``state_dict()`` and its param groups' values are kept to undo it."""
+        if not self.schedulers:
+            return
+        states = [(w.scheduler, _saved(w.scheduler)) for w in self.schedulers]
+        groups, seen = [], set()
+        for w in self.schedulers:
+            for group in w.scheduler.optimizer.param_groups:
+                if id(group) not in seen:
+                    seen.add(id(group))
+                    groups.append((group, {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                           for k, v in group.items() if k != "params"}))
+        self._ahead.append(_Ahead(step, states, groups))
+        self._step_all()
+
+    def exact(self) -> None:
+        """Before a read of a scheduler's own values (``get_last_lr()``): the advance made ahead for the latest
+        step settled, waiting for that step's skip flag only (:meth:`ampguard.reporter.Reporter.last_skipped`;
+        its early copy where reads every step turned it on), not for its whole report; else :meth:`catch_up`."""
+        ahead = self._ahead
+        if not ahead or all(a.known for a in ahead):
+            return
+        if len(ahead) == 1 and self.records.unresolved_from == ahead[0].step:  # the latest step, alone unknown
+            skipped = self.records.last_skipped()
+            if skipped is not None:
+                if skipped:
+                    self._put_back(ahead[0])
+                    self.applied -= 1
+                else:
+                    ahead[0].known = True
+                return
+        self.catch_up()
 
     def catch_up(self) -> None:
         """Decode what has arrived, then :meth:`advance` (a registered scheduler's ``state_dict()``)."""
@@ -90,7 +164,26 @@ class Schedules:
 
     def resync(self) -> None:
         """After a restore: the schedulers' own state is the truth (see ``docs/schedules.md``)."""
+        self._ahead.clear()
         self.applied = self.taken
+
+    def _step_all(self) -> None:
+        for wrapper in self.schedulers:
+            wrapper.advance()  # the scheduler's own step (the wrapper's is refused)
+        self.applied += 1
+
+    def _put_back(self, ahead: _Ahead) -> None:
+        """Undo every advance from ``ahead`` on (the schedulers' state and their param groups' values as they
+        were before it), and forget those advances (the caller sets :attr:`applied`)."""
+        for scheduler, state in ahead.states:
+            scheduler.load_state_dict(state)
+        for group, values in ahead.groups:
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor) and isinstance(group.get(key), torch.Tensor):
+                    group[key].copy_(value)  # in place, as the schedulers set a tensor LR
+                else:
+                    group[key] = value
+        self._ahead.clear()
 
     def state(self) -> dict[str, Any]:
         """The registered schedulers' and EMAs' state (for the ladder's snapshot; not copied here).
@@ -139,10 +232,11 @@ class Schedules:
             ema.update(skip)
 
     def release(self) -> None:
-        """``close()``: the wrappers hand ``step()`` back to their schedulers."""
+        """``close()`` (after its flush): the wrappers hand ``step()`` back to their schedulers."""
         for wrapper in self.schedulers:
             wrapper._owner = None
         self.schedulers.clear()
+        self._ahead.clear()
 
     def _check_scheduler(self, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
         if isinstance(scheduler, ScheduledLR) or any(scheduler is w.scheduler for w in self.schedulers):
@@ -166,9 +260,12 @@ class ScheduledLR:
 
     ``step()`` raises :class:`GuardStateError` (a second step per iteration is the silent bug this
     prevents) until ``opt.close()``, after which it is the scheduler's own. ``state_dict()`` is the
-    scheduler's own, after any advance still pending (so it can be saved before or after
-    ``opt.state_dict()``; it waits for pending reports). Everything else (``get_last_lr()``,
-    ``last_epoch``, ``load_state_dict()``...) is the scheduler's. ``.scheduler`` is yours, unchanged:
+    scheduler's own, after every pending report is counted (so it can be saved before or after
+    ``opt.state_dict()``; it waits for pending reports). ``get_last_lr()`` is the scheduler's, once
+    the last step's skip is known (a wait for that flag alone on the sync-free path: :meth:`Schedules.exact`).
+    Everything else (``last_epoch``, ``load_state_dict()``...) is the scheduler's as it stands: between
+    steps on the sync-free path, advanced for the last step as if it was taken (:meth:`Schedules.step_ahead`).
+    ``.scheduler`` is yours, unchanged:
     its own ``step()`` is not refused, so do not call it. Pickled and deep-copied as the scheduler
     alone (a copy is not registered)."""
 
@@ -210,6 +307,9 @@ class ScheduledLR:
         self.scheduler.load_state_dict(state_dict)
 
     def get_last_lr(self) -> list[float | torch.Tensor]:
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None:  # the advance made ahead for the last step settled: its skip flag read
+            owner.exact()
         return self.scheduler.get_last_lr()
 
     def __getattr__(self, name: str) -> Any:
@@ -222,6 +322,13 @@ class ScheduledLR:
 
     def __repr__(self) -> str:
         return f"ScheduledLR({type(self.scheduler).__name__})"
+
+
+def _saved(scheduler: _LRScheduler) -> dict[str, Any]:
+    """``scheduler.state_dict()``, to put back with ``load_state_dict``: torch's own schedulers rebind what their
+    ``step()`` changes (a shallow dict is enough), others are deep-copied (a list changed in place)."""
+    state = scheduler.state_dict()
+    return state if type(scheduler).__module__.startswith("torch.optim") else copy.deepcopy(state)
 
 
 def _alone(scheduler: _LRScheduler) -> _LRScheduler:

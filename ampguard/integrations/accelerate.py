@@ -278,15 +278,17 @@ def _hold(scheduler: Any, wrapped: GuardedAcceleratedOptimizer) -> bool:
         if not scheduler.gradient_state.sync_gradients:  # a micro-step: accelerate's own bookkeeping
             cls.step(scheduler)
 
-    def caught_up(read: Callable[[Any], Any]) -> Callable[[], Any]:  # a reader: the pending advance applied first
-        def call() -> Any:
-            if wrapper.registered:
-                guard._outcome.catch_up()
-            return read(scheduler)
-        return call
+    def get_last_lr() -> Any:  # the advance made ahead for the last step settled (its skip flag read)
+        if wrapper.registered:
+            guard._outcome.schedules.exact()
+        return cls.get_last_lr(scheduler)
 
-    scheduler.step, scheduler.get_last_lr, scheduler.state_dict = step, caught_up(cls.get_last_lr), caught_up(
-        cls.state_dict)
+    def state_dict() -> Any:  # every pending report counted first
+        if wrapper.registered:
+            guard._outcome.catch_up()
+        return cls.state_dict(scheduler)
+
+    scheduler.step, scheduler.get_last_lr, scheduler.state_dict = step, get_last_lr, state_dict
     return True
 
 

@@ -56,6 +56,7 @@ from ..exporters.base import Exporter, MultiExporter  # noqa: E402
 from ..factory import wrap  # noqa: E402
 from ..guard import GuardedOptimizer  # noqa: E402
 from ..integrity import refuse_unhealthy  # noqa: E402
+from ..schedules import ScheduledLR  # noqa: E402
 from ._resume import restore_agreed  # noqa: E402
 
 __all__ = ["AmpGuardPrecision", "HeldScheduler"]
@@ -78,8 +79,11 @@ class HeldScheduler:
       it is the scheduler's own ``step()``. Reading the skip waits for the decision (on CUDA with
       a fused optimizer: one sync per call).
 
-    Everything else (``get_last_lr()``, ``state_dict()``, attributes) is the wrapped scheduler's:
-    checkpoints hold the scheduler's own state. ``self.lr_schedulers()`` returns this wrapper;
+    ``get_last_lr()`` and ``state_dict()`` are the wrapped scheduler's; with ``sync_free``, once the guard
+    knows the last step's skip (``docs/schedules.md``: between steps the guard has advanced the scheduler as
+    if the last step was taken, undone before the next update where it was skipped). Everything else
+    (attributes) is the wrapped scheduler's as it stands: checkpoints hold the scheduler's own state.
+    ``self.lr_schedulers()`` returns this wrapper;
     ``.scheduler`` is yours.
     """
 
@@ -89,9 +93,10 @@ class HeldScheduler:
         self.sync_free = sync_free
         self._held = 0
         self._seen = guard.step_count
+        self._wrapper: ScheduledLR | None = None
         if sync_free:
             self._skipped_before = guard.skipped_steps
-            guard.schedule(scheduler)
+            self._wrapper = guard.schedule(scheduler)
 
     @property
     def held(self) -> int:
@@ -111,14 +116,17 @@ class HeldScheduler:
             return None
         return self.scheduler.step(*args, **kwargs)
 
+    def get_last_lr(self) -> Any:
+        return (self._wrapper or self.scheduler).get_last_lr()
+
     def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()  # type: ignore[no-any-return]
+        return (self._wrapper or self.scheduler).state_dict()  # type: ignore[no-any-return]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(state_dict)
 
     def __getattr__(self, name: str) -> Any:
-        if name == "scheduler":  # not set yet (during unpickling)
+        if name in ("scheduler", "_wrapper"):  # not set yet (during unpickling)
             raise AttributeError(name)
         return getattr(self.scheduler, name)
 

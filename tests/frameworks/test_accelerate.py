@@ -240,8 +240,10 @@ def test_on_the_sync_free_path_the_guard_steps_the_prepared_scheduler_and_nothin
     the whole optimizer step, where the plain accelerate loop waits for nothing: one H100 run measured the guarded
     loop 1.14x the plain one. The guard now steps the prepared scheduler itself, once per taken step, before the
     next update: the LR every update sees is accelerate's rule (held on skipped steps) exactly, across real fp16
-    overflows (loss scale 2**22) and an injected NaN, and nothing reads the skip. ``get_last_lr()`` after
-    ``scheduler.step()`` is accelerate's too (it applies the pending advance)."""
+    overflows (loss scale 2**22) and an injected NaN, and nothing in the loop's calls reads the skip. Between
+    steps the guard has advanced the scheduler as if the last step was taken: ``param_groups`` show accelerate's
+    next LR after every taken step (one advance too many after a skipped one, undone before the next update), and
+    ``get_last_lr()`` is accelerate's after every step (it reads the last step's skip flag: the one read)."""
     acc = _accelerator("fp16", grad_accum)
     acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**22, growth_interval=100)
     model = make_model(0)
@@ -265,7 +267,7 @@ def test_on_the_sync_free_path_the_guard_steps_the_prepared_scheduler_and_nothin
         return last_skipped(self)
 
     monkeypatch.setattr(ampguard.reporter.Reporter, "last_skipped", counted)
-    after_step = []
+    after_step, groups = [], []
     for x, y in make_data(10 * grad_accum):
         with acc.accumulate(model):
             acc.backward(loss_of(model, x, y))
@@ -273,7 +275,10 @@ def test_on_the_sync_free_path_the_guard_steps_the_prepared_scheduler_and_nothin
             sched.step()
             opt.zero_grad()
         if acc.sync_gradients and len(after_step) < 9:  # not after the last step: state_dict() reads first
+            groups.append(opt.param_groups[0]["lr"])
+            before = reads["n"]
             after_step.append(sched.get_last_lr()[0])
+            reads["n"] = before  # get_last_lr() reads the skip (its value depends on it); the loop's calls do not
     assert reads["n"] == 0  # before: one read of the skip a step, from the scheduler
     skipped = [r.skipped for r in opt.history]
     assert len(skipped) == len(seen) == 10 and 6 in [s for s, k in enumerate(skipped) if k] and not skipped[9]
@@ -282,6 +287,8 @@ def test_on_the_sync_free_path_the_guard_steps_the_prepared_scheduler_and_nothin
         assert seen[s] == 1e-2 * 0.9 ** sum(not k for k in skipped[:s]), f"step {s}: {seen}"
     for s in range(9):
         assert after_step[s] == 1e-2 * 0.9 ** sum(not k for k in skipped[:s + 1]), f"step {s}"
+        ahead = 1e-2 * 0.9 ** (sum(not k for k in skipped[:s]) + 1)  # as if step s was taken
+        assert groups[s] == (after_step[s] if not skipped[s] else ahead), f"step {s}: {groups}"
     assert sched.state_dict()["last_epoch"] == 10 - sum(skipped)  # the last step's advance applied first
     with pytest.raises(TypeError, match=r"Call scheduler.step\(\) with no arguments"):
         sched.step(3)

@@ -164,7 +164,9 @@ def _innermost(opt: Any) -> torch.optim.Optimizer:
 @dataclasses.dataclass
 class Run:
     guarded: bool
-    lrs: list[float] = dataclasses.field(default_factory=list)  # the LR each optimizer step ran at
+    lrs: list[float] = dataclasses.field(default_factory=list)  # the LR each optimizer step ran at, as a loop logs it
+    read: list[float] = dataclasses.field(default_factory=list)  # accelerate: what each call of the inner step read
+    groups: list[float] = dataclasses.field(default_factory=list)  # accelerate: param_groups' LR before each step
     skipped: list[bool] = dataclasses.field(default_factory=list)  # accelerator.optimizer_step_was_skipped
     before: dict[int, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)  # params before 0, 1, K-1..K+1
     applied: int = 0  # updates applied so far in the reference (every step but K)
@@ -221,6 +223,7 @@ def _run_accelerate(precision: str, guarded: bool, tmp_path: Path) -> Run:
     model = _gpt2()
     inner = _adamw(model, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(inner, run.schedule())
+    inner.register_step_pre_hook(lambda o, a, k: run.read.append(o.param_groups[0]["lr"]))
     loader = DataLoader(TensorDataset(_tokens()), batch_size=BATCH)
     model, opt, loader, sched = acc.prepare(model, inner, loader, sched)
     if DEV == "cuda":
@@ -245,7 +248,8 @@ def _run_accelerate(precision: str, guarded: bool, tmp_path: Path) -> Run:
                 if ref_steps is not None:
                     ref_steps.before()
                 acc.clip_grad_norm_(model.parameters(), CLIP)
-                run.pre_step(step, model, opt.param_groups[0]["lr"])
+                run.groups.append(opt.param_groups[0]["lr"])
+                run.pre_step(step, model, sched.get_last_lr()[0])  # the guard's: the last step's skip read first
             drop = sync and not guarded and precision == "bf16" and step == K  # the bf16 reference's skip
             if not drop:
                 opt.step()
@@ -492,6 +496,13 @@ def _assert_guarded_run(framework: str, precision: str, got: Run, ref: Run) -> N
     expected = [LR * DECAY ** (s - (s > K)) for s in range(STEPS)]
     assert got.lrs == pytest.approx(expected, rel=1e-12), f"{what}: the LR schedule did not hold on step {K}"
     assert ref.lrs == pytest.approx(expected, rel=1e-12)
+    if framework == "accelerate":  # the guard steps the prepared scheduler: every update read the held LR
+        taken = expected[:K] + expected[K + 1:]  # a skip decided on the host calls no inner step
+        assert got.read == pytest.approx(expected if len(got.read) == STEPS else taken, rel=1e-12), got.read
+        # between steps param_groups show the next LR as if the last step was taken: one advance too many after
+        # the skipped K on the sync-free path (fused, CUDA), undone before the update of K+1 read it
+        assert [g for s, g in enumerate(got.groups) if s != K + 1] == pytest.approx(expected[:K + 1] + expected[K + 2:])
+        assert got.groups[K + 1] in (pytest.approx(expected[K + 1]), pytest.approx(LR * DECAY ** (K + 1)))
     if framework in ("accelerate", "transformers"):
         assert got.skipped == [s == K for s in range(STEPS)], f"{what}: optimizer_step_was_skipped {got.skipped}"
     if framework == "lightning":

@@ -162,10 +162,73 @@ def test_same_lr_at_every_step_as_the_eager_gradscaler_loop_across_overflows(pat
     assert_bitwise(g_final, final)
     assert_bitwise(g_ema, ema)
     taken_before = [sum(not s for s in skipped[: i + 1]) for i in range(len(skipped))]
-    if path == "device_lagged":  # between steps the last step's advance is still pending, applied in the next step()
-        assert between == [0, *taken_before[:-1]]
+    if path == "device_lagged":  # between steps advanced as if the last step was taken, undone at the next step()
+        assert between == [t + s for t, s in zip(taken_before, skipped)]
     else:
         assert between == taken_before
+
+
+@pytest.mark.parametrize("lag", [1, 2], ids=["lag1", "lag2_internal"])
+@pytest.mark.parametrize("read_last_lr", [True, False], ids=["get_last_lr_read", "not_read"])
+def test_between_steps_param_groups_show_the_next_lr_and_get_last_lr_is_the_eager_loops(read_last_lr, lag):
+    """On the sync-free path the outcome of step N is learnt at step N+1's fixed point, but between the two a loop
+    reads ``opt.param_groups[0]["lr"]`` and ``sched.get_last_lr()`` (to log them). The guard advances the scheduler
+    ahead, as if step N was taken: ``param_groups`` show the eager loop's next LR after every taken step (and one
+    advance too many after a skipped one, undone before the next update reads it), and ``get_last_lr()`` reads the
+    step's skip flag first, so it is the eager loop's after every step. Real fp16 overflows (loss scale 2**22).
+    ``lag2_internal``: reports decoded two steps late (an internal knob; a scheduler keeps it at 1), so the
+    advances made ahead for two steps are settled together: the scheduler's state stays exact."""
+    data = make_data(14)
+    model = make_model()
+    inner = make_opt(model, "adamw_fused")
+    scaler = torch.amp.GradScaler("cpu", init_scale=OVERFLOW_SCALE)
+    eager = make_sched(inner)
+    eager_after, eager_lrs, skipped = [], [], []
+    for x, y in data:  # the eager loop: the skip read on the host after each step, the scheduler held on it
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_of(model, x, y)
+        scaler.scale(loss).backward()
+        eager_lrs.append(inner.param_groups[0]["lr"])
+        before = scaler.get_scale()
+        scaler.step(inner)
+        scaler.update()
+        inner.zero_grad()
+        skipped.append(scaler.get_scale() < before)
+        if not skipped[-1]:
+            eager.step()
+        eager_after.append(eager.get_last_lr())
+    assert sum(skipped) >= 3 and not all(skipped)
+
+    model = make_model()
+    opt = ampguard.wrap(make_opt(model, "adamw_fused"), model=model, scaler=torch.amp.GradScaler(
+        "cpu", init_scale=OVERFLOW_SCALE))
+    set_path(opt, "device_lagged")
+    if lag == 2:
+        opt._report_lag = lambda: 2
+    sched = opt.schedule(make_sched(opt))
+    read: list[float] = []  # the LR each update read
+    opt.optimizer.register_step_pre_hook(lambda o, a, k: read.append(o.param_groups[0]["lr"]))
+    groups, last = [], []
+    for x, y in data:
+        with opt.autocast():
+            loss = loss_of(model, x, y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        groups.append(opt.param_groups[0]["lr"])
+        if read_last_lr:
+            last.append(sched.get_last_lr())
+    opt.flush()
+    assert [r.skipped for r in opt.history] == skipped
+    if lag == 1:
+        assert read == eager_lrs  # every update read the eager loop's LR, bitwise
+        assert [g for g, s in zip(groups, skipped) if not s] == [a[0] for a, s in zip(eager_after, skipped) if not s]
+        assert any(g != a[0] for g, a, s in zip(groups, eager_after, skipped) if s)  # the skip learnt later
+    if read_last_lr:
+        assert last == eager_after
+    assert sched.get_last_lr() == eager_after[-1] and opt.param_groups[0]["lr"] == eager_after[-1][0]
+    assert sched.last_epoch == eager.last_epoch
+    opt.close()
 
 
 @pytest.mark.parametrize(("path", "kind"), PATHS, ids=IDS)
@@ -328,7 +391,7 @@ def test_ema_state_dict_copy_to_and_applied():
 # ---------------------------------------------------------------------------------------- lag, checkpoints, refusals
 
 
-def test_lagged_advance_waits_for_the_next_step_readers_do_not_apply_it_flush_does():
+def test_lagged_advance_is_made_ahead_and_kept_once_readers_and_flush_do_not_apply_it_twice():
     model = make_model()
     opt = ampguard.wrap(make_opt(model, "adamw_fused"), model=model, precision="bf16")
     set_path(opt, "device_lagged")
@@ -336,15 +399,18 @@ def test_lagged_advance_waits_for_the_next_step_readers_do_not_apply_it_flush_do
     (x, y), = make_data(1)
     opt.backward(loss_of(model, x, y))
     opt.step()
+    assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == 0.005  # advanced ahead, as the eager loop's
     assert not opt.step_was_skipped and len(opt.history) == 1  # decoded by a reader...
-    assert sched.last_epoch == 0  # ...which applies nothing
+    assert sched.last_epoch == 1  # ...which applies nothing more
     opt.flush()
-    assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == 0.005
+    assert sched.last_epoch == 1 and opt.param_groups[0]["lr"] == 0.005  # kept: the step was taken
     opt.zero_grad()
     opt.backward(loss_of(model, x, y))
     opt.step()
-    assert sched.last_epoch == 1  # not applied twice
-    assert sched.state_dict()["last_epoch"] == 2  # the scheduler's own state_dict applies the pending advance
+    assert sched.last_epoch == 2 and sched.get_last_lr() == [0.0025]
+    assert sched.state_dict()["last_epoch"] == 2  # the scheduler's own state_dict counts the pending report
+    opt.flush()
+    assert sched.last_epoch == 2  # not applied twice
     opt.close()
 
 
