@@ -42,11 +42,11 @@ optimizer and scheduler steps, the framework's per-step bookkeeping and data loa
 before the first step.
 
 On CUDA also (before the timing, with fresh models): host-device syncs per accelerate step, counted
-for one step after 3 warm-up steps (``torch.cuda.set_sync_debug_mode("warn")`` warnings plus
+per step over 4 steps after 12 warm-up steps (``torch.cuda.set_sync_debug_mode("warn")`` warnings plus
 ``torch.cuda.Event.synchronize`` calls, which the debug mode does not see) for the plain loop, the
-guarded loop, and the guarded loop without a scheduler. The prepared scheduler reads
-``optimizer.step_was_skipped`` every step, which waits for the guard's decision: the difference
-between the last two is what that read adds.
+guarded loop, and the guarded loop without a scheduler. Until stop 47 the prepared scheduler read
+``optimizer.step_was_skipped`` every step, which waited for the guard's decision: the difference
+between the last two is what a held scheduler adds (0 since the guard steps it).
 
     python benchmarks/frameworks_cost.py --device cuda --out benchmarks/results/frameworks_cost.json
     python benchmarks/frameworks_cost.py --quick --device cpu      # tiny GPT-2, a smoke run of the harness
@@ -64,6 +64,7 @@ import copy
 import datetime
 import functools
 import gc
+import itertools
 import json
 import os
 import platform
@@ -88,9 +89,14 @@ import ampguard
 FRAMEWORKS = ("accelerate", "transformers", "lightning", "transformers_noclip")
 """What ``--frameworks`` may name; ``transformers_noclip`` (the Trainer with ``max_grad_norm=0``: issue 26's row
 without clipping) is not in the default."""
-TARGET = 1.01
+TARGET = 1.00
+TARGETS = {"transformers_noclip": 1.005}
+"""Issue 26: inside each framework, with clipping, at most 1.00x the framework's own fp16 loop; without, 1.005x."""
 CLIP = 1.0
 LR, WD = 1e-4, 0.1
+SYNC_WARMUP, SYNC_STEPS = 12, 4
+"""The host-sync count: steps before it (3 until stop 48: the guard's first steps capture its graphs) and steps
+counted (per step: their mean)."""
 
 SIZES: dict[str, dict[str, int]] = {
     # GPT-2 small: GPT2Config()'s 12 layers, 768 wide, 12 heads, 50257 tokens (124M parameters, tied head)
@@ -365,22 +371,23 @@ def accelerate_sync_phase(base: torch.nn.Module, ctx: dict[str, Any]) -> dict[st
         _fresh_accelerate_state()
         arm = Arm(name, "accelerate", guarded, 1, device)
         step, loader = build_accelerate(arm, copy.deepcopy(base), ctx, scheduler=scheduler)
-        batches = iter(loader)
-        for _ in range(3):
+        batches = itertools.cycle(loader)
+        for _ in range(SYNC_WARMUP):  # the guard's steady state: its graphs captured, its reads settled
             step(next(batches))
-        batch = next(batches)
+        counted = [next(batches) for _ in range(SYNC_STEPS)]
         sync(device)
         with warnings.catch_warnings(record=True) as caught, EventSyncCounter() as events:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
-                step(batch)
+                for batch in counted:
+                    step(batch)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         messages = [str(w.message) for w in caught  # not the mode's own notice ("... is a prototype feature")
                     if "synchroniz" in str(w.message).lower() and "prototype feature" not in str(w.message)]
-        out[name] = {"sync_warnings": len(messages), "event_synchronize": events.count,
-                     "total": len(messages) + events.count,
+        out[name] = {"sync_warnings": len(messages) / SYNC_STEPS, "event_synchronize": events.count / SYNC_STEPS,
+                     "total": (len(messages) + events.count) / SYNC_STEPS, "steps": SYNC_STEPS,
                      "samples": sorted({m.splitlines()[0][:160] for m in messages})[:5]}
         guard = arm.info.get("guard")
         if guard is not None:
@@ -415,17 +422,22 @@ def summarise(arms: list[Arm], warmup: int) -> dict[str, Any]:
         plain, guarded = f"{fw}_plain", f"{fw}_guarded"
         if timing.get(plain, {}).get("samples") and timing.get(guarded, {}).get("samples"):
             ratio = timing[guarded]["median_ms"] / timing[plain]["median_ms"]
-            paired = [g / p for g, p in zip(timed[guarded], timed[plain]) if g is not None and p is not None]
+            paired = sorted(g / p for g, p in zip(timed[guarded], timed[plain]) if g is not None and p is not None)
+            med = statistics.median(paired) if paired else None
+            target = TARGETS.get(fw, TARGET)
             ratios[fw] = {
-                "ratio": ratio,
-                "ratio_p25_p75": [timing[guarded]["p25_ms"] / timing[plain]["p25_ms"],
+                "ratio": ratio,  # of the arms' medians
+                "ratio_p25_p75": [timing[guarded]["p25_ms"] / timing[plain]["p25_ms"],  # of the arms' quartiles
                                   timing[guarded]["p75_ms"] / timing[plain]["p75_ms"]],
-                "paired_ratio_median": statistics.median(paired) if paired else None,
+                # each round's guarded/plain (the same round, side by side): the figure the targets are read on
+                "paired_ratio_median": med,
+                "paired_ratio_p25_p75": [paired[len(paired) // 4], paired[(3 * len(paired)) // 4]] if paired else None,
                 "added_ms_per_step": timing[guarded]["median_ms"] - timing[plain]["median_ms"],
-                "target": TARGET,
-                "met": ratio <= TARGET,
+                "target": target,
+                "met": med is not None and med <= target,
             }
-    return {"timing": timing, "ratios": ratios}
+    return {"timing": timing, "ratios": ratios, "rounds_ms": {
+        name: [None if t is None else 1e3 * t for t in samples] for name, samples in timed.items()}}
 
 
 def print_table(results: dict[str, Any]) -> None:
@@ -437,19 +449,19 @@ def print_table(results: dict[str, Any]) -> None:
             continue
         print(f"{name:20s} {e['median_ms']:10.3f} {e['p25_ms']:9.3f} {e['p75_ms']:9.3f} {e['min_ms']:9.3f} "
               f"{e['max_ms']:9.3f} {e['samples']:4d}")
-    print(f"\n{'framework':14s} {'guarded/plain':>13s} {'p25..p75':>15s} {'paired':>8s} {'+ms/step':>9s}  "
-          f"target <= {TARGET}")
+    print(f"\n{'framework':20s} {'paired p25':>10s} {'median':>7s} {'p75':>7s} {'medians':>8s} {'+ms/step':>9s}  "
+          "target (paired median)")
     for fw, r in ratios.items():
-        paired = f"{r['paired_ratio_median']:.4f}" if r["paired_ratio_median"] is not None else "-"
-        lo, hi = r["ratio_p25_p75"]
-        print(f"{fw:14s} {r['ratio']:13.4f} {lo:7.3f}..{hi:6.3f} {paired:>8s} {r['added_ms_per_step']:9.3f}  "
+        med, q = r["paired_ratio_median"], r.get("paired_ratio_p25_p75")
+        paired = f"{q[0]:10.4f} {med:7.4f} {q[1]:7.4f}" if med is not None and q else f"{'-':>10s} {'-':>7s} {'-':>7s}"
+        print(f"{fw:20s} {paired} {r['ratio']:8.4f} {r['added_ms_per_step']:9.3f}  <= {r['target']}: "
               f"{'met' if r['met'] else 'NOT met'}")
     syncs = results.get("accelerate_syncs")
     if isinstance(syncs, dict) and "error" not in syncs:
         print("\naccelerate host syncs per step (debug-mode warnings + Event.synchronize):")
         for name in ("plain", "guarded", "guarded_no_scheduler"):
             e = syncs[name]
-            print(f"  {name:22s} {e['sync_warnings']:3d} + {e['event_synchronize']:3d} = {e['total']}")
+            print(f"  {name:22s} {e['sync_warnings']:5.2f} + {e['event_synchronize']:5.2f} = {e['total']:.2f}")
         print(f"  added by the guard: {syncs['added_by_guard']}; by the scheduler's read of step_was_skipped: "
               f"{syncs['added_by_reading_step_was_skipped']}")
     for name, e in results.get("guards", {}).items():
