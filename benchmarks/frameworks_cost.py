@@ -156,20 +156,21 @@ class Arm:
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._started = False
         self.profile: Any = None
-        """``--pstats``: a ``cProfile.Profile`` the arm's thread runs its whole loop under (cProfile sees one
-        thread: each arm profiles its own)."""
+        """``--pstats``: a ``cProfile.Profile`` on while the arm's thread runs its blocks, off while it is parked
+        (Python 3.11 profiles one thread; from 3.12 cProfile is process-wide and one may be on at a time)."""
 
     def _main(self) -> None:
         self._go.wait()
         self._go.clear()
         try:
             if self.profile is not None:
-                self.profile.runcall(self.body, self)
-                return
+                self.profile.enable()
             self.body(self)
         except BaseException:
             self.error = traceback.format_exc()[-3000:]
         finally:
+            if self.profile is not None:
+                self.profile.disable()
             self.finished = True
             self._parked.set()
 
@@ -180,9 +181,13 @@ class Arm:
         if self.steps % self.block == 0 and not self.stop:
             sync(self.device)
             self._t_edge = time.perf_counter()
+            if self.profile is not None:
+                self.profile.disable()
             self._parked.set()
             self._go.wait()
             self._go.clear()
+            if self.profile is not None:
+                self.profile.enable()
         return self.stop
 
     def run_block(self) -> float | None:
@@ -648,6 +653,9 @@ def main(argv: list[str] | None = None) -> int:
         guard = arm.info.get("guard")
         if guard is not None:
             entry.update(guard_steps=guard.step_count, skipped_steps=guard.skipped_steps)
+            pipe = guard._pipeline  # the graphs' counts: a measurement run eagerly costs the host ~2.6 us a tensor
+            for name, graphs in (("measure_graph", pipe.measure_graph), ("step_graph", pipe.step_graph)):
+                entry[name] = {"captures": graphs.captures, "replays": graphs.replays}
             if not guard._closed:
                 guard.close()
         guards[arm.name] = entry
