@@ -19,6 +19,14 @@ measures, per role (``input``, ``weight``, ``grad_output``, :data:`FP8_ROLES`):
 Saturation is None: torchao 0.18 scales float8 training dynamically only (the scale comes from this tensor's own
 amax, so nothing is clamped); there is no static or delayed scale that could saturate.
 
+In eager mode on unsampled steps the amax is torchao's own: the monitor's hooks open a *visit* (this module, the
+roles it wants) and two taps, put on ``torchao.float8.float8_linear.hp_tensor_to_float8_dynamic`` (which names the
+role) and ``torchao.float8.float8_utils.tensor_to_amax`` (which computes the amax) while a monitor exists and taken
+off when the last one closes, hand the monitor the amax tensor torchao has just reduced (:class:`_Taps`). Measuring
+it again cost a second read of every cast tensor: 144 ``AbsMax`` reductions, 3.5 ms a step on GPT-2 124M fp8 on an
+H100 (``benchmarks/RESULTS.md``, "Stop 48"). Where a tensor is not cast there (an input already in fp8, a DTensor,
+FSDP2's float8 all-gather of the weight) the hook measures it as before.
+
 Everything stays on device (no ``.item()``, no host sync); :meth:`Fp8Monitor.collect` returns one float32 tensor
 and :meth:`Fp8Monitor.decode` turns its host copy into :class:`~ampguard.records.Fp8Cast` records. The hooks read
 the tensors and never write them: a monitored run is bitwise the unmonitored one. torchao is imported only here,
@@ -247,6 +255,93 @@ def _grad_output_reduction(module: Any, input_grad: bool) -> tuple[bool, int]:
     return False, -1
 
 
+class _Taps:
+    """torchao's own amax of a cast, handed to the monitor whose visit asks for it (the module docstring). Two
+    wrappers, each passing everything through unless a visit asks for the cast's role: ``cast`` in place of
+    ``float8_linear.hp_tensor_to_float8_dynamic`` (the cast of one role; it marks the next amax as wanted), ``amax``
+    in place of ``float8_utils.tensor_to_amax`` (which ``tensor_to_scale`` looks up there at each call). Put in
+    place while a monitor exists (``users``), taken off by the last ``close()``; a hook delegates only while both are
+    in place (:meth:`ready`: someone else's patch over them makes the hooks measure as before)."""
+
+    def __init__(self) -> None:
+        self.users = 0
+        self.visit: tuple[Fp8Monitor, int, set[str]] | None = None
+        """(monitor, module index, roles wanted): set by a hook as its layer is about to cast; cleared by the next."""
+        self.target: tuple[Fp8Monitor, int, str] | None = None
+        """The cast whose amax the next ``tensor_to_amax`` computes, while ``cast`` runs it."""
+        self.modules: tuple[Any, Any] | None = None
+        self.originals: tuple[Any, Any] | None = None
+        self.wrappers: tuple[Any, Any] | None = None
+
+    def install(self) -> None:
+        from torchao.float8 import float8_linear, float8_utils
+
+        self.users += 1
+        if self.ready():
+            return
+        self.modules = (float8_linear, float8_utils)
+        originals = tuple(getattr(f, "__wrapped__", f) if getattr(f, "_ampguard_tap", False) else f  # not twice
+                          for f in (float8_linear.hp_tensor_to_float8_dynamic, float8_utils.tensor_to_amax))
+        self.originals, self.wrappers = originals, (self._cast(originals[0]), self._amax(originals[1]))
+        float8_linear.hp_tensor_to_float8_dynamic, float8_utils.tensor_to_amax = self.wrappers
+
+    def remove(self) -> None:
+        self.users -= 1
+        self.visit = self.target = None
+        if self.users > 0 or self.modules is None or self.originals is None:
+            return
+        if self.ready():  # ours still: put torchao's back (a patch made over ours is left as it is)
+            self.modules[0].hp_tensor_to_float8_dynamic, self.modules[1].tensor_to_amax = self.originals
+        self.modules = self.originals = self.wrappers = None
+
+    def ready(self) -> bool:
+        """Both wrappers in place."""
+        m, w = self.modules, self.wrappers
+        return (m is not None and w is not None and m[0].hp_tensor_to_float8_dynamic is w[0]
+                and m[1].tensor_to_amax is w[1])
+
+    def _cast(self, original: Any) -> Any:
+        def hp_tensor_to_float8_dynamic(hp_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():  # first: a compiled region reads nothing of the taps
+                return original(hp_tensor, *args, **kwargs)
+            visit = self.visit
+            if visit is None:
+                return original(hp_tensor, *args, **kwargs)
+            role = kwargs.get("gemm_input_role", args[3] if len(args) > 3 else None)
+            name = "input" if role is None else getattr(role, "value", None)
+            if name not in visit[2]:
+                return original(hp_tensor, *args, **kwargs)
+            visit[2].discard(name)  # the first cast of each role in a visit: the forward's, the backward's dim-0 one
+            self.target = (visit[0], visit[1], name)
+            try:
+                return original(hp_tensor, *args, **kwargs)
+            finally:
+                self.target = None
+        return _marked(hp_tensor_to_float8_dynamic, original)
+
+    def _amax(self, original: Any) -> Any:
+        def tensor_to_amax(*args: Any, **kwargs: Any) -> torch.Tensor:
+            amax: torch.Tensor = original(*args, **kwargs)
+            if torch.compiler.is_compiling():
+                return amax
+            target = self.target
+            if target is not None:
+                self.target = None
+                target[0]._took(target[1], target[2], amax)
+            return amax
+        return _marked(tensor_to_amax, original)
+
+
+def _marked(wrapper: Any, original: Any) -> Any:
+    """A tap, marked as one, with the function it wraps (a later install wraps that, not the tap)."""
+    wrapper._ampguard_tap = True
+    wrapper.__wrapped__ = original
+    return wrapper
+
+
+_TAPS = _Taps()
+
+
 class Fp8Monitor:
     """Measures every fp8 cast of the ``Float8Linear`` modules of ``model`` (see the module docstring).
 
@@ -301,6 +396,8 @@ class Fp8Monitor:
         self._fmax = [torch.finfo(_dtype(m, role)).max for _, m in self.modules for role in FP8_ROLES]
         self._pow2 = [_pow2(m) for _, m in self.modules for _ in FP8_ROLES]
         self._handles: list[Any] = []
+        _TAPS.install()
+        self._tapping = True
         for index, (_, module) in enumerate(self.modules):
             # before the forward: the input and the weight as the layer casts them (under FSDP2 the weight is then
             # unsharded; after the forward it is a shard again); after it: the gradient hook for grad_output
@@ -340,20 +437,52 @@ class Fp8Monitor:
                                  torch.fmax(old[3], stats[3]), torch.fmax(old[4], stats[4])])
         self._slots[slot] = stats
 
+    def _took(self, index: int, role: str, amax: torch.Tensor) -> None:
+        """torchao's amax of a cast a visit asked for (:class:`_Taps`): the slot's float32 amax, as :meth:`_measure`
+        makes it on an unsampled step (rowwise: the largest over rows; the tensor torchao cast, so no rounding)."""
+        slot = 3 * index + FP8_ROLES.index(role)
+        value = amax.detach()
+        value = (value.amax() if value.dim() else value).float()
+        old = self._slots[slot]
+        if old is None:
+            self._order += 1
+            self._orders[slot] = float(self._order)
+        self._slots[slot] = value if old is None else torch.maximum(old, value)
+
+    def _delegates(self) -> bool:
+        """Whether this cast's amax is torchao's (:class:`_Taps`): eager, an unsampled step, the taps in place."""
+        return not self._sampled and not torch.compiler.is_compiling() and _TAPS.ready()
+
     def _pre_forward_hook(self, index: int) -> Any:
         def hook(module: Any, args: tuple[Any, ...]) -> None:
+            if not torch.compiler.is_compiling():
+                _TAPS.visit = None  # the last layer's visit ends where this one starts
             if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
                 return  # an evaluation's forward (no step follows it), or an input the layer does not cast
             # As torchao 0.18's Float8Linear.forward: the input cast to CUDA autocast's dtype where CUDA autocast is
             # on (torch.is_autocast_enabled() with no device: CUDA's; CPU autocast casts nothing there), the weight
             # never (its fp32 master is scaled as it is).
             cast_to = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+            if self._delegates():  # plain tensors are cast inside the layer's forward: torchao's amax, no read here
+                wanted = set()
+                if type(args[0]) is torch.Tensor:
+                    wanted.add("input")
+                else:
+                    self._measure(module, index, "input", args[0], cast_to)
+                if type(module.weight) in (torch.nn.Parameter, torch.Tensor):
+                    wanted.add("weight")
+                else:  # a DTensor, or FSDP2's float8 all-gather: not cast by the layer's forward
+                    self._measure(module, index, "weight", module.weight, None)
+                _TAPS.visit = (self, index, wanted)
+                return
             self._measure(module, index, "input", args[0], cast_to)
             self._measure(module, index, "weight", module.weight, None)
         return hook
 
     def _forward_hook(self, index: int) -> Any:
         def hook(module: Any, args: tuple[Any, ...], output: Any) -> Any:
+            if not torch.compiler.is_compiling():
+                _TAPS.visit = None
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None  # an evaluation's forward (no step follows it), or an output no gradient reaches
             if not torch.compiler.is_compiling():
@@ -374,6 +503,9 @@ class Fp8Monitor:
 
     def _backward_hook(self, module: Any, index: int) -> Any:
         def hook(grad_output: torch.Tensor) -> None:  # a hook on the layer's output: its gradient, as cast
+            if self._delegates() and type(grad_output) is torch.Tensor:  # cast by the layer's backward, next
+                _TAPS.visit = (self, index, {"grad_output"})
+                return
             self._measure(module, index, "grad_output", grad_output, None)
         return hook
 
@@ -411,6 +543,7 @@ class Fp8Monitor:
 
     def begin_step(self, step: int) -> None:
         """Start a step: forget the last one's casts; ``step`` decides whether this one is sampled."""
+        _TAPS.visit = None
         self._slots = [None] * len(self.names)
         self._orders = [math.nan] * len(self.names)
         self._rounded = {}
@@ -426,6 +559,7 @@ class Fp8Monitor:
         so :meth:`nonfinite` reads the amaxes alone). An unsampled step makes it in 6 small kernels, 2 more where CUDA's
         autocast rounds the inputs and 4 more with scales rounded to powers of 2: each is a launch that costs the host
         more than its work costs the device."""
+        _TAPS.visit = None  # the backward is over: no cast of this step is left to take
         if self.compiled and not self._warned:
             self._warned = True
             warnings.warn("ampguard fp8 monitoring inside torch.compile does not measure the grad_output casts of a "
@@ -498,3 +632,6 @@ class Fp8Monitor:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._tapping:
+            self._tapping = False
+            _TAPS.remove()

@@ -247,3 +247,79 @@ def test_the_monitors_scales_are_the_ones_torchao_computes_for_each_cast(monkeyp
     for (module, role), scale in casts.items():
         if role != "grad_output":
             assert scale == seen[(width[module], role)], (module, role, scale, seen)
+
+
+def test_an_unsampled_step_names_a_real_nan_grad_output_from_torchaos_own_amax():
+    """On an unsampled step the amax is torchao's own (``ampguard.fp8._Taps``), the grad_output's included: the
+    backward of ``sqrt(|y - y.detach()|)`` at 0 (``sqrt``'s infinite slope times ``abs``'s 0 there: 0 * inf) makes a
+    real NaN grad_output for fc2, which torchao
+    scales to NaN; the monitor names that cast, and no other, on the step itself."""
+    from ampguard.fp8 import _TAPS
+
+    model = _model()
+    monitor = Fp8Monitor(model, numerics_every=10)
+    assert _TAPS.ready()
+    monitor.begin_step(3)  # not sampled
+    y = model(torch.randn(8, 16))
+    (y - y.detach()).abs().sqrt().sum().backward()
+    collected = monitor.collect()
+    casts = monitor.decode(collected.tolist())
+    bad = [(c.module, c.role) for c in casts if not c.finite]
+    assert monitor.nonfinite(collected).item() == 1.0 and bad[0] == ("fc2", "grad_output")
+    assert all(c.underflow is None for c in casts)  # unsampled: no underflow measured
+    cast = next(c for c in casts if (c.module, c.role) == ("fc2", "grad_output"))
+    assert math.isnan(cast.amax) and math.isnan(cast.scale)
+    monitor.close()
+
+
+def test_where_the_taps_are_not_in_place_the_hooks_measure_the_casts_themselves(monkeypatch):
+    """Someone else's patch over torchao's cast (a spy put in place after the monitor) takes the taps out of the
+    path: the hooks see it (``_TAPS.ready()``) and measure each cast as before, with the same amax and scale as a
+    monitor whose taps are in place, also with a NaN in the batch."""
+    from torchao.float8 import float8_linear
+
+    from ampguard.fp8 import _TAPS
+
+    x = torch.randn(8, 16) * 3
+    x[4, 4] = math.nan
+    rows = []
+    for spied in (False, True):
+        model = _model()
+        monitor = Fp8Monitor(model, numerics_every=10)
+        if spied:
+            tap = float8_linear.hp_tensor_to_float8_dynamic
+            monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic",
+                                lambda *a, tap=tap, **k: tap(*a, **k))
+            assert not _TAPS.ready()
+        monitor.begin_step(1)
+        model(x).square().mean().backward()
+        rows.append(monitor.collect())
+        monitor.close()
+    assert torch.allclose(rows[0][:, :3], rows[1][:, :3], rtol=0, atol=0, equal_nan=True)
+    assert rows[0][:, 1].isnan().any()
+
+
+def test_the_last_monitor_to_close_puts_torchaos_functions_back():
+    """The taps are torchao module attributes while a monitor exists, and torchao's own functions again once the last
+    one closes (a fresh process: other tests' monitors are not closed)."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from torchao.float8 import convert_to_float8_training, Float8LinearConfig, float8_linear, float8_utils
+from ampguard.fp8 import Fp8Monitor
+cast, amax = float8_linear.hp_tensor_to_float8_dynamic, float8_utils.tensor_to_amax
+def model():
+    linear = torch.nn.Sequential(torch.nn.Linear(16, 16))
+    return convert_to_float8_training(linear, config=Float8LinearConfig(emulate=True))
+a, b = Fp8Monitor(model()), Fp8Monitor(model())
+assert float8_linear.hp_tensor_to_float8_dynamic is not cast and float8_utils.tensor_to_amax is not amax
+a.close(); a.close()
+assert float8_linear.hp_tensor_to_float8_dynamic is not cast  # b still uses them
+b.close()
+assert float8_linear.hp_tensor_to_float8_dynamic is cast and float8_utils.tensor_to_amax is amax
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

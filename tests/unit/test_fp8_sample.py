@@ -62,7 +62,9 @@ def test_a_sampled_step_reads_each_large_cast_once_for_its_amax_and_no_more(reci
     """Over the plain step's ops, a sampled step adds one reduction (its amax) per large cast: fc1's and fc2's input
     and grad_output (4096 rows; the weights are 512 elements, under the sample), and reads nothing else of them
     but views. Before the sample, each of them was copied to float32 and cast again whole: a dozen full reads
-    more."""
+    more. An unsampled step reads none of them again: the amax is torchao's own, taken where torchao reduces it
+    (``ampguard.fp8._Taps``); until stop 48 it added the same one reduction a cast (on GPT-2 124M fp8 on an H100,
+    144 reductions and 3.5 ms a step)."""
     plain = _large_reads("off", 0, recipe)
     sampled = _large_reads(_SAMPLE, 0, recipe)
     unsampled = _large_reads(_SAMPLE, 1, recipe)
@@ -70,8 +72,8 @@ def test_a_sampled_step_reads_each_large_cast_once_for_its_amax_and_no_more(reci
     extra = sampled - plain
     norms = [op for op in extra.elements() if "linalg_vector_norm" in op[0]]
     assert len(norms) == 4 and not extra - collections.Counter(norms), extra
-    # the unsampled step takes the same one reduction a cast
-    assert unsampled - plain == extra
+    # the unsampled step reads no cast tensor again: torchao's amax
+    assert not unsampled - plain, unsampled - plain
 
 
 def test_with_no_sample_every_element_is_read_again():
