@@ -29,6 +29,13 @@
 # first: FIRST=0 TESTS=0 HOST=0 FRAMEWORKS=1 FW_BASE=c3def41 FW_BLOCKS=16 FRAMEWORKS_S=100 (stop 46's library and
 # this one in turn, twice, ~450 s), then tests/gpu whole (its two new tests in test_gpu_host.py), then the rest above.
 # FW_LIST=...,transformers_noclip adds the Trainer without clipping (max_grad_norm=0; issue 26's 1.005 row, never run).
+# Stop 48 ran those on an H100 (benchmarks/results/gpu_stop48/, RESULTS.md "Stop 48"): no difference beyond the noise
+# (paired quartiles +-10 %), tests/gpu failed the accelerate LR lag (fixed, 9 passed after), eager fp8 1.041/1.023 (the
+# monitor's own amax reductions). Then the eager fp8 monitor took torchao's own amax (ampguard/fp8.py, _Taps). The next
+# session, first: FIRST=0 TESTS=0 HOST=0 FP8_EAGER=1 FP8_S=380 FP8_BLOCKS=30 (the taps' effect: 1.023 before), then
+# tests/gpu whole (TESTS=1; test_gpu_fp8.py runs the taps on CUDA), then the framework rows with their graphs' counts
+# (FRAMEWORKS=1 FW_LIST=transformers,lightning: the measurement graph ran eagerly on 64 and 80 of 80 steps there).
+# The device's .git is a copy made at a session's first call: `git log` there names that commit, not the tree's.
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
