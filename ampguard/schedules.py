@@ -137,7 +137,11 @@ class Schedules:
                     groups.append((group, {k: v.clone() if isinstance(v, torch.Tensor) else v
                                            for k, v in group.items() if k != "params"}))
         self._ahead.append(_Ahead(step, states, groups))
-        self._step_all()
+        try:
+            self._step_all()
+        except BaseException:  # a scheduler's own error: every scheduler as it was, then the error
+            self._put_back_last()
+            raise
 
     def exact(self) -> None:
         """Before a read of a scheduler's own values (``get_last_lr()``): the advance made ahead for the latest
@@ -171,6 +175,13 @@ class Schedules:
         for wrapper in self.schedulers:
             wrapper.advance()  # the scheduler's own step (the wrapper's is refused)
         self.applied += 1
+
+    def _put_back_last(self) -> None:
+        """Undo the latest advance made ahead alone (a scheduler raised in it), keeping the earlier ones."""
+        last = self._ahead.pop()
+        kept = self._ahead[:]
+        self._put_back(last)
+        self._ahead[:] = kept
 
     def _put_back(self, ahead: _Ahead) -> None:
         """Undo every advance from ``ahead`` on (the schedulers' state and their param groups' values as they

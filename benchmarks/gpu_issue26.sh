@@ -36,6 +36,7 @@
 # tests/gpu whole (TESTS=1; test_gpu_fp8.py runs the taps on CUDA), then the framework rows with their graphs' counts
 # (FRAMEWORKS=1 FW_LIST=transformers,lightning: the measurement graph ran eagerly on 64 and 80 of 80 steps there).
 # The device's .git is a copy made at a session's first call: `git log` there names that commit, not the tree's.
+# FW_BLOCK=20 runs 20 steps a round (10 by default): stop 48's rounds of 10 steps varied by +-10 %.
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
@@ -64,7 +65,8 @@ fi
 # figures), none measured on a device since stop 37 (the fp8 ones never whole: its eager runs outlasted their bounds).
 fw_run() {  # fw_run NAME [PYTHONPATH]: the framework rows, the library from PYTHONPATH (default: this tree)
   PYTHONPATH=${2:-$PYTHONPATH} timeout -k 5 "${FRAMEWORKS_S:-130}" python benchmarks/frameworks_cost.py --device cuda \
-    --frameworks ${FW_LIST:-accelerate,transformers,lightning} --blocks ${FW_BLOCKS:-20} --budget-s $(( ${FRAMEWORKS_S:-130} - 20 )) \
+    --frameworks ${FW_LIST:-accelerate,transformers,lightning} --blocks ${FW_BLOCKS:-20} ${FW_BLOCK:+--block $FW_BLOCK} \
+    --budget-s $(( ${FRAMEWORKS_S:-130} - 20 )) \
     --out "$OUT/frameworks_$1.json" > "$OUT/frameworks_$1.txt" 2>&1
   echo "frameworks $1 rc=$?"; grep -A5 "^framework " "$OUT/frameworks_$1.txt"; grep -A4 "host syncs per step" "$OUT/frameworks_$1.txt"
 }

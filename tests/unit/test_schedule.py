@@ -521,3 +521,38 @@ def test_a_ladder_rollback_rewinds_the_schedule_and_the_average_with_the_model(p
     opt.flush()
     assert sched.last_epoch == last_epoch + 1 and opt.param_groups[0]["lr"] == after[6][3]
     opt.close()
+
+
+def test_a_scheduler_that_raises_in_the_advance_made_ahead_leaves_the_schedules_as_they_were():
+    """A scheduler's own error in the advance made ahead (the end of ``step()`` on the sync-free path) reaches the
+    caller with the scheduler and the param groups as they were before that advance (the update itself ran); the
+    next step's fixed point then steps the scheduler for it, once."""
+    model = make_model()
+    opt = ampguard.wrap(make_opt(model, "adamw_fused"), model=model, precision="bf16")
+    set_path(opt, "device_lagged")
+    fail = {2}
+
+    def factor(k: int) -> float:
+        if k in fail:
+            fail.discard(k)
+            raise RuntimeError("the schedule's own bug")
+        return 0.5**k
+
+    sched = opt.schedule(torch.optim.lr_scheduler.LambdaLR(opt, factor))
+    base = opt.param_groups[0]["lr"]
+    (x, y), = make_data(1)
+    opt.backward(loss_of(model, x, y))
+    opt.step()
+    opt.zero_grad()
+    before = (sched.last_epoch, opt.param_groups[0]["lr"], list(sched.scheduler._last_lr))
+    assert before == (1, base * 0.5, [base * 0.5])
+    opt.backward(loss_of(model, x, y))
+    with pytest.raises(RuntimeError, match="the schedule's own bug"):
+        opt.step()
+    assert (sched.last_epoch, opt.param_groups[0]["lr"], list(sched.scheduler._last_lr)) == before
+    opt.zero_grad()
+    opt.backward(loss_of(model, x, y))
+    opt.step()  # its fixed point steps the scheduler for step 1 (taken), then the advance ahead for this one
+    opt.flush()
+    assert sched.last_epoch == 3 and opt.param_groups[0]["lr"] == base * 0.5**3
+    opt.close()
