@@ -279,6 +279,9 @@ class _Taps:
         self.users += 1
         if self.ready():
             return
+        if not (callable(getattr(float8_linear, "hp_tensor_to_float8_dynamic", None))
+                and callable(getattr(float8_utils, "tensor_to_amax", None))):
+            return  # a torchao without them: not ready, the hooks measure every cast themselves
         self.modules = (float8_linear, float8_utils)
         originals = tuple(getattr(f, "__wrapped__", f) if getattr(f, "_ampguard_tap", False) else f  # not twice
                           for f in (float8_linear.hp_tensor_to_float8_dynamic, float8_utils.tensor_to_amax))
@@ -297,8 +300,8 @@ class _Taps:
     def ready(self) -> bool:
         """Both wrappers in place."""
         m, w = self.modules, self.wrappers
-        return (m is not None and w is not None and m[0].hp_tensor_to_float8_dynamic is w[0]
-                and m[1].tensor_to_amax is w[1])
+        return (m is not None and w is not None and getattr(m[0], "hp_tensor_to_float8_dynamic", None) is w[0]
+                and getattr(m[1], "tensor_to_amax", None) is w[1])
 
     def _cast(self, original: Any) -> Any:
         def hp_tensor_to_float8_dynamic(hp_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
