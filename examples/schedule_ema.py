@@ -3,8 +3,9 @@
 fp16 with a loss scale far too large, so the first steps overflow and are skipped; an inf is
 also put into a gradient at ``--fault-step``. The scheduler (warm-up, then cosine) advances
 only on taken steps, and the EMA of the weights is updated only on them, on device. On a fused
-optimizer on CUDA the scheduler's advance for a step is applied at the start of the next
-``step()``, before its update reads the LR (``docs/schedules.md``).
+optimizer on CUDA the scheduler advances at the end of each ``step()`` as if the step was taken, and
+the next ``step()`` undoes that, before its update reads the LR, where the step was skipped
+(``docs/schedules.md``).
 
     python examples/schedule_ema.py                      # CPU, in seconds
     python examples/schedule_ema.py --device cuda        # fused AdamW, the sync-free path
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.backward(loss)
         opt.step()  # steps sched once per taken step, updates ema on device
         opt.zero_grad()
-    opt.flush()  # the last step's advance (applied at the next step() on the sync-free path)
+    opt.flush()  # the last step's outcome counted (its advance kept or undone on the sync-free path)
 
     skipped = [r.step for r in opt.history if r.skipped]
     taken = args.steps - len(skipped)
