@@ -406,11 +406,13 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         it back), everything else is the scheduler's. Do not call the scheduler's own ``step()``.
 
         When: right after the step where the step synchronised or decided on the host (CPU,
-        non-fused optimizers on CUDA); on the sync-free path (fused optimizer on CUDA) at the
-        start of the next ``step()``, before its inner update reads the LR, so every update uses
-        the LR of a loop that syncs each step. The last step's advance is applied at ``flush()``,
-        ``state_dict()``, ``close()`` or the returned wrapper's ``state_dict()``. Registering waits
-        for the pending reports once. See ``docs/schedules.md``."""
+        non-fused optimizers on CUDA); on the sync-free path (fused optimizer on CUDA) ahead, at the
+        end of ``step()`` as if the step was taken, kept or undone (a skipped step) at the start of
+        the next ``step()``, before its inner update reads the LR, so every update uses the LR of a
+        loop that syncs each step. The last step's outcome is counted at ``flush()``,
+        ``state_dict()``, ``close()``, the returned wrapper's ``state_dict()`` or (reading its skip
+        flag only) ``get_last_lr()``. Registering waits for the pending reports once. See
+        ``docs/schedules.md``."""
         self._check_open("schedule")
         return self._outcome.schedules.add_scheduler(self.optimizer, scheduler)
 
@@ -503,8 +505,9 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         """Inner optimizer, scaler and every piece of guard state, as plain Python values (plus the
         inner optimizer's tensors), with the state's health (:meth:`verify`, under
         ``["ampguard"]["verdict"]``). Runs the state-dict hooks registered on this optimizer.
-        Synchronises the host (reads device counters). A scheduler advance still pending
-        (:meth:`schedule`) is applied first: the scheduler's own state_dict holds it."""
+        Synchronises the host (reads device counters). Every pending report is counted first, so a
+        registered scheduler's advance made ahead (:meth:`schedule`) is kept or undone: the scheduler's own
+        state_dict is then exact."""
         self._outcome.catch_up()
         return self._with_state_dict_hooks(lambda _: self._saved())
 

@@ -5,19 +5,23 @@ a step was skipped costs a host sync on the sync-free path (fused optimizer on C
 
 - **Schedulers** registered with :meth:`GuardedOptimizer.schedule` are stepped by the guard,
   once per *taken* step, at the guard's fixed points (:meth:`ampguard.outcome.Outcome.settle`),
-  where the step's report has been decoded anyway, or its payload read while it waits for its batch (a healthy
-  step, so a taken one). Where the step synchronised or decides on
-  the host (CPU; non-fused optimizers on CUDA), that is right after the step. On the sync-free
-  path a registered scheduler keeps the guard's report lag at one step (without one, reports are
-  decoded two steps late: ``GuardedOptimizer._report_lag``): step N's report is decoded at the
-  start of step N+1's ``step()``, before its inner update reads the LR: the LR every update
-  sees is the eager loop's, bitwise. The advance counts taken steps
-  (``history.steps_reported - skipped_total``) against those already applied, so readers
-  that decode early (``last_report``...) change nothing.
+  where the step's report has been decoded anyway, or its payload read while it waits for its
+  batch (a healthy step, so a taken one). Where the step synchronised or decides on the host
+  (CPU; non-fused optimizers on CUDA), that is right after the step. On the sync-free path the
+  schedulers advance ahead, at the end of ``step()`` as if the step was taken
+  (:meth:`Schedules.step_ahead`: what a loop reads between steps is the eager loop's after a
+  taken step), and the fixed point keeps or undoes that advance. A registered scheduler keeps
+  the guard's report lag at one step (without one, reports are decoded two steps late:
+  ``GuardedOptimizer._report_lag``): step N's report is decoded at the start of step N+1's
+  ``step()``, before its inner update reads the LR: the LR every update sees is the eager
+  loop's, bitwise. The advance counts taken steps (``history.steps_reported - skipped_total``)
+  against those already applied, so readers that decode early (``last_report``...) change
+  nothing.
 - ``opt.schedule(scheduler)`` returns a :class:`ScheduledLR`, a wrapper the loop keeps in place
-  of the scheduler: its ``step()`` is refused (the guard steps the scheduler) and its
-  ``state_dict()`` applies a pending advance first. The scheduler itself is left as it was (no
-  class change, nothing patched), and nothing here is process-wide.
+  of the scheduler: its ``step()`` is refused (the guard steps the scheduler), its
+  ``state_dict()`` counts the pending reports first and its ``get_last_lr()`` the last step's
+  skip. The scheduler itself is left as it was (no class change, nothing patched), and nothing
+  here is process-wide.
 - **EMA** (:class:`ampguard.ema.EMA`) is updated inside ``step()``, right after the inner step,
   on device (see :mod:`ampguard.ema`).
 

@@ -244,9 +244,9 @@ def _hold(scheduler: Any, wrapped: GuardedAcceleratedOptimizer) -> bool:
     ``step()`` on a step boundary does nothing. accelerate's ``step()`` reads ``step_was_skipped``, which on the
     sync-free path (a fused optimizer on CUDA) waits for the whole optimizer step every step, where the plain
     accelerate loop waits for nothing (it only learns whether ``optimizer.step`` was called; with a fused
-    optimizer it always is). ``get_last_lr()`` and ``state_dict()`` first apply the advance still pending
-    (waiting for the last step's report), so every value read is accelerate's. Instance attributes only (the
-    class is not patched); the guard's ``close()`` hands it back. Returns whether it is held."""
+    optimizer it always is). ``get_last_lr()`` first reads the last step's skip (the advance made ahead for it kept
+    or undone) and ``state_dict()`` counts every pending report, so what they return is accelerate's. Instance
+    attributes only (the class is not patched); the guard's ``close()`` hands it back. Returns whether it is held."""
     guard = wrapped.optimizer
     inner = getattr(scheduler, "scheduler", None)
     held = getattr(scheduler, "optimizers", None)
