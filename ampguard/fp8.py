@@ -412,10 +412,7 @@ class Fp8Monitor:
         says the layer casts ``x.to(cast_to)`` first."""
         slot = 3 * index + FP8_ROLES.index(role)
         x = local_tensor(x)  # a DTensor (a shard, or tensor-parallel activations): this rank's part
-        old = self._slots[slot]
-        if old is None:
-            self._order += 1
-            self._orders[slot] = float(self._order)
+        old = self._ran(slot)
         if not self._sampled:
             # One reduction: amax, in float32 (rounding is monotone, so the amax of x.to(cast_to) is the amax of x
             # rounded to cast_to: done in collect(), for all casts at once). The scale, from the amax, there too.
@@ -446,11 +443,16 @@ class Fp8Monitor:
         slot = 3 * index + FP8_ROLES.index(role)
         value = amax.detach()
         value = (value.amax() if value.dim() else value).float()
+        old = self._ran(slot)
+        self._slots[slot] = value if old is None else torch.maximum(old, value)
+
+    def _ran(self, slot: int) -> torch.Tensor | None:
+        """A cast of ``slot`` ran: its value so far this step (None the first time, when its order is counted)."""
         old = self._slots[slot]
         if old is None:
             self._order += 1
             self._orders[slot] = float(self._order)
-        self._slots[slot] = value if old is None else torch.maximum(old, value)
+        return old
 
     def _delegates(self) -> bool:
         """Whether this cast's amax is torchao's (:class:`_Taps`): eager, an unsampled step, the taps in place."""
@@ -466,20 +468,19 @@ class Fp8Monitor:
             # on (torch.is_autocast_enabled() with no device: CUDA's; CPU autocast casts nothing there), the weight
             # never (its fp32 master is scaled as it is).
             cast_to = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-            if self._delegates():  # plain tensors are cast inside the layer's forward: torchao's amax, no read here
-                wanted = set()
-                if type(args[0]) is torch.Tensor:
-                    wanted.add("input")
-                else:
-                    self._measure(module, index, "input", args[0], cast_to)
-                if type(module.weight) in (torch.nn.Parameter, torch.Tensor):
-                    wanted.add("weight")
-                else:  # a DTensor, or FSDP2's float8 all-gather: not cast by the layer's forward
-                    self._measure(module, index, "weight", module.weight, None)
+            # Delegated: a plain tensor is cast inside the layer's forward, whose amax the taps hand over (no read
+            # here); a DTensor, an fp8 input or FSDP2's float8 all-gather of the weight is measured here.
+            delegates, wanted = self._delegates(), set()
+            if delegates and type(args[0]) is torch.Tensor:
+                wanted.add("input")
+            else:
+                self._measure(module, index, "input", args[0], cast_to)
+            if delegates and type(module.weight) in (torch.nn.Parameter, torch.Tensor):
+                wanted.add("weight")
+            else:
+                self._measure(module, index, "weight", module.weight, None)
+            if delegates:
                 _TAPS.visit = (self, index, wanted)
-                return
-            self._measure(module, index, "input", args[0], cast_to)
-            self._measure(module, index, "weight", module.weight, None)
         return hook
 
     def _forward_hook(self, index: int) -> Any:
@@ -525,10 +526,8 @@ class Fp8Monitor:
             if amax is None and stats is None:
                 continue
             slot = 3 * index + FP8_ROLES.index("grad_output")
-            if self._slots[slot] is not None:  # measured by the eager hook (a forward outside the compiled region)
+            if self._ran(slot) is not None:  # measured by the eager hook (a forward outside the compiled region)
                 continue
-            self._order += 1
-            self._orders[slot] = float(self._order)
             if stats is not None:  # a sampled step (the probe of a step is one or the other: _sampled is fixed)
                 stats = stats.to(device, torch.float32)
                 n = stats[0].clamp_min(1.0)

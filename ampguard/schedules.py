@@ -113,6 +113,7 @@ class Schedules:
                 return
             later = [a.step for a in ahead[known:]]
             self._put_back(ahead[0])
+            ahead.clear()
             self.applied = confirmed
             while self.applied < taken:
                 self._step_all()
@@ -144,7 +145,7 @@ class Schedules:
         try:
             self._step_all()
         except BaseException:  # a scheduler's own error: every scheduler as it was, then the error
-            self._put_back_last()
+            self._put_back(self._ahead.pop())
             raise
 
     def exact(self) -> None:
@@ -158,7 +159,7 @@ class Schedules:
             skipped = self.records.last_skipped()
             if skipped is not None:
                 if skipped:
-                    self._put_back(ahead[0])
+                    self._put_back(ahead.pop())
                     self.applied -= 1
                 else:
                     ahead[0].known = True
@@ -180,16 +181,9 @@ class Schedules:
             wrapper.advance()  # the scheduler's own step (the wrapper's is refused)
         self.applied += 1
 
-    def _put_back_last(self) -> None:
-        """Undo the latest advance made ahead alone (a scheduler raised in it), keeping the earlier ones."""
-        last = self._ahead.pop()
-        kept = self._ahead[:]
-        self._put_back(last)
-        self._ahead[:] = kept
-
     def _put_back(self, ahead: _Ahead) -> None:
-        """Undo every advance from ``ahead`` on (the schedulers' state and their param groups' values as they
-        were before it), and forget those advances (the caller sets :attr:`applied`)."""
+        """Undo every advance from ``ahead`` on: the schedulers' state and their param groups' values as they were
+        before it (the caller drops those advances from :attr:`_ahead` and sets :attr:`applied`)."""
         for scheduler, state in ahead.states:
             scheduler.load_state_dict(state)
         for group, values in ahead.groups:
@@ -198,7 +192,6 @@ class Schedules:
                     group[key].copy_(value)  # in place, as the schedulers set a tensor LR
                 else:
                     group[key] = value
-        self._ahead.clear()
 
     def state(self) -> dict[str, Any]:
         """The registered schedulers' and EMAs' state (for the ladder's snapshot; not copied here).
@@ -294,7 +287,11 @@ class ScheduledLR:
     @property
     def registered(self) -> bool:
         """Whether the guard still steps the scheduler (False once ``close()`` handed it back)."""
-        return self._owner is not None and self._owner() is not None
+        return self._schedules() is not None
+
+    def _schedules(self) -> Schedules | None:
+        """The guard's schedules while it steps the scheduler; None once handed back or the guard is gone."""
+        return self._owner() if self._owner is not None else None
 
     def advance(self) -> None:
         """One taken step's advance, as the guard applies it (:meth:`Schedules.advance`)."""
@@ -313,7 +310,7 @@ class ScheduledLR:
             "Nothing was changed.")
 
     def state_dict(self) -> dict[str, Any]:
-        owner = self._owner() if self._owner is not None else None
+        owner = self._schedules()
         if owner is not None:
             owner.catch_up()
         return self.scheduler.state_dict()
@@ -322,7 +319,7 @@ class ScheduledLR:
         self.scheduler.load_state_dict(state_dict)
 
     def get_last_lr(self) -> list[float | torch.Tensor]:
-        owner = self._owner() if self._owner is not None else None
+        owner = self._schedules()
         if owner is not None:  # the advance made ahead for the last step settled: its skip flag read
             owner.exact()
         return self.scheduler.get_last_lr()
