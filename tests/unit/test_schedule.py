@@ -75,6 +75,16 @@ def ref_ema_update(ema: list[torch.Tensor], model: torch.nn.Module, decay: float
 
 
 # ---------------------------------------------------------------------------------------- runs
+def train(model, opt, batches) -> None:
+    """The guarded loop, one step a batch."""
+    for x, y in batches:
+        with opt.autocast():
+            loss = loss_of(model, x, y)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+
 
 
 def plain_fp16(kind: str, data, decay: float = 0.9, after: list | None = None):
@@ -196,12 +206,8 @@ def test_between_steps_param_groups_show_the_next_lr_and_get_last_lr_is_the_eage
     read: list[float] = []  # the LR each update read
     opt.optimizer.register_step_pre_hook(lambda o, a, k: read.append(o.param_groups[0]["lr"]))
     groups, last = [], []
-    for x, y in data:
-        with opt.autocast():
-            loss = loss_of(model, x, y)
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
+    for batch in data:
+        train(model, opt, [batch])
         groups.append(opt.param_groups[0]["lr"])
         if read_last_lr:
             last.append(sched.get_last_lr())
@@ -417,14 +423,6 @@ def test_resume_on_the_lagged_path_continues_the_schedule_exactly(scheduler_firs
         seen: list[float] = []
         opt.register_pre_unscale_hook(lambda step: seen.append(opt.param_groups[0]["lr"]))
         return model, opt, sched, ema, seen
-
-    def train(model, opt, batches):
-        for x, y in batches:
-            with opt.autocast():
-                loss = loss_of(model, x, y)
-            opt.backward(loss)
-            opt.step()
-            opt.zero_grad()
 
     model, opt, sched, e, seen = start()
     train(model, opt, data[:7])  # step 6 taken: its advance is pending when we save
