@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -196,6 +196,20 @@ def layer_cast_stats(module: torch.nn.Module, role: str, x: torch.Tensor) -> tor
     """:func:`cast_stats` of ``x`` cast as the ``Float8Linear`` ``module`` casts it for ``role`` (its fp8 dtype,
     tensorwise or rowwise, power-of-2 scales or not)."""
     return cast_stats(x, _dtype(module, role), rowwise=_rowwise(module, role), pow2=_pow2(module))
+
+
+def _places(n: int, order: Sequence[torch.dtype], where: Sequence[tuple[int, torch.dtype]]) -> list[int]:
+    """Per slot of ``n``, its place in ``cat`` of the groups of amaxes of each dtype in ``order`` (each in the order
+    ``where`` lists them, ``(slot, dtype)``), then one zero: the place of a slot not in ``where``."""
+    offsets, at = {}, 0
+    for dtype in order:
+        offsets[dtype] = at
+        at += sum(kind is dtype for _, kind in where)
+    places = [at] * n
+    for slot, kind in where:
+        places[slot] = offsets[kind]
+        offsets[kind] += 1
+    return places
 
 
 class _GradProbe(torch.autograd.Function):
@@ -376,6 +390,10 @@ class Fp8Monitor:
         self._orders: list[float] = [math.nan] * len(self.names)
         """Per cast: k where it was the k-th cast measured this step (NaN: not run), known on the host."""
         self._rounded: dict[int, torch.dtype] = {}
+        self._taken: dict[torch.dtype, list[torch.Tensor]] | None = {}
+        """The amaxes taken from torchao this step, by dtype, in the order taken (None: a slot was replaced)."""
+        self._where: list[tuple[int, torch.dtype]] = []
+        """(slot, dtype) of each amax in ``_taken``, in the order taken."""
         """Casts whose amax was taken before the autocast dtype's rounding (rounded in collect())."""
         self._sampled = False
         self._order = 0  # casts measured this step: each cast's rank in the order they ran
@@ -438,13 +456,29 @@ class Fp8Monitor:
         self._slots[slot] = stats
 
     def _took(self, index: int, role: str, amax: torch.Tensor) -> None:
-        """torchao's amax of a cast a visit asked for (:class:`_Taps`): the slot's float32 amax, as :meth:`_measure`
-        makes it on an unsampled step (rowwise: the largest over rows; the tensor torchao cast, so no rounding)."""
+        """torchao's amax of a cast a visit asked for (:class:`_Taps`): the slot's amax, as :meth:`_measure` makes it
+        on an unsampled step (rowwise: the largest over rows; the tensor torchao cast, so no rounding), in the dtype
+        torchao reduced it in (exact: the largest ``|x|`` is one of ``x``'s values)."""
         slot = 3 * index + FP8_ROLES.index(role)
-        value = amax.detach()
-        value = (value.amax() if value.dim() else value).float()
+        if amax.requires_grad:
+            amax = amax.detach()
+        if amax.dim():  # rowwise: the largest over rows
+            amax = amax.amax()
         old = self._ran(slot)
-        self._slots[slot] = value if old is None else torch.maximum(old, value)
+        if old is not None:  # a second forward in the step: the larger (collect() then groups the slots itself)
+            self._taken = None
+            self._slots[slot] = torch.maximum(old.float(), amax.float())
+            return
+        # Kept in torchao's dtype (bfloat16 for a bfloat16 tensor), grouped by it as taken: collect() converts each
+        # group in one kernel, where a conversion here was a launch a cast (96 a step on GPT-2 124M fp8)
+        self._slots[slot] = amax
+        if self._taken is not None:
+            dtype = amax.dtype
+            group = self._taken.get(dtype)
+            if group is None:
+                group = self._taken[dtype] = []
+            group.append(amax)
+            self._where.append((slot, dtype))
 
     def _ran(self, slot: int) -> torch.Tensor | None:
         """A cast of ``slot`` ran: its value so far this step (None the first time, when its order is counted)."""
@@ -550,6 +584,8 @@ class Fp8Monitor:
         self._orders = [math.nan] * len(self.names)
         self._rounded = {}
         self._order = 0
+        self._taken = {}
+        self._where = []
         self._sampled = step % self.numerics_every == 0
         if self.probed:  # a probe's gradient from a step that was never collected
             for probe in (*self._probes, *self._stat_probes):
@@ -577,8 +613,7 @@ class Fp8Monitor:
             rows = torch.stack([s if s is not None else absent for s in self._slots])
             return torch.cat([self._const(device, ("order", *self._orders), self._orders).unsqueeze(1), rows[:, 1:]], 1)
         # An unsampled step: one stack of the amaxes, then every scale at once (torchao's formula, as cast_stats)
-        zero = self._const(device, ("zero",), [0.0])[0]
-        amax = torch.stack([s if s is not None else zero for s in self._slots]).float()  # compiled: float64 amaxes
+        amax = self._amaxes(device)
         for dtype in set(self._rounded.values()):  # the autocast dtype's rounding (exact in float32: where promotes)
             mask = self._const(device, ("round", dtype, *sorted(self._rounded.items(), key=lambda kv: kv[0])),
                                [self._rounded.get(k) is dtype for k in range(len(self._slots))], torch.bool)
@@ -589,16 +624,40 @@ class Fp8Monitor:
         none = self._const(device, ("nans", len(self._slots)), [math.nan] * len(self._slots))
         return torch.stack([order, amax, scale, none, none], 1)
 
-    def _const(self, device: torch.device, key: tuple[Any, ...], values: Sequence[float | bool],
+    def _amaxes(self, device: torch.device) -> torch.Tensor:
+        """The unsampled slots' amaxes, float32 ``[n_casts]`` (0 where a cast did not run): one stack where they share
+        a dtype; else a stack and a conversion per dtype (torchao's bfloat16 amaxes beside the float32 weights', the
+        compiled probes' float64), joined, and put back in slot order by one gather."""
+        taken, where, slots = self._taken, self._where, self._slots
+        fast = taken is not None and len(where) == self._order  # every slot taken from torchao (the usual eager step)
+        dtypes = tuple(taken) if taken is not None and fast else {s.dtype for s in slots if s is not None}
+        if len(dtypes) <= 1:  # one stack, in slot order
+            zero = self._const(device, ("zero",), [0.0], next(iter(dtypes), torch.float32))[0]
+            return torch.stack([s if s is not None else zero for s in slots]).float()
+        if taken is None or not fast:  # slots measured by the hooks, or a second forward's
+            taken, where = {}, []
+            for slot, s in enumerate(slots):
+                if s is not None:
+                    taken.setdefault(s.dtype, []).append(s)
+                    where.append((slot, s.dtype))
+        order = tuple(taken)
+        parts = [torch.stack(group).float() for group in taken.values()]
+        parts.append(self._const(device, ("zero",), [0.0]))
+        key = ("place", len(self._slots), order, tuple(where))
+        place = self._const(device, key, lambda: _places(len(self._slots), order, where), torch.int64)
+        return torch.cat(parts).index_select(0, place)
+
+    def _const(self, device: torch.device, key: tuple[Any, ...],
+               values: Sequence[float | bool] | Callable[[], Sequence[float | bool]],
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``values`` as a tensor on ``device``, made once per key (a pinned copy, not waited for); a model's casts
-        run in the same order every step, so the keys repeat. Kept: at most 64."""
+        """``values`` (or what calling it returns) as a tensor on ``device``, made once per key (a pinned copy, not
+        waited for); a model's casts run in the same order every step, so the keys repeat. Kept: at most 64."""
         full = (device, dtype, *key)
         t = self._consts.get(full)
         if t is None:
             if len(self._consts) >= 64:
                 self._consts.clear()
-            host = torch.tensor(list(values), dtype=dtype)
+            host = torch.tensor(list(values() if callable(values) else values), dtype=dtype)
             if device.type == "cuda":
                 host = host.pin_memory()
             t = self._consts[full] = host.to(device, non_blocking=True)

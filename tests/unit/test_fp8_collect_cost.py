@@ -84,3 +84,75 @@ def test_a_layer_that_did_not_run_is_not_a_nonfinite_cast() -> None:
             assert {c.module for c in casts} == {"fc1"}
             monitor.close()
             model.zero_grad()
+
+
+def _deep(layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)])
+    return torchao_float8.convert_to_float8_training(model, config=torchao_float8.Float8LinearConfig(emulate=True))
+
+
+def _step_kernels(layers: int, monitored: bool) -> int:
+    """Kernels of one unsampled step (forward, backward, and with a monitor its collect() and nonfinite()) of a
+    ``layers``-deep float8 model fed bfloat16, as CUDA's autocast feeds torchao: its input and grad_output casts
+    are of bfloat16 tensors, torchao's amaxes of them bfloat16 (the weights' float32)."""
+    model = _deep(layers)
+    monitor = Fp8Monitor(model, numerics_every=10) if monitored else None
+    x = torch.randn(8, 16).bfloat16()
+    kernels = 0
+    for _ in range(2):  # the second step, the monitor's constants made
+        if monitor is not None:
+            monitor.begin_step(1)
+        with _Ops() as ops:
+            model(x).float().square().mean().backward()
+            if monitor is not None:
+                monitor.nonfinite(monitor.collect())
+        kernels = sum(ops.ops.values())
+        model.zero_grad(set_to_none=True)
+    if monitor is not None:
+        monitor.close()
+    return kernels
+
+
+def test_an_unsampled_steps_kernels_do_not_grow_with_the_casts():
+    """What an unsampled step adds to the unmonitored step's kernels is collect()'s few, however many casts: the
+    amaxes are torchao's, kept in the dtype torchao reduced them in and converted in one kernel per dtype. Until stop
+    49 each bfloat16 amax was converted to float32 as it was taken: 96 kernels a step on GPT-2 124M fp8 (an H100's
+    profile, ``benchmarks/results/gpu_stop49/``), one launch each on the host."""
+    added = {n: _step_kernels(n, True) - _step_kernels(n, False) for n in (2, 8)}
+    assert added[8] == added[2] <= 16, added
+
+
+def test_amaxes_of_two_dtypes_come_back_in_slot_order_bitwise(monkeypatch):
+    """The bfloat16 amaxes (inputs, grad_outputs) and the float32 ones (weights), grouped by dtype as taken and put
+    back in slot order: bitwise the rows of a monitor whose hooks measure every cast themselves (someone else's
+    patch over torchao's cast, as in tests/unit/test_fp8.py), with a NaN in the batch, and with a layer that did not
+    run (its slots: order NaN, amax 0)."""
+    from torchao.float8 import float8_linear
+
+    from ampguard.fp8 import _TAPS
+
+    x = torch.randn(8, 16).bfloat16() * 3
+    for bad in (None, math.nan):
+        if bad is not None:
+            x[3, 5] = bad
+        rows = []
+        for spied in (False, True):
+            model = _deep(3)
+            model.forward = lambda x, m=model: m[1](m[0](x))  # type: ignore[method-assign]  (m[2] never runs)
+            monitor = Fp8Monitor(model, numerics_every=10)
+            if spied:
+                tap = float8_linear.hp_tensor_to_float8_dynamic
+                monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic",
+                                    lambda *a, tap=tap, **k: tap(*a, **k))
+                assert not _TAPS.ready()
+            monitor.begin_step(1)
+            model(x).float().square().mean().backward()
+            kinds = {t.dtype for t in monitor._slots if t is not None}
+            assert kinds == ({torch.float32} if spied else {torch.bfloat16, torch.float32})
+            rows.append(monitor.collect())
+            assert monitor.nonfinite(rows[-1]).item() == (bad is not None)
+            monitor.close()
+            monkeypatch.undo()
+        assert torch.equal(rows[0].nan_to_num(7.0), rows[1].nan_to_num(7.0)), rows
+        assert rows[0][6:, 0].isnan().all() and rows[0][6:, 1].eq(0).all() and rows[0][:6, 0].ge(1).all()
