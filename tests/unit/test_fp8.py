@@ -272,13 +272,22 @@ def test_an_unsampled_step_names_a_real_nan_grad_output_from_torchaos_own_amax()
     monitor.close()
 
 
+def spy_over_the_taps(monkeypatch) -> None:
+    """Someone else's patch over torchao's cast, put in place after a monitor's: the taps are out of the path."""
+    from torchao.float8 import float8_linear
+
+    from ampguard.fp8 import _TAPS
+
+    tap = float8_linear.hp_tensor_to_float8_dynamic
+    monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic", lambda *a, tap=tap, **k: tap(*a, **k))
+    assert not _TAPS.ready()
+
+
 def test_where_the_taps_are_not_in_place_the_hooks_measure_the_casts_themselves(monkeypatch):
     """Someone else's patch over torchao's cast (a spy put in place after the monitor) takes the taps out of the
     path: the hooks see it (``_TAPS.ready()``) and measure each cast as before, with the same amax and scale as a
     monitor whose taps are in place, also with a NaN in the batch."""
-    from torchao.float8 import float8_linear
 
-    from ampguard.fp8 import _TAPS
 
     x = torch.randn(8, 16) * 3
     x[4, 4] = math.nan
@@ -287,10 +296,7 @@ def test_where_the_taps_are_not_in_place_the_hooks_measure_the_casts_themselves(
         model = _model()
         monitor = Fp8Monitor(model, numerics_every=10)
         if spied:
-            tap = float8_linear.hp_tensor_to_float8_dynamic
-            monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic",
-                                lambda *a, tap=tap, **k: tap(*a, **k))
-            assert not _TAPS.ready()
+            spy_over_the_taps(monkeypatch)
         monitor.begin_step(1)
         model(x).square().mean().backward()
         rows.append(monitor.collect())

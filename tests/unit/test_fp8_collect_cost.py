@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 torchao_float8 = pytest.importorskip("torchao.float8")
 
 from ampguard.fp8 import Fp8Monitor  # noqa: E402
-from tests.unit.test_fp8 import _model  # noqa: E402  (16 -> 32 -> 16)
+from tests.unit.test_fp8 import _model, spy_over_the_taps  # noqa: E402  (_model: 16 -> 32 -> 16)
 from tests.unit.test_fp8_sample import _VIEWS  # noqa: E402
 
 _HOST_ONLY = _VIEWS | {"select", "unsqueeze", "lift_fresh"}
@@ -128,10 +128,6 @@ def test_amaxes_of_two_dtypes_come_back_in_slot_order_bitwise(monkeypatch):
     back in slot order: bitwise the rows of a monitor whose hooks measure every cast themselves (someone else's
     patch over torchao's cast, as in tests/unit/test_fp8.py), with a NaN in the batch, and with a layer that did not
     run (its slots: order NaN, amax 0)."""
-    from torchao.float8 import float8_linear
-
-    from ampguard.fp8 import _TAPS
-
     x = torch.randn(8, 16).bfloat16() * 3
     for bad in (None, math.nan):
         if bad is not None:
@@ -142,10 +138,7 @@ def test_amaxes_of_two_dtypes_come_back_in_slot_order_bitwise(monkeypatch):
             model.forward = lambda x, m=model: m[1](m[0](x))  # type: ignore[method-assign]  (m[2] never runs)
             monitor = Fp8Monitor(model, numerics_every=10)
             if spied:
-                tap = float8_linear.hp_tensor_to_float8_dynamic
-                monkeypatch.setattr(float8_linear, "hp_tensor_to_float8_dynamic",
-                                    lambda *a, tap=tap, **k: tap(*a, **k))
-                assert not _TAPS.ready()
+                spy_over_the_taps(monkeypatch)
             monitor.begin_step(1)
             model(x).float().square().mean().backward()
             kinds = {t.dtype for t in monitor._slots if t is not None}
