@@ -198,7 +198,62 @@ def layer_cast_stats(module: torch.nn.Module, role: str, x: torch.Tensor) -> tor
     return cast_stats(x, _dtype(module, role), rowwise=_rowwise(module, role), pow2=_pow2(module))
 
 
-def _places(n: int, order: Sequence[torch.dtype], where: Sequence[tuple[int, torch.dtype]]) -> list[int]:
+class _Sampled:
+    """A sampled cast's statistics before collect() finishes them (for all casts at once): torchao's amax (its dtype)
+    and smallest scale (float32), and on the row sample ``rows`` (``n`` elements): how many cast to 0 (``small``:
+    ``|x * scale|`` at most half the fp8 dtype's smallest subnormal, which the cast rounds to 0, ties to even), how
+    many are non-zero, and the smallest non-zero ``|x|`` (``rows``' dtype). 8 kernels on the sample, where
+    :func:`cast_stats` ran ~30 a cast: on GPT-2 124M fp8 (144 casts) a sampled step's launches were ~70 ms of an
+    H100's host time (stop 49)."""
+
+    __slots__ = ("amax", "n", "nonzero", "scale", "small", "smallest")
+
+    def __init__(self, amax: torch.Tensor, scale: torch.Tensor, small: torch.Tensor, nonzero: torch.Tensor,
+                 smallest: torch.Tensor, n: int) -> None:
+        self.amax, self.scale, self.small, self.nonzero, self.smallest = amax, scale, small, nonzero, smallest
+        self.n = n
+
+    @staticmethod
+    def of(rows: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, row_scales: torch.Tensor,
+           dtype: torch.dtype) -> _Sampled:
+        """``row_scales``: the scale of each row of ``rows`` (``[rows, 1]``), or of all (``[1]``: a dimensioned
+        float32 tensor, so ``|x| * row_scales`` is float32 in one kernel, as torchao multiplies)."""
+        a = rows.abs()
+        small = (a * row_scales <= _half_tiny(dtype)).sum()
+        return _Sampled(amax, scale, small, torch.count_nonzero(a), a.masked_fill(a == 0, math.inf).amin(),
+                        rows.numel())
+
+    @property
+    def device(self) -> torch.device:
+        return self.amax.device
+
+    def finish(self) -> torch.Tensor:
+        """``[1, amax, scale, underflow, dynamic_range]``, float32: :func:`cast_stats`' row, bitwise."""
+        amax = self.amax.float()
+        underflow = (self.small + self.nonzero - self.n).float() / max(self.n, 1)
+        return torch.stack([torch.ones_like(amax), amax, self.scale, underflow,
+                            torch.log2(amax / self.smallest.float())])
+
+
+def _half_tiny(dtype: torch.dtype) -> float:
+    """Half the smallest subnormal of the fp8 ``dtype``: a float32 value cast to it is 0 exactly when its magnitude
+    is at most this (round to nearest, ties to even: 0 is even)."""
+    info = torch.finfo(dtype)
+    return info.smallest_normal * info.eps / 2
+
+
+def _finished(slot: Any) -> torch.Tensor:
+    return slot.finish() if isinstance(slot, _Sampled) else slot
+
+
+def _worst(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Two forwards' statistics of a cast in one step (gradient accumulation): the largest amax, underflow and range,
+    the smallest scale."""
+    return torch.stack([old[0], torch.maximum(old[1], new[1]), torch.minimum(old[2], new[2]),
+                        torch.fmax(old[3], new[3]), torch.fmax(old[4], new[4])])
+
+
+def _places(n: int, order: Sequence[Any], where: Sequence[tuple[int, Any]]) -> list[int]:
     """Per slot of ``n``, its place in ``cat`` of the groups of amaxes of each dtype in ``order`` (each in the order
     ``where`` lists them, ``(slot, dtype)``), then one zero: the place of a slot not in ``where``."""
     offsets, at = {}, 0
@@ -281,8 +336,10 @@ class _Taps:
         self.users = 0
         self.visit: tuple[Fp8Monitor, int, set[str]] | None = None
         """(monitor, module index, roles wanted): set by a hook as its layer is about to cast; cleared by the next."""
-        self.target: tuple[Fp8Monitor, int, str] | None = None
-        """The cast whose amax the next ``tensor_to_amax`` computes, while ``cast`` runs it."""
+        self.target: str | None = None
+        """The role of the cast whose amax the next ``tensor_to_amax`` computes, while ``cast`` runs it."""
+        self.amax: torch.Tensor | None = None
+        """That amax, as ``tensor_to_amax`` returned it, until the cast returns."""
         self.modules: tuple[Any, Any] | None = None
         self.originals: tuple[Any, Any] | None = None
         self.wrappers: tuple[Any, Any] | None = None
@@ -304,7 +361,7 @@ class _Taps:
 
     def remove(self) -> None:
         self.users -= 1
-        self.visit = self.target = None
+        self.visit = self.target = self.amax = None
         if self.users > 0 or self.modules is None or self.originals is None:
             return
         if self.ready():  # ours still: put torchao's back (a patch made over ours is left as it is)
@@ -329,11 +386,15 @@ class _Taps:
             if name not in visit[2]:
                 return original(hp_tensor, *args, **kwargs)
             visit[2].discard(name)  # the first cast of each role in a visit: the forward's, the backward's dim-0 one
-            self.target = (visit[0], visit[1], name)
+            self.target, self.amax = name, None
             try:
-                return original(hp_tensor, *args, **kwargs)
+                result = original(hp_tensor, *args, **kwargs)
             finally:
                 self.target = None
+            amax, self.amax = self.amax, None
+            if amax is not None:
+                visit[0]._took(visit[1], name, amax, hp_tensor, result)
+            return result
         return _marked(hp_tensor_to_float8_dynamic, original)
 
     def _amax(self, original: Any) -> Any:
@@ -341,10 +402,8 @@ class _Taps:
             amax: torch.Tensor = original(*args, **kwargs)
             if torch.compiler.is_compiling():
                 return amax
-            target = self.target
-            if target is not None:
-                self.target = None
-                target[0]._took(target[1], target[2], amax)
+            if self.target is not None:  # the amax of the cast a visit asked for: handed over as the cast returns
+                self.target, self.amax = None, amax
             return amax
         return _marked(tensor_to_amax, original)
 
@@ -385,8 +444,9 @@ class Fp8Monitor:
         self.sample: int | None = SAMPLE_ELEMENTS
         """Elements of a cast its underflow and range are measured on (:func:`cast_stats`; None: all of them)."""
         self.names: list[tuple[str, str]] = [(name, role) for name, _ in self.modules for role in FP8_ROLES]
-        self._slots: list[torch.Tensor | None] = [None] * len(self.names)
-        """Per cast this step: its 5 statistics (sampled steps), or its float32 amax alone (other steps)."""
+        self._slots: list[Any] = [None] * len(self.names)
+        """Per cast this step: its 5 statistics or a :class:`_Sampled` (sampled steps), or its amax alone (other
+        steps)."""
         self._orders: list[float] = [math.nan] * len(self.names)
         """Per cast: k where it was the k-th cast measured this step (NaN: not run), known on the host."""
         self._rounded: dict[int, torch.dtype] = {}
@@ -451,19 +511,22 @@ class Fp8Monitor:
         else:
             stats = cast_stats(hp, dtype, rowwise=rowwise, pow2=pow2, sample=self.sample)
         if old is not None:  # a second forward in the step: the worst of both
-            stats = torch.stack([old[0], torch.maximum(old[1], stats[1]), torch.minimum(old[2], stats[2]),
-                                 torch.fmax(old[3], stats[3]), torch.fmax(old[4], stats[4])])
+            stats = _worst(_finished(old), stats)
         self._slots[slot] = stats
 
-    def _took(self, index: int, role: str, amax: torch.Tensor) -> None:
-        """torchao's amax of a cast a visit asked for (:class:`_Taps`): the slot's amax, as :meth:`_measure` makes it
-        on an unsampled step (rowwise: the largest over rows; the tensor torchao cast, so no rounding), in the dtype
-        torchao reduced it in (exact: the largest ``|x|`` is one of ``x``'s values)."""
+    def _took(self, index: int, role: str, amax: torch.Tensor, hp: torch.Tensor, cast: Any) -> None:
+        """A cast a visit asked for (:class:`_Taps`): ``amax`` torchao's, of ``hp``, the tensor it cast (the input in
+        the autocast dtype; the weight transposed), into ``cast``. Unsampled: the slot's amax, as :meth:`_measure`
+        makes it (rowwise: the largest over rows; no rounding), in the dtype torchao reduced it in (exact: the largest
+        ``|x|`` is one of ``x``'s values). Sampled: the rest of the cast's statistics too (:meth:`_sample`)."""
         slot = 3 * index + FP8_ROLES.index(role)
         if amax.requires_grad:
             amax = amax.detach()
         if amax.dim():  # rowwise: the largest over rows
             amax = amax.amax()
+        if self._sampled:
+            self._sample(index, slot, role, amax, hp, cast)
+            return
         old = self._ran(slot)
         if old is not None:  # a second forward in the step: the larger (collect() then groups the slots itself)
             self._taken = None
@@ -480,6 +543,38 @@ class Fp8Monitor:
             group.append(amax)
             self._where.append((slot, dtype))
 
+    def _sample(self, index: int, slot: int, role: str, amax: torch.Tensor, hp: torch.Tensor, cast: Any) -> None:
+        """A sampled step's statistics of a cast the taps handed over, from torchao's own amax and scale (the scale
+        ``cast._scale``: rowwise, per row of the input or the weight; a rowwise grad_output's, taken over either dim,
+        is measured on the sample's rows), as :class:`_Sampled`: the counts and the smallest ``|x|`` of the row
+        sample, finished for all casts at once in collect(). A cast with no ``_scale``: :func:`cast_stats` whole."""
+        module: Any = self.modules[index][1]
+        x = module.weight.detach() if role == "weight" else hp.detach()  # the weight's rows, as the hooks read it
+        scale = getattr(cast, "_scale", None)
+        old = self._ran(slot)
+        dtype, rowwise, pow2 = _dtype(module, role), _rowwise(module, role), _pow2(module)
+        sampled = None
+        if isinstance(scale, torch.Tensor) and x.dim() > 0 and scale.dtype == torch.float32:
+            rows = x.reshape(-1, x.shape[-1])
+            n_rows = rows.shape[0]
+            stride = sample_rows(n_rows, rows.shape[1], self.sample)
+            if not rowwise and scale.numel() == 1:
+                sampled = _Sampled.of(rows[::stride], amax, scale.reshape(()), scale.reshape(1), dtype)
+            elif rowwise and role != "grad_output" and scale.numel() == n_rows:
+                sampled = _Sampled.of(rows[::stride], amax, scale.amin(), scale.reshape(-1, 1)[::stride], dtype)
+            elif rowwise:
+                rows = rows[::stride]
+                row_amax = torch.linalg.vector_norm(rows, ord=math.inf, dim=-1, keepdim=True, dtype=torch.float32)
+                sampled = _Sampled.of(rows, amax, scale.amin(), _scale(row_amax, torch.finfo(dtype).max, pow2), dtype)
+        if sampled is not None and old is None:
+            self._slots[slot] = sampled  # finished in collect()
+            return
+        stats = sampled.finish() if sampled is not None else cast_stats(
+            x, dtype, rowwise=rowwise, pow2=pow2, sample=self.sample)
+        if old is not None:
+            stats = _worst(_finished(old), stats)
+        self._slots[slot] = stats
+
     def _ran(self, slot: int) -> torch.Tensor | None:
         """A cast of ``slot`` ran: its value so far this step (None the first time, when its order is counted)."""
         old = self._slots[slot]
@@ -489,8 +584,8 @@ class Fp8Monitor:
         return old
 
     def _delegates(self) -> bool:
-        """Whether this cast's amax is torchao's (:class:`_Taps`): eager, an unsampled step, the taps in place."""
-        return not self._sampled and not torch.compiler.is_compiling() and _TAPS.ready()
+        """Whether this cast is measured through the taps (:class:`_Taps`): eager, the taps in place."""
+        return not torch.compiler.is_compiling() and _TAPS.ready()
 
     def _pre_forward_hook(self, index: int) -> Any:
         def hook(module: Any, args: tuple[Any, ...]) -> None:
@@ -609,9 +704,7 @@ class Fp8Monitor:
         if self.probed:
             self._take_probes(device)
         if self._sampled:
-            absent = self._const(device, ("absent", WIDTH), [math.nan, 0.0] + [math.nan] * (WIDTH - 2))
-            rows = torch.stack([s if s is not None else absent for s in self._slots])
-            return torch.cat([self._const(device, ("order", *self._orders), self._orders).unsqueeze(1), rows[:, 1:]], 1)
+            return self._collect_sampled(device)
         # An unsampled step: one stack of the amaxes, then every scale at once (torchao's formula, as cast_stats)
         amax = self._amaxes(device)
         for dtype in set(self._rounded.values()):  # the autocast dtype's rounding (exact in float32: where promotes)
@@ -623,6 +716,45 @@ class Fp8Monitor:
         order = self._const(device, ("order", *self._orders), self._orders)
         none = self._const(device, ("nans", len(self._slots)), [math.nan] * len(self._slots))
         return torch.stack([order, amax, scale, none, none], 1)
+
+    def _collect_sampled(self, device: torch.device) -> torch.Tensor:
+        """collect() of a sampled step. Where every cast that ran came through the taps (:class:`_Sampled`), their
+        statistics are finished at once: ~20 kernels for all of them, as one finish() costs for a few."""
+        slots = self._slots
+        absent = self._const(device, ("absent", WIDTH), [math.nan, 0.0] + [math.nan] * (WIDTH - 2))
+        present = [i for i, s in enumerate(slots) if s is not None]
+        raws = [slots[i] for i in present]
+        if not raws or not all(isinstance(r, _Sampled) for r in raws):
+            rows = torch.stack([_finished(s) if s is not None else absent for s in slots])
+            return torch.cat([self._const(device, ("order", *self._orders), self._orders).unsqueeze(1), rows[:, 1:]],
+                             1)
+        sampled: list[_Sampled] = raws
+        amax = self._stack_float(device, [r.amax for r in sampled])
+        counts = [r.n for r in sampled]
+        small = torch.stack([r.small for r in sampled]) + torch.stack([r.nonzero for r in sampled])
+        underflow = (small - self._const(device, ("n", *counts), counts, torch.int64)).float() / self._const(
+            device, ("n1", *counts), [max(n, 1) for n in counts])
+        dynamic_range = torch.log2(amax / self._stack_float(device, [r.smallest for r in sampled]))
+        orders = [self._orders[i] for i in present]
+        rows = torch.stack([self._const(device, ("order", *orders), orders), amax,
+                            torch.stack([r.scale for r in sampled]), underflow, dynamic_range], 1)
+        if len(present) == len(slots):
+            return rows
+        place = self._const(device, ("present", len(slots), *present),
+                            lambda: _places(len(slots), [None], [(i, None) for i in present]), torch.int64)
+        return torch.cat([rows, absent.unsqueeze(0)]).index_select(0, place)
+
+    def _stack_float(self, device: torch.device, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """0-dim ``tensors`` of one or more dtypes as float32 ``[n]``, in order: a stack and a conversion per dtype,
+        joined and put back in order by one gather where there are several."""
+        kinds = [t.dtype for t in tensors]
+        order = tuple(dict.fromkeys(kinds))
+        if len(order) == 1:
+            return torch.stack(list(tensors)).float()
+        parts = [torch.stack([t for t in tensors if t.dtype is dtype]).float() for dtype in order]
+        where = list(enumerate(kinds))
+        place = self._const(device, ("order of", *kinds), lambda: _places(len(tensors), order, where), torch.int64)
+        return torch.cat(parts).index_select(0, place)
 
     def _amaxes(self, device: torch.device) -> torch.Tensor:
         """The unsampled slots' amaxes, float32 ``[n_casts]`` (0 where a cast did not run): one stack where they share
