@@ -37,6 +37,10 @@
 # (FRAMEWORKS=1 FW_LIST=transformers,lightning: the measurement graph ran eagerly on 64 and 80 of 80 steps there).
 # The device's .git is a copy made at a session's first call: `git log` there names that commit, not the tree's.
 # FW_BLOCK=20 runs 20 steps a round (10 by default): stop 48's rounds of 10 steps varied by +-10 %.
+# Stop 49 (benchmarks/results/gpu_stop49/): the taps' unsampled fp8 cost 1.015-1.025 (host-bound lease: wall 177 ms, kernels
+# 162), sampled 1.065-1.068 (~4500 launches a sampled step). Then the amaxes converted per dtype in collect() and sampled
+# casts through the taps (8 kernels a cast): FP8_EAGER=1 FP8_VARIANTS=plain,guard+fp8,guard+fp8-nosample FP8_BASE=a8f7cb2
+# (this tree, then a8f7cb2's, in one call).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
@@ -86,9 +90,16 @@ if [ "${COMPILE:-0}" = 1 ]; then
     > "$OUT/table_compile_$TAG.txt" 2>&1
   echo "compile rc=$?"; grep -v Warning "$OUT/table_compile_$TAG.txt" | tail -n 20
 fi
+fp8_run() {  # fp8_run NAME ROOT BLOCKS: fp8_cost.py of the tree at ROOT (its ampguard: the script puts ROOT first)
+  timeout -k 5 "${FP8_S:-200}" python "$2/benchmarks/fp8_cost.py" --device cuda --blocks "$3" --steps 10 \
+    --batch 32 --variants ${FP8_VARIANTS:-plain,plain2,guard,guard+fp8,guard+fp8-nosample} \
+    --profile-steps ${FP8_PROFILE:-10} --out "$OUT/fp8_eager_$1.json" > "$OUT/fp8_eager_$1.txt" 2>&1
+  echo "fp8 eager $1 rc=$?"; grep -E "^(plain|guard|profile)" "$OUT/fp8_eager_$1.txt"
+}
 if [ "${FP8_EAGER:-0}" = 1 ]; then  # torchao carried: pip install --no-index --no-deps --target /tmp/site .whl/torchao-*.whl
-  timeout -k 5 "${FP8_S:-200}" python benchmarks/fp8_cost.py --device cuda --blocks ${FP8_BLOCKS:-30} --steps 10 \
-    --batch 32 --variants plain,plain2,guard,guard+fp8,guard+fp8-nosample --profile-steps 10 \
-    --out "$OUT/fp8_eager_$TAG.json" > "$OUT/fp8_eager_$TAG.txt" 2>&1
-  echo "fp8 eager rc=$?"; grep -E "^(plain|guard|profile)" "$OUT/fp8_eager_$TAG.txt"
+  fp8_run "$TAG" . ${FP8_BLOCKS:-30}
+  if [ -n "${FP8_BASE:-}" ]; then  # FP8_BASE=REV: that commit's library and fp8_cost.py after this tree's, same lease
+    rm -rf /tmp/fp8_base && mkdir -p /tmp/fp8_base && git archive "$FP8_BASE" ampguard benchmarks/fp8_cost.py | tar -x -C /tmp/fp8_base
+    FP8_PROFILE=0 fp8_run "${TAG}_base" /tmp/fp8_base ${FP8_BASE_BLOCKS:-12}
+  fi
 fi
