@@ -83,8 +83,9 @@ def test_replayed_measurement_is_the_eager_one_bit_for_bit(precision: str) -> No
         assert not all(math.isfinite(r[0]) for r in ref_seen)  # the overflow steps were measured too
     for a, b in zip(ref_params, params):
         assert torch.equal(a, b)
-    # the gradients take two or three places in turn (stop 42, benchmarks/gpu_graph_keys.py): one capture each
-    assert graphs.replays >= 12 and 1 <= graphs.captures <= 3, (graphs.replays, graphs.captures)  # type: ignore[attr-defined]
+    # the gradients take two or three places in turn (stop 42, benchmarks/gpu_graph_keys.py): one capture each; a
+    # fourth after the rest of tests/gpu has shaped the allocator (stop 49, call 2: 13 replays, 4 captures)
+    assert graphs.replays >= 12 and 1 <= graphs.captures <= 4, (graphs.replays, graphs.captures)  # type: ignore[attr-defined]
 
 
 def test_gradients_that_move_are_measured_where_they_are() -> None:
