@@ -19,13 +19,15 @@ measures, per role (``input``, ``weight``, ``grad_output``, :data:`FP8_ROLES`):
 Saturation is None: torchao 0.18 scales float8 training dynamically only (the scale comes from this tensor's own
 amax, so nothing is clamped); there is no static or delayed scale that could saturate.
 
-In eager mode on unsampled steps the amax is torchao's own: the monitor's hooks open a *visit* (this module, the
-roles it wants) and two taps, put on ``torchao.float8.float8_linear.hp_tensor_to_float8_dynamic`` (which names the
-role) and ``torchao.float8.float8_utils.tensor_to_amax`` (which computes the amax) while a monitor exists and taken
-off when the last one closes, hand the monitor the amax tensor torchao has just reduced (:class:`_Taps`). Measuring
-it again cost a second read of every cast tensor: 144 ``AbsMax`` reductions, 3.5 ms a step on GPT-2 124M fp8 on an
-H100 (``benchmarks/RESULTS.md``, "Stop 48"). Where a tensor is not cast there (an input already in fp8, a DTensor,
-FSDP2's float8 all-gather of the weight) the hook measures it as before.
+In eager mode the amax is torchao's own: the monitor's hooks open a *visit* (this module, the roles it wants) and two
+taps, put on ``torchao.float8.float8_linear.hp_tensor_to_float8_dynamic`` (which names the role) and
+``torchao.float8.float8_utils.tensor_to_amax`` (which computes the amax) while a monitor exists and taken off when the
+last one closes, hand the monitor the amax tensor torchao has just reduced (:class:`_Taps`), kept in its dtype until
+collect() converts them all. Measuring it again cost a second read of every cast tensor: 144 ``AbsMax`` reductions,
+3.5 ms a step on GPT-2 124M fp8 on an H100 (``benchmarks/RESULTS.md``, "Stop 48"). On a sampled step the taps hand
+over the cast's scale too, and the row sample's statistics take 8 kernels a cast (:class:`_Sampled`), finished for
+all casts at once in collect(). Where a tensor is not cast there (an input already in fp8, a DTensor, FSDP2's float8
+all-gather of the weight) the hook measures it with :func:`cast_stats`, as before.
 
 Everything stays on device (no ``.item()``, no host sync); :meth:`Fp8Monitor.collect` returns one float32 tensor
 and :meth:`Fp8Monitor.decode` turns its host copy into :class:`~ampguard.records.Fp8Cast` records. The hooks read
