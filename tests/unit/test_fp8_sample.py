@@ -20,7 +20,8 @@ from tests.unit.test_fp8 import _model  # noqa: E402  (16 -> 32 -> 16)
 
 _ROWS = 4096  # the batch: fc1's input is 4096 x 16 (65536 elements), its output gradient 4096 x 32
 _SAMPLE = 2048
-_VIEWS = {"detach", "view", "_unsafe_view", "slice", "reshape", "t", "transpose", "expand", "as_strided", "alias"}
+_VIEWS = {"detach", "view", "_unsafe_view", "slice", "select", "reshape", "t", "transpose", "expand", "as_strided",
+          "alias"}
 """Ops that make a view and read nothing."""
 
 
@@ -120,9 +121,10 @@ def test_a_nan_in_a_row_the_sample_skips_still_makes_the_cast_nonfinite():
 
 
 def test_the_default_sample_and_small_tensors():
-    """A tensor of at most the sample is read whole (stride 1); the default sample is 2**20 elements; one row of more
-    than the sample is the sample (stride = the rows)."""
-    assert fp8.SAMPLE_ELEMENTS == 1 << 20 and Fp8Monitor(_model()).sample == fp8.SAMPLE_ELEMENTS
+    """A tensor of at most the sample is read whole (stride 1); the default sample is 2**16 elements (2**20 until
+    stop 49, when a sampled step's samples came to share one buffer: 4 MB a cast there); one row of more than the
+    sample is the sample (stride = the rows)."""
+    assert fp8.SAMPLE_ELEMENTS == 1 << 16 and Fp8Monitor(_model()).sample == fp8.SAMPLE_ELEMENTS
     assert sample_rows(1024, 1024, 1 << 20) == 1 and sample_rows(1025, 1024, 1 << 20) == 2
     assert sample_rows(10, 1 << 21, 1 << 20) == 10 and sample_rows(10, 10, None) == 1
 
@@ -189,3 +191,80 @@ def test_two_forwards_in_a_step_keep_the_worst_of_each_cast(recipe):
             assert (a[:, 3] != b[:, 3]).any()
         else:
             assert both[:, 3:].isnan().all()
+
+
+def test_the_threshold_is_the_largest_magnitude_the_cast_makes_zero():
+    """``fp8._thresholds``: for scales over 100 binades, both fp8 dtypes, powers of 2 among them, ``T * scale``
+    (float32) is at most half the smallest subnormal and the next float32 above ``T`` is not; a zero scale takes
+    every finite value, a NaN scale none but the zeros."""
+    torch.manual_seed(4)
+    scale = torch.exp2(torch.rand(4000) * 100 - 50)
+    scale[::7] = torch.exp2(torch.round(torch.log2(scale[::7])))
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        half = torch.full_like(scale, fp8._half_tiny(dtype))
+        bound = fp8._thresholds(scale, half)
+        assert (bound * scale <= half).all()
+        above = torch.nextafter(bound, torch.full_like(bound, math.inf))
+        assert (above * scale > half).all()
+        # the cast itself agrees: T casts to 0, the next float32 does not
+        assert (((bound * scale).to(dtype).float() == 0) & ((above * scale).to(dtype).float() != 0)).all()
+    special = fp8._thresholds(torch.tensor([0.0, math.nan]), torch.full((2,), 2.0**-10))
+    assert special[0].item() == torch.finfo(torch.float32).max and special[1].item() == 0.0
+
+
+@pytest.mark.parametrize("hp", [torch.float32, torch.bfloat16])
+def test_the_buffered_samples_give_the_hooks_own_statistics(monkeypatch, hp):
+    """A sampled step whose tensorwise casts come through the taps (their samples copied into one buffer, measured
+    together) gives every cast's amax, scale, underflow and range as the hooks measure them (``cast_stats``, the
+    real cast) where the taps are out of the path: magnitudes over 60 binades, zeros, a NaN in the batch, and a
+    batch of more than the sample (every k-th row). The underflow agrees to one float32 step: the hooks divide the
+    count by a Python int, the buffer by a tensor."""
+    from tests.unit.test_fp8 import spy_over_the_taps
+
+    torch.manual_seed(6)
+    x = (torch.randn(_ROWS, 16) * torch.exp2(-60 * torch.rand(_ROWS, 16) + 20)).to(hp)
+    x[0, :5] = 0.0
+    for bad in (None, math.nan):
+        if bad is not None:
+            x[7, 3] = bad
+        rows = []
+        for spied in (False, True):
+            model = _model()
+            monitor = Fp8Monitor(model, numerics_every=2)
+            monitor.sample = _SAMPLE
+            if spied:
+                spy_over_the_taps(monkeypatch)
+            for _ in range(2):  # the first sampled step sizes the buffer; the second fills it
+                monitor.begin_step(0)
+                model(x).float().square().mean().backward()
+                model.zero_grad(set_to_none=True)
+                collected = monitor.collect()
+            assert (monitor._buffer is None) == spied
+            rows.append(collected)
+            monitor.close()
+            monkeypatch.undo()
+        buffered, hooked = rows
+        assert torch.equal(buffered[:, :3].nan_to_num(7.0), hooked[:, :3].nan_to_num(7.0))
+        assert torch.equal(buffered[:, 4].nan_to_num(7.0), hooked[:, 4].nan_to_num(7.0))
+        assert torch.allclose(buffered[:, 3], hooked[:, 3], rtol=2**-23, atol=0, equal_nan=True)
+        if bad is None:
+            assert (hooked[:, 3] > 0).sum() >= 2, hooked  # both inputs underflow
+        else:  # the NaN makes fc1's input amax and scale NaN: no element counts as cast to 0
+            assert buffered[0, 1:3].isnan().all() and buffered[0, 3].item() == 0.0
+
+
+def test_collect_twice_in_a_step_gives_the_same_rows():
+    """collect() measures the buffered samples in place (|x|, zeros made Inf), and a second collect() of the same
+    sampled step still gives the first one's rows (no zero is then counted, nor counted as cast to 0)."""
+    torch.manual_seed(8)
+    model = _model()
+    monitor = Fp8Monitor(model, numerics_every=2)
+    x = torch.randn(64, 16) * torch.exp2(-40 * torch.rand(64, 16))
+    x[0, :3] = 0.0
+    for _ in range(2):  # the first sampled step sizes the buffer; the second fills it
+        monitor.begin_step(0)
+        model(x).square().mean().backward()
+        model.zero_grad(set_to_none=True)
+        first, second = monitor.collect(), monitor.collect()
+    assert monitor._buffer is not None and torch.equal(first, second)
+    monitor.close()
