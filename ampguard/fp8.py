@@ -27,8 +27,9 @@ collect() converts them all. Measuring it again cost a second read of every cast
 3.5 ms a step on GPT-2 124M fp8 on an H100 (``benchmarks/RESULTS.md``, "Stop 48"). On a sampled step the taps hand
 over the cast's scale too: a tensorwise cast's row sample is copied into one buffer the step's casts share (one
 kernel a cast, :class:`_Batched`) and collect() measures them all together; a rowwise cast's statistics take 8
-kernels on its sample (:class:`_Sampled`), finished with the others in collect(). Where a tensor is not cast there (an input already in fp8, a DTensor, FSDP2's float8
-all-gather of the weight) the hook measures it with :func:`cast_stats`, as before.
+kernels on its sample (:class:`_Sampled`), finished with the others in collect(). Where a tensor is not cast there
+(an input already in fp8, a DTensor, FSDP2's float8 all-gather of the weight) the hook measures it with
+:func:`cast_stats`, as before.
 
 Everything stays on device (no ``.item()``, no host sync); :meth:`Fp8Monitor.collect` returns one float32 tensor
 and :meth:`Fp8Monitor.decode` turns its host copy into :class:`~ampguard.records.Fp8Cast` records. The hooks read
