@@ -40,7 +40,10 @@
 # Stop 49 (benchmarks/results/gpu_stop49/): the taps' unsampled fp8 cost 1.015-1.025 (host-bound lease: wall 177 ms, kernels
 # 162), sampled 1.065-1.068 (~4500 launches a sampled step). Then the amaxes converted per dtype in collect() and sampled
 # casts through the taps (8 kernels a cast): FP8_EAGER=1 FP8_VARIANTS=plain,guard+fp8,guard+fp8-nosample FP8_BASE=a8f7cb2
-# (this tree, then a8f7cb2's, in one call).
+# (this tree, then a8f7cb2's, in one call). Call 5 ran that: 1.030 / 1.010 against 1.061 / 1.024. After the device time,
+# afab373 put a sampled step's tensorwise samples in one buffer (one kernel a cast, was 8). The next session, first:
+# FIRST=0 TESTS=1 HOST=0 (tests/gpu whole: the buffer and the per-dtype amaxes on CUDA), then FP8_EAGER=1
+# FP8_VARIANTS=plain,guard,guard+fp8,guard+fp8-nosample FP8_BASE=dcf82c8 FP8_S=400 (the buffer's effect, same lease).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
