@@ -276,7 +276,9 @@ def _half_tiny(dtype: torch.dtype) -> float:
     return info.smallest_normal * info.eps / 2
 
 
-def _finished(slot: Any) -> torch.Tensor:
+def _row(slot: Any) -> torch.Tensor:
+    """A slot's 5 statistics: a :class:`_Sampled` finished, a row as it is (not a :class:`_Batched`: its sample lies
+    in the monitor's buffer, :meth:`Fp8Monitor._as_row`)."""
     return slot.finish() if isinstance(slot, _Sampled) else slot
 
 
@@ -551,7 +553,7 @@ class Fp8Monitor:
         else:
             stats = cast_stats(hp, dtype, rowwise=rowwise, pow2=pow2, sample=self.sample)
         if old is not None:  # a second forward in the step: the worst of both
-            stats = _worst(self._finished(slot, old), stats)
+            stats = _worst(self._as_row(slot, old), stats)
         self._slots[slot] = stats
 
     def _took(self, index: int, role: str, amax: torch.Tensor, hp: torch.Tensor, cast: Any) -> None:
@@ -616,7 +618,7 @@ class Fp8Monitor:
         stats = sampled.finish() if sampled is not None else cast_stats(
             x, dtype, rowwise=rowwise, pow2=pow2, sample=self.sample)
         if old is not None:
-            stats = _worst(self._finished(slot, old), stats)
+            stats = _worst(self._as_row(slot, old), stats)
         self._slots[slot] = stats
 
     def _ran(self, slot: int) -> torch.Tensor | None:
@@ -800,7 +802,7 @@ class Fp8Monitor:
             slots = [self._finish_buffered(i, s) if isinstance(s, _Batched) else s for i, s in enumerate(slots)]
             raws = [slots[i] for i in present]
         if not raws or not all(isinstance(r, _Sampled) for r in raws):
-            rows = torch.stack([_finished(s) if s is not None else absent for s in slots])
+            rows = torch.stack([_row(s) if s is not None else absent for s in slots])
             return torch.cat([self._const(device, ("order", *self._orders), self._orders).unsqueeze(1), rows[:, 1:]],
                              1)
         sampled: list[_Sampled] = raws
@@ -842,9 +844,9 @@ class Fp8Monitor:
         return torch.stack([self._const(device, ("order", *orders), orders), amax, scale, underflow, dynamic_range],
                            1)
 
-    def _finished(self, slot: int, value: Any) -> torch.Tensor:
-        """A slot's sampled statistics as its 5-row, whichever way they were taken."""
-        return self._finish_buffered(slot, value) if isinstance(value, _Batched) else _finished(value)
+    def _as_row(self, slot: int, value: Any) -> torch.Tensor:
+        """A slot's sampled statistics as its 5 values, whichever way they were taken."""
+        return self._finish_buffered(slot, value) if isinstance(value, _Batched) else _row(value)
 
     def _finish_buffered(self, slot: int, cast: _Batched) -> torch.Tensor:
         """One buffered cast's row on its own (beside casts measured otherwise): its sample as :class:`_Sampled`."""
