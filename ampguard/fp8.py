@@ -241,13 +241,13 @@ class _Sampled:
 
 class _Batched:
     """A sampled tensorwise cast whose row sample the monitor copied into its step buffer (the slot's row, ``n``
-    elements; one kernel), with torchao's amax (its dtype) and scale (0-dim float32) and the fp8 ``dtype``:
-    collect() measures every such cast's underflow and range at once (:meth:`Fp8Monitor._collect_buffer`)."""
+    elements; one kernel), with torchao's amax (its dtype) and scale (0-dim float32): collect() measures every such
+    cast's underflow and range at once (:meth:`Fp8Monitor._collect_buffer`)."""
 
-    __slots__ = ("amax", "dtype", "n", "scale")
+    __slots__ = ("amax", "n", "scale")
 
-    def __init__(self, amax: torch.Tensor, scale: torch.Tensor, n: int, dtype: torch.dtype) -> None:
-        self.amax, self.scale, self.n, self.dtype = amax, scale, n, dtype
+    def __init__(self, amax: torch.Tensor, scale: torch.Tensor, n: int) -> None:
+        self.amax, self.scale, self.n = amax, scale, n
 
     @property
     def device(self) -> torch.device:
@@ -274,12 +274,6 @@ def _half_tiny(dtype: torch.dtype) -> float:
     is at most this (round to nearest, ties to even: 0 is even)."""
     info = torch.finfo(dtype)
     return info.smallest_normal * info.eps / 2
-
-
-def _row(slot: Any) -> torch.Tensor:
-    """A slot's 5 statistics: a :class:`_Sampled` finished, a row as it is (not a :class:`_Batched`: its sample lies
-    in the monitor's buffer, :meth:`Fp8Monitor._as_row`)."""
-    return slot.finish() if isinstance(slot, _Sampled) else slot
 
 
 def _worst(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
@@ -486,6 +480,7 @@ class Fp8Monitor:
         self._orders: list[float] = [math.nan] * len(self.names)
         """Per cast: k where it was the k-th cast measured this step (NaN: not run), known on the host."""
         self._rounded: dict[int, torch.dtype] = {}
+        """Casts whose amax was taken before the autocast dtype's rounding (rounded in collect())."""
         self._taken: dict[torch.dtype, list[torch.Tensor]] | None = {}
         """The amaxes taken from torchao this step, by dtype, in the order taken (None: a slot was replaced)."""
         self._where: list[tuple[int, torch.dtype]] = []
@@ -496,7 +491,6 @@ class Fp8Monitor:
         """Per tensorwise slot, the elements of its last sample: the next sampled step's buffer is as wide as the
         largest (a buffer as wide as the sample size measured padding: 64x the work on 1024-element casts)."""
         self._width = 0
-        """Casts whose amax was taken before the autocast dtype's rounding (rounded in collect())."""
         self._sampled = False
         self._order = 0  # casts measured this step: each cast's rank in the order they ran
         self.compiled = False
@@ -516,7 +510,10 @@ class Fp8Monitor:
         self._warned = False
         self._consts: dict[Any, torch.Tensor] = {}
         """Device constants of :meth:`collect`, made once per device and pattern (a pinned copy, no sync)."""
-        self._fmax = [torch.finfo(_dtype(m, role)).max for _, m in self.modules for role in FP8_ROLES]
+        self._dtypes = [_dtype(m, role) for _, m in self.modules for role in FP8_ROLES]
+        """Per slot, the fp8 dtype of its cast; with ``_rowwise`` and ``_pow2``, the cast's config, read once."""
+        self._rowwise = [_rowwise(m, role) for _, m in self.modules for role in FP8_ROLES]
+        self._fmax = [torch.finfo(dtype).max for dtype in self._dtypes]
         self._pow2 = [_pow2(m) for _, m in self.modules for _ in FP8_ROLES]
         self._handles: list[Any] = []
         _TAPS.install()
@@ -594,7 +591,7 @@ class Fp8Monitor:
         x = module.weight.detach() if role == "weight" else hp.detach()  # the weight's rows, as the hooks read it
         scale = getattr(cast, "_scale", None)
         old = self._ran(slot)
-        dtype, rowwise, pow2 = _dtype(module, role), _rowwise(module, role), _pow2(module)
+        dtype, rowwise, pow2 = self._dtypes[slot], self._rowwise[slot], self._pow2[slot]
         sampled = None
         if isinstance(scale, torch.Tensor) and x.dim() > 0 and scale.dtype == torch.float32:
             rows = x.reshape(-1, x.shape[-1])
@@ -603,7 +600,7 @@ class Fp8Monitor:
             if not rowwise and scale.numel() == 1:
                 sample = rows[::stride]
                 if old is None and self._buffered(slot, sample):
-                    self._slots[slot] = _Batched(amax, scale.reshape(()), sample.numel(), dtype)
+                    self._slots[slot] = _Batched(amax, scale.reshape(()), sample.numel())
                     return
                 sampled = _Sampled.of(sample, amax, scale.reshape(()), scale.reshape(1), dtype)
             elif rowwise and role != "grad_output" and scale.numel() == n_rows:
@@ -611,7 +608,7 @@ class Fp8Monitor:
             elif rowwise:
                 rows = rows[::stride]
                 row_amax = torch.linalg.vector_norm(rows, ord=math.inf, dim=-1, keepdim=True, dtype=torch.float32)
-                sampled = _Sampled.of(rows, amax, scale.amin(), _scale(row_amax, torch.finfo(dtype).max, pow2), dtype)
+                sampled = _Sampled.of(rows, amax, scale.amin(), _scale(row_amax, self._fmax[slot], pow2), dtype)
         if sampled is not None and old is None:
             self._slots[slot] = sampled  # finished in collect()
             return
@@ -785,41 +782,24 @@ class Fp8Monitor:
         return torch.stack([order, amax, scale, none, none], 1)
 
     def _collect_sampled(self, device: torch.device) -> torch.Tensor:
-        """collect() of a sampled step. Where every cast that ran came through the taps (:class:`_Sampled`), their
-        statistics are finished at once: ~20 kernels for all of them, as one finish() costs for a few."""
+        """collect() of a sampled step. Where every cast that ran came through the taps, their statistics are
+        finished at once (:meth:`_collect_buffer`, or :class:`_Sampled`'s counts stacked), in a few tens of kernels
+        however many casts; beside casts measured otherwise, each is finished on its own."""
         slots = self._slots
         absent = self._const(device, ("absent", WIDTH), [math.nan, 0.0] + [math.nan] * (WIDTH - 2))
         present = [i for i, s in enumerate(slots) if s is not None]
         raws = [slots[i] for i in present]
         if raws and all(isinstance(r, _Batched) for r in raws):
-            rows = self._collect_buffer(device, present, raws)
-            if len(present) == len(slots):
-                return rows
-            place = self._const(device, ("present", len(slots), *present),
-                                lambda: _places(len(slots), [None], [(i, None) for i in present]), torch.int64)
-            return torch.cat([rows, absent.unsqueeze(0)]).index_select(0, place)
-        if any(isinstance(r, _Batched) for r in raws):  # beside casts measured otherwise: each on its own
-            slots = [self._finish_buffered(i, s) if isinstance(s, _Batched) else s for i, s in enumerate(slots)]
-            raws = [slots[i] for i in present]
-        if not raws or not all(isinstance(r, _Sampled) for r in raws):
-            rows = torch.stack([_row(s) if s is not None else absent for s in slots])
-            return torch.cat([self._const(device, ("order", *self._orders), self._orders).unsqueeze(1), rows[:, 1:]],
-                             1)
-        sampled: list[_Sampled] = raws
-        amax = self._stack_float(device, [r.amax for r in sampled])
-        counts = [r.n for r in sampled]
-        small = torch.stack([r.small for r in sampled]) + torch.stack([r.nonzero for r in sampled])
-        underflow = (small - self._const(device, ("n", *counts), counts, torch.int64)).float() / self._const(
-            device, ("n1", *counts), [max(n, 1) for n in counts])
-        dynamic_range = torch.log2(amax / self._stack_float(device, [r.smallest for r in sampled]))
-        orders = [self._orders[i] for i in present]
-        rows = torch.stack([self._const(device, ("order", *orders), orders), amax,
-                            torch.stack([r.scale for r in sampled]), underflow, dynamic_range], 1)
-        if len(present) == len(slots):
-            return rows
-        place = self._const(device, ("present", len(slots), *present),
-                            lambda: _places(len(slots), [None], [(i, None) for i in present]), torch.int64)
-        return torch.cat([rows, absent.unsqueeze(0)]).index_select(0, place)
+            return self._in_slot_order(device, self._collect_buffer(device, present, raws), present, absent)
+        if raws and all(isinstance(r, _Sampled) for r in raws):
+            sampled: list[_Sampled] = raws
+            underflowed = (torch.stack([r.small for r in sampled]) + torch.stack([r.nonzero for r in sampled])
+                           - self._const(device, ("n", *(r.n for r in sampled)), [r.n for r in sampled], torch.int64))
+            rows = self._sampled_rows(device, present, sampled, torch.stack([r.scale for r in sampled]), underflowed,
+                                      self._stack_float(device, [r.smallest for r in sampled]))
+            return self._in_slot_order(device, rows, present, absent)
+        rows = torch.stack([self._as_row(i, s) if s is not None else absent for i, s in enumerate(slots)])
+        return torch.cat([self._const(device, ("order", *self._orders), self._orders).unsqueeze(1), rows[:, 1:]], 1)
 
     def _collect_buffer(self, device: torch.device, present: list[int], batched: list[_Batched]) -> torch.Tensor:
         """``[len(present), 5]`` rows of the casts whose samples are in the buffer, at once (~30 kernels however
@@ -831,28 +811,45 @@ class Fp8Monitor:
             buffer = buffer.index_select(0, self._const(device, ("rows", *present), present, torch.int64))
         magnitudes = buffer.abs_()  # in place, and zeros made Inf below: a second collect() reads the same counts
         scale = torch.stack([b.scale for b in batched])
-        halves = [_half_tiny(b.dtype) for b in batched]
-        bound = _thresholds(scale, self._const(device, ("half", *halves), halves))
+        halves = self._const(device, ("half", *present), lambda: [_half_tiny(self._dtypes[i]) for i in present])
         zero = magnitudes == 0
-        zeros = zero.sum(1)
-        small = (magnitudes <= bound.unsqueeze(1)).sum(1)
-        counts = [b.n for b in batched]
-        underflow = (small - zeros).float() / self._const(device, ("n1", *counts), [max(n, 1) for n in counts])
-        amax = self._stack_float(device, [b.amax for b in batched])
-        dynamic_range = torch.log2(amax / magnitudes.masked_fill_(zero, math.inf).amin(1))
+        underflowed = (magnitudes <= _thresholds(scale, halves).unsqueeze(1)).sum(1) - zero.sum(1)
+        return self._sampled_rows(device, present, batched, scale, underflowed,
+                                  magnitudes.masked_fill_(zero, math.inf).amin(1))
+
+    def _sampled_rows(self, device: torch.device, present: list[int], casts: Sequence[_Sampled | _Batched],
+                      scale: torch.Tensor, underflowed: torch.Tensor, smallest: torch.Tensor) -> torch.Tensor:
+        """``[len(present), 5]``: order, torchao's amaxes, ``scale``, the ``underflowed`` count over each cast's
+        sample, ``log2(amax / smallest)``."""
+        counts = [max(c.n, 1) for c in casts]
+        underflow = underflowed.float() / self._const(device, ("n1", *counts), counts)
+        amax = self._stack_float(device, [c.amax for c in casts])
         orders = [self._orders[i] for i in present]
-        return torch.stack([self._const(device, ("order", *orders), orders), amax, scale, underflow, dynamic_range],
-                           1)
+        return torch.stack([self._const(device, ("order", *orders), orders), amax, scale, underflow,
+                            torch.log2(amax / smallest.float())], 1)
+
+    def _in_slot_order(self, device: torch.device, values: torch.Tensor, present: list[int],
+                       absent: torch.Tensor) -> torch.Tensor:
+        """``values`` (a row per slot in ``present``) with ``absent`` at every other slot, in slot order: one gather
+        (none where every slot is present)."""
+        n = len(self._slots)
+        if len(present) == n:
+            return values
+        place = self._const(device, ("present", n, *present), lambda: _places(n, [None], [(i, None) for i in present]),
+                            torch.int64)
+        return torch.cat([values, absent.unsqueeze(0)]).index_select(0, place)
 
     def _as_row(self, slot: int, value: Any) -> torch.Tensor:
         """A slot's sampled statistics as its 5 values, whichever way they were taken."""
-        return self._finish_buffered(slot, value) if isinstance(value, _Batched) else _row(value)
+        if isinstance(value, _Batched):
+            return self._finish_buffered(slot, value)
+        return value.finish() if isinstance(value, _Sampled) else value
 
     def _finish_buffered(self, slot: int, cast: _Batched) -> torch.Tensor:
         """One buffered cast's row on its own (beside casts measured otherwise): its sample as :class:`_Sampled`."""
         assert self._buffer is not None  # internal: a _Batched slot wrote it
         sample = self._buffer[slot, :cast.n].reshape(1, -1)
-        return _Sampled.of(sample, cast.amax, cast.scale, cast.scale.reshape(1), cast.dtype).finish()
+        return _Sampled.of(sample, cast.amax, cast.scale, cast.scale.reshape(1), self._dtypes[slot]).finish()
 
     def _stack_float(self, device: torch.device, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """0-dim ``tensors`` of one or more dtypes as float32 ``[n]``, in order: a stack and a conversion per dtype,
@@ -877,11 +874,9 @@ class Fp8Monitor:
             zero = self._const(device, ("zero",), [0.0], next(iter(dtypes), torch.float32))[0]
             return torch.stack([s if s is not None else zero for s in slots]).float()
         if taken is None or not fast:  # slots measured by the hooks, or a second forward's
-            taken, where = {}, []
-            for slot, s in enumerate(slots):
-                if s is not None:
-                    taken.setdefault(s.dtype, []).append(s)
-                    where.append((slot, s.dtype))
+            present = [i for i, s in enumerate(slots) if s is not None]
+            zero = self._const(device, ("zero",), [0.0])[0]
+            return self._in_slot_order(device, self._stack_float(device, [slots[i] for i in present]), present, zero)
         order = tuple(taken)
         parts = [torch.stack(group).float() for group in taken.values()]
         parts.append(self._const(device, ("zero",), [0.0]))

@@ -268,3 +268,32 @@ def test_collect_twice_in_a_step_gives_the_same_rows():
         first, second = monitor.collect(), monitor.collect()
     assert monitor._buffer is not None and torch.equal(first, second)
     monitor.close()
+
+
+def test_casts_that_outgrow_the_buffer_are_measured_beside_those_in_it(monkeypatch):
+    """A batch twice the last sampled step's: the inputs' and grad_outputs' samples no longer fit the buffer (each is
+    measured on its own), the weights' still do; together they give the hooks' own statistics, as above."""
+    from tests.unit.test_fp8 import spy_over_the_taps
+
+    torch.manual_seed(7)
+    small, large = (torch.randn(n, 16) * torch.exp2(-40 * torch.rand(n, 16)) for n in (32, 64))
+    rows = []
+    for spied in (False, True):
+        model = _model()
+        monitor = Fp8Monitor(model, numerics_every=2)
+        if spied:
+            spy_over_the_taps(monkeypatch)
+        for x in (small, large):
+            monitor.begin_step(0)
+            model(x).square().mean().backward()
+            model.zero_grad(set_to_none=True)
+            if x is large and not spied:
+                kinds = [type(s).__name__ for s in monitor._slots]
+                assert set(kinds) == {"_Batched", "_Sampled"}, kinds
+            collected = monitor.collect()
+        rows.append(collected)
+        monitor.close()
+        monkeypatch.undo()
+    mixed, hooked = rows
+    assert torch.equal(mixed[:, [0, 1, 2, 4]], hooked[:, [0, 1, 2, 4]])
+    assert torch.allclose(mixed[:, 3], hooked[:, 3], rtol=2**-23, atol=0) and (hooked[:, 3] > 0).any()
