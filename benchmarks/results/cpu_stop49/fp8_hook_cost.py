@@ -8,25 +8,15 @@ blocks of 20 steps, 30 rounds; the paired median of each arm minus the unmonitor
 
 from __future__ import annotations
 
-import statistics
-import time
+import sys
+from pathlib import Path
 
-import torch
-from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fp8_sampled_host import model, paired
 
 from ampguard.fp8 import Fp8Monitor
 
-torch.set_num_threads(1)
-
-
-def model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return convert_to_float8_training(torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(48)]),
-                                      config=Float8LinearConfig(emulate=True))
-
-
-x = torch.randn(64, 16).bfloat16()
-arms: dict[str, tuple] = {"plain": (model(), None)}
+arms: dict[str, tuple] = {"plain": (model(), None, 1)}
 for name, keep in (("monitored", None), ("pre-forward hook only", slice(0, None, 2)), ("no hooks", slice(0, 0))):
     m = model()
     monitor = Fp8Monitor(m, numerics_every=10)
@@ -35,30 +25,5 @@ for name, keep in (("monitored", None), ("pre-forward hook only", slice(0, None,
         for handle in monitor._handles:
             if handle not in kept:
                 handle.remove()
-    arms[name] = (m, monitor)
-
-
-def block(arm: tuple, steps: int = 20) -> float:
-    m, monitor = arm
-    start = time.perf_counter()
-    for _ in range(steps):
-        if monitor is not None:
-            monitor.begin_step(1)
-        m(x).float().square().mean().backward()
-        if monitor is not None:
-            monitor.nonfinite(monitor.collect())
-        m.zero_grad(set_to_none=True)
-    return (time.perf_counter() - start) / steps * 1e6
-
-
-for arm in arms.values():
-    block(arm, 5)
-times: dict[str, list[float]] = {k: [] for k in arms}
-names = list(arms)
-for b in range(30):
-    for name in names[b % len(names):] + names[: b % len(names)]:
-        times[name].append(block(arms[name]))
-for name, ts in times.items():
-    diff = [t - p for t, p in zip(ts, times["plain"])]
-    print(f"{name:22s} median {statistics.median(ts):8.0f} us a step; minus plain (paired median) "
-          f"{statistics.median(diff):+7.0f} us")
+    arms[name] = (m, monitor, 1)
+paired(arms, 30)
