@@ -204,18 +204,21 @@ def layer_cast_stats(module: torch.nn.Module, role: str, x: torch.Tensor) -> tor
 
 class _Sampled:
     """A sampled cast's statistics before collect() finishes them (for all casts at once): torchao's amax (its dtype)
-    and smallest scale (float32), and on the row sample ``rows`` (``n`` elements): how many cast to 0 (``small``:
-    ``|x * scale|`` at most half the fp8 dtype's smallest subnormal, which the cast rounds to 0, ties to even), how
-    many are non-zero, and the smallest non-zero ``|x|`` (``rows``' dtype). 8 kernels on the sample, where
+    and smallest scale (float32), and on the row sample ``rows`` (``n`` elements): how many non-zero elements cast to
+    0 (``underflowed``: ``|x * scale|`` at most half the fp8 dtype's smallest subnormal, which the cast rounds to 0,
+    ties to even) and the smallest non-zero ``|x|`` (``rows``' dtype). 7 kernels on the sample, where
     :func:`cast_stats` ran ~30 a cast: on GPT-2 124M fp8 (144 casts) a sampled step's launches were ~70 ms of an
-    H100's host time (stop 49)."""
+    H100's host time (stop 49).
 
-    __slots__ = ("amax", "n", "nonzero", "scale", "small", "smallest")
+    The zeros are made Inf before the product, so only non-zero elements are counted, whatever the scale: counting
+    the small products and subtracting the zeros (stop 49) went negative where the scale was NaN (``0 * NaN`` is no
+    small product): a NaN gradient's cast read an underflow of -0.47."""
 
-    def __init__(self, amax: torch.Tensor, scale: torch.Tensor, small: torch.Tensor, nonzero: torch.Tensor,
-                 smallest: torch.Tensor, n: int) -> None:
-        self.amax, self.scale, self.small, self.nonzero, self.smallest = amax, scale, small, nonzero, smallest
-        self.n = n
+    __slots__ = ("amax", "n", "scale", "smallest", "underflowed")
+
+    def __init__(self, amax: torch.Tensor, scale: torch.Tensor, underflowed: torch.Tensor, smallest: torch.Tensor,
+                 n: int) -> None:
+        self.amax, self.scale, self.underflowed, self.smallest, self.n = amax, scale, underflowed, smallest, n
 
     @staticmethod
     def of(rows: torch.Tensor, amax: torch.Tensor, scale: torch.Tensor, row_scales: torch.Tensor,
@@ -223,9 +226,8 @@ class _Sampled:
         """``row_scales``: the scale of each row of ``rows`` (``[rows, 1]``), or of all (``[1]``: a dimensioned
         float32 tensor, so ``|x| * row_scales`` is float32 in one kernel, as torchao multiplies)."""
         a = rows.abs()
-        small = (a * row_scales <= _half_tiny(dtype)).sum()
-        return _Sampled(amax, scale, small, torch.count_nonzero(a), a.masked_fill(a == 0, math.inf).amin(),
-                        rows.numel())
+        a = a.masked_fill(a == 0, math.inf)  # Inf * scale is never small (Inf, or NaN for a scale of 0)
+        return _Sampled(amax, scale, (a * row_scales <= _half_tiny(dtype)).sum(), a.amin(), rows.numel())
 
     @property
     def device(self) -> torch.device:
@@ -234,7 +236,7 @@ class _Sampled:
     def finish(self) -> torch.Tensor:
         """``[1, amax, scale, underflow, dynamic_range]``, float32: :func:`cast_stats`' row, bitwise."""
         amax = self.amax.float()
-        underflow = (self.small + self.nonzero - self.n).float() / max(self.n, 1)
+        underflow = self.underflowed.float() / max(self.n, 1)
         return torch.stack([torch.ones_like(amax), amax, self.scale, underflow,
                             torch.log2(amax / self.smallest.float())])
 
@@ -793,9 +795,8 @@ class Fp8Monitor:
             return self._in_slot_order(device, self._collect_buffer(device, present, raws), present, absent)
         if raws and all(isinstance(r, _Sampled) for r in raws):
             sampled: list[_Sampled] = raws
-            underflowed = (torch.stack([r.small for r in sampled]) + torch.stack([r.nonzero for r in sampled])
-                           - self._const(device, ("n", *(r.n for r in sampled)), [r.n for r in sampled], torch.int64))
-            rows = self._sampled_rows(device, present, sampled, torch.stack([r.scale for r in sampled]), underflowed,
+            rows = self._sampled_rows(device, present, sampled, torch.stack([r.scale for r in sampled]),
+                                      torch.stack([r.underflowed for r in sampled]),
                                       self._stack_float(device, [r.smallest for r in sampled]))
             return self._in_slot_order(device, rows, present, absent)
         rows = torch.stack([self._as_row(i, s) if s is not None else absent for i, s in enumerate(slots)])

@@ -162,6 +162,27 @@ def test_the_counted_underflow_is_the_casts_bitwise(dtype, rowwise, pow2, hp):
     assert 0 < expected[3].item() < 1
 
 
+@pytest.mark.parametrize("rowwise", [False, True])
+@pytest.mark.parametrize("hp", [torch.bfloat16, torch.float32])
+def test_a_nan_scale_counts_no_underflow_as_the_cast_does(rowwise, hp):
+    """A NaN in the cast (a NaN gradient: its amax, so its scale, NaN; rowwise that row's) casts every element of it,
+    zeros included, to NaN, none to 0: the underflow ``cast_stats`` counts there is 0. Counting the small products
+    and subtracting the zeros (``0 * NaN`` is not small) read -(the zeros' fraction): -0.47 on a NaN grad_output
+    (``tests/unit/test_fp8_grad_taps.py``). The row of ``fp8._Sampled`` is ``cast_stats``', bitwise."""
+    torch.manual_seed(6)
+    x = (torch.randn(16, 32) * torch.exp2(-40 * torch.rand(16, 32))).to(hp)
+    x[:, ::3] = 0.0
+    x[4, 5] = math.nan
+    dtype = torch.float8_e4m3fn
+    row_amax = torch.linalg.vector_norm(x, ord=math.inf, dim=-1, keepdim=True, dtype=torch.float32)
+    amax = torch.where(row_amax.isnan().any(), math.nan, row_amax.amax())
+    row_scales = fp8._scale(row_amax if rowwise else amax.reshape(1), torch.finfo(dtype).max, False)
+    expected = fp8.cast_stats(x, dtype, rowwise=rowwise, pow2=False)
+    got = fp8._Sampled.of(x, amax.to(hp), row_scales.amin(), row_scales, dtype).finish()
+    assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0)), (got, expected)
+    assert expected[3].item() >= 0 and (expected[3].item() > 0) == rowwise  # rowwise: the other rows underflow
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_two_forwards_in_a_step_keep_the_worst_of_each_cast(recipe):
     """Gradient accumulation: a step of two forwards (a batch of small values, then one of large) reports, per cast,
