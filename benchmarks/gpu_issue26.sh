@@ -44,6 +44,12 @@
 # afab373 put a sampled step's tensorwise samples in one buffer (one kernel a cast, was 8). The next session, first:
 # FIRST=0 TESTS=1 HOST=0 (tests/gpu whole: the buffer and the per-dtype amaxes on CUDA), then FP8_EAGER=1
 # FP8_VARIANTS=plain,guard,guard+fp8,guard+fp8-nosample FP8_BASE=dcf82c8 FP8_S=400 (the buffer's effect, same lease).
+# Stop 50 (benchmarks/results/gpu_stop50/, RESULTS.md "Stop 50"): tests/gpu 76 passed on fa43d14; eager fp8 with the
+# buffer 0.999 / 1.002 (call 2) and 1.015 / 1.015 (call 3, a wider spread); compiled b32 1.008 / 1.006 and 1.007 / 1.005
+# (gpu_issue28.sh j); host_time.py twice. Then, on the CPU only: grad_output casts through the taps by linear_mm_config
+# (no gradient hook), and two monitors on one model sharing a visit. The next session, first: FIRST=0 TESTS=1 HOST=0
+# (tests/gpu whole), then FP8_EAGER=1 FP8_VARIANTS=plain,plain2,guard,guard+fp8,guard+fp8-nosample FP8_BASE=fa43d14
+# FP8_S=450 (the taps' effect on a host-bound lease, with the control this time).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
