@@ -1,9 +1,10 @@
 """Per-layer statistics of torchao float8 casts, measured on device.
 
 :class:`Fp8Monitor` puts a forward pre-hook (input and weight, as the layer is about to cast them: under FSDP2 the
-weight is whole then) and a forward hook on each torchao ``Float8Linear`` of a model, and from the latter a gradient
-hook on the layer's output (no torchao function is patched; no module backward hook, which would wrap every input and
-output; inside ``torch.compile``, where a gradient hook would break the graph, a probe: :class:`_GradProbe`), and
+weight is whole then) and a forward hook on each torchao ``Float8Linear`` of a model; the grad_output cast comes
+through the taps below in eager mode, or from the forward hook a gradient hook on the layer's output where the taps
+cannot tell the layer (no module backward hook, which would wrap every input and output; inside ``torch.compile``,
+where a gradient hook would break the graph, a probe: :class:`_GradProbe`), and
 measures, per role (``input``, ``weight``, ``grad_output``, :data:`FP8_ROLES`):
 
 - ``amax``: ``torch.linalg.vector_norm(x, ord=inf)`` of the high-precision tensor the layer casts (with rowwise
@@ -23,10 +24,13 @@ In eager mode the amax is torchao's own: the monitor's hooks open a *visit* (thi
 taps, put on ``torchao.float8.float8_linear.hp_tensor_to_float8_dynamic`` (which names the role) and
 ``torchao.float8.float8_utils.tensor_to_amax`` (which computes the amax) while a monitor exists and taken off when the
 last one closes, hand the monitor the amax tensor torchao has just reduced (:class:`_Taps`), kept in its dtype until
-collect() converts them all. Measuring it again cost a second read of every cast tensor: 144 ``AbsMax`` reductions,
-3.5 ms a step on GPT-2 124M fp8 on an H100 (``benchmarks/RESULTS.md``, "Stop 48"). On a sampled step the taps hand
-over the cast's scale too: a tensorwise cast's row sample is copied into one buffer the step's casts share (one
-kernel a cast, :class:`_Batched`) and collect() measures them all together; a rowwise cast's statistics take 8
+collect() converts them all. A grad_output cast is told by the layer's own ``linear_mm_config`` (one object per
+``Float8Linear``, which torchao's backward passes to the cast), so no gradient hook is registered in eager mode: one
+on each layer's output cost ~17-24 us a layer on this CPU (``benchmarks/results/cpu_stop50/``). Measuring the amax
+again cost a second read of every cast tensor: 144 ``AbsMax`` reductions, 3.5 ms a step on GPT-2 124M fp8 on an
+H100 (``benchmarks/RESULTS.md``, "Stop 48"). On a sampled step the taps hand over the cast's scale too: a
+tensorwise cast's row sample is copied into one buffer the step's casts share (one kernel a cast,
+:class:`_Batched`) and collect() measures them all together; a rowwise cast's statistics take 7
 kernels on its sample (:class:`_Sampled`), finished with the others in collect(). Where a tensor is not cast there
 (an input already in fp8, a DTensor, FSDP2's float8 all-gather of the weight) the hook measures it with
 :func:`cast_stats`, as before.
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -370,6 +375,12 @@ class _Taps:
         """(monitor, module index, roles wanted): set by a hook as its layer is about to cast; cleared by the next."""
         self.target: str | None = None
         """The role of the cast whose amax the next ``tensor_to_amax`` computes, while ``cast`` runs it."""
+        self.owners: dict[int, tuple[Any, Fp8Monitor, int]] = {}
+        """``id(linear_mm_config)`` -> (that config, monitor, module index): whose grad_output a backward's cast is
+        (:meth:`own`)."""
+        self.last_grad: Any = None
+        """A weak reference to the tensor of the last grad_output cast taken through :attr:`owners`: the second cast of
+        the same tensor in the same backward (torchao's dim-1 one, for the weight's gradient) is not taken again."""
         self.amax: torch.Tensor | None = None
         """That amax, as ``tensor_to_amax`` returned it, until the cast returns."""
         self.modules: tuple[Any, Any] | None = None
@@ -391,6 +402,25 @@ class _Taps:
         self.originals, self.wrappers = originals, (self._cast(originals[0]), self._amax(originals[1]))
         float8_linear.hp_tensor_to_float8_dynamic, float8_utils.tensor_to_amax = self.wrappers
 
+    def own(self, monitor: Fp8Monitor) -> list[bool]:
+        """Register ``monitor``'s modules whose ``linear_mm_config`` no other module of it shares and no other monitor
+        owns: their grad_output casts come to it through the taps, with no gradient hook. Returns, per module, whether
+        it was registered."""
+        configs = [getattr(module, "linear_mm_config", None) for _, module in monitor.modules]
+        ids = [id(c) for c in configs]
+        owned = []
+        for index, config in enumerate(configs):
+            ok = config is not None and ids.count(id(config)) == 1 and id(config) not in self.owners
+            if ok:
+                self.owners[id(config)] = (config, monitor, index)
+            owned.append(ok)
+        return owned
+
+    def disown(self, monitor: Fp8Monitor) -> None:
+        for key in [k for k, (_, m, _) in self.owners.items() if m is monitor]:
+            del self.owners[key]
+        self.last_grad = None
+
     def remove(self) -> None:
         self.users -= 1
         self.visit = self.target = self.amax = None
@@ -411,23 +441,48 @@ class _Taps:
             if torch.compiler.is_compiling():  # first: a compiled region reads nothing of the taps
                 return original(hp_tensor, *args, **kwargs)
             visit = self.visit
-            if visit is None:
+            if visit is not None:
+                role = kwargs.get("gemm_input_role", args[3] if len(args) > 3 else None)
+                name = "input" if role is None else getattr(role, "value", None)
+                if name in visit[2]:  # the first cast of each role in a visit: the forward's, the backward's dim-0 one
+                    visit[2].discard(name)
+                    return self._take(original, visit[0], visit[1], name, hp_tensor, args, kwargs)
+            if not self.owners:
                 return original(hp_tensor, *args, **kwargs)
-            role = kwargs.get("gemm_input_role", args[3] if len(args) > 3 else None)
-            name = "input" if role is None else getattr(role, "value", None)
-            if name not in visit[2]:
-                return original(hp_tensor, *args, **kwargs)
-            visit[2].discard(name)  # the first cast of each role in a visit: the forward's, the backward's dim-0 one
-            self.target, self.amax = name, None
-            try:
-                result = original(hp_tensor, *args, **kwargs)
-            finally:
-                self.target = None
-            amax, self.amax = self.amax, None
-            if amax is not None:
-                visit[0]._took(visit[1], name, amax, hp_tensor, result)
-            return result
+            return self._grad_output(original, hp_tensor, args, kwargs)
         return _marked(hp_tensor_to_float8_dynamic, original)
+
+    def _grad_output(self, original: Any, hp_tensor: torch.Tensor, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> Any:
+        """Outside a visit's roles: a grad_output cast of a registered layer (:meth:`own`, told by the
+        ``linear_mm_config`` torchao's backward passes), the first of its tensor, is taken for that layer's monitor;
+        anything else passes through."""
+        role = kwargs.get("gemm_input_role", args[3] if len(args) > 3 else None)
+        if getattr(role, "value", None) != "grad_output" or type(hp_tensor) is not torch.Tensor:
+            return original(hp_tensor, *args, **kwargs)
+        config = kwargs.get("linear_mm_config", args[1] if len(args) > 1 else None)
+        owner = self.owners.get(id(config))
+        if owner is None or owner[0] is not config:
+            return original(hp_tensor, *args, **kwargs)
+        last = self.last_grad
+        if last is not None and last() is hp_tensor:  # the dim-1 cast of the grad_output just taken
+            self.last_grad = None
+            return original(hp_tensor, *args, **kwargs)
+        self.last_grad = weakref.ref(hp_tensor)  # weak: the gradient is freed with the layer's backward
+        return self._take(original, owner[1], owner[2], "grad_output", hp_tensor, args, kwargs)
+
+    def _take(self, original: Any, monitor: Fp8Monitor, index: int, name: str, hp_tensor: torch.Tensor,
+              args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run torchao's cast with :attr:`target` set, and hand its amax to ``monitor`` as the cast returns."""
+        self.target, self.amax = name, None
+        try:
+            result = original(hp_tensor, *args, **kwargs)
+        finally:
+            self.target = None
+        amax, self.amax = self.amax, None
+        if amax is not None:
+            monitor._took(index, name, amax, hp_tensor, result)
+        return result
 
     def _amax(self, original: Any) -> Any:
         def tensor_to_amax(*args: Any, **kwargs: Any) -> torch.Tensor:
@@ -520,6 +575,9 @@ class Fp8Monitor:
         self._handles: list[Any] = []
         _TAPS.install()
         self._tapping = True
+        self._owned = _TAPS.own(self)
+        """Per module: its grad_output casts come through the taps by its ``linear_mm_config`` (:meth:`_Taps.own`),
+        with no gradient hook in eager mode."""
         for index, (_, module) in enumerate(self.modules):
             # before the forward: the input and the weight as the layer casts them (under FSDP2 the weight is then
             # unsharded; after the forward it is a shard again); after it: the gradient hook for grad_output
@@ -682,6 +740,8 @@ class Fp8Monitor:
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None  # an evaluation's forward (no step follows it), or an output no gradient reaches
             if not torch.compiler.is_compiling():
+                if self._owned[index] and type(output) is torch.Tensor and _TAPS.ready():
+                    return None  # its grad_output cast comes through the taps, told by the layer's linear_mm_config
                 output.register_hook(self._backward_hook(module, index))  # the grad_output cast, in the backward
                 return None
             if hasattr(output, "placements"):  # a DTensor output (tensor parallel) inside torch.compile
@@ -933,4 +993,5 @@ class Fp8Monitor:
         self._handles.clear()
         if self._tapping:
             self._tapping = False
+            _TAPS.disown(self)
             _TAPS.remove()
