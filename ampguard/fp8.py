@@ -371,13 +371,14 @@ class _Taps:
 
     def __init__(self) -> None:
         self.users = 0
-        self.visit: tuple[Fp8Monitor, int, set[str]] | None = None
-        """(monitor, module index, roles wanted): set by a hook as its layer is about to cast; cleared by the next."""
+        self.visit: tuple[Any, list[tuple[Fp8Monitor, int, set[str]]]] | None = None
+        """(module, [(monitor, module index, roles wanted), ...]): opened by a hook as its layer is about to cast
+        (:meth:`open`: one entry a monitor of that layer), closed by the next layer's."""
         self.target: str | None = None
         """The role of the cast whose amax the next ``tensor_to_amax`` computes, while ``cast`` runs it."""
-        self.owners: dict[int, tuple[Any, Fp8Monitor, int]] = {}
-        """``id(linear_mm_config)`` -> (that config, monitor, module index): whose grad_output a backward's cast is
-        (:meth:`own`)."""
+        self.owners: dict[int, tuple[Any, list[tuple[Fp8Monitor, int]]]] = {}
+        """``id(linear_mm_config)`` -> (that config, [(monitor, module index), ...]): whose grad_output a backward's
+        cast is (:meth:`own`)."""
         self.last_grad: Any = None
         """A weak reference to the tensor of the last grad_output cast taken through :attr:`owners`: the second cast of
         the same tensor in the same backward (torchao's dim-1 one, for the weight's gradient) is not taken again."""
@@ -403,23 +404,37 @@ class _Taps:
         float8_linear.hp_tensor_to_float8_dynamic, float8_utils.tensor_to_amax = self.wrappers
 
     def own(self, monitor: Fp8Monitor) -> list[bool]:
-        """Register ``monitor``'s modules whose ``linear_mm_config`` no other module of it shares and no other monitor
-        owns: their grad_output casts come to it through the taps, with no gradient hook. Returns, per module, whether
-        it was registered."""
+        """Register ``monitor``'s modules whose ``linear_mm_config`` no other module of it shares (other monitors of
+        the same module are registered beside it): their grad_output casts come to it through the taps, with no
+        gradient hook. Returns, per module, whether it was registered."""
         configs = [getattr(module, "linear_mm_config", None) for _, module in monitor.modules]
         ids = [id(c) for c in configs]
         owned = []
         for index, config in enumerate(configs):
-            ok = config is not None and ids.count(id(config)) == 1 and id(config) not in self.owners
+            entry = self.owners.get(id(config))
+            ok = config is not None and ids.count(id(config)) == 1 and (entry is None or entry[0] is config)
             if ok:
-                self.owners[id(config)] = (config, monitor, index)
+                if entry is None:
+                    entry = self.owners[id(config)] = (config, [])
+                entry[1].append((monitor, index))
             owned.append(ok)
         return owned
 
     def disown(self, monitor: Fp8Monitor) -> None:
-        for key in [k for k, (_, m, _) in self.owners.items() if m is monitor]:
-            del self.owners[key]
+        for key, (_, takers) in list(self.owners.items()):
+            takers[:] = [t for t in takers if t[0] is not monitor]
+            if not takers:
+                del self.owners[key]
         self.last_grad = None
+
+    def open(self, module: Any, monitor: Fp8Monitor, index: int, wanted: set[str]) -> None:
+        """``monitor``'s visit of ``module``: joins the visit other monitors of the same module opened for this call,
+        or replaces the last module's."""
+        visit = self.visit
+        if visit is not None and visit[0] is module:
+            visit[1].append((monitor, index, wanted))
+        else:
+            self.visit = (module, [(monitor, index, wanted)])
 
     def remove(self) -> None:
         self.users -= 1
@@ -443,10 +458,14 @@ class _Taps:
             visit = self.visit
             if visit is not None:
                 role = kwargs.get("gemm_input_role", args[3] if len(args) > 3 else None)
-                name = "input" if role is None else getattr(role, "value", None)
-                if name in visit[2]:  # the first cast of each role in a visit: the forward's, the backward's dim-0 one
-                    visit[2].discard(name)
-                    return self._take(original, visit[0], visit[1], name, hp_tensor, args, kwargs)
+                name: str = "input" if role is None else str(getattr(role, "value", ""))
+                takers = []
+                for monitor, index, wanted in visit[1]:
+                    if name in wanted:  # the first cast of each role in a visit: the forward's, the backward's dim-0
+                        wanted.discard(name)
+                        takers.append((monitor, index))
+                if takers:
+                    return self._take(original, takers, name, hp_tensor, args, kwargs)
             if not self.owners:
                 return original(hp_tensor, *args, **kwargs)
             return self._grad_output(original, hp_tensor, args, kwargs)
@@ -469,11 +488,12 @@ class _Taps:
             self.last_grad = None
             return original(hp_tensor, *args, **kwargs)
         self.last_grad = weakref.ref(hp_tensor)  # weak: the gradient is freed with the layer's backward
-        return self._take(original, owner[1], owner[2], "grad_output", hp_tensor, args, kwargs)
+        return self._take(original, owner[1], "grad_output", hp_tensor, args, kwargs)
 
-    def _take(self, original: Any, monitor: Fp8Monitor, index: int, name: str, hp_tensor: torch.Tensor,
+    def _take(self, original: Any, takers: Sequence[tuple[Fp8Monitor, int]], name: str, hp_tensor: torch.Tensor,
               args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run torchao's cast with :attr:`target` set, and hand its amax to ``monitor`` as the cast returns."""
+        """Run torchao's cast with :attr:`target` set, and hand its amax to each (monitor, module index) of
+        ``takers`` as the cast returns."""
         self.target, self.amax = name, None
         try:
             result = original(hp_tensor, *args, **kwargs)
@@ -481,7 +501,8 @@ class _Taps:
             self.target = None
         amax, self.amax = self.amax, None
         if amax is not None:
-            monitor._took(index, name, amax, hp_tensor, result)
+            for monitor, index in takers:
+                monitor._took(index, name, amax, hp_tensor, result)
         return result
 
     def _amax(self, original: Any) -> Any:
@@ -710,8 +731,8 @@ class Fp8Monitor:
 
     def _pre_forward_hook(self, index: int) -> Any:
         def hook(module: Any, args: tuple[Any, ...]) -> None:
-            if not torch.compiler.is_compiling():
-                _TAPS.visit = None  # the last layer's visit ends where this one starts
+            if not torch.compiler.is_compiling() and _TAPS.visit is not None and _TAPS.visit[0] is not module:
+                _TAPS.visit = None  # the last layer's visit ends where this one starts (another monitor's joins it)
             if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
                 return  # an evaluation's forward (no step follows it), or an input the layer does not cast
             # As torchao 0.18's Float8Linear.forward: the input cast to CUDA autocast's dtype where CUDA autocast is
@@ -730,7 +751,7 @@ class Fp8Monitor:
             else:
                 self._measure(module, index, "weight", module.weight, None)
             if delegates:
-                _TAPS.visit = (self, index, wanted)
+                _TAPS.open(module, self, index, wanted)
         return hook
 
     def _forward_hook(self, index: int) -> Any:
@@ -760,7 +781,7 @@ class Fp8Monitor:
     def _backward_hook(self, module: Any, index: int) -> Any:
         def hook(grad_output: torch.Tensor) -> None:  # a hook on the layer's output: its gradient, as cast
             if self._delegates() and type(grad_output) is torch.Tensor:  # cast by the layer's backward, next
-                _TAPS.visit = (self, index, {"grad_output"})
+                _TAPS.open(module, self, index, {"grad_output"})
                 return
             self._measure(module, index, "grad_output", grad_output, None)
         return hook

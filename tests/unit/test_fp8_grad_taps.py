@@ -1,7 +1,8 @@
 """The grad_output casts taken through the taps by each layer's ``linear_mm_config`` (``ampguard.fp8._Taps.own``), with
 no gradient hook on the layers' outputs in eager mode: the same statistics as the hooks' own measurement (a monitor
 whose taps someone else's patch has taken out of the path), over torchao's recipes, gradient accumulation, a layer
-called twice in one forward, a real NaN gradient, and the fallbacks where the taps cannot tell the layer."""
+called twice in one forward, a real NaN gradient, the fallback where the taps cannot tell the layer, and two monitors
+of one model."""
 
 from __future__ import annotations
 
@@ -102,11 +103,10 @@ def test_an_eager_monitored_forward_puts_no_gradient_hook_on_a_layers_output():
     monitor.close()
 
 
-def test_layers_the_taps_cannot_tell_apart_keep_their_gradient_hooks():
-    """Two layers sharing one ``linear_mm_config`` object, and a second monitor on a model the first already owns:
-    neither is registered with the taps, their outputs get gradient hooks, and their grad_output casts are measured
-    as the owning monitor's are. (Two monitors on one model still share one visit a forward: the last pre-forward
-    hook's, so the first monitor's input and weight casts go unmeasured; only grad_output is compared there.)"""
+def test_layers_sharing_one_config_keep_their_gradient_hooks():
+    """Two layers sharing one ``linear_mm_config`` object: the taps cannot tell their grad_output casts apart, so
+    neither is registered with them, their outputs get gradient hooks, and the casts are measured as a monitor of
+    the same model without the sharing measures them."""
     x = torch.randn(8, 16)
     model = _model("tensorwise")
     model.fc2.linear_mm_config = model.fc1.linear_mm_config  # torchao makes one a layer; somebody shared it
@@ -117,16 +117,61 @@ def test_layers_the_taps_cannot_tell_apart_keep_their_gradient_hooks():
     a, b = (_collected(m, mon, 1, [x], False) for m, mon in ((model, shared), (reference, alone)))
     # the same weights and input: the same casts
     assert torch.equal(a.nan_to_num(-1.0), b.nan_to_num(-1.0)) and not a[:, 0].isnan().any()
-    other = _model("tensorwise")
-    owner = Fp8Monitor(other, numerics_every=10)
-    second = Fp8Monitor(other, numerics_every=10)
-    assert owner._owned == [True, True] and second._owned == [False, False]
-    owner.begin_step(1)
-    second.begin_step(1)
-    other(x).square().mean().backward()
-    grad = [2, 5]  # fc1.grad_output, fc2.grad_output
-    c, d = owner.collect()[grad, 1:3], second.collect()[grad, 1:3]
-    assert torch.equal(c, d) and torch.equal(c, b[grad, 1:3])
-    for monitor in (shared, alone, owner, second):
+    for monitor in (shared, alone):
         monitor.close()
-    assert not any(m is owner for _, m, _ in _TAPS.owners.values())
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_two_monitors_of_one_model_each_measure_every_cast(sampled):
+    """Two guards given the same model (two optimizers over its parameters) make two monitors of its layers: each
+    measures every cast, as one monitor alone does. Until stop 50 the layer's second pre-forward hook replaced the
+    first's visit, and the first monitor's input and weight casts went unmeasured (order NaN, amax 0)."""
+    x = torch.randn(8, 16) * 3
+    step = 0 if sampled else 1
+    reference = _model("tensorwise")
+    alone = Fp8Monitor(reference, numerics_every=10)
+    expected = _collected(reference, alone, step, [x], False)
+    alone.close()
+    model = _model("tensorwise")
+    first, second = Fp8Monitor(model, numerics_every=10), Fp8Monitor(model, numerics_every=10)
+    assert first._owned == second._owned == [True, True]
+    first.begin_step(step)
+    second.begin_step(step)
+    model(x).float().square().mean().backward()
+    for monitor in (first, second):
+        got = monitor.collect()
+        assert torch.equal(got.nan_to_num(-1.0), expected.nan_to_num(-1.0)), (got, expected)
+    first.close()
+    assert not any(m is first for _, takers in _TAPS.owners.values() for m, _ in takers)
+    second.begin_step(step)  # the first closed: the second alone, as before
+    model(x).float().square().mean().backward()
+    assert torch.equal(second.collect().nan_to_num(-1.0), expected.nan_to_num(-1.0))
+    second.close()
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_two_guards_given_one_fp8_model_each_report_every_cast():
+    """The usage: one model, two optimizers over its parameters, each wrapped with ``model=``; each guard's sampled
+    report names all six casts, as one guard's does (before stop 50 the first guard's report held the two
+    grad_output casts only)."""
+    import ampguard
+
+    def reports(n_guards: int) -> list[list[tuple[str, str, float]]]:
+        model = _model("tensorwise")
+        params = list(model.parameters())
+        parts = [params] if n_guards == 1 else [params[:2], params[2:]]
+        guards = [ampguard.wrap(torch.optim.AdamW(p), model=model, precision="bf16", fp8=True) for p in parts]
+        torch.manual_seed(3)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(8, 16)).float().square().mean()
+        loss.backward()
+        for guard in guards:
+            guard.step()  # step 0: sampled, its report carries the casts
+        out = [[(c.module, c.role, c.amax) for c in guard.last_report.fp8] for guard in guards]
+        for guard in guards:
+            guard.close()
+        return out
+
+    (alone,) = reports(1)
+    assert len(alone) == 6
+    assert reports(2) == [alone, alone]
