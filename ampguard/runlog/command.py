@@ -9,7 +9,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -185,7 +187,12 @@ def follow(path: str | os.PathLike[str], *, run_id: str | None = None, interval:
     0 when the run ended (every rank's ``close`` record) or on Ctrl-C, 1 when no record came for
     ``timeout`` seconds, 2 on bad input. Re-reads the logs only when a file grew (``interval``
     seconds apart). On a terminal, one rich table redrawn in place (the last 10 anomalies); else a
-    status line per change, and the whole summary at the end. Needs rich (``ampguard[cli]``)."""
+    status line per change, and the whole summary at the end. Needs rich (``ampguard[cli]``).
+
+    Ctrl-C (SIGINT, in the main thread) sets a flag the loop reads between its steps, rather than raising
+    KeyboardInterrupt wherever the interpreter happens to be: an interrupt inside importlib's module lock or
+    an I/O call can leave a lock held, and the summary printed next then waits on it for ever (a `report
+    --follow` under test once outlived 60 s after its SIGINT). The handler is put back on return."""
     try:
         from rich.console import Console
         from rich.live import Live
@@ -203,10 +210,14 @@ def follow(path: str | os.PathLike[str], *, run_id: str | None = None, interval:
     s: RunSummary | None = None
     warned: set[str] = set()
     rc = 0
+    stop = threading.Event()
+    previous: Any = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
     try:
         if live is not None:
             live.start(refresh=True)
-        while True:
+        while not stop.is_set():
             sizes = _sizes(root)
             if sizes != seen:
                 seen, last_change = sizes, clock()
@@ -231,10 +242,15 @@ def follow(path: str | os.PathLike[str], *, run_id: str | None = None, interval:
                       "every rank): stopped following", file=sys.stderr)
                 rc = 1
                 break
-            sleep(interval)
-    except KeyboardInterrupt:  # the usual way to stop watching: not an error
+            if sleep is time.sleep:
+                stop.wait(interval)  # returns at once on Ctrl-C
+            else:
+                sleep(interval)
+    except KeyboardInterrupt:  # the usual way to stop watching (a follow off the main thread): not an error
         pass
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
         if live is not None:
             live.stop()
     if live is None and s is not None:

@@ -174,13 +174,19 @@ def test_report_follow_stops_cleanly_on_ctrl_c_and_on_its_timeout(tmp_path):
     import signal
 
     _stalled_log(tmp_path)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a hang below dumps the child's stacks (SIGABRT)
     proc = subprocess.Popen([*CLI, "report", str(tmp_path), "--follow", "--interval", "0.1"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
     try:
         first = proc.stdout.readline()  # off a terminal: a status line per change
         assert first == "r1: step 2, skipped 1, anomalies 0 (running)\n"
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        try:
+            out, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # once, before stop 50's flag-based Ctrl-C: say where it waits
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"report --follow outlived its SIGINT by 60 s; its stacks:\n{err[-6000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -259,3 +259,33 @@ def test_preflight_progress_bar_shows_the_time_left():
                            progress=progress)
     text = buf.getvalue()
     assert "preflight: bf16 trial" in text and "10/10 steps, eta" in text and "0:00:00" in text
+
+
+def test_ctrl_c_stops_follow_between_its_steps_not_inside_one(tmp_path, capsys):
+    """Ctrl-C during a step of the loop (here inside its clock: in a run, an import or a read of the logs) lets that
+    step finish and stops follow at the next check, with the summary and exit code 0; the SIGINT handler is put back.
+    Before stop 50 the KeyboardInterrupt was raised wherever the interpreter was, which can leave importlib's or an
+    I/O lock held: one `report --follow` under test never exited after its SIGINT."""
+    import os
+    import signal
+
+    out = tmp_path / "run"
+    _train([JsonlExporter(str(out) + "/", every_step=True)], steps=4, close=False)
+    console, buf = _console(terminal=False)
+    finished: list[bool] = []
+    calls = [0]
+
+    def clock() -> float:
+        calls[0] += 1
+        if calls[0] == 2:  # the loop's first step, as it takes the logs' change
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs here, as at any bytecode
+            finished.append(True)  # the rest of the step still runs
+        return time.monotonic()
+
+    before = signal.getsignal(signal.SIGINT)
+    rc = command.follow(out, interval=0.01, timeout=30, console=console, clock=clock)  # the timeout: rc 1
+    assert rc == 0 and finished == [True]
+    assert signal.getsignal(signal.SIGINT) is before
+    text = buf.getvalue()  # the step's status line, then the summary
+    assert text.splitlines()[0].endswith("(running)") and "no close record: still running, or killed" in text
