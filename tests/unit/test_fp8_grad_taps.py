@@ -1,8 +1,8 @@
 """The grad_output casts taken through the taps by each layer's ``linear_mm_config`` (``ampguard.fp8._Taps.own``), with
 no gradient hook on the layers' outputs in eager mode: the same statistics as the hooks' own measurement (a monitor
 whose taps someone else's patch has taken out of the path), over torchao's recipes, gradient accumulation, a layer
-called twice in one forward, a real NaN gradient, the fallback where the taps cannot tell the layer, and two monitors
-of one model."""
+called twice in one forward, a real NaN gradient, activation checkpointing, the fallback where the taps cannot tell
+the layer, and two monitors of one model."""
 
 from __future__ import annotations
 
@@ -47,17 +47,20 @@ def _model(recipe: str, twice: bool = False) -> torch.nn.Module:
 
 
 def _collected(model: torch.nn.Module, monitor: Fp8Monitor, step: int, batches: list[torch.Tensor],
-               nan: bool) -> torch.Tensor:
+               nan: bool, checkpointed: bool = False) -> torch.Tensor:
     monitor.begin_step(step)
     for x in batches:  # gradient accumulation where there are two
-        y = model(x)
+        if checkpointed:  # activation checkpointing: the forward runs again inside the backward
+            y = torch.utils.checkpoint.checkpoint(model, x.requires_grad_(), use_reentrant=False)
+        else:
+            y = model(x)
         loss = (y - y.detach()).abs().sqrt().sum() if nan else y.float().square().mean()  # NaN: 0 * inf at 0
         loss.backward()
     return monitor.collect()
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
-@pytest.mark.parametrize("case", ["one", "accumulated", "twice", "nan"])
+@pytest.mark.parametrize("case", ["one", "accumulated", "twice", "nan", "checkpointed"])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_grad_output_through_the_taps_is_the_hooks_own_measurement(monkeypatch, recipe, case, sampled):
     """Taps (no gradient hook) against hooks (the taps patched over): order, amax and scale bitwise, the sampled
@@ -72,7 +75,8 @@ def test_grad_output_through_the_taps_is_the_hooks_own_measurement(monkeypatch, 
             spy_over_the_taps(monkeypatch)
         else:
             assert _TAPS.ready() and all(monitor._owned)
-        rows.append(_collected(model, monitor, 0 if sampled else 1, batches, case == "nan"))
+        rows.append(_collected(model, monitor, 0 if sampled else 1, [x.clone() for x in batches], case == "nan",
+                               checkpointed=case == "checkpointed"))
         monitor.close()
         monkeypatch.undo()
     taps, hooks = rows
