@@ -179,3 +179,43 @@ def test_two_guards_given_one_fp8_model_each_report_every_cast():
     (alone,) = reports(1)
     assert len(alone) == 6
     assert reports(2) == [alone, alone]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_real_llama_measures_the_same_casts_through_the_taps_as_through_the_hooks(monkeypatch, checkpointing,
+                                                                                   sampled):
+    """transformers' Llama at a tiny size (2 layers, 14 Float8Linear, 42 casts), with and without its own gradient
+    checkpointing: every cast of the step, order, amax and scale bitwise, underflow and range to float32 rounding,
+    through the taps (no gradient hook) and through the hooks."""
+    transformers = pytest.importorskip("transformers")
+    rows = []
+    for spied in (False, True):
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+        model = transformers.LlamaForCausalLM(config)
+        model = torchao_float8.convert_to_float8_training(model, config=torchao_float8.Float8LinearConfig(emulate=True),
+                                                          module_filter_fn=lambda m, fqn: fqn != "lm_head")
+        if checkpointing:  # the name transformers 5.24 prefers, or the older one
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        monitor = Fp8Monitor(model, numerics_every=10)
+        assert len(monitor.modules) == 14
+        if spied:
+            spy_over_the_taps(monkeypatch)
+        monitor.begin_step(0 if sampled else 1)
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        rows.append(monitor.collect())
+        monitor.close()
+        monkeypatch.undo()
+    taps, hooks = rows
+    assert not taps[:, 0].isnan().any(), "every cast ran and was measured"
+    assert torch.equal(taps[:, :3], hooks[:, :3])
+    assert torch.allclose(taps[:, 3:], hooks[:, 3:], rtol=1e-6, atol=0, equal_nan=True)
