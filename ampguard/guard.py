@@ -11,6 +11,7 @@ import enum
 import functools
 import math
 import operator
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -112,6 +113,10 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         for the next step's local vector (``Loc.PARAMS_NONFINITE``)."""
         if fp8 is not None:
             fp8.begin_step(0)
+            # A guard dropped without close() takes its monitor off the model when it is collected: the monitor's
+            # hooks on the model (and its registration with the taps) would keep it alive, taking every cast of every
+            # step for nobody. close() closes it as before; closing twice is harmless.
+            weakref.finalize(self, fp8.close).atexit = False
         self._stage = Stage.READY
         self._step = 0  # step() calls completed = index of the step being prepared
         self._loss = LossMeter()

@@ -219,3 +219,28 @@ def test_a_real_llama_measures_the_same_casts_through_the_taps_as_through_the_ho
     assert not taps[:, 0].isnan().any(), "every cast ran and was measured"
     assert torch.equal(taps[:, :3], hooks[:, :3])
     assert torch.allclose(taps[:, 3:], hooks[:, 3:], rtol=1e-6, atol=0, equal_nan=True)
+
+
+def test_a_guard_dropped_without_close_takes_its_fp8_monitor_off_the_model():
+    """A guard the user drops without ``close()`` (a notebook cell run again, a guard rebuilt after loading a
+    checkpoint) is collected; its fp8 monitor must go with it: no hook left on the model, no registration with the
+    taps, torchao's functions back once no monitor is left. Before stop 50 the monitor lived on in its hooks and went
+    on taking every cast of every step for nobody, one more set a guard rebuilt."""
+    import gc
+    import weakref
+
+    from torchao.float8 import float8_linear
+
+    import ampguard
+
+    model = _model("tensorwise")
+    guard = ampguard.wrap(torch.optim.AdamW(model.parameters()), model=model, precision="bf16", fp8=True)
+    monitor = weakref.ref(guard._fp8)
+    users = _TAPS.users
+    del guard
+    gc.collect()
+    assert monitor() is None
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in (model.fc1, model.fc2))
+    assert id(model.fc1.linear_mm_config) not in _TAPS.owners and _TAPS.users == users - 1
+    if _TAPS.users == 0:  # no other test's monitor left open in this process
+        assert not getattr(float8_linear.hp_tensor_to_float8_dynamic, "_ampguard_tap", False)
