@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -267,7 +268,7 @@ def _thresholds(scale: torch.Tensor, half: torch.Tensor) -> torch.Tensor:
     bound ``half * (1 + 2**-24) / scale`` (a tie at ``half`` rounds to it: ``half`` is a power of 2, even) rounded down
     is within one float32 step of ``half / scale``: the largest of the three that passes. A scale of 0 (an infinite
     amax): every finite ``x`` casts to 0 (``T`` the largest float32; an Inf makes NaN); a NaN scale: none does
-    (``T`` 0, so only zeros are at most it)."""
+    (``T`` 0, so no non-zero ``|x|`` is at most it)."""
     t0 = half / scale
     up = torch.nextafter(t0, torch.full_like(t0, math.inf))
     down = torch.nextafter(t0, torch.zeros_like(t0))
@@ -408,11 +409,11 @@ class _Taps:
         the same module are registered beside it): their grad_output casts come to it through the taps, with no
         gradient hook. Returns, per module, whether it was registered."""
         configs = [getattr(module, "linear_mm_config", None) for _, module in monitor.modules]
-        ids = [id(c) for c in configs]
+        shared = Counter(id(c) for c in configs)
         owned = []
         for index, config in enumerate(configs):
             entry = self.owners.get(id(config))
-            ok = config is not None and ids.count(id(config)) == 1 and (entry is None or entry[0] is config)
+            ok = config is not None and shared[id(config)] == 1 and (entry is None or entry[0] is config)
             if ok:
                 if entry is None:
                     entry = self.owners[id(config)] = (config, [])
@@ -455,9 +456,9 @@ class _Taps:
         def hp_tensor_to_float8_dynamic(hp_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if torch.compiler.is_compiling():  # first: a compiled region reads nothing of the taps
                 return original(hp_tensor, *args, **kwargs)
+            role = kwargs.get("gemm_input_role", args[3] if len(args) > 3 else None)
             visit = self.visit
             if visit is not None:
-                role = kwargs.get("gemm_input_role", args[3] if len(args) > 3 else None)
                 name: str = "input" if role is None else str(getattr(role, "value", ""))
                 takers = []
                 for monitor, index, wanted in visit[1]:
@@ -468,15 +469,14 @@ class _Taps:
                     return self._take(original, takers, name, hp_tensor, args, kwargs)
             if not self.owners:
                 return original(hp_tensor, *args, **kwargs)
-            return self._grad_output(original, hp_tensor, args, kwargs)
+            return self._grad_output(original, role, hp_tensor, args, kwargs)
         return _marked(hp_tensor_to_float8_dynamic, original)
 
-    def _grad_output(self, original: Any, hp_tensor: torch.Tensor, args: tuple[Any, ...],
+    def _grad_output(self, original: Any, role: Any, hp_tensor: torch.Tensor, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Any:
         """Outside a visit's roles: a grad_output cast of a registered layer (:meth:`own`, told by the
         ``linear_mm_config`` torchao's backward passes), the first of its tensor, is taken for that layer's monitor;
-        anything else passes through."""
-        role = kwargs.get("gemm_input_role", args[3] if len(args) > 3 else None)
+        anything else passes through. ``role``: the cast's ``gemm_input_role``."""
         if getattr(role, "value", None) != "grad_output" or type(hp_tensor) is not torch.Tensor:
             return original(hp_tensor, *args, **kwargs)
         config = kwargs.get("linear_mm_config", args[1] if len(args) > 1 else None)
@@ -885,19 +885,19 @@ class Fp8Monitor:
 
     def _collect_buffer(self, device: torch.device, present: list[int], batched: list[_Batched]) -> torch.Tensor:
         """``[len(present), 5]`` rows of the casts whose samples are in the buffer, at once (~30 kernels however
-        many casts): ``|x|`` at most its cast's :func:`_thresholds` (exactly the elements the cast makes 0) less
-        the zeros, over the elements written (the rest are Inf: never counted, never the smallest)."""
+        many casts): the non-zero ``|x|`` at most its cast's :func:`_thresholds` (exactly the elements the cast makes
+        0), over the elements written (the rest are Inf: never counted, never the smallest). As in
+        :meth:`_Sampled.of`, the zeros are made Inf first, so only non-zero elements are counted."""
         buffer = self._buffer
         assert buffer is not None  # internal: a _Batched slot wrote it
         if len(present) < buffer.shape[0]:
             buffer = buffer.index_select(0, self._const(device, ("rows", *present), present, torch.int64))
-        magnitudes = buffer.abs_()  # in place, and zeros made Inf below: a second collect() reads the same counts
+        magnitudes = buffer.abs_()  # in place, zeros made Inf: a second collect() reads the same counts
+        magnitudes.masked_fill_(magnitudes == 0, math.inf)
         scale = torch.stack([b.scale for b in batched])
         halves = self._const(device, ("half", *present), lambda: [_half_tiny(self._dtypes[i]) for i in present])
-        zero = magnitudes == 0
-        underflowed = (magnitudes <= _thresholds(scale, halves).unsqueeze(1)).sum(1) - zero.sum(1)
-        return self._sampled_rows(device, present, batched, scale, underflowed,
-                                  magnitudes.masked_fill_(zero, math.inf).amin(1))
+        underflowed = (magnitudes <= _thresholds(scale, halves).unsqueeze(1)).sum(1)
+        return self._sampled_rows(device, present, batched, scale, underflowed, magnitudes.amin(1))
 
     def _sampled_rows(self, device: torch.device, present: list[int], casts: Sequence[_Sampled | _Batched],
                       scale: torch.Tensor, underflowed: torch.Tensor, smallest: torch.Tensor) -> torch.Tensor:
