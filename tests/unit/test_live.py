@@ -156,7 +156,9 @@ def test_follow_redraws_as_a_real_run_grows_and_stops_when_it_ends(tmp_path):
 
 def test_follow_stops_on_its_timeout_when_the_run_stalls(tmp_path, capsys):
     out = tmp_path / "run"
-    _train([JsonlExporter(str(out) + "/", every_step=True)], steps=6, close=False)  # no close record: killed
+    # no close record: killed; its 6 steps on disk first (flush() drains the log's background writer, which a loaded
+    # machine let fall behind the first read: the fresh clone's make test of stop 50 saw "step 5")
+    _train([JsonlExporter(str(out) + "/", every_step=True)], steps=6, close=False).flush()
     console, buf = _console(terminal=False)
     started = time.monotonic()
     rc = command.follow(out, interval=0.02, timeout=0.3, console=console)
