@@ -59,6 +59,17 @@ import take ~1.1 s instead of ~0.1 s). ~1 us a call in eager mode. Two frames mo
 the method (the lazy wrapper and Dynamo's): a warning raised in it counts them in its ``stacklevel``."""
 
 
+def _let_go(scaler: GradScalerAdapter | None, forensics: Any, backend: Backend, fp8: Fp8Monitor | None) -> None:
+    """Take off what a guard attached to the user's objects: its finalizer (a guard collected without ``close()``,
+    or an ``__init__`` that raised). ``close()`` does the same among its other work. Each part may already be off."""
+    if scaler is not None:
+        scaler.detach()
+    forensics.close()
+    backend.close()
+    if fp8 is not None:
+        fp8.close()
+
+
 class Stage(enum.Enum):
     """Where the guard is in one iteration."""
 
@@ -113,10 +124,12 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         for the next step's local vector (``Loc.PARAMS_NONFINITE``)."""
         if fp8 is not None:
             fp8.begin_step(0)
-            # A guard dropped without close() takes its monitor off the model when it is collected: the monitor's
-            # hooks on the model (and its registration with the taps) would keep it alive, taking every cast of every
-            # step for nobody. close() closes it as before; closing twice is harmless.
-            weakref.finalize(self, fp8.close).atexit = False
+        self._let_go = weakref.finalize(self, _let_go, self._scaler, self._forensics, backend, fp8)
+        """What the guard attached to the user's objects (the scaler's methods, the sentinel's and forensics' hooks,
+        the backend's hooks, the fp8 monitor's hooks and taps), taken off when a guard dropped without close() is
+        collected, or when __init__ raises after attaching some of it. None of these parts holds the guard: a guard
+        kept alive by what it attached would never be collected (the scaler adapter holds it weakly)."""
+        self._let_go.atexit = False
         self._stage = Stage.READY
         self._step = 0  # step() calls completed = index of the step being prepared
         self._loss = LossMeter()
@@ -129,11 +142,15 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         self._closed = False
         self._loaded: Verdict | None = None  # a loaded state's verdict, its weights checked at the next step
         self._summary: RunSummary | None = None  # close()'s summary, once closed (None if its flush raised)
-        self.backend.attach(self)
-        self.run_info = run_info(self)
-        self._outcome.exporter.open(self.run_info)
-        if self._scaler is not None:
-            self._scaler.attach(self)
+        try:
+            self.backend.attach(self)
+            self.run_info = run_info(self)
+            self._outcome.exporter.open(self.run_info)
+            if self._scaler is not None:
+                self._scaler.attach(self)
+        except BaseException:
+            self._let_go()  # a refused wrap() (the backend's refusal of Adasum, ...) leaves no hook and no patch
+            raise
         self._patch_step_function()  # as Optimizer.__init__ does: step pre/post hooks work
 
     @staticmethod
@@ -479,6 +496,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             self._outcome.close()  # forensics hooks, schedulers handed back, exporters, backend hooks
             if self._fp8 is not None:
                 self._fp8.close()
+            self._let_go.detach()  # all of it taken off above
         self._summary = self._outcome.summary(self.run_info, self._step, closed=True)
         return self._summary
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -69,9 +70,15 @@ class GradScalerAdapter:
         """``scaler.scale()`` ran since the last guarded step (fp16: the gradients are scaled)."""
         self._targets: tuple[int, ...] = ()
         self._hub: SharedScaler | None = None
-        self.guard: Guard | None = None
-        """The guarded optimizer, once attached."""
+        self._guard: weakref.ref[Guard] | None = None
         self.config: GuardConfig | None = None
+
+    @property
+    def guard(self) -> Guard | None:
+        """The guarded optimizer, once attached (None after it is collected). Held weakly: the scaler holds its hub
+        and the hub this adapter, so a strong reference kept a guard dropped without ``close()`` alive for as long as
+        the user's scaler, counted as a guard sharing it (the guard's finalizer detaches the adapter)."""
+        return self._guard() if self._guard is not None else None
 
     # ------------------------------------------------------------------ reads
     @property
@@ -260,7 +267,7 @@ class GradScalerAdapter:
         if self._hub is not None:
             return
         self._targets = (id(guard), id(guard.optimizer))
-        self.guard, self.config = guard, guard.config
+        self._guard, self.config = weakref.ref(guard), guard.config
         hub = SharedScaler.of(self.scaler) or SharedScaler(self.scaler)
         hub.join(self)
         self._hub = hub
@@ -271,6 +278,7 @@ class GradScalerAdapter:
             self._hub.leave(self)
         self._hub = None
         self._targets = ()
+        self._guard = None
 
 
 def _unscales_as_grad_scaler(cls: type) -> bool:

@@ -31,8 +31,10 @@ class Member(Protocol):
     """What the shared scaler needs of each guard's scaler adapter (:class:`~ampguard.scaling.GradScalerAdapter`)."""
 
     config: GuardConfig | None
-    guard: Guard | None
     scaled_since_step: bool
+
+    @property
+    def guard(self) -> Guard | None: ...
     _targets: tuple[int, ...]
 
     def forget(self, optimizer: object) -> None: ...

@@ -106,13 +106,15 @@ def _body() -> dict[str, Any]:
     out["replay_params"] = [p.detach().clone() for p in model.parameters()]
     opt.close()
 
-    # 6. Adasum is refused with a clear error
+    # 6. Adasum is refused with a clear error, and the refused wrap leaves no hook on the model: the backend refuses
+    # after the sentinel hooked the model's blocks (before stop 51 its hooks stayed)
     model = tiny_model()
     try:
-        ampguard.wrap(dist_opt(model, op=hvd.Adasum), model=model, precision="bf16")
+        ampguard.wrap(dist_opt(model, op=hvd.Adasum), model=model, precision="bf16", config={"sentinel": "top"})
         out["adasum"] = None
     except ValueError as e:
         out["adasum"] = str(e)
+    out["adasum_hooks"] = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
 
     # 7. state broadcast: rank 0's scale and counters reach a rank that starts fresh
     from ampguard.backends.horovod import broadcast_guard_state
@@ -159,6 +161,7 @@ def test_horovod_one_decision_on_every_rank(monkeypatch: pytest.MonkeyPatch) -> 
         assert r["escalate"]["error"] == ("NonFiniteError", 4)
         assert r["escalate"]["skipped"] == [2, 3, 4]
         assert r["adasum"] is not None and "Adasum" in r["adasum"]
+        assert r["adasum_hooks"] == 0
         assert r["broadcast"] == (1024.0, 7, 2)
         assert r["zeroed"]
         # a first anomaly: no hooks were armed on the first pass, so the clean replay says only "transient";
