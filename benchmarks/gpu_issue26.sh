@@ -50,6 +50,14 @@
 # (no gradient hook), and two monitors on one model sharing a visit. The next session, first: FIRST=0 TESTS=1 HOST=0
 # (tests/gpu whole), then FP8_EAGER=1 FP8_VARIANTS=plain,plain2,guard,guard+fp8,guard+fp8-nosample FP8_BASE=fa43d14
 # FP8_S=450 (the taps' effect on a host-bound lease, with the control this time).
+# Stop 51 (benchmarks/results/gpu_stop51/, RESULTS.md "Stop 51") ran those and gpu_issue28.sh j twice more: tests/gpu 76
+# passed on 27ad18f; eager fp8 unresolved by the wall clock (the control alone +-3 %), kernel time +0.00 ms unsampled over
+# the guard; compiled monitor 1.009 / 1.007, unsampled 1.006 / 1.006 against the guard's 1.005 / 1.005. The next session,
+# first (nothing since needs tests/gpu beyond test_gpu_fp8.py): the compiled profile by kernel name, guard against plain,
+# to confirm what the decision's small kernels cost (benchmarks/results/cpu_stop51/decision_ops.out counts 40 besides
+# the norms in bf16, 72 in fp16): `python benchmarks/fp8_cost.py --device cuda --compile --batch 32 --blocks 4 --steps 5
+# --profile-steps 10 --variants plain,guard,guard+fp8-nosample` (carry .whl; PYTHONPATH=$PWD:/tmp/site), then fewer of
+# them (constants cached, the rule's where/or chains folded) and gpu_issue28.sh j again.
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
