@@ -55,6 +55,7 @@ import contextlib
 import os
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -311,9 +312,15 @@ class _AcceleratorHooks:
 
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
-        self.guards: list[GuardedOptimizer] = []
-        self.held: list[tuple[GuardedOptimizer, Any]] = []
-        """``(guard, AcceleratedScheduler)`` of each scheduler a guard steps (:func:`_hold`)."""
+        self.guards: list[weakref.ref[GuardedOptimizer]] = []
+        """The guards on this Accelerator, held weakly: the patched methods live as long as the Accelerator, and a
+        guard they held was never collected after ``accelerator.free_memory()`` (accelerate's way between runs, and
+        ``find_executable_batch_size``'s between tries): it went on observing every loss, its hooks stayed on the
+        model, and the last ``close()`` of the guards after it left the methods patched. A collected guard leaves
+        (:meth:`_forget`)."""
+        self.held: list[tuple[weakref.ref[GuardedOptimizer], weakref.ref[Any]]] = []
+        """``(guard, AcceleratedScheduler)`` of each scheduler a guard steps (:func:`_hold`), both weakly: a held
+        scheduler holds its guard (``scheduler.optimizers``)."""
         names = ("backward", "save_state", "load_state", "clip_grad_norm_", "prepare_scheduler") + (
             () if accelerator.scaler is not None else ("unscale_gradients",))
         self.previous = {name: accelerator.__dict__.get(name) for name in names}
@@ -385,10 +392,10 @@ class _AcceleratorHooks:
     def hold(self, scheduler: Any, wrapped: GuardedAcceleratedOptimizer) -> None:
         """Hand ``scheduler`` to ``wrapped``'s guard where it can be (:func:`_hold`)."""
         if _hold(scheduler, wrapped):
-            self.held.append((wrapped.optimizer, scheduler))
+            self.held.append((weakref.ref(wrapped.optimizer), weakref.ref(scheduler)))
 
     def open_guards(self) -> list[GuardedOptimizer]:
-        return [g for g in self.guards if not g._closed]
+        return [g for g in (ref() for ref in self.guards) if g is not None and not g._closed]
 
     def _guarded_places(self) -> list[tuple[int, GuardedAcceleratedOptimizer]]:
         """``(index in accelerator._optimizers, wrapper)`` of each open guard: the index accelerate
@@ -418,16 +425,32 @@ class _AcceleratorHooks:
         if hooks is None:
             hooks = cls(accelerator)
             setattr(accelerator, cls._ATTR, hooks)
-        hooks.guards.append(guard)
+        hooks.guards.append(weakref.ref(guard))
+        weakref.finalize(guard, hooks._forget).atexit = False
         return hooks  # type: ignore[no-any-return]
 
     def remove(self, guard: GuardedOptimizer) -> None:
-        for g, scheduler in self.held:  # the schedulers it held get accelerate's own methods back
-            if g is guard:
+        """``guard`` leaves (its wrapper's ``close()``); the last to leave restores the Accelerator's methods."""
+        self._leave(lambda g: g is guard)
+
+    def _forget(self) -> None:
+        """A guard was collected (its finalizer): it leaves as :meth:`remove` has it."""
+        self._leave(lambda g: False)
+
+    def _leave(self, leaving: Callable[[GuardedOptimizer], bool]) -> None:
+        """The guards ``leaving`` names leave, and those collected: the schedulers they held get accelerate's own
+        methods back, and the last to leave restores the Accelerator's."""
+        def gone(ref: weakref.ref[GuardedOptimizer]) -> bool:
+            g = ref()
+            return g is None or leaving(g)
+
+        for ref, scheduler_ref in self.held:
+            scheduler = scheduler_ref()
+            if gone(ref) and scheduler is not None:
                 for name in _HELD:
                     scheduler.__dict__.pop(name, None)
-        self.held = [(g, s) for g, s in self.held if g is not guard]
-        self.guards = [g for g in self.guards if g is not guard]
+        self.held = [(ref, s) for ref, s in self.held if not gone(ref) and s() is not None]
+        self.guards = [ref for ref in self.guards if not gone(ref)]
         acc = self.accelerator
         if self.guards or acc.__dict__.get(self._ATTR) is not self:
             return

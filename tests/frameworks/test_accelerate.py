@@ -27,7 +27,7 @@ from ampguard import faults
 from ampguard.integrations._versions import IntegrationVersionError
 from ampguard.integrations.accelerate import GuardedAcceleratedOptimizer
 
-from ..unit._models import assert_same, loss_of, make_data, make_model, snapshot
+from ..unit._models import assert_same, hook_count, loss_of, make_data, make_model, snapshot
 
 pytestmark = pytest.mark.frameworks
 
@@ -229,6 +229,54 @@ def test_two_guards_on_one_accelerator_each_take_their_place_and_the_last_close_
     assert "backward" in acc.__dict__  # opt2 still observes it
     opt2.close()
     assert "backward" not in acc.__dict__ and "unscale_gradients" not in acc.__dict__
+
+
+def test_find_executable_batch_size_leaves_no_guard_of_a_failed_try_alive():
+    """accelerate's documented retry on out-of-memory (``find_executable_batch_size``: ``accelerator.free_memory()``,
+    then model, optimizer and scheduler built, prepared and guarded again each try). The tries that ran out of memory
+    (a genuine allocation failure, ``DefaultCPUAllocator: can't allocate memory``, on their second step) must leave
+    nothing behind. Before stop 51 the Accelerator's patched methods held every guard: each failed try's guard, its
+    model (the memory the retry is meant to free) and its sentinel's hooks lived on, it observed every later loss, and
+    the last ``close()`` left ``accelerator.backward`` patched."""
+    import gc
+    import weakref
+
+    from accelerate.utils import find_executable_batch_size
+
+    acc = _accelerator("bf16")
+    tries: list[tuple[int, weakref.ref, weakref.ref]] = []
+
+    @find_executable_batch_size(starting_batch_size=16)
+    def inner(batch_size: int):
+        acc.free_memory()
+        model = make_model(0)
+        inner_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(inner_opt, lambda k: 0.9**k)
+        model, opt, sched = acc.prepare(model, inner_opt, sched)
+        opt = ampguard.wrap(opt, accelerator=acc, model=model, config={"sentinel": "top"})
+        tries.append((batch_size, weakref.ref(opt.guard), weakref.ref(model)))
+        for step in range(3):
+            rows = batch_size << 50 if step == 1 and batch_size > 12 else batch_size  # too big for any memory
+            x = torch.randn(rows, 8)
+            loss = loss_of(model, x, torch.zeros(batch_size, 1))
+            acc.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        return opt, model, loss
+
+    opt, model, loss = inner()
+    gc.collect()
+    assert [size for size, _, _ in tries] == [16, 14, 12]
+    assert all(guard() is None for _, guard, _ in tries[:2])  # the failed tries' guards: gone
+    # and the first failed try's model with its guard (the last one's frames stay in the last allocation error's
+    # traceback, which CPython keeps until another exception replaces it: not ampguard's reference)
+    assert tries[0][2]() is None
+    assert acc._ampguard_hooks.open_guards() == [opt.guard]
+    assert hook_count(model) == 4  # the live guard's sentinel only (the root's input, its three blocks' outputs)
+    assert opt.step_count == 3 and opt.last_report.loss == pytest.approx(loss.item())
+    opt.close()
+    assert "backward" not in acc.__dict__ and not hasattr(acc, "_ampguard_hooks")
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
