@@ -7,6 +7,7 @@ the readers and the state dict; the work is done by the rooms it delegates to
 
 from __future__ import annotations
 
+import atexit
 import enum
 import functools
 import math
@@ -30,6 +31,7 @@ from .exporters.base import Exporter, MultiExporter
 from .fp8 import Fp8Monitor
 from .indicators import Indicators
 from .integrity import Verdict, amax_per_tensor
+from .logs import logger
 from .optimizer_view import InnerOptimizerView, param_names
 from .outcome import Outcome, Readers
 from .pipeline import Measured, StepPipeline, first_ref, grad_marks, marks_after_step, marks_changed
@@ -59,15 +61,33 @@ import take ~1.1 s instead of ~0.1 s). ~1 us a call in eager mode. Two frames mo
 the method (the lazy wrapper and Dynamo's): a warning raised in it counts them in its ``stacklevel``."""
 
 
-def _let_go(scaler: GradScalerAdapter | None, forensics: Any, backend: Backend, fp8: Fp8Monitor | None) -> None:
+def _let_go(scaler: GradScalerAdapter | None, forensics: Any, backend: Backend, fp8: Fp8Monitor | None,
+            exit_flush: Callable[[], None]) -> None:
     """Take off what a guard attached to the user's objects: its finalizer (a guard collected without ``close()``,
     or an ``__init__`` that raised). ``close()`` does the same among its other work. Each part may already be off."""
+    atexit.unregister(exit_flush)
     if scaler is not None:
         scaler.detach()
     forensics.close()
     backend.close()
     if fp8 is not None:
         fp8.close()
+
+
+def _flush_at_exit(ref: weakref.ref[GuardedOptimizer]) -> None:
+    """Interpreter exit with a guard never closed (a script that ends after its loop, ``GuardedTrainer`` users who
+    never call ``trainer.guard.close()``): its last reports reach the exporters, as ``close()`` would have sent them.
+    Healthy reports wait for a batch (:data:`ampguard.reporter.REPORT_BATCH` steps), and off the CPU a step behind:
+    until stop 51 a 21-step run that never closed had 16 steps in its JSONL log. Flushed only (no ``close`` event:
+    the run did not end cleanly); a failure is logged, and the exit goes on."""
+    guard = ref()
+    if guard is None or guard._closed:
+        return
+    try:
+        guard.flush()
+    except Exception:
+        logger.warning("ampguard: flushing an unclosed guard at exit failed; its last steps may be missing from the "
+                       "exporters. Call opt.close() at the end of the run.", exc_info=True)
 
 
 class Stage(enum.Enum):
@@ -124,7 +144,9 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         for the next step's local vector (``Loc.PARAMS_NONFINITE``)."""
         if fp8 is not None:
             fp8.begin_step(0)
-        self._let_go = weakref.finalize(self, _let_go, self._scaler, self._forensics, backend, fp8)
+        self._exit_flush = functools.partial(_flush_at_exit, weakref.ref(self))
+        """Registered with :mod:`atexit` once the guard is built, unregistered by close() (and by ``_let_go``)."""
+        self._let_go = weakref.finalize(self, _let_go, self._scaler, self._forensics, backend, fp8, self._exit_flush)
         """What the guard attached to the user's objects (the scaler's methods, the sentinel's and forensics' hooks,
         the backend's hooks, the fp8 monitor's hooks and taps), taken off when a guard dropped without close() is
         collected, or when __init__ raises after attaching some of it. None of these parts holds the guard: a guard
@@ -152,6 +174,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             self._let_go()  # a refused wrap() (the backend's refusal of Adasum, ...) leaves no hook and no patch
             raise
         self._patch_step_function()  # as Optimizer.__init__ does: step pre/post hooks work
+        atexit.register(self._exit_flush)
 
     @staticmethod
     def profile_hook_step(func: Callable[..., Any]) -> Callable[..., Any]:  # type: ignore[override]
@@ -497,6 +520,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             if self._fp8 is not None:
                 self._fp8.close()
             self._let_go.detach()  # all of it taken off above
+            atexit.unregister(self._exit_flush)
         self._summary = self._outcome.summary(self.run_info, self._step, closed=True)
         return self._summary
 

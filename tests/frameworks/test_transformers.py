@@ -314,6 +314,24 @@ def test_resume_from_checkpoint_continues_bit_for_bit(tmp_path: Path, precision:
            repr([[h[k] for k in keys] for h in _train_logs(straight)[3:]])
 
 
+def test_the_exporters_hold_every_step_when_train_returns(tmp_path: Path) -> None:
+    """A JSONL log read after ``trainer.train()`` (no ``close()``: the guard stays open for another ``train()``).
+    Healthy reports wait for their batch before they are exported: before stop 51 the log missed the steps still
+    waiting when ``train()`` returned (here step 20; with ``logging_steps=50``, steps 16-20), and at exit too."""
+    import json
+
+    from ampguard.exporters import JsonlExporter
+
+    log = tmp_path / "guard.jsonl"
+    trainer = GuardedTrainer(model=_model(), args=_args(tmp_path, "bf16", max_steps=21, gradient_accumulation_steps=1),
+                             train_dataset=_Tokens(), guard_exporters=[JsonlExporter(log)])
+    trainer.train()
+    assert trainer.guard is not None and not trainer.guard._closed
+    steps = [e["step"] for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "step"]
+    assert steps == list(range(21))
+    trainer.guard.close()
+
+
 def test_forensics_leaves_the_dropout_rng_alone(tmp_path: Path) -> None:
     """Forensics only looks: a run whose second NaN step is examined by armed forensics hooks
     trains exactly as the same run with forensics off (GPT-2 has dropout: the RNG must not move)."""

@@ -2,7 +2,8 @@
 exception between ``wrap()`` and the ``try``) is collected, and what it attached to the user's objects goes with it:
 the sentinel's hooks on the model, the GradScaler's patched methods, the backend's gradient hooks. (A ``wrap()`` that
 raises leaves none of them either: tests/distributed/test_horovod.py, Adasum refused with the sentinel on; the fp8
-monitor's part: tests/unit/test_fp8_grad_taps.py.)"""
+monitor's part: tests/unit/test_fp8_grad_taps.py.) And a guard never closed still hands its last reports to its
+exporters at the interpreter's exit."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import copy
 import gc
 import itertools
 import weakref
+from pathlib import Path
 
 import torch
 
 import ampguard
 from ampguard.shared_scaler import SharedScaler
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _model() -> torch.nn.Module:
@@ -126,3 +130,41 @@ def test_a_dropped_guard_takes_its_backend_hooks_off_the_model():
         assert alive() is None and _hooks(model) == 0
     finally:
         dist.destroy_process_group()
+
+
+_UNCLOSED = """
+import sys, torch, ampguard
+from ampguard.exporters import JsonlExporter
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
+                    exporters=[JsonlExporter(sys.argv[1])])
+for i in range(21):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(4, 8)).float().pow(2).mean()
+    opt.backward(loss)
+    opt.step()
+    opt.zero_grad()
+if sys.argv[2] == "close":
+    opt.close()
+"""
+
+
+def test_a_run_that_never_closes_its_guard_still_logs_every_step(tmp_path):
+    """A script that ends after its loop without ``opt.close()``. Healthy reports wait for a batch before they are
+    exported; before stop 51 they were lost at exit: the JSONL log of this 21-step run held steps 0-15. Now the guard
+    flushes at exit (no ``close`` event: the run did not end cleanly). With ``close()``: the same steps, one
+    ``close`` event, nothing written twice."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    for how in ("exit", "close"):
+        log = tmp_path / f"{how}.jsonl"
+        subprocess.run([sys.executable, "-c", _UNCLOSED, str(log), how], check=True, env=env, timeout=120)
+        events = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [e["step"] for e in events if e["event"] == "step"] == list(range(21)), how
+        assert [e["event"] for e in events].count("close") == (how == "close")
