@@ -167,6 +167,11 @@ class GuardedTrainer(Trainer):
         if existing is not None:  # a second train() on this trainer: accelerate hands back the same optimizer
             self.guard = existing
             return
+        if self.guard is not None:
+            # A new optimizer for a new run (train() with model_init reloads the model and drops the optimizer): the
+            # last run's guard ends here, its summary and its exporters' close, before the new guard opens the same
+            # exporters. Left open, it lived on beside the new one and wrote into exporters the new one had reopened.
+            self.guard.close()
         # The accelerator's scaler and precision; the loss of every accelerator.backward is observed and
         # accelerator.clip_grad_norm_ measures before it clips (see ampguard.integrations.accelerate).
         guarded = wrap(opt, accelerator=self.accelerator, model=self.model, config=self._guard_config,

@@ -332,6 +332,28 @@ def test_the_exporters_hold_every_step_when_train_returns(tmp_path: Path) -> Non
     trainer.guard.close()
 
 
+def test_train_with_model_init_again_ends_the_last_runs_guard(tmp_path: Path) -> None:
+    """``train()`` with ``model_init`` reloads the model and builds a new optimizer each time (transformers'
+    hyperparameter search does this per trial): a new guard, a new run. Before stop 51 the last run's guard stayed
+    open beside it, writing into the same exporters the new guard had reopened; now it is closed first: the JSONL log
+    holds each run whole, its close event before the next run's header."""
+    import json
+
+    from ampguard.exporters import JsonlExporter
+
+    log = tmp_path / "guard.jsonl"
+    args = _args(tmp_path, "bf16", max_steps=3, gradient_accumulation_steps=1)
+    trainer = GuardedTrainer(model_init=lambda: _model(), args=args, train_dataset=_Tokens(),
+                             guard_exporters=[JsonlExporter(log)])
+    trainer.train()
+    first = trainer.guard
+    trainer.train()
+    assert first is not None and first._closed and trainer.guard is not first and not trainer.guard._closed
+    trainer.guard.close()
+    events = [e["event"] for e in map(json.loads, log.read_text().splitlines())]
+    assert events == ["run", "step", "step", "step", "close"] * 2
+
+
 def test_forensics_leaves_the_dropout_rng_alone(tmp_path: Path) -> None:
     """Forensics only looks: a run whose second NaN step is examined by armed forensics hooks
     trains exactly as the same run with forensics off (GPT-2 has dropout: the RNG must not move)."""
