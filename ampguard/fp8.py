@@ -53,6 +53,7 @@ from typing import Any
 import torch
 
 from ._versions import require
+from .module_hooks import Hook
 from .records import FP8_ROLES, Fp8Cast
 from .stats import local_tensor
 
@@ -602,8 +603,8 @@ class Fp8Monitor:
         for index, (_, module) in enumerate(self.modules):
             # before the forward: the input and the weight as the layer casts them (under FSDP2 the weight is then
             # unsharded; after the forward it is a shard again); after it: the gradient hook for grad_output
-            self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(index)))
-            self._handles.append(module.register_forward_hook(self._forward_hook(index)))
+            self._handles.append(module.register_forward_pre_hook(Hook(self._pre_forward_hook(index))))
+            self._handles.append(module.register_forward_hook(Hook(self._forward_hook(index))))
 
     def _measure(self, module: Any, index: int, role: str, x: torch.Tensor, cast_to: torch.dtype | None) -> None:
         """``x``: the tensor the layer casts, or its high-precision original when ``cast_to`` (the autocast dtype)

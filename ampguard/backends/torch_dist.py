@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import BackendError
+from ..module_hooks import Hook
 from .base import AttachedGuard, GatherHandle, LocalBackend
 
 __all__ = ["FlaggingCommHook", "Replicas", "TorchDistBackend", "compose_comm_hook"]
@@ -304,7 +305,7 @@ class TorchDistBackend(LocalBackend):
 
             for module in model.modules():
                 if hasattr(module, "_get_fsdp_state"):
-                    self._handles.append(module.register_forward_hook(after_forward))
+                    self._handles.append(module.register_forward_hook(Hook(after_forward)))
             return
         for p in params:
             if p.requires_grad:

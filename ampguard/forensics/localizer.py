@@ -70,6 +70,7 @@ from typing import Any
 
 import torch
 
+from ..module_hooks import Hook
 from ..vocab import Cause, Phase
 from .calls import Call, all_finite, first_tensor, floats, inputs_finite, map_tensors, outputs_finite
 from .compile import _disarm, _EagerWhileArmed, compile_safe, named_user_modules, user_module
@@ -121,8 +122,8 @@ class Localizer:
         self.reset()
         for idx, (_, m) in enumerate(self.modules):
             # prepend: see the inputs as the caller passed them, before other pre-hooks replace them
-            self._handles.append(m.register_forward_pre_hook(self._pre_hook(idx), prepend=True, with_kwargs=True))
-            self._handles.append(m.register_forward_hook(self._fwd_hook(idx)))
+            self._handles.append(m.register_forward_pre_hook(Hook(self._pre_hook(idx)), prepend=True, with_kwargs=True))
+            self._handles.append(m.register_forward_hook(Hook(self._fwd_hook(idx))))
         eager = _EagerWhileArmed.enter()  # torch.compile: see the comment above compile_safe
         self._disarm = weakref.finalize(self, _disarm, self._handles, eager)
         self._disarm.atexit = False

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..module_hooks import Hook
 from .compile import named_user_modules, user_module
 
 __all__ = ["Sentinel", "top_blocks"]
@@ -75,9 +76,9 @@ class Sentinel:
         self._none = torch.full((), -1.0, dtype=torch.float32, device=device)
         self._codes = torch.arange(0, len(names) + 1, dtype=torch.float32, device=device)
         self._inf = torch.full((), torch.inf, dtype=torch.float32, device=device)
-        self._handles: list[Any] = [root.register_forward_pre_hook(self._input_hook, prepend=True)]
+        self._handles: list[Any] = [root.register_forward_pre_hook(Hook(self._input_hook), prepend=True)]
         for k, name in enumerate(names):
-            self._handles.append(table[name].register_forward_hook(self._output_hook(k + 1)))
+            self._handles.append(table[name].register_forward_hook(Hook(self._output_hook(k + 1))))
 
     def _input_hook(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if torch.is_grad_enabled():
