@@ -57,7 +57,9 @@
 # to confirm what the decision's small kernels cost (benchmarks/results/cpu_stop51/decision_ops.out counts 40 besides
 # the norms in bf16, 72 in fp16): `python benchmarks/fp8_cost.py --device cuda --compile --batch 32 --blocks 4 --steps 5
 # --profile-steps 10 --variants plain,guard,guard+fp8-nosample` (carry .whl; PYTHONPATH=$PWD:/tmp/site), then fewer of
-# them (constants cached, the rule's where/or chains folded) and gpu_issue28.sh j again.
+# them (constants cached, the rule's where/or chains folded) and gpu_issue28.sh j again. Before those, tests/gpu whole
+# (FIRST=0 TESTS=1 HOST=0): after the device calls stop 51 wrapped every module hook of the guard in
+# ampguard.module_hooks.Hook (7980ab1; the CPU compile tests pass: one graph, no recompile) and added the finalizers.
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
