@@ -64,7 +64,7 @@ the method (the lazy wrapper and Dynamo's): a warning raised in it counts them i
 def _let_go(scaler: GradScalerAdapter | None, forensics: Any, backend: Backend, fp8: Fp8Monitor | None,
             exit_flush: Callable[[], None]) -> None:
     """Take off what a guard attached to the user's objects: its finalizer (a guard collected without ``close()``,
-    or an ``__init__`` that raised). ``close()`` does the same among its other work. Each part may already be off."""
+    or an ``__init__`` that raised), and ``close()``, which calls it. Each part may already be off."""
     atexit.unregister(exit_flush)
     if scaler is not None:
         scaler.detach()
@@ -145,7 +145,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         if fp8 is not None:
             fp8.begin_step(0)
         self._exit_flush = functools.partial(_flush_at_exit, weakref.ref(self))
-        """Registered with :mod:`atexit` once the guard is built, unregistered by close() (and by ``_let_go``)."""
+        """Registered with :mod:`atexit` once the guard is built, unregistered by ``_let_go`` (close() calls it)."""
         self._let_go = weakref.finalize(self, _let_go, self._scaler, self._forensics, backend, fp8, self._exit_flush)
         """What the guard attached to the user's objects (the scaler's methods, the sentinel's and forensics' hooks,
         the backend's hooks, the fp8 monitor's hooks and taps), taken off when a guard dropped without close() is
@@ -514,13 +514,8 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             self.flush()
         finally:
             self._closed = True
-            if self._scaler is not None:
-                self._scaler.detach()
-            self._outcome.close()  # forensics hooks, schedulers handed back, exporters, backend hooks
-            if self._fp8 is not None:
-                self._fp8.close()
-            self._let_go.detach()  # all of it taken off above
-            atexit.unregister(self._exit_flush)
+            self._let_go()  # the scaler's methods; forensics', the backend's, the fp8 monitor's hooks; the exit flush
+            self._outcome.close()  # the schedulers handed back, the exporters closed
         self._summary = self._outcome.summary(self.run_info, self._step, closed=True)
         return self._summary
 

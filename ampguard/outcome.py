@@ -152,12 +152,10 @@ class Outcome:
         return result
 
     def close(self) -> None:
-        """``opt.close()``, after its flush: remove forensics' hooks, hand the schedulers back,
-        close the exporters and the backend's hooks."""
-        self.forensics.close()
+        """``opt.close()``, after its flush and after the guard let go of what it attached (forensics' and the
+        backend's hooks among it: ``guard._let_go``): hand the schedulers back, close the exporters."""
         self.schedules.release()
         self.exporter.close()
-        self.backend.close()
 
     # ------------------------------------------------------------------ the fixed points
     def settle(self, next_forward: int, before: int | None = None) -> bool:
