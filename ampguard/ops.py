@@ -89,6 +89,11 @@ class Ops(Protocol):
     def clamp(self, x: Value, lo: float | None, hi: float | None, /) -> Value: ...
     def imin(self, x: Value, k: int, /) -> Value: ...
     def isfinite(self, x: Value, /) -> Value: ...
+    def nonfinite(self, x: Value, /) -> Value:
+        """``not isfinite(x)``."""
+    def positive(self, cmax: Any, /) -> Any:
+        """``[v > 0 for v in cmax]``: each column of :meth:`columns`' maximum compared once (on tensors: one
+        comparison, indexed by column)."""
     def isnan(self, x: Value, /) -> Value: ...
     def not_(self, x: Value, /) -> Value: ...
     def floor(self, x: Value, /) -> Value: ...
@@ -144,6 +149,14 @@ class HostOps:
     isfinite = staticmethod(math.isfinite)
     isnan = staticmethod(math.isnan)
     not_ = staticmethod(operator.not_)
+
+    @staticmethod
+    def nonfinite(x: float) -> bool:
+        return not math.isfinite(x)
+
+    @staticmethod
+    def positive(cmax: list[float]) -> list[bool]:
+        return [v > 0 for v in cmax]
 
     @staticmethod
     def floor(x: float) -> float:
@@ -214,15 +227,25 @@ HOST.__dict__.update({name: getattr(HostOps, name) for name, v in vars(HostOps).
 # (each op an attribute of the instance: one dict lookup per op on the host path, not a descriptor call)
 
 
+_TENSOR_OPS: dict[torch.device, TensorOps] = {}
+"""The ops of each device (:meth:`TensorOps.on`): a few bytes of constants per device, for the process."""
+
+
 class TensorOps:
-    """The rules' operations on tensors of one device: torch's own ops, no host sync."""
+    """The rules' operations on tensors of one device: torch's own ops, no host sync.
+
+    On CUDA each op is a kernel (one node of the captured step graph, ~1-2 us of device time each: stop 44's profile
+    of a compiled fp8 step put the decision's ~60 small kernels beside the norms), so the ops are written for few:
+    the constants (:attr:`false`, :attr:`one`, :attr:`nan`, :attr:`inf`) are made once per device (:meth:`on`), and
+    ``isfinite``/``nonfinite`` are one subtraction and one comparison, where ``torch.isfinite`` is four kernels
+    (``(x == x) * (x.abs() != inf)``): ``x - x`` is exactly 0 for every finite ``x`` and NaN for an infinite or NaN
+    one (IEEE 754), so ``(x - x) == 0`` is ``isfinite(x)``, bit for bit."""
 
     add = staticmethod(operator.add)
     sub = staticmethod(operator.sub)
     mul = staticmethod(operator.mul)
     div = staticmethod(operator.truediv)
     recip = staticmethod(torch.reciprocal)
-    isfinite = staticmethod(torch.isfinite)
     isnan = staticmethod(torch.isnan)
     not_ = staticmethod(operator.invert)
     floor = staticmethod(torch.floor)
@@ -232,15 +255,36 @@ class TensorOps:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.false = torch.zeros((), dtype=torch.bool, device=device)
+        self.one = torch.ones((), dtype=torch.float32, device=device)
         self.nan = torch.full((), math.nan, dtype=torch.float32, device=device)
+        self.inf = torch.full((), math.inf, dtype=torch.float32, device=device)
 
-    @property
-    def one(self) -> torch.Tensor:
-        return torch.ones((), dtype=torch.float32, device=self.device)
+    @classmethod
+    def on(cls, device: torch.device) -> TensorOps:
+        """The ops of ``device``, made once per process and device: their constants are never written (the rules
+        only read them; every value a rule returns or stores is a new tensor or a copy), so every decision on the
+        device shares them, and a captured graph reads them where they lie. Made outside a CUDA graph capture only
+        (a constant filled inside one would hold its value only in that graph's replays): the captures of the step
+        graph and the decision's graph follow an eager first run, which makes them; a capture that finds none
+        makes its own, kept with the graph, not here."""
+        ops = _TENSOR_OPS.get(device)
+        if ops is None:
+            ops = cls(device)
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                _TENSOR_OPS[device] = ops
+        return ops
 
-    @property
-    def inf(self) -> torch.Tensor:
-        return torch.full((), math.inf, dtype=torch.float32, device=self.device)
+    @staticmethod
+    def isfinite(x: torch.Tensor) -> torch.Tensor:
+        return (x - x) == 0  # the class docstring: torch.isfinite's value by two kernels, not four
+
+    @staticmethod
+    def nonfinite(x: torch.Tensor) -> torch.Tensor:
+        return (x - x) != 0
+
+    @staticmethod
+    def positive(cmax: torch.Tensor) -> torch.Tensor:
+        return cmax > 0  # one kernel; the rule reads a column's flag as a view
 
     @staticmethod
     def to_float(n: torch.Tensor) -> torch.Tensor:
@@ -254,11 +298,13 @@ class TensorOps:
     def clamp(x: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
         return torch.clamp(x, min=lo, max=hi)
 
-    @staticmethod
-    def first(cases: list[tuple[torch.Tensor, Value]], default: Value) -> torch.Tensor:
+    def first(self, cases: list[tuple[torch.Tensor, Value]], default: Value) -> torch.Tensor:
         out: Any = default
         for c, v in reversed(cases):
-            out = torch.where(c, v, out)
+            if c is not self.false:  # the constant: never taken (the host's first() skips it too)
+                out = torch.where(c, v, out)
+        if not isinstance(out, torch.Tensor):  # every case the constant false: the default, as a tensor
+            out = torch.full((), out, dtype=torch.float32, device=self.device)
         return out  # type: ignore[no-any-return]
 
     @staticmethod

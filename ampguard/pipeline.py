@@ -477,7 +477,8 @@ class StepPipeline:
         device = self.device
         norms = per_tensor_norms(groups, device) * adapter.inv_scale().to(device, non_blocking=True)
         total, count = total_and_nonfinite(norms)
-        found = count.gt(0).to(adapter.scale.device, dtype=torch.float32, non_blocking=True).reshape(())
+        # count > 0 as 0.0 or 1.0 (a count: an integer >= 0): one kernel where gt and a cast are two
+        found = count.clamp(max=1.0).to(adapter.scale.device, non_blocking=True).reshape(())
         return norms, found, (total, count)
 
     def _hold(self, slot: str, value: torch.Tensor | None) -> torch.Tensor | None:

@@ -82,6 +82,17 @@ def uses_clipping(config: GuardConfig) -> bool:
     return config.clip_grad_norm is not None or config.zclip is not None
 
 
+def _or(o: Ops, a: Value, b: Value) -> Value:
+    """``a | b``, where a detector that is off left ``o.false`` (the constant): no op then (on tensors, a kernel
+    fewer; on the host, ``False | b`` is ``b``)."""
+    return b if a is o.false else a if b is o.false else a | b
+
+
+def _and(o: Ops, a: Value, b: Value) -> Value:
+    """``a & b``, ``o.false`` where either is the constant (:func:`_or`)."""
+    return o.false if a is o.false or b is o.false else a & b
+
+
 def _fold(o: Ops, mean: Value, var: Value | None, x: Value, w: Value) -> tuple[Value, Value]:
     """One sample into an exponentially weighted mean and variance (West 1979 / Finch 2009):
     ``mean += w*d``, ``var = (1-w)*(var + w*d*d)``, ``d = x - mean``. With ``w = 1/n`` this is the
@@ -148,17 +159,20 @@ def rule(
     g = gathered
     world = g.shape[0]
     cmax, csum = o.columns(g)
-    loss_bad = cmax[Loc.LOSS_NONFINITE] > 0
-    loss = o.div(csum[Loc.LOSS], world)
+    positive = o.positive(cmax)  # each column's maximum > 0 (on tensors: one comparison)
+    loss_bad = positive[Loc.LOSS_NONFINITE]
+    loss = csum[Loc.LOSS] if world == 1 else o.div(csum[Loc.LOSS], world)  # x / 1 is x, bit for bit
     # Sharded gradients on several ranks: the global norm adds the squares. One rank, or replicated
     # gradients: equal everywhere when healthy, NaN/inf if any rank's is.
     grad_norm = o.norm(g[:, Loc.GRAD_NORM]) if grads_sharded and world > 1 else cmax[Loc.GRAD_NORM]
     nonfinite_tensors = csum[Loc.NONFINITE_TENSORS]
-    grad_bad = (nonfinite_tensors > 0) | (cmax[Loc.FOUND_INF] > 0) | o.not_(o.isfinite(grad_norm))
-    no_grads = cmax[Loc.NO_GRADS] > 0  # on any rank: the step is skipped everywhere
+    # (one rank: csum is cmax, and positive[] its comparison)
+    any_nonfinite = positive[Loc.NONFINITE_TENSORS] if world == 1 else nonfinite_tensors > 0
+    grad_bad = any_nonfinite | positive[Loc.FOUND_INF] | o.nonfinite(grad_norm)
+    no_grads = positive[Loc.NO_GRADS]  # on any rank: the step is skipped everywhere
     # An fp8 cast whose amax or scale was non-finite (or the scale 0) on any rank: its whole tensor was poisoned
     # (torchao's scale = max / amax), whatever the gradients show. Skipped; the scale is held, not backed off.
-    fp8_bad = cmax[Loc.FP8_NONFINITE] > 0
+    fp8_bad = positive[Loc.FP8_NONFINITE]
     blocked = loss_bad | grad_bad | no_grads | fp8_bad  # skipped whatever the detectors say
 
     grad_spike = loss_spike = rebase = clip_rebase = o.false
@@ -179,12 +193,12 @@ def rule(
             grad_spike = warm & (grad_norm > spike_threshold)
         if config.spikes.loss_factor is not None:
             loss_spike = warm & (loss > o.mul(f32(config.spikes.loss_factor), loss_ema))
-    spike = grad_spike | loss_spike
-    skip = (blocked | spike) if config.spikes.action == "skip" else blocked
+    spike = _or(o, grad_spike, loss_spike)
+    skip = _or(o, blocked, spike) if config.spikes.action == "skip" else blocked
 
     # Indices into stats.REASONS, in order of precedence.
-    reason = o.first([(loss_bad, 1.0), (fp8_bad, 6.0), (grad_bad, 2.0), (no_grads, 5.0), (skip & grad_spike, 3.0),
-                      (skip & loss_spike, 4.0)], 0.0)
+    reason = o.first([(loss_bad, 1.0), (fp8_bad, 6.0), (grad_bad, 2.0), (no_grads, 5.0),
+                      (_and(o, skip, grad_spike), 3.0), (_and(o, skip, loss_spike), 4.0)], 0.0)
 
     if spikes_on:  # running averages of healthy steps (only kept when a detector needs them)
         healthy = o.not_(blocked | spike)
@@ -295,7 +309,7 @@ def _zclip(o: Ops, grad_norm: Value, bad: Value, config: GuardConfig,
 def decide(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeState, scale_state: ScaleState,
            scaler: ScalerView | None, grads_sharded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`rule` on device tensors (``gathered``'s device). No sync."""
-    return rule(TensorOps(gathered.device), gathered, config=config, spikes=spikes,
+    return rule(TensorOps.on(gathered.device), gathered, config=config, spikes=spikes,
                 scale_state=scale_state, scaler=scaler, grads_sharded=grads_sharded)
 
 

@@ -415,13 +415,15 @@ class _DeviceOps:
         zero, one, nan, minus_one = _constants(self.device)
         return nan if math.isnan(v) else {0.0: zero, 1.0: one, -1.0: minus_one}[v]
 
-    def nonfinite(self, v: torch.Tensor) -> torch.Tensor:
-        zero, one, _, _ = _constants(self.device)
-        return torch.where(torch.isfinite(v), zero, one)  # float32 already: see pack
+    @staticmethod
+    def nonfinite(v: torch.Tensor) -> torch.Tensor:
+        # x - x: 0 for every finite x, NaN otherwise (ampguard.ops.TensorOps: two kernels where torch.isfinite
+        # is four); pack makes it 0.0 or 1.0
+        return (v - v) != 0
 
     @staticmethod
     def count_nonfinite(norms: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-        return (~torch.isfinite(norms)).sum().float()  # exact: a count below 2**24
+        return ((norms - norms) != 0).sum(dtype=torch.float32)  # exact: a count below 2**24
 
     @staticmethod
     def pack(values: list[torch.Tensor]) -> torch.Tensor:

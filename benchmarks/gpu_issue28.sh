@@ -26,6 +26,19 @@ if [ "${INTEGRITY:-0}" = 1 ]; then
   timeout 170 python benchmarks/integrity_cost.py --device cuda --model gpt2 --blocks 12 --block 8 --reps 20 \
     --out "$OUT/integrity_$TAG.json" 2>&1 | grep -v -i warn | tail -12 | tee "$OUT/integrity_$TAG.txt"
 fi
+if [ "${PROFILE:-0}" = 1 ]; then  # stop 52: the compiled fp8 step's kernels by name, this tree's library then PROFILE_BASE's
+  for side in now ${PROFILE_BASE:-}; do
+    root=$PWD
+    if [ "$side" != now ]; then
+      rm -rf /tmp/pbase && mkdir -p /tmp/pbase && git archive "$side" ampguard benchmarks/fp8_cost.py | tar -x -C /tmp/pbase
+      root=/tmp/pbase
+    fi
+    (cd "$root" && PYTHONPATH=$root:/tmp/site timeout "${PROFILE_S:-200}" python benchmarks/fp8_cost.py --device cuda \
+      --compile --batch 32 --blocks 4 --steps 5 --profile-steps 10 --variants plain,guard,guard+fp8-nosample \
+      --out "$OUT/profile_${TAG}_$side.json") 2>&1 | grep -v -i "warn\|Configuration class\|loss_type" | tail -45 \
+      | tee "$OUT/profile_${TAG}_$side.txt"
+  done
+fi
 for run in ${FP8_RUNS-1 2}; do
   timeout ${FP8_EAGER_S:-170} python benchmarks/fp8_cost.py --device cuda --blocks 30 --steps 5 --out "$OUT/fp8_cost_${TAG}_$run.json" 2>&1 \
     | grep -v -i warn | tail -6 | tee "$OUT/fp8_cost_${TAG}_$run.txt"
