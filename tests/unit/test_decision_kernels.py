@@ -1,0 +1,135 @@
+"""How many device ops the tensor decision launches (stop 52), and the ops that made them fewer.
+
+On CUDA every op of the tensor decision is a kernel of the captured step graph, about 1-2 us of device time each:
+on issue 28's compiled fp8 step that was the guard's cost beside its one read of the gradients (stop 44's profile,
+stop 51's census: 50 kernels besides the norms in bf16). The count is taken here on the CPU, where the same ops run
+(the norms are a dot each here, one ``_foreach_norm`` on CUDA): a change that adds ops to the decision fails here,
+before a device run. Cutting them must not change a bit: ``isfinite`` as ``(x - x) == 0`` is checked against
+``torch.isfinite`` on every special value, and tests/unit/test_host_decision.py holds the tensor decision to the
+host's."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ampguard
+import ampguard.pipeline as pipeline
+from ampguard.ops import TensorOps
+from ampguard.stats import local_vector
+
+NO_KERNEL = {"view", "reshape", "select", "slice", "unsqueeze", "squeeze", "expand", "as_strided", "alias", "t",
+             "detach", "empty", "empty_strided", "lift_fresh", "_unsafe_view", "flatten", "scalar_tensor"}
+"""Views and allocations: no kernel of their own."""
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        if name not in NO_KERNEL:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _decision_ops(precision: str, method: str) -> collections.Counter[str]:
+    """The ops of one step's tensor decision (``method``), the tensor decision forced on the CPU as
+    tests/unit/test_fast_path.py does, after 5 steps; the norms' own ops (a dot per gradient, their stack and
+    sqrt) taken out."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])  # 12 gradients
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
+    guard = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model,
+                          precision=precision, scaler=scaler)
+    guard._pipeline.host_decision, guard._lagged_reports = False, True  # the tensor (CUDA) decision, on the CPU
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=dtype):
+            loss = model(torch.randn(4, 32)).float().pow(2).mean()
+        guard.backward(loss)
+        guard.step()
+        guard.zero_grad()
+
+    for _ in range(5):
+        step()
+    original = getattr(pipeline.StepPipeline, method)
+    mode = _Ops()
+    calls = []
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        with mode:
+            return original(self, *args, **kwargs)
+
+    setattr(pipeline.StepPipeline, method, counted)
+    try:
+        step()
+    finally:
+        setattr(pipeline.StepPipeline, method, original)
+        guard.close()
+    assert calls, f"{method} did not run: the count would test nothing"
+    ops = mode.ops
+    assert ops["dot"] == 12  # the norms, then taken out with their stack and sqrt
+    ops["dot"] = 0
+    ops["stack"] -= 1
+    ops["sqrt_"] -= 1
+    return +ops
+
+
+@pytest.mark.parametrize(("precision", "method", "most"), [
+    ("bf16", "_through_unscaled", 27),  # 453fd82: 50 (7 where, 6 or, 5 gt, 3 isfinite of 4 ops, 4 constants...)
+    ("fp16", "_through_decision", 62),  # 453fd82: 87
+])
+def test_the_tensor_decision_launches_few_ops(precision, method, most):
+    ops = _decision_ops(precision, method)
+    total = sum(ops.values())
+    assert total <= most, f"{precision}: {total} ops besides the norms (at most {most}): {dict(ops)}"
+    # no constant made inside the step: TensorOps.on keeps them per device
+    assert ops["zeros"] == ops["ones"] == ops["full"] == 0, dict(ops)
+    assert ops["abs"] == 0, dict(ops)  # torch.isfinite's four kernels are (x == x) * (x.abs() != inf)
+
+
+SPECIAL = [math.nan, -math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-45, -1e-45, 1e-40, 1.17549435e-38,
+           3.4028234663852886e38, -3.4028234663852886e38, 1.0, -2.5, 65504.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_isfinite_by_subtraction_is_torch_isfinite(dtype):
+    x = torch.tensor(SPECIAL, dtype=torch.float32).to(dtype)
+    o = TensorOps.on(torch.device("cpu"))
+    assert torch.equal(o.isfinite(x), torch.isfinite(x))
+    assert torch.equal(o.nonfinite(x), ~torch.isfinite(x))
+
+
+def test_the_constants_are_made_once_and_never_written():
+    o = TensorOps.on(torch.device("cpu"))
+    assert TensorOps.on(torch.device("cpu")) is o
+    before = [t.clone() for t in (o.false, o.one, o.nan, o.inf)]
+    # a decision on a NaN step and on a healthy one: every constant read, none written
+    for g in ([1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0, -1.0, math.nan, 0.0, 0.0],
+              [math.nan, 1.0, math.inf, 3.0, 1.0, 0.0, 0.0, -1.0, math.nan, 1.0, 0.0]):
+        from ampguard.config import GuardConfig
+        from ampguard.policies import SpikeState, decide
+        from ampguard.scale_rule import ScaleState
+        decide(torch.tensor([g]), config=GuardConfig(), spikes=SpikeState.fresh(torch.device("cpu")),
+               scale_state=ScaleState(torch.zeros((), dtype=torch.int32)), scaler=None, grads_sharded=False)
+    after = (o.false, o.one, o.nan, o.inf)
+    assert [b.item() for b in before][:2] == [a.item() for a in after][:2]
+    assert math.isnan(after[2].item()) and after[3].item() == math.inf
+
+
+def test_the_local_vector_counts_non_finite_norms_as_before():
+    norms = torch.tensor([1.0, math.nan, math.inf, 0.0, 3.4028234663852886e38], dtype=torch.float32)
+    vec = local_vector(loss=torch.tensor(math.inf), tensor_norms=norms, found_inf=None, pre_reduction=None,
+                       device=torch.device("cpu"), host=False)
+    from ampguard.stats import Loc
+    assert vec[Loc.NONFINITE_TENSORS].item() == 2.0 and vec[Loc.LOSS_NONFINITE].item() == 1.0
+    assert vec.dtype == torch.float32
