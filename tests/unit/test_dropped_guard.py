@@ -168,3 +168,52 @@ def test_a_run_that_never_closes_its_guard_still_logs_every_step(tmp_path):
         events = [json.loads(line) for line in log.read_text().splitlines()]
         assert [e["step"] for e in events if e["event"] == "step"] == list(range(21)), how
         assert [e["event"] for e in events].count("close") == (how == "close")
+
+
+def test_a_guard_collected_on_another_thread_lets_go_there():
+    """weakref.finalize runs on whichever thread's allocation triggers the collection: a data-loader or logging thread
+    as often as the training loop's. The guard's hooks, the scaler's patch and its atexit flush go the same way there,
+    and the training thread then trains on a rebuilt guard whose steps are bitwise torch's plain GradScaler loop."""
+    import threading
+
+    model = _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)
+    guard = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=1e-3), model=model, scaler=scaler,
+                          precision="fp16", config={"sentinel": "top"})
+    _train(guard, model, range(2), torch.float16)
+    alive = weakref.ref(guard)
+    holder = [guard]
+    del guard
+    seen: list[object] = []
+
+    def drop() -> None:  # the last reference goes on this thread, and the collection runs here
+        holder.clear()
+        gc.collect()
+        seen.append(alive())
+
+    gc.disable()  # no collection on this thread in between: the finalizer must run on the other one
+    try:
+        t = threading.Thread(target=drop)
+        t.start()
+        t.join()
+    finally:
+        gc.enable()
+    assert seen == [None] and _hooks(model) == 0
+    reference = copy.deepcopy(model)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=scaler.get_scale(), growth_interval=3)
+    ref_scaler.load_state_dict(scaler.state_dict())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=1e-3)
+    second = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=1e-3), model=model, scaler=scaler,
+                           precision="fp16")
+    for i in range(2, 8):
+        with torch.autocast("cpu", dtype=torch.float16):
+            ref_loss = reference(_batch(i)).float().pow(2).mean()
+        ref_scaler.scale(ref_loss).backward()
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+    _train(second, model, range(2, 8), torch.float16)
+    second.close()
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
+    assert scaler.get_scale() == ref_scaler.get_scale()
