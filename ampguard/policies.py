@@ -8,7 +8,7 @@ on either execution of :mod:`ampguard.ops`:
 - :func:`decide`: on device tensors (fused optimizers off the CPU), without the host reading a
   single value; on CUDA, replayed from a CUDA graph.
 - :func:`decide_host`: on host floats, for the CPU (where reading the matrix costs nothing and
-  ~60 tiny tensor ops cost far more than the rule) and for non-fused optimizers after one host copy.
+  the rule's tens of tiny tensor ops cost far more than the rule) and for non-fused optimizers after one host copy.
   Every float32 operation is rounded once as torch rounds it, so both give the same decision
   vector, bit for bit, and leave the same carried state (``tests/unit/test_host_decision.py``).
 """
