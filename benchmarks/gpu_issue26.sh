@@ -63,7 +63,8 @@
 # Stop 52 (benchmarks/results/gpu_stop52/, RESULTS.md "Stop 52") ran tests/gpu whole on 200126b (76 passed) and the
 # compiled profile before and after the decision's kernel cut (gpu_issue28.sh PROFILE=1 PROFILE_BASE=453fd82): the guard
 # adds 46 kernels (was 71), 160 us of kernel time (was 220). The lease was too noisy for the wall-clock ratios. The next
-# session, first: gpu_issue28.sh j twice on a quiet lease (COMPILE_RUNS="1 2", with plain2 as the control), to read
+# session, first: gpu_issue28.sh j twice (COMPILE_RUNS="1 2" FP8_PROFILE_STEPS=10: each run also gives the kernel-time
+# ratios, which a noisy lease does not hide), with plain2 as the control, to read
 # the unsampled fp8 monitor against issue 28's 1.005 by the wall clock.
 set -uo pipefail
 TAG=${1:-now}
