@@ -3,8 +3,8 @@ measurement of the gradients, replayed from one captured over the gradients' add
 (:class:`MeasureGraph`).
 
 On CUDA the decision is a few tens of tiny kernels (stop 52: 27 in bf16, 62 with a GradScaler, besides the norms;
-~70 before it); captured once into a CUDA graph, each later step replays them in one launch (the fused path; ``AMPGUARD_CUDA_GRAPH=0`` keeps it eager). Elsewhere, and where
-capture fails, the decision runs eagerly.
+~70 before it); captured once into a CUDA graph, each later step replays them in one launch (the fused path;
+``AMPGUARD_CUDA_GRAPH=0`` keeps it eager). Elsewhere, and where capture fails, the decision runs eagerly.
 
 **A process-wide effect, kept because it is necessary:** the Python garbage collector is off
 while the decision is captured (``gc.disable()``, restored in ``finally``, and only if it was on).
