@@ -91,9 +91,9 @@ class Ops(Protocol):
     def isfinite(self, x: Value, /) -> Value: ...
     def nonfinite(self, x: Value, /) -> Value:
         """``not isfinite(x)``."""
-    def positive(self, cmax: Any, /) -> Any:
-        """``[v > 0 for v in cmax]``: each column of :meth:`columns`' maximum compared once (on tensors: one
-        comparison, indexed by column)."""
+    def positive(self, cmax: Any, cols: tuple[int, ...], /) -> list[Value]:
+        """``[cmax[c] > 0 for c in cols]``: columns of :meth:`columns`' maximum as flags (on tensors: one
+        comparison of every column, read by column)."""
     def isnan(self, x: Value, /) -> Value: ...
     def not_(self, x: Value, /) -> Value: ...
     def floor(self, x: Value, /) -> Value: ...
@@ -155,8 +155,8 @@ class HostOps:
         return not math.isfinite(x)
 
     @staticmethod
-    def positive(cmax: list[float]) -> list[bool]:
-        return [v > 0 for v in cmax]
+    def positive(cmax: list[float], cols: tuple[int, ...]) -> list[bool]:
+        return [cmax[c] > 0 for c in cols]
 
     @staticmethod
     def floor(x: float) -> float:
@@ -283,8 +283,9 @@ class TensorOps:
         return (x - x) != 0
 
     @staticmethod
-    def positive(cmax: torch.Tensor) -> torch.Tensor:
-        return cmax > 0  # one kernel; the rule reads a column's flag as a view
+    def positive(cmax: torch.Tensor, cols: tuple[int, ...]) -> list[torch.Tensor]:
+        flags = cmax > 0  # one kernel; each column's flag a view of it
+        return [flags[c] for c in cols]
 
     @staticmethod
     def to_float(n: torch.Tensor) -> torch.Tensor:
@@ -298,13 +299,11 @@ class TensorOps:
     def clamp(x: torch.Tensor, lo: float | None, hi: float | None) -> torch.Tensor:
         return torch.clamp(x, min=lo, max=hi)
 
-    def first(self, cases: list[tuple[torch.Tensor, Value]], default: Value) -> torch.Tensor:
+    @staticmethod
+    def first(cases: list[tuple[torch.Tensor, Value]], default: Value) -> torch.Tensor:
         out: Any = default
         for c, v in reversed(cases):
-            if c is not self.false:  # the constant: never taken (the host's first() skips it too)
-                out = torch.where(c, v, out)
-        if not isinstance(out, torch.Tensor):  # every case the constant false: the default, as a tensor
-            out = torch.full((), out, dtype=torch.float32, device=self.device)
+            out = torch.where(c, v, out)
         return out  # type: ignore[no-any-return]
 
     @staticmethod

@@ -71,6 +71,10 @@ ZCLIP_EPS = 1e-6
 """ZClip's ``eps`` in ``z = (norm - mean) / (std + eps)`` (the reference implementation's)."""
 
 
+_FLAGS = (Loc.LOSS_NONFINITE, Loc.NONFINITE_TENSORS, Loc.FOUND_INF, Loc.NO_GRADS, Loc.FP8_NONFINITE)
+"""The local vector's columns :func:`rule` reads as flags (> 0 on some rank)."""
+
+
 def uses_grad_detector(config: GuardConfig) -> bool:
     """Whether a gradient-norm spike detector runs: the factor (``Spikes.grad_factor``) or the
     z-score (``Spikes.grad_zscore``)."""
@@ -80,17 +84,6 @@ def uses_grad_detector(config: GuardConfig) -> bool:
 def uses_clipping(config: GuardConfig) -> bool:
     """Whether the decision's clip coefficient is applied: a fixed ``clip_grad_norm`` or ZClip."""
     return config.clip_grad_norm is not None or config.zclip is not None
-
-
-def _or(o: Ops, a: Value, b: Value) -> Value:
-    """``a | b``, where a detector that is off left ``o.false`` (the constant): no op then (on tensors, a kernel
-    fewer; on the host, ``False | b`` is ``b``)."""
-    return b if a is o.false else a if b is o.false else a | b
-
-
-def _and(o: Ops, a: Value, b: Value) -> Value:
-    """``a & b``, ``o.false`` where either is the constant (:func:`_or`)."""
-    return o.false if a is o.false or b is o.false else a & b
 
 
 def _fold(o: Ops, mean: Value, var: Value | None, x: Value, w: Value) -> tuple[Value, Value]:
@@ -159,27 +152,26 @@ def rule(
     g = gathered
     world = g.shape[0]
     cmax, csum = o.columns(g)
-    positive = o.positive(cmax)  # each column's maximum > 0 (on tensors: one comparison)
-    loss_bad = positive[Loc.LOSS_NONFINITE]
+    # each flag column's maximum > 0 (on tensors: one comparison). no_grads on any rank: the step is skipped
+    # everywhere. fp8_bad: an fp8 cast whose amax or scale was non-finite (or the scale 0) on any rank: its whole
+    # tensor was poisoned (torchao's scale = max / amax), whatever the gradients show; skipped, the scale held.
+    loss_bad, any_nonfinite, found_inf, no_grads, fp8_bad = o.positive(cmax, _FLAGS)
     loss = csum[Loc.LOSS] if world == 1 else o.div(csum[Loc.LOSS], world)  # x / 1 is x, bit for bit
     # Sharded gradients on several ranks: the global norm adds the squares. One rank, or replicated
     # gradients: equal everywhere when healthy, NaN/inf if any rank's is.
     grad_norm = o.norm(g[:, Loc.GRAD_NORM]) if grads_sharded and world > 1 else cmax[Loc.GRAD_NORM]
     nonfinite_tensors = csum[Loc.NONFINITE_TENSORS]
-    # (one rank: csum is cmax, and positive[] its comparison)
-    any_nonfinite = positive[Loc.NONFINITE_TENSORS] if world == 1 else nonfinite_tensors > 0
-    grad_bad = any_nonfinite | positive[Loc.FOUND_INF] | o.nonfinite(grad_norm)
-    no_grads = positive[Loc.NO_GRADS]  # on any rank: the step is skipped everywhere
-    # An fp8 cast whose amax or scale was non-finite (or the scale 0) on any rank: its whole tensor was poisoned
-    # (torchao's scale = max / amax), whatever the gradients show. Skipped; the scale is held, not backed off.
-    fp8_bad = positive[Loc.FP8_NONFINITE]
+    if world > 1:  # the count summed over ranks (one rank: csum is cmax, compared above)
+        any_nonfinite = nonfinite_tensors > 0
+    grad_bad = any_nonfinite | found_inf | o.nonfinite(grad_norm)
     blocked = loss_bad | grad_bad | no_grads | fp8_bad  # skipped whatever the detectors say
 
     grad_spike = loss_spike = rebase = clip_rebase = o.false
     spike_threshold = clip_threshold = o.nan
     k_std = config.spikes.grad_zscore
     zscore = k_std is not None
-    spikes_on = uses_grad_detector(config) or config.spikes.loss_factor is not None
+    grad_on, loss_on = uses_grad_detector(config), config.spikes.loss_factor is not None
+    spikes_on = grad_on or loss_on
     if spikes_on:
         count, grad_ema, loss_ema = o.value(spikes.count), o.value(spikes.grad_ema), o.value(spikes.loss_ema)
         if zscore:
@@ -189,16 +181,21 @@ def rule(
             spike_threshold = o.mul(f32(config.spikes.grad_factor), grad_ema)
         elif k_std is not None:  # mean + k * std over the window of healthy steps
             spike_threshold = o.add(z_mean, o.mul(f32(k_std), o.sqrt_of(spikes.z_var)))
-        if uses_grad_detector(config):
+        if grad_on:
             grad_spike = warm & (grad_norm > spike_threshold)
-        if config.spikes.loss_factor is not None:
+        if config.spikes.loss_factor is not None:  # loss_on
             loss_spike = warm & (loss > o.mul(f32(config.spikes.loss_factor), loss_ema))
-    spike = _or(o, grad_spike, loss_spike)
-    skip = _or(o, blocked, spike) if config.spikes.action == "skip" else blocked
+    # A detector that is off costs no op: its flag stays o.false (on tensors, each op is a kernel of every step)
+    spike = (grad_spike | loss_spike) if grad_on and loss_on else grad_spike if grad_on else loss_spike
+    skip = (blocked | spike) if spikes_on and config.spikes.action == "skip" else blocked
 
     # Indices into stats.REASONS, in order of precedence.
-    reason = o.first([(loss_bad, 1.0), (fp8_bad, 6.0), (grad_bad, 2.0), (no_grads, 5.0),
-                      (_and(o, skip, grad_spike), 3.0), (_and(o, skip, loss_spike), 4.0)], 0.0)
+    cases = [(loss_bad, 1.0), (fp8_bad, 6.0), (grad_bad, 2.0), (no_grads, 5.0)]
+    if grad_on:
+        cases.append((skip & grad_spike, 3.0))
+    if loss_on:
+        cases.append((skip & loss_spike, 4.0))
+    reason = o.first(cases, 0.0)
 
     if spikes_on:  # running averages of healthy steps (only kept when a detector needs them)
         healthy = o.not_(blocked | spike)
