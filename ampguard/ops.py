@@ -30,11 +30,11 @@ from __future__ import annotations
 import math
 import operator
 import struct
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-__all__ = ["HOST", "HostOps", "Ops", "TensorOps", "f32"]
+__all__ = ["HOST", "DeviceConstants", "HostOps", "Ops", "TensorOps", "device_constants", "f32"]
 
 Value = Any
 """A value of a rule: a tensor (:class:`TensorOps`), or a host float, int or bool (:class:`HostOps`)."""
@@ -227,8 +227,39 @@ HOST.__dict__.update({name: getattr(HostOps, name) for name, v in vars(HostOps).
 # (each op an attribute of the instance: one dict lookup per op on the host path, not a descriptor call)
 
 
-_TENSOR_OPS: dict[torch.device, TensorOps] = {}
-"""The ops of each device (:meth:`TensorOps.on`): a few bytes of constants per device, for the process."""
+class DeviceConstants(NamedTuple):
+    """The 0-d constants the device executions read (:class:`TensorOps`, the local vector's device pack in
+    :mod:`ampguard.stats`): float32 except ``false``."""
+
+    zero: torch.Tensor
+    one: torch.Tensor
+    nan: torch.Tensor
+    minus_one: torch.Tensor
+    inf: torch.Tensor
+    false: torch.Tensor
+
+
+_CONSTANTS: dict[torch.device, DeviceConstants] = {}
+"""Per device, made once (:func:`device_constants`). Process-wide, and safe so: a few bytes a device, never written."""
+
+
+def device_constants(device: torch.device) -> DeviceConstants:
+    """``device``'s constants, made once per process and device: fills a step fewer on the device path (on CUDA each
+    fill is a kernel of every step's graph). Never written: the rules and the local vector only read them (every
+    value they return or store is a new tensor or a copy), so every step on the device shares them, and a captured
+    graph reads them where they lie. Kept only when made outside a CUDA graph capture (a fill recorded in a capture
+    runs only in that graph's replays): the step graph and the decision's graph are captured after an eager first
+    run, which makes them; a capture that finds none makes its own, kept with that graph, not here."""
+    c = _CONSTANTS.get(device)
+    if c is None:
+        def full(v: float) -> torch.Tensor:
+            return torch.full((), v, dtype=torch.float32, device=device)
+
+        c = DeviceConstants(full(0.0), full(1.0), full(math.nan), full(-1.0), full(math.inf),
+                            torch.zeros((), dtype=torch.bool, device=device))
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _CONSTANTS[device] = c
+    return c
 
 
 class TensorOps:
@@ -236,7 +267,8 @@ class TensorOps:
 
     On CUDA each op is a kernel (one node of the captured step graph, ~1-2 us of device time each: stop 44's profile
     of a compiled fp8 step put the decision's ~60 small kernels beside the norms), so the ops are written for few:
-    the constants (:attr:`false`, :attr:`one`, :attr:`nan`, :attr:`inf`) are made once per device (:meth:`on`), and
+    the constants (:attr:`false`, :attr:`one`, :attr:`nan`, :attr:`inf`) are made once per device
+    (:func:`device_constants`), and
     ``isfinite``/``nonfinite`` are one subtraction and one comparison, where ``torch.isfinite`` is four kernels
     (``(x == x) * (x.abs() != inf)``): ``x - x`` is exactly 0 for every finite ``x`` and NaN for an infinite or NaN
     one (IEEE 754), so ``(x - x) == 0`` is ``isfinite(x)``, bit for bit."""
@@ -254,25 +286,8 @@ class TensorOps:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.false = torch.zeros((), dtype=torch.bool, device=device)
-        self.one = torch.ones((), dtype=torch.float32, device=device)
-        self.nan = torch.full((), math.nan, dtype=torch.float32, device=device)
-        self.inf = torch.full((), math.inf, dtype=torch.float32, device=device)
-
-    @classmethod
-    def on(cls, device: torch.device) -> TensorOps:
-        """The ops of ``device``, made once per process and device: their constants are never written (the rules
-        only read them; every value a rule returns or stores is a new tensor or a copy), so every decision on the
-        device shares them, and a captured graph reads them where they lie. Made outside a CUDA graph capture only
-        (a constant filled inside one would hold its value only in that graph's replays): the captures of the step
-        graph and the decision's graph follow an eager first run, which makes them; a capture that finds none
-        makes its own, kept with the graph, not here."""
-        ops = _TENSOR_OPS.get(device)
-        if ops is None:
-            ops = cls(device)
-            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-                _TENSOR_OPS[device] = ops
-        return ops
+        c = device_constants(device)
+        self.false, self.one, self.nan, self.inf = c.false, c.one, c.nan, c.inf
 
     @staticmethod
     def isfinite(x: torch.Tensor) -> torch.Tensor:

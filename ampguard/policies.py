@@ -306,7 +306,7 @@ def _zclip(o: Ops, grad_norm: Value, bad: Value, config: GuardConfig,
 def decide(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeState, scale_state: ScaleState,
            scaler: ScalerView | None, grads_sharded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`rule` on device tensors (``gathered``'s device). No sync."""
-    return rule(TensorOps.on(gathered.device), gathered, config=config, spikes=spikes,
+    return rule(TensorOps(gathered.device), gathered, config=config, spikes=spikes,
                 scale_state=scale_state, scaler=scaler, grads_sharded=grads_sharded)
 
 

@@ -216,7 +216,7 @@ class SharedScaler:
             overflow: Any = any(bool(f) for f, _ in flags)
             held: Any = not overflow and any(bool(f) for _, f in flags)
         else:
-            o, run = TensorOps.on(dev), torch.zeros((), dtype=torch.int32, device=dev)
+            o, run = TensorOps(dev), torch.zeros((), dtype=torch.int32, device=dev)
             overflow = torch.stack([_on(f, dev) for f, _ in flags]).any()
             held = torch.stack([_on(f, dev) for _, f in flags]).any() & ~overflow
         new, tracker, *_ = next_scale(

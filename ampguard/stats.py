@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from .errors import GuardStateError
+from .ops import TensorOps, device_constants
 from .vocab import SkipReason
 
 try:  # the helper clip_grad_norm_ itself uses; private, hence the fallback
@@ -412,18 +413,14 @@ class _DeviceOps:
         return self.const(default) if t is None else t.to(self.device).reshape(())
 
     def const(self, v: float) -> torch.Tensor:
-        zero, one, nan, minus_one = _constants(self.device)
-        return nan if math.isnan(v) else {0.0: zero, 1.0: one, -1.0: minus_one}[v]
+        c = device_constants(self.device)
+        return c.nan if math.isnan(v) else {0.0: c.zero, 1.0: c.one, -1.0: c.minus_one}[v]
 
-    @staticmethod
-    def nonfinite(v: torch.Tensor) -> torch.Tensor:
-        # x - x: 0 for every finite x, NaN otherwise (ampguard.ops.TensorOps: two kernels where torch.isfinite
-        # is four); pack makes it 0.0 or 1.0
-        return (v - v) != 0
+    nonfinite = staticmethod(TensorOps.nonfinite)  # a bool (two kernels, not torch.isfinite's four): pack makes it 0/1
 
     @staticmethod
     def count_nonfinite(norms: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-        return ((norms - norms) != 0).sum(dtype=torch.float32)  # exact: a count below 2**24
+        return TensorOps.nonfinite(norms).sum(dtype=torch.float32)  # exact: a count below 2**24
 
     @staticmethod
     def pack(values: list[torch.Tensor]) -> torch.Tensor:
@@ -431,23 +428,6 @@ class _DeviceOps:
         # CUDA a launch) each (the H200's profile of a guarded step: 11 narrow + copy_ a step), and concatenates
         # one dtype in one kernel. The same float32 values either way.
         return torch.stack([v if v.dtype == torch.float32 else v.float() for v in values])
-
-
-_CONSTANTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-"""0, 1, NaN and -1 as float32 0-d tensors per device, made once: fills a step fewer on the
-device path. Process-wide, and safe so: a few bytes per device, never written (only ever read by
-``torch.stack``). A CUDA graph may read them (the step graph, ``StepPipeline._through_decision``) but never makes
-them: it is captured at a key's second sighting, after its first, eager, execution made them (a fill recorded in
-a capture would not run until the replay)."""
-
-
-def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    c = _CONSTANTS.get(device)
-    if c is None:
-        c = _CONSTANTS[device] = tuple(  # type: ignore[assignment]
-            torch.full((), v, dtype=torch.float32, device=device) for v in (0.0, 1.0, math.nan, -1.0)
-        )
-    return c  # type: ignore[return-value]
 
 
 class LossMeter:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ampguard import stats
+from ampguard.ops import device_constants
 from ampguard.scaling import f32
 from ampguard.stats import host_tensor
 
@@ -32,7 +33,7 @@ def old_packs(base: str) -> dict[str, object]:
     old_stats = subprocess.run(["git", "show", f"{base}:ampguard/stats.py"], capture_output=True, text=True,
                                check=True).stdout
     ns: dict[str, object] = {"torch": torch, "math": math, "host_tensor": host_tensor, "f32": f32,
-                             "_constants": stats._constants}
+                             "_constants": lambda device: device_constants(device)[:4]}  # the old 4-tuple
     for source, name, stop in ((pipeline, "local_vector_host", "\ndef host_tensor("),
                                (old_stats, "local_vector", "\ndef origin_ranks(")):
         start = source.index(f"def {name}(")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -19,8 +20,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampguard
 import ampguard.pipeline as pipeline
-from ampguard.ops import TensorOps
-from ampguard.stats import local_vector
+from ampguard.config import GuardConfig
+from ampguard.ops import TensorOps, device_constants
+from ampguard.policies import SpikeState, decide
+from ampguard.scale_rule import ScaleState
+from ampguard.stats import Loc, local_vector
 
 NO_KERNEL = {"view", "reshape", "select", "slice", "unsqueeze", "squeeze", "expand", "as_strided", "alias", "t",
              "detach", "empty", "empty_strided", "lift_fresh", "_unsafe_view", "flatten", "scalar_tensor"}
@@ -39,10 +43,10 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _decision_ops(precision: str, method: str) -> collections.Counter[str]:
-    """The ops of one step's tensor decision (``method``), the tensor decision forced on the CPU as
-    tests/unit/test_fast_path.py does, after 5 steps; the norms' own ops (a dot per gradient, their stack and
-    sqrt) taken out."""
+def census_guard(precision: str) -> tuple[ampguard.GuardedOptimizer, Callable[[], None]]:
+    """A guard whose steps take the tensor decision on the CPU (forced as tests/unit/test_fast_path.py does: the
+    decision CUDA runs), fused AdamW over 12 gradients, and its training step, after 5 steps. Also
+    benchmarks/results/cpu_stop51/decision_ops.py's (the census by aten op)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])  # 12 gradients
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
@@ -60,6 +64,13 @@ def _decision_ops(precision: str, method: str) -> collections.Counter[str]:
 
     for _ in range(5):
         step()
+    return guard, step
+
+
+def _decision_ops(precision: str, method: str) -> collections.Counter[str]:
+    """The ops of one step's tensor decision (``method``) (:func:`census_guard`); the norms' own ops (a dot per
+    gradient, their stack and sqrt) taken out."""
+    guard, step = census_guard(precision)
     original = getattr(pipeline.StepPipeline, method)
     mode = _Ops()
     calls = []
@@ -92,7 +103,7 @@ def test_the_tensor_decision_launches_few_ops(precision, method, most):
     ops = _decision_ops(precision, method)
     total = sum(ops.values())
     assert total <= most, f"{precision}: {total} ops besides the norms (at most {most}): {dict(ops)}"
-    # no constant made inside the step: TensorOps.on keeps them per device
+    # no constant made inside the step: ops.device_constants keeps them per device
     assert ops["zeros"] == ops["ones"] == ops["full"] == 0, dict(ops)
     assert ops["abs"] == 0, dict(ops)  # torch.isfinite's four kernels are (x == x) * (x.abs() != inf)
 
@@ -104,32 +115,30 @@ SPECIAL = [math.nan, -math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-45, -1e-45, 1
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_isfinite_by_subtraction_is_torch_isfinite(dtype):
     x = torch.tensor(SPECIAL, dtype=torch.float32).to(dtype)
-    o = TensorOps.on(torch.device("cpu"))
+    o = TensorOps(torch.device("cpu"))
     assert torch.equal(o.isfinite(x), torch.isfinite(x))
     assert torch.equal(o.nonfinite(x), ~torch.isfinite(x))
 
 
 def test_the_constants_are_made_once_and_never_written():
-    o = TensorOps.on(torch.device("cpu"))
-    assert TensorOps.on(torch.device("cpu")) is o
-    before = [t.clone() for t in (o.false, o.one, o.nan, o.inf)]
-    # a decision on a NaN step and on a healthy one: every constant read, none written
+    cpu = torch.device("cpu")
+    o, c = TensorOps(cpu), device_constants(cpu)
+    assert TensorOps(cpu).one is o.one is c.one and o.false is c.false and o.nan is c.nan and o.inf is c.inf
+    before = [t.clone() for t in c]
+    # a decision and the local vector's device pack, on a NaN step and on a healthy one: every constant read, none
+    # written
     for g in ([1.0, 0.0, 2.0, 0.0, 0.0, 0.0, 0.0, -1.0, math.nan, 0.0, 0.0],
               [math.nan, 1.0, math.inf, 3.0, 1.0, 0.0, 0.0, -1.0, math.nan, 1.0, 0.0]):
-        from ampguard.config import GuardConfig
-        from ampguard.policies import SpikeState, decide
-        from ampguard.scale_rule import ScaleState
-        decide(torch.tensor([g]), config=GuardConfig(), spikes=SpikeState.fresh(torch.device("cpu")),
+        decide(torch.tensor([g]), config=GuardConfig(), spikes=SpikeState.fresh(cpu),
                scale_state=ScaleState(torch.zeros((), dtype=torch.int32)), scaler=None, grads_sharded=False)
-    after = (o.false, o.one, o.nan, o.inf)
-    assert [b.item() for b in before][:2] == [a.item() for a in after][:2]
-    assert math.isnan(after[2].item()) and after[3].item() == math.inf
+        local_vector(loss=torch.tensor(g[0]), tensor_norms=torch.tensor(g[2:4]), found_inf=None, pre_reduction=None,
+                     device=cpu, host=False)
+    assert all(torch.equal(a, b) or (a.isnan() and b.isnan()) for a, b in zip(before, device_constants(cpu)))
 
 
 def test_the_local_vector_counts_non_finite_norms_as_before():
     norms = torch.tensor([1.0, math.nan, math.inf, 0.0, 3.4028234663852886e38], dtype=torch.float32)
     vec = local_vector(loss=torch.tensor(math.inf), tensor_norms=norms, found_inf=None, pre_reduction=None,
                        device=torch.device("cpu"), host=False)
-    from ampguard.stats import Loc
     assert vec[Loc.NONFINITE_TENSORS].item() == 2.0 and vec[Loc.LOSS_NONFINITE].item() == 1.0
     assert vec.dtype == torch.float32
