@@ -50,6 +50,17 @@ def _train(opt, model: torch.nn.Module, steps: range, dtype=torch.bfloat16) -> N
         opt.zero_grad()
 
 
+def _train_plain(opt, scaler: torch.amp.GradScaler, model: torch.nn.Module, steps: range) -> None:
+    """:func:`_train`'s steps in fp16 as torch's plain GradScaler loop takes them (the reference)."""
+    for i in steps:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(_batch(i)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
 def test_a_dropped_guard_takes_its_sentinel_off_the_model():
     """The sentinel's hooks (one on the root, one per watched block) held the sentinel, not the guard: the guard was
     collected and the hooks stayed, one more set each time a guard was rebuilt on the model, a reduction per block per
@@ -89,17 +100,8 @@ def test_a_guard_dropped_from_a_shared_scaler_lets_go_of_it():
                           precision="fp16")
     scales = [scaler.get_scale()]
     for i in range(2, 14):
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(_batch(i)).float().pow(2).mean()
-        guard.backward(loss)
-        guard.step()
-        guard.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            plain_loss = plain_model(_batch(i)).float().pow(2).mean()
-        plain_scaler.scale(plain_loss).backward()
-        plain_scaler.step(plain_opt)
-        plain_scaler.update()
-        plain_opt.zero_grad()
+        _train(guard, model, range(i, i + 1), torch.float16)
+        _train_plain(plain_opt, plain_scaler, plain_model, range(i, i + 1))
         assert scaler.get_scale() == plain_scaler.get_scale()
         scales.append(scaler.get_scale())
     pairs = list(itertools.pairwise(scales))
@@ -199,19 +201,11 @@ def test_a_guard_collected_on_another_thread_lets_go_there():
     finally:
         gc.enable()
     assert seen == [None] and _hooks(model) == 0
-    reference = copy.deepcopy(model)
-    ref_scaler = torch.amp.GradScaler("cpu", init_scale=scaler.get_scale(), growth_interval=3)
-    ref_scaler.load_state_dict(scaler.state_dict())
+    reference, ref_scaler = copy.deepcopy(model), copy.deepcopy(scaler)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=1e-3)
     second = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=1e-3), model=model, scaler=scaler,
                            precision="fp16")
-    for i in range(2, 8):
-        with torch.autocast("cpu", dtype=torch.float16):
-            ref_loss = reference(_batch(i)).float().pow(2).mean()
-        ref_scaler.scale(ref_loss).backward()
-        ref_scaler.step(ref_opt)
-        ref_scaler.update()
-        ref_opt.zero_grad()
+    _train_plain(ref_opt, ref_scaler, reference, range(2, 8))
     _train(second, model, range(2, 8), torch.float16)
     second.close()
     for a, b in zip(model.parameters(), reference.parameters()):
