@@ -44,9 +44,10 @@ for run in ${FP8_RUNS-1 2}; do
     | grep -v -i warn | tail -6 | tee "$OUT/fp8_cost_${TAG}_$run.txt"
 done
 for run in ${COMPILE_RUNS-1}; do
+  # FP8_VARIANTS=plain,plain2,guard,...: a subset (each compiled variant costs ~20 s of compile before its timing)
   # FP8_PROFILE_STEPS=N: after the timing, N steps of each variant under the profiler (its kernel time per step and
   # its ratio to plain's: the device's share, which a noisy lease's wall clock hides; ~40 s more for 8 variants)
   timeout ${FP8_TIMEOUT:-200} python benchmarks/fp8_cost.py --device cuda --blocks ${FP8_BLOCKS:-20} --steps ${FP8_STEPS:-5} --batch ${FP8_BATCH:-8} --compile \
-    --profile-steps ${FP8_PROFILE_STEPS:-0} --out "$OUT/fp8_cost_${TAG}_compiled_b${FP8_BATCH:-8}_$run.json" 2>&1 | grep -v -i "warn\|Configuration class\|loss_type" | grep -v "^    " | tail -24 \
+    --profile-steps ${FP8_PROFILE_STEPS:-0} ${FP8_VARIANTS:+--variants $FP8_VARIANTS} --out "$OUT/fp8_cost_${TAG}_compiled_b${FP8_BATCH:-8}_$run.json" 2>&1 | grep -v -i "warn\|Configuration class\|loss_type" | grep -v "^    " | tail -24 \
     | tee "$OUT/fp8_cost_${TAG}_compiled_b${FP8_BATCH:-8}_$run.txt"
 done
