@@ -1,0 +1,111 @@
+"""Stop 53: the host time the eager fp8 monitor adds to a step, on the CPU (where torchao float8 trains emulated).
+
+On the H100, eager fp8 at batch 8 is host-bound (89 ms of wall against 49 ms of kernels a step) and the unsampled
+monitor added 3.0 ms a step (`benchmarks/results/gpu_stop53/call4/fp8_eager_b8.txt`) for 16 launches: host time. This
+measures that host time where it can be measured without a GPU: a 12-layer, width-64 GPT-2-style model (48
+Float8Linear, 288 casts a step), forward and backward under CPU bf16 autocast, one thread, in paired interleaved
+blocks (order rotated per round) of these arms, each block's median step:
+
+- ``plain``: no monitor;
+- ``taps``: torchao's two functions wrapped by the monitor's taps, no monitor (the pass-through cost);
+- ``hooks``: an empty forward pre-hook and forward hook on each Float8Linear (the cost of a hook being there);
+- ``monitor``: ``Fp8Monitor(model)`` on unsampled steps (``begin_step``, the step, ``collect``).
+
+Prints, per arm, the median of its block medians and the median of its per-round difference to ``plain``'s (ms).
+
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/results/cpu_stop53/fp8_host.py [--rounds 8]
+"""
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+root = Path(__file__).resolve().parents[3]
+sys.path[:0] = [str(root), str(root / "benchmarks")]
+warnings.filterwarnings("ignore")
+import torch  # noqa: E402
+
+import fp8_cost  # noqa: E402
+from ampguard import fp8 as F  # noqa: E402
+from ampguard.module_hooks import Hook  # noqa: E402
+
+
+class _Hooks:
+    """The ``hooks`` arm: empty hooks, removed by close()."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.handles = []
+        for _, m in F.float8_modules(model):
+            self.handles.append(m.register_forward_pre_hook(Hook(lambda mod, args: None)))
+            self.handles.append(m.register_forward_hook(Hook(lambda mod, args, out: None)))
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def collect(self) -> None:
+        pass
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class _Taps(_Hooks):
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.handles = []
+        F._TAPS.install()
+
+    def close(self) -> None:
+        F._TAPS.remove()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    model = fp8_cost._model(argparse.Namespace(width=64, layers=12, seq=8, device="cpu"))
+    x = torch.randint(0, 8192, (1, 8))
+
+    def step(mon, i: int) -> None:  # type: ignore[no-untyped-def]
+        if mon is not None:
+            mon.begin_step(i)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        if mon is not None:
+            mon.collect()
+        for p in model.parameters():
+            p.grad = None
+
+    arms = {"plain": lambda: None, "taps": lambda: _Taps(model), "hooks": lambda: _Hooks(model),
+            "monitor": lambda: F.Fp8Monitor(model, numerics_every=10)}
+    res: dict[str, list[float]] = {k: [] for k in arms}
+    names = list(arms)
+    for r in range(args.rounds + 1):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            mon = arms[name]()
+            for _ in range(2):
+                step(mon, 1)
+            ts = []
+            for i in range(args.steps):
+                t = time.perf_counter()
+                step(mon, 2 * i + 1)  # odd steps: unsampled (numerics_every=10)
+                ts.append(time.perf_counter() - t)
+            if mon is not None:
+                mon.close()
+            if r:  # round 0: warm-up
+                res[name].append(statistics.median(ts) * 1e3)
+    for name in names:
+        added = [a - b for a, b in zip(res[name], res["plain"])]
+        print(f"{name:8s} median step {statistics.median(res[name]):7.3f} ms   added to plain: median "
+              f"{statistics.median(added):6.3f} ms (p25 {statistics.quantiles(added, n=4)[0]:6.3f}, p75 "
+              f"{statistics.quantiles(added, n=4)[2]:6.3f})")
+
+
+if __name__ == "__main__":
+    main()
