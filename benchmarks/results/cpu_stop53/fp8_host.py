@@ -25,9 +25,9 @@ from pathlib import Path
 root = Path(__file__).resolve().parents[3]
 sys.path[:0] = [str(root), str(root / "benchmarks")]
 warnings.filterwarnings("ignore")
+import fp8_cost  # noqa: E402
 import torch  # noqa: E402
 
-import fp8_cost  # noqa: E402
 from ampguard import fp8 as F  # noqa: E402
 from ampguard.module_hooks import Hook  # noqa: E402
 

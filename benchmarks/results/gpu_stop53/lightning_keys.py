@@ -1,7 +1,8 @@
 """Stop 53: why the Lightning arm of frameworks_cost.py never captured its measurement graph (captures 0 at stops 52
 and 53, against 9 for accelerate and transformers). Runs the three guarded framework arms for a few blocks and
 prints, per arm, how many distinct gradient-address keys its steps measured, the key sequence, and the measurement
-graph's state (failed, credit, misses, kept). Run: PYTHONPATH=$PWD python benchmarks/results/gpu_stop53/lightning_keys.py
+graph's state (failed, credit, misses, kept). Run:
+    PYTHONPATH=$PWD python benchmarks/results/gpu_stop53/lightning_keys.py [cpu]
 """
 import collections
 import runpy
