@@ -2,7 +2,13 @@
 and 53, against 9 for accelerate and transformers). Runs the three guarded framework arms for a few blocks and
 prints, per arm, how many distinct gradient-address keys its steps measured, the key sequence, and the measurement
 graph's state (failed, credit, misses, kept). Run:
-    PYTHONPATH=$PWD python benchmarks/results/gpu_stop53/lightning_keys.py [cpu]
+    PYTHONPATH=$PWD python benchmarks/results/gpu_stop53/lightning_keys.py [cuda|cpu] [FRAMEWORKS]
+
+FRAMEWORKS: frameworks_cost.py's list (default accelerate,transformers,lightning: six models' loops interleaved, as
+the benchmark runs them). Run it twice, with the default and with ``lightning`` alone (two loops): the six-model
+interleaving moves every gradient between blocks, and Lightning zeroes the gradients after its forward, not before
+(its closure: training_step, zero_grad, backward), so the previous step's gradients are alive during the forward;
+whether its keys repeat without the others tells whether the benchmark or Lightning keeps the graph out.
 """
 import collections
 import runpy
@@ -46,7 +52,8 @@ def replayed(self, kind, measure, groups, scale=None, graphs=None):  # type: ign
 P.StepPipeline._replayed = replayed
 warnings.simplefilter("always")
 device = "cuda" if len(sys.argv) < 2 else sys.argv[1]
-sys.argv = ["frameworks_cost.py", "--device", device, "--frameworks", "accelerate,transformers,lightning",
+frameworks = "accelerate,transformers,lightning" if len(sys.argv) < 3 else sys.argv[2]
+sys.argv = ["frameworks_cost.py", "--device", device, "--frameworks", frameworks,
             "--blocks", "3", "--block", "10", "--warmup", "1"] + (["--quick"] if device == "cpu" else [])
 try:
     runpy.run_path(str(root / "benchmarks" / "frameworks_cost.py"), run_name="__main__")
