@@ -72,7 +72,7 @@
 # (1) `PYTHONPATH=$PWD python benchmarks/results/gpu_stop53/lightning_keys.py cuda lightning` and then with no
 # arguments (~60 s each: whether Lightning's gradient addresses repeat alone and among six loops, and the graph's
 # state), then (2) issue 28's eager figure as the issue asks, >= 30 blocks, twice: FIRST=0 TESTS=0 HOST=0 FP8_EAGER=1
-# FP8_VARIANTS=plain,plain2,guard,guard+fp8,guard+fp8-nosample FP8_BLOCKS=30 FP8_S=300 (one call a run: ~290 s).
+# FP8_VARIANTS=plain,plain2,guard,guard+fp8,guard+fp8-nosample FP8_BLOCKS=30 FP8_S=400 (one call a run: ~340 s).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
