@@ -386,6 +386,10 @@ class _Taps:
         the same tensor in the same backward (torchao's dim-1 one, for the weight's gradient) is not taken again."""
         self.amax: torch.Tensor | None = None
         """That amax, as ``tensor_to_amax`` returned it, until the cast returns."""
+        self.roles: dict[int, str] = {}
+        """``id`` of each of torchao's ``GemmInputRole`` members (and of None, its default: the input) -> the role's
+        name: told by identity, where ``role.value`` is an enum property and ``hash(role)`` a Python call (a cast
+        each)."""
         self.modules: tuple[Any, Any] | None = None
         self.originals: tuple[Any, Any] | None = None
         self.wrappers: tuple[Any, Any] | None = None
@@ -400,6 +404,8 @@ class _Taps:
                 and callable(getattr(float8_utils, "tensor_to_amax", None))):
             return  # a torchao without them: not ready, the hooks measure every cast themselves
         self.modules = (float8_linear, float8_utils)
+        roles = getattr(float8_linear, "GemmInputRole", None)
+        self.roles = {id(None): "input"} | {id(role): str(role.value) for role in (roles or ())}
         originals = tuple(getattr(f, "__wrapped__", f) if getattr(f, "_ampguard_tap", False) else f  # not twice
                           for f in (float8_linear.hp_tensor_to_float8_dynamic, float8_utils.tensor_to_amax))
         self.originals, self.wrappers = originals, (self._cast(originals[0]), self._amax(originals[1]))
@@ -454,13 +460,18 @@ class _Taps:
                 and getattr(m[1], "tensor_to_amax", None) is w[1])
 
     def _cast(self, original: Any) -> Any:
+        is_compiling = torch.compiler.is_compiling
+        roles = self.roles
+
         def hp_tensor_to_float8_dynamic(hp_tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling():  # first: a compiled region reads nothing of the taps
+            if is_compiling():  # first: a compiled region reads nothing of the taps
                 return original(hp_tensor, *args, **kwargs)
             role = kwargs.get("gemm_input_role", args[3] if len(args) > 3 else None)
+            name = roles.get(id(role))
+            if name is None:  # a role torchao's GemmInputRole did not list at install
+                name = str(getattr(role, "value", ""))
             visit = self.visit
             if visit is not None:
-                name: str = "input" if role is None else str(getattr(role, "value", ""))
                 takers = []
                 for monitor, index, wanted in visit[1]:
                     if name in wanted:  # the first cast of each role in a visit: the forward's, the backward's dim-0
@@ -468,17 +479,17 @@ class _Taps:
                         takers.append((monitor, index))
                 if takers:
                     return self._take(original, takers, name, hp_tensor, args, kwargs)
-            if not self.owners:
+            if name != "grad_output" or not self.owners:  # the backward's weight and input casts among them
                 return original(hp_tensor, *args, **kwargs)
-            return self._grad_output(original, role, hp_tensor, args, kwargs)
+            return self._grad_output(original, hp_tensor, args, kwargs)
         return _marked(hp_tensor_to_float8_dynamic, original)
 
-    def _grad_output(self, original: Any, role: Any, hp_tensor: torch.Tensor, args: tuple[Any, ...],
+    def _grad_output(self, original: Any, hp_tensor: torch.Tensor, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Any:
-        """Outside a visit's roles: a grad_output cast of a registered layer (:meth:`own`, told by the
+        """Outside a visit's roles, a grad_output cast: that of a registered layer (:meth:`own`, told by the
         ``linear_mm_config`` torchao's backward passes), the first of its tensor, is taken for that layer's monitor;
-        anything else passes through. ``role``: the cast's ``gemm_input_role``."""
-        if getattr(role, "value", None) != "grad_output" or type(hp_tensor) is not torch.Tensor:
+        anything else passes through."""
+        if type(hp_tensor) is not torch.Tensor:
             return original(hp_tensor, *args, **kwargs)
         config = kwargs.get("linear_mm_config", args[1] if len(args) > 1 else None)
         owner = self.owners.get(id(config))
@@ -509,9 +520,9 @@ class _Taps:
     def _amax(self, original: Any) -> Any:
         def tensor_to_amax(*args: Any, **kwargs: Any) -> torch.Tensor:
             amax: torch.Tensor = original(*args, **kwargs)
-            if torch.compiler.is_compiling():
-                return amax
-            if self.target is not None:  # the amax of the cast a visit asked for: handed over as the cast returns
+            # the amax of the cast a visit asked for: handed over as the cast returns (target is set only by an eager
+            # _take, never inside a compiled region: is_compiling is read only then, where it costs a call a cast)
+            if self.target is not None and not torch.compiler.is_compiling():
                 self.target, self.amax = None, amax
             return amax
         return _marked(tensor_to_amax, original)
@@ -525,6 +536,9 @@ def _marked(wrapper: Any, original: Any) -> Any:
 
 
 _TAPS = _Taps()
+_PLAIN = (torch.nn.Parameter, torch.Tensor)
+_ROLE_INDEX = {role: i for i, role in enumerate(FP8_ROLES)}
+"""A weight of these types is cast by the layer's forward, through the taps (FSDP2's float8 all-gather: not)."""
 
 
 class Fp8Monitor:
@@ -640,7 +654,7 @@ class Fp8Monitor:
         the autocast dtype; the weight transposed), into ``cast``. Unsampled: the slot's amax, as :meth:`_measure`
         makes it (rowwise: the largest over rows; no rounding), in the dtype torchao reduced it in (exact: the largest
         ``|x|`` is one of ``x``'s values). Sampled: the rest of the cast's statistics too (:meth:`_sample`)."""
-        slot = 3 * index + FP8_ROLES.index(role)
+        slot = 3 * index + _ROLE_INDEX[role]
         if amax.requires_grad:
             amax = amax.detach()
         if amax.dim():  # rowwise: the largest over rows
@@ -648,11 +662,13 @@ class Fp8Monitor:
         if self._sampled:
             self._sample(index, slot, role, amax, hp, cast)
             return
-        old = self._ran(slot)
+        old = self._slots[slot]
         if old is not None:  # a second forward in the step: the larger (collect() then groups the slots itself)
             self._taken = None
             self._slots[slot] = torch.maximum(old.float(), amax.float())
             return
+        self._order += 1  # what _ran(slot) does the first time, inline (a call a cast)
+        self._orders[slot] = float(self._order)
         # Kept in torchao's dtype (bfloat16 for a bfloat16 tensor), grouped by it as taken: collect() converts each
         # group in one kernel, where a conversion here was a launch a cast (96 a step on GPT-2 124M fp8)
         self._slots[slot] = amax
@@ -732,36 +748,45 @@ class Fp8Monitor:
 
     def _pre_forward_hook(self, index: int) -> Any:
         def hook(module: Any, args: tuple[Any, ...]) -> None:
-            if not torch.compiler.is_compiling() and _TAPS.visit is not None and _TAPS.visit[0] is not module:
-                _TAPS.visit = None  # the last layer's visit ends where this one starts (another monitor's joins it)
+            eager = not torch.compiler.is_compiling()
+            if eager:
+                visit = _TAPS.visit
+                if visit is not None and visit[0] is not module:
+                    _TAPS.visit = None  # the last layer's visit ends where this one starts (another monitor's joins it)
             if not torch.is_grad_enabled() or not args or not isinstance(args[0], torch.Tensor):
                 return  # an evaluation's forward (no step follows it), or an input the layer does not cast
+            # Delegated: a plain tensor is cast inside the layer's forward, whose amax the taps hand over (no read
+            # here); a DTensor, an fp8 input or FSDP2's float8 all-gather of the weight is measured here.
+            x, weight = args[0], module.weight
+            delegates = eager and _TAPS.ready()
+            if delegates and type(x) is torch.Tensor and type(weight) in _PLAIN:  # the usual eager step: all delegated
+                _TAPS.open(module, self, index, {"input", "weight"})
+                return
             # As torchao 0.18's Float8Linear.forward: the input cast to CUDA autocast's dtype where CUDA autocast is
             # on (torch.is_autocast_enabled() with no device: CUDA's; CPU autocast casts nothing there), the weight
             # never (its fp32 master is scaled as it is).
             cast_to = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-            # Delegated: a plain tensor is cast inside the layer's forward, whose amax the taps hand over (no read
-            # here); a DTensor, an fp8 input or FSDP2's float8 all-gather of the weight is measured here.
-            delegates, wanted = self._delegates(), set()
-            if delegates and type(args[0]) is torch.Tensor:
+            wanted = set()
+            if delegates and type(x) is torch.Tensor:
                 wanted.add("input")
             else:
-                self._measure(module, index, "input", args[0], cast_to)
-            if delegates and type(module.weight) in (torch.nn.Parameter, torch.Tensor):
+                self._measure(module, index, "input", x, cast_to)
+            if delegates and type(weight) in _PLAIN:
                 wanted.add("weight")
             else:
-                self._measure(module, index, "weight", module.weight, None)
+                self._measure(module, index, "weight", weight, None)
             if delegates:
                 _TAPS.open(module, self, index, wanted)
         return hook
 
     def _forward_hook(self, index: int) -> Any:
         def hook(module: Any, args: tuple[Any, ...], output: Any) -> Any:
-            if not torch.compiler.is_compiling():
+            eager = not torch.compiler.is_compiling()
+            if eager:
                 _TAPS.visit = None
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None  # an evaluation's forward (no step follows it), or an output no gradient reaches
-            if not torch.compiler.is_compiling():
+            if eager:
                 if self._owned[index] and type(output) is torch.Tensor and _TAPS.ready():
                     return None  # its grad_output cast comes through the taps, told by the layer's linear_mm_config
                 output.register_hook(self._backward_hook(module, index))  # the grad_output cast, in the backward
