@@ -2,10 +2,12 @@
 Float8Linear(64, 64) layers (tensorwise, emulated) in a row, batch 8, forward and backward under CPU bf16
 autocast, one thread (288 casts a step, as GPT-2 124M's 48 layers). Paired interleaved blocks (order rotated per
 round) of ``plain`` (no monitor) and ``monitor`` (``Fp8Monitor(model)`` on unsampled steps: ``begin_step``, the
-step, ``collect``); each block's median step. Prints each arm's median and the per-round difference to plain,
-p25 / median / p75, in microseconds a step and a cast.
+step, ``collect``); each block's median step. ``--parts`` adds ``taps`` (torchao's two functions wrapped by the
+taps, no monitor: their pass-through cost) and ``hooks`` (an empty forward pre-hook and forward hook on each layer).
+Prints each arm's median step and its per-round difference to plain, p25 / median / p75, in microseconds a step and
+a cast.
 
-    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/results/cpu_stop53/fp8_stack_host.py [--rounds 30]
+    PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/results/cpu_stop53/fp8_stack_host.py [--rounds 30] [--parts]
 """
 import argparse
 import statistics
@@ -20,14 +22,41 @@ import torch  # noqa: E402
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
 
 from ampguard import fp8 as F  # noqa: E402
+from ampguard.module_hooks import Hook  # noqa: E402
 
 LAYERS, CASTS = 48, 288
+
+
+class _Part:
+    """The ``taps`` or ``hooks`` arm: the monitor's interface, nothing measured; close() takes it off."""
+
+    def __init__(self, model: torch.nn.Module, taps: bool) -> None:
+        self.taps, self.handles = taps, []
+        if taps:
+            F._TAPS.install()
+        else:
+            for _, m in F.float8_modules(model):
+                self.handles.append(m.register_forward_pre_hook(Hook(lambda mod, args: None)))
+                self.handles.append(m.register_forward_hook(Hook(lambda mod, args, out: None)))
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def collect(self) -> None:
+        pass
+
+    def close(self) -> None:
+        if self.taps:
+            F._TAPS.remove()
+        for h in self.handles:
+            h.remove()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--parts", action="store_true", help="also the taps alone and empty hooks alone")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -48,10 +77,12 @@ def main() -> None:
         x.grad = None
 
     arms = {"plain": lambda: None, "monitor": lambda: F.Fp8Monitor(model, numerics_every=10)}
+    if args.parts:
+        arms.update(taps=lambda: _Part(model, taps=True), hooks=lambda: _Part(model, taps=False))
     res: dict[str, list[float]] = {k: [] for k in arms}
     names = list(arms)
     for r in range(args.rounds + 1):
-        for name in names if r % 2 else names[::-1]:
+        for name in names[r % len(names):] + names[:r % len(names)]:
             mon = arms[name]()
             for _ in range(2):
                 step(mon, 1)
@@ -64,12 +95,12 @@ def main() -> None:
                 mon.close()
             if r:  # round 0: warm-up
                 res[name].append(statistics.median(ts) * 1e6)
-    added = [a - b for a, b in zip(res["monitor"], res["plain"])]
-    q = statistics.quantiles(added, n=4)
-    plain, monitor = statistics.median(res["plain"]), statistics.median(res["monitor"])
-    print(f"plain {plain:8.0f} us a step; monitor {monitor:8.0f} us")
-    print(f"added by the monitor: p25 {q[0]:6.0f} / median {q[1]:6.0f} / p75 {q[2]:6.0f} us a step; median "
-          f"{q[1] / CASTS:5.2f} us a cast ({CASTS} casts, {LAYERS} layers)")
+    print(f"plain {statistics.median(res['plain']):8.0f} us a step ({CASTS} casts, {LAYERS} layers)")
+    for name in names[1:]:
+        added = [a - b for a, b in zip(res[name], res["plain"])]
+        q = statistics.quantiles(added, n=4)
+        print(f"added by the {name + ':':8s} p25 {q[0]:6.0f} / median {q[1]:6.0f} / p75 {q[2]:6.0f} us a step; "
+              f"median {q[1] / CASTS:5.2f} us a cast")
 
 
 if __name__ == "__main__":
