@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--parts", action="store_true", help="also the taps alone and empty hooks alone")
+    ap.add_argument("--sampled", action="store_true",
+                    help="time sampled steps (the underflow and range measured: numerics_every=1) instead")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -76,7 +78,8 @@ def main() -> None:
             p.grad = None
         x.grad = None
 
-    arms = {"plain": lambda: None, "monitor": lambda: F.Fp8Monitor(model, numerics_every=10)}
+    every = 1 if args.sampled else 10
+    arms = {"plain": lambda: None, "monitor": lambda: F.Fp8Monitor(model, numerics_every=every)}
     if args.parts:
         arms.update(taps=lambda: _Part(model, taps=True), hooks=lambda: _Part(model, taps=False))
     res: dict[str, list[float]] = {k: [] for k in arms}
@@ -89,7 +92,7 @@ def main() -> None:
             ts = []
             for i in range(args.steps):
                 t = time.perf_counter()
-                step(mon, 2 * i + 1)  # odd steps: unsampled (numerics_every=10)
+                step(mon, 2 * i + 1)  # odd steps: unsampled with numerics_every=10; all sampled with 1
                 ts.append(time.perf_counter() - t)
             if mon is not None:
                 mon.close()
