@@ -537,8 +537,9 @@ def _marked(wrapper: Any, original: Any) -> Any:
 
 _TAPS = _Taps()
 _PLAIN = (torch.nn.Parameter, torch.Tensor)
-_ROLE_INDEX = {role: i for i, role in enumerate(FP8_ROLES)}
 """A weight of these types is cast by the layer's forward, through the taps (FSDP2's float8 all-gather: not)."""
+_ROLE_INDEX = {role: i for i, role in enumerate(FP8_ROLES)}
+"""A role's place among a layer's three slots (:data:`FP8_ROLES`' order)."""
 
 
 class Fp8Monitor:
