@@ -107,6 +107,27 @@ def test_an_eager_monitored_forward_puts_no_gradient_hook_on_a_layers_output():
     monitor.close()
 
 
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_role_the_taps_did_not_list_is_told_by_its_value(sampled):
+    """The taps tell a cast's role by the identity of torchao's ``GemmInputRole`` members, listed at install (stop 53:
+    an enum's ``.value`` is a Python descriptor, a call a cast). A role object they did not list (a torchao whose
+    ``float8_linear`` exports no ``GemmInputRole``, or a member made anew) falls back to its ``.value``: the same
+    statistics as with the list, every role of every layer taken."""
+    x = torch.randn(8, 16) * 4
+    rows = []
+    for listed in (True, False):
+        model = _model("tensorwise")
+        monitor = Fp8Monitor(model, numerics_every=10)
+        assert _TAPS.ready() and len(_TAPS.roles) == 4  # None and torchao 0.18's three members
+        if not listed:
+            _TAPS.roles.clear()  # in place: the wrapper holds this dict
+        rows.append(_collected(model, monitor, 0 if sampled else 1, [x.clone()], False))
+        monitor.close()
+    listed_rows, fallback_rows = rows
+    assert not fallback_rows[:, 0].isnan().any(), "every cast of every layer was taken"
+    assert torch.equal(listed_rows.nan_to_num(-1.0), fallback_rows.nan_to_num(-1.0))
+
+
 def test_layers_sharing_one_config_keep_their_gradient_hooks():
     """Two layers sharing one ``linear_mm_config`` object: the taps cannot tell their grad_output casts apart, so
     neither is registered with them, their outputs get gradient hooks, and the casts are measured as a monitor of
