@@ -68,11 +68,12 @@
 # the unsampled fp8 monitor against issue 28's 1.005 by the wall clock.
 # Stop 53 (benchmarks/results/gpu_stop53/, RESULTS.md "Stop 53") ran it on a quiet lease: compiled unsampled 1.0048 /
 # 1.0050, sampled 1.0061 / 1.0070; tests/gpu 76 passed on f2242e6; eager b32 one run of 24 blocks (1.0016 / 1.0028);
-# the framework rows twice (Lightning 1.036 / 1.041, its measurement graph never captured). The next session, first:
-# (1) `PYTHONPATH=$PWD python benchmarks/results/gpu_stop53/lightning_keys.py cuda lightning` and then with no
-# arguments (~60 s each: whether Lightning's gradient addresses repeat alone and among six loops, and the graph's
-# state), then (2) issue 28's eager figure as the issue asks, >= 30 blocks, twice: FIRST=0 TESTS=0 HOST=0 FP8_EAGER=1
-# FP8_VARIANTS=plain,plain2,guard,guard+fp8,guard+fp8-nosample FP8_BLOCKS=30 FP8_S=400 (one call a run: ~340 s).
+# the framework rows twice (Lightning 1.036 / 1.041, its measurement graph never captured). The next session, two
+# calls. Call 1: `PYTHONPATH=$PWD python benchmarks/results/gpu_stop53/lightning_keys.py cuda lightning`, the same
+# with no arguments (~60 s each: whether Lightning's gradient addresses repeat alone and among six loops), then
+# issue 28's eager figure as the issue asks (>= 30 blocks, run 1 of 2): FIRST=0 TESTS=0 HOST=0 FP8_EAGER=1
+# FP8_VARIANTS=plain,plain2,guard,guard+fp8,guard+fp8-nosample FP8_BLOCKS=30 FP8_S=400 (~340 s). Call 2: the eager run
+# again (run 2), then tests/gpu/test_gpu_fp8.py (bec722d changed the taps after stop 53's device calls).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
