@@ -23,42 +23,13 @@ import warnings
 from pathlib import Path
 
 root = Path(__file__).resolve().parents[3]
-sys.path[:0] = [str(root), str(root / "benchmarks")]
+sys.path[:0] = [str(root), str(root / "benchmarks"), str(Path(__file__).resolve().parent)]
 warnings.filterwarnings("ignore")
 import fp8_cost  # noqa: E402
 import torch  # noqa: E402
+from fp8_stack_host import Part  # noqa: E402  (the taps alone, empty hooks alone: one arm class for both probes)
 
 from ampguard import fp8 as F  # noqa: E402
-from ampguard.module_hooks import Hook  # noqa: E402
-
-
-class _Hooks:
-    """The ``hooks`` arm: empty hooks, removed by close()."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.handles = []
-        for _, m in F.float8_modules(model):
-            self.handles.append(m.register_forward_pre_hook(Hook(lambda mod, args: None)))
-            self.handles.append(m.register_forward_hook(Hook(lambda mod, args, out: None)))
-
-    def begin_step(self, step: int) -> None:
-        pass
-
-    def collect(self) -> None:
-        pass
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
-class _Taps(_Hooks):
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.handles = []
-        F._TAPS.install()
-
-    def close(self) -> None:
-        F._TAPS.remove()
 
 
 def main() -> None:
@@ -81,7 +52,7 @@ def main() -> None:
         for p in model.parameters():
             p.grad = None
 
-    arms = {"plain": lambda: None, "taps": lambda: _Taps(model), "hooks": lambda: _Hooks(model),
+    arms = {"plain": lambda: None, "taps": lambda: Part(model, taps=True), "hooks": lambda: Part(model, taps=False),
             "monitor": lambda: F.Fp8Monitor(model, numerics_every=10)}
     res: dict[str, list[float]] = {k: [] for k in arms}
     names = list(arms)

@@ -27,7 +27,7 @@ from ampguard.module_hooks import Hook  # noqa: E402
 LAYERS, CASTS = 48, 288
 
 
-class _Part:
+class Part:
     """The ``taps`` or ``hooks`` arm: the monitor's interface, nothing measured; close() takes it off."""
 
     def __init__(self, model: torch.nn.Module, taps: bool) -> None:
@@ -81,7 +81,7 @@ def main() -> None:
     every = 1 if args.sampled else 10
     arms = {"plain": lambda: None, "monitor": lambda: F.Fp8Monitor(model, numerics_every=every)}
     if args.parts:
-        arms.update(taps=lambda: _Part(model, taps=True), hooks=lambda: _Part(model, taps=False))
+        arms.update(taps=lambda: Part(model, taps=True), hooks=lambda: Part(model, taps=False))
     res: dict[str, list[float]] = {k: [] for k in arms}
     names = list(arms)
     for r in range(args.rounds + 1):
