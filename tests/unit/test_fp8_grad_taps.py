@@ -119,10 +119,14 @@ def test_a_role_the_taps_did_not_list_is_told_by_its_value(sampled):
         model = _model("tensorwise")
         monitor = Fp8Monitor(model, numerics_every=10)
         assert _TAPS.ready() and len(_TAPS.roles) == 4  # None and torchao 0.18's three members
+        listing = dict(_TAPS.roles)
         if not listed:
             _TAPS.roles.clear()  # in place: the wrapper holds this dict
-        rows.append(_collected(model, monitor, 0 if sampled else 1, [x.clone()], False))
-        monitor.close()
+        try:
+            rows.append(_collected(model, monitor, 0 if sampled else 1, [x.clone()], False))
+        finally:  # put back: the taps (and this dict) outlive the monitor where another monitor still uses them
+            _TAPS.roles.update(listing)
+            monitor.close()
     listed_rows, fallback_rows = rows
     assert not fallback_rows[:, 0].isnan().any(), "every cast of every layer was taken"
     assert torch.equal(listed_rows.nan_to_num(-1.0), fallback_rows.nan_to_num(-1.0))
