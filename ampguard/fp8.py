@@ -663,13 +663,11 @@ class Fp8Monitor:
         if self._sampled:
             self._sample(index, slot, role, amax, hp, cast)
             return
-        old = self._slots[slot]
+        old = self._ran(slot)
         if old is not None:  # a second forward in the step: the larger (collect() then groups the slots itself)
             self._taken = None
             self._slots[slot] = torch.maximum(old.float(), amax.float())
             return
-        self._order += 1  # what _ran(slot) does the first time, inline (a call a cast)
-        self._orders[slot] = float(self._order)
         # Kept in torchao's dtype (bfloat16 for a bfloat16 tensor), grouped by it as taken: collect() converts each
         # group in one kernel, where a conversion here was a launch a cast (96 a step on GPT-2 124M fp8)
         self._slots[slot] = amax
