@@ -183,7 +183,7 @@ def rule(
             spike_threshold = o.add(z_mean, o.mul(f32(k_std), o.sqrt_of(spikes.z_var)))
         if grad_on:
             grad_spike = warm & (grad_norm > spike_threshold)
-        if config.spikes.loss_factor is not None:  # loss_on
+        if config.spikes.loss_factor is not None:  # loss_on (written out: mypy narrows the factor by it)
             loss_spike = warm & (loss > o.mul(f32(config.spikes.loss_factor), loss_ema))
     # A detector that is off costs no op: its flag stays o.false (on tensors, each op is a kernel of every step)
     spike = (grad_spike | loss_spike) if grad_on and loss_on else grad_spike if grad_on else loss_spike
