@@ -74,6 +74,9 @@
 # issue 28's eager figure as the issue asks (>= 30 blocks, run 1 of 2): FIRST=0 TESTS=0 HOST=0 FP8_EAGER=1
 # FP8_VARIANTS=plain,plain2,guard,guard+fp8,guard+fp8-nosample FP8_BLOCKS=30 FP8_S=400 (~340 s). Call 2: the eager run
 # again (run 2), then tests/gpu/test_gpu_fp8.py (bec722d changed the taps after stop 53's device calls).
+# Stop 54 (benchmarks/results/gpu_stop54/, RESULTS.md "Stop 54") ran both: eager b32 monitor 1.0027 / 1.0028, unsampled
+# 1.0015 / 1.0017 (30 blocks each); test_gpu_fp8.py 5 passed on 1a11178; Lightning's gradient keys distinct on every
+# step, alone and among the six loops (its closure zeroes the gradients after the forward).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
