@@ -168,6 +168,14 @@ class AmpGuardPrecision(MixedPrecision):
     - ``log``: after each step, ``self.log`` the loss scale, the skipped-step count and whether the
       step was skipped (``ampguard/loss_scale``, ``ampguard/skipped_steps``, ``ampguard/skipped``)
       to Lightning's loggers. Reading the decision waits for it (on CUDA: one sync per step).
+    - ``free_grads_first``: free the previous step's gradients before ``training_step``, where Lightning's
+      closure would free them after it (between the forward and the backward), on the steps where Lightning
+      zeroes them in the closure and nothing else can tell: no ``on_before_zero_grad`` or
+      ``optimizer_zero_grad`` hook (the module's or a callback's), Lightning's own closure. The gradients are
+      then not held through the forward (lower peak memory), and each backward puts them at the addresses of the
+      last, which lets the guard replay its measurement as a CUDA graph (under Lightning's order the addresses
+      change every step: stop 54). ``False``: Lightning's order, for a ``training_step`` that reads the previous
+      step's ``.grad``.
 
     Resuming a checkpoint written without the plugin works: its plain optimizer state (and
     ``MixedPrecision``'s scaler state) is adopted, with guard counters starting at the
@@ -189,6 +197,7 @@ class AmpGuardPrecision(MixedPrecision):
         on_rollback: Callable[[Any, int], None] | None = None,
         on_abort: Callable[[Any, str], None] | None = None,
         log: bool = False,
+        free_grads_first: bool = True,
     ) -> None:
         require("lightning")
         if precision not in _PRECISIONS:
@@ -200,6 +209,9 @@ class AmpGuardPrecision(MixedPrecision):
         if scaler is not None and precision == "bf16-mixed":
             raise ValueError("AmpGuardPrecision('bf16-mixed', scaler=...): bf16 needs no loss scaling. Drop the "
                              "scaler, or use '16-mixed'.")
+        if not isinstance(free_grads_first, bool):
+            raise TypeError(f"free_grads_first must be a bool (True: free the gradients before training_step where "
+                            f"Lightning frees them after it; False: Lightning's order), got {free_grads_first!r}")
         if not isinstance(config, (GuardConfig, dict, type(None))):
             raise TypeError(f"config must be a GuardConfig or a dict of its fields, got {type(config).__name__}")
         # MixedPrecision.__init__ is not called: it would build a GradScaler before the device is known.
@@ -212,6 +224,7 @@ class AmpGuardPrecision(MixedPrecision):
         self.backend = backend
         self.on_rollback, self.on_abort = on_rollback, on_abort
         self.log_stats = log
+        self.free_grads_first = free_grads_first
         self.guard: GuardedOptimizer | None = None
         self._device_given = device is not None
 
@@ -317,6 +330,8 @@ class AmpGuardPrecision(MixedPrecision):
         if guard is None or optimizer is not guard:
             raise GuardStateError(f"AmpGuardPrecision was asked to step {type(optimizer).__name__}, which it did not "
                                   "guard: step the optimizer configure_optimizers returned (self.optimizers()).")
+        if self.free_grads_first and _zeroes_in_closure(closure, model):
+            guard.zero_grad()  # what the closure's zero_grad_fn does after training_step, before it instead
         result = closure()
         backward_ran = not (result is None and model.automatic_optimization)
         if backward_ran and _hooks_read_grads(model):
@@ -403,6 +418,26 @@ def _model_parallel_checkpoints(strategy: ModelParallelStrategy, guard: GuardedO
 
     strategy.optimizer_state = guarded_optimizer_state  # type: ignore[method-assign]
     strategy.load_checkpoint = guarded_load_checkpoint  # type: ignore[method-assign]
+
+
+def _zeroes_in_closure(closure: Any, model: Any) -> bool:
+    """Whether freeing the gradients before ``closure()`` changes nothing a hook can see: ``closure`` is Lightning's
+    own automatic-optimization ``Closure`` and zeroes the gradients itself (its ``zero_grad_fn``: the first batch of
+    an accumulation window, a backward to run), with Lightning's ``optimizer_zero_grad`` (``optimizer.zero_grad()``)
+    and no ``on_before_zero_grad`` hook of the module's or a callback's, which would see the previous step's
+    gradients there. A user's own closure, or any of those hooks: Lightning's order is kept."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.loops.optimization.automatic import Closure
+
+    if not isinstance(closure, Closure) or closure._zero_grad_fn is None:
+        return False
+    module = type(model)
+    if (module.on_before_zero_grad is not pl.LightningModule.on_before_zero_grad
+            or module.optimizer_zero_grad is not pl.LightningModule.optimizer_zero_grad):
+        return False
+    trainer = getattr(model, "_trainer", None)
+    callbacks = getattr(trainer, "callbacks", ()) if trainer is not None else ()
+    return not any(type(cb).on_before_zero_grad is not pl.Callback.on_before_zero_grad for cb in callbacks)
 
 
 def _hooks_read_grads(model: Any) -> bool:

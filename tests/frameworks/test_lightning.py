@@ -356,6 +356,69 @@ def test_fused_optimizer_can_be_clipped() -> None:
     assert max(r.grad_norm for r in plugin.guard.history if not r.skipped) > 0.5  # type: ignore[union-attr]
 
 
+class _SeesGrads(Net):
+    """Notes, at each ``training_step``, whether the previous step's gradients are still there."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.held: list[bool] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        self.held.append(any(p.grad is not None for p in self.parameters()))
+        return super().training_step(batch, batch_idx)
+
+
+class _BeforeZeroGrad(L.Callback):
+    """An ``on_before_zero_grad`` hook, which Lightning calls after ``training_step`` with the previous step's
+    gradients still there."""
+
+    def __init__(self) -> None:
+        self.held: list[bool] = []
+
+    def on_before_zero_grad(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.held.append(any(p.grad is not None for p in pl_module.parameters()))
+
+
+class _OwnZeroGrad(_SeesGrads):
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        optimizer.zero_grad(set_to_none=False)  # keeps the buffers: the plugin must not free them first
+
+
+def test_previous_gradients_are_freed_before_training_step_where_lightning_frees_them_after() -> None:
+    """Lightning's closure runs ``training_step``, then ``zero_grad``, then the backward, so the previous step's
+    gradients live through the forward and each backward puts the new ones elsewhere (on CUDA: new addresses
+    every step, so the guard's measurement graph never replays; stop 54). The plugin frees them just before the
+    closure instead: ``training_step`` finds none from the second step on, where Lightning's own run finds them,
+    and the run is Lightning's own, bit for bit (fp16, a NaN step skipped, clipping by norm)."""
+    guarded_plugin, reference_plugin = fp16_plugins()
+    kw: dict[str, Any] = {"batches": 6, "gradient_clip_val": 0.5, "fault": faults.output("layer", "nan", steps=[2])}
+    g_mod, r_mod = _SeesGrads(), _SeesGrads()
+    _, g = fit(g_mod, plugin=guarded_plugin, **kw)
+    _, r = fit(r_mod, plugin=reference_plugin, **kw)
+    assert r_mod.held == [False] + [True] * 5  # Lightning's order
+    assert g_mod.held == [False] * 6
+    assert skipped(guarded_plugin) == [2]
+    assert_same(g.params, r.params, "params")
+
+
+@pytest.mark.parametrize("case", ["accumulating", "on_before_zero_grad", "optimizer_zero_grad", "opted out"])
+def test_previous_gradients_stay_where_something_could_tell(case: str) -> None:
+    """Lightning's order is kept where freeing first would show: an accumulation window (the closure of the
+    stepping micro-batch zeroes nothing), an ``on_before_zero_grad`` hook (it reads the gradients after
+    ``training_step``), the module's own ``optimizer_zero_grad``, and ``free_grads_first=False``."""
+    kind = _OwnZeroGrad if case == "optimizer_zero_grad" else _SeesGrads
+    module, reference = kind(), kind()
+    hook = _BeforeZeroGrad()
+    plugin = AmpGuardPrecision("bf16-mixed", free_grads_first=case != "opted out")
+    kw: dict[str, Any] = {"batches": 6, "accumulate_grad_batches": 2 if case == "accumulating" else 1}
+    _, g = fit(module, plugin=plugin, callbacks=[hook] if case == "on_before_zero_grad" else [], **kw)
+    _, r = fit(reference, precision="bf16-mixed", **kw)
+    assert module.held == reference.held and any(module.held), (module.held, reference.held)
+    if case == "on_before_zero_grad":
+        assert hook.held == [False] + [True] * 5
+    assert_same(g.params, r.params, "params")
+
+
 class _ReadsGrads(L.Callback):
     """A callback that looks at the gradients before the step, as Lightning documents them (unscaled)."""
 
@@ -604,6 +667,7 @@ def test_precision_other_than_the_two_is_refused(precision: str) -> None:
     ({"config": "strict"}, TypeError, "config must be a GuardConfig or a dict"),
     ({"config": {"clip_norm": 1.0}}, ValueError, "did you mean 'clip_grad_norm'"),
     ({"exporters": [object()]}, TypeError, "export"),
+    ({"free_grads_first": "yes"}, TypeError, "free_grads_first must be a bool"),
 ])
 def test_bad_plugin_arguments_are_refused(kw: dict[str, Any], error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
