@@ -81,7 +81,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the tree's root after PYTHONPATH: a library named there runs (gpu_issue26.sh FW_BASE=REV puts that commit's first;
+# inserted first, as until stop 54, the tree's own ran in both arms of that comparison)
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from overhead import EventSyncCounter  # benchmarks/ is sys.path[0] when run as a script
 
 import ampguard
@@ -565,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     tmpdir = tempfile.mkdtemp(prefix="ampguard-frameworks-")
 
     versions: dict[str, str] = {"torch": torch.__version__, "ampguard": ampguard.__version__,
+                                "ampguard_from": os.path.dirname(os.path.abspath(ampguard.__file__)),
                                 "python": platform.python_version()}
     for pkg in ("accelerate", "transformers", "lightning"):
         try:

@@ -63,7 +63,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the root after PYTHONPATH: a library named there runs (frameworks_cost.py FW_BASE; stop 54)
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ampguard
 
 CLIP = 1.0
