@@ -26,6 +26,9 @@ The plugin is Lightning's own :class:`~lightning.pytorch.plugins.precision.Mixed
   ``get_optimizer_state_dict``/``set_optimizer_state_dict`` (a plain optimizer's format), torch gets the
   inner optimizer and the guard's state rides in the same sharded checkpoint, one entry per rank, checked
   and agreed by every rank on load (the full, rank-0 checkpoint is refused: the guard's state is per rank).
+- The previous step's gradients are freed just before Lightning's closure (``free_grads_first``), where the
+  closure would free them after ``training_step`` and no hook can tell: each backward then puts them where the
+  last one did, so the guard's measurement replays as a CUDA graph, and the forward runs without them (stop 54).
 - LR schedulers with ``interval="step"`` are wrapped in :class:`HeldScheduler`: a scheduler step
   that follows a skipped optimizer step is held, so the schedule counts the steps taken (with no
   host sync in automatic optimization: the guard steps the scheduler itself).
