@@ -76,7 +76,12 @@
 # again (run 2), then tests/gpu/test_gpu_fp8.py (bec722d changed the taps after stop 53's device calls).
 # Stop 54 (benchmarks/results/gpu_stop54/, RESULTS.md "Stop 54") ran both: eager b32 monitor 1.0027 / 1.0028, unsampled
 # 1.0015 / 1.0017 (30 blocks each); test_gpu_fp8.py 5 passed on 1a11178; Lightning's gradient keys distinct on every
-# step, alone and among the six loops (its closure zeroes the gradients after the forward).
+# step, alone and among the six loops (its closure zeroes the gradients after the forward). Then feb630c freed them
+# before the closure (AmpGuardPrecision(free_grads_first=True)): its GPU test replayed 21 of 24 steps (0 before), peak
+# 295 MiB lower; the framework rows read +-15 % on that lease. FW_BASE never worked before d4be5c2 (the tree's root
+# was put ahead of PYTHONPATH). The next session, first: FIRST=0 TESTS=0 HOST=0 FRAMEWORKS=1 FW_BASE=1a11178
+# FW_BLOCKS=30 FRAMEWORKS_S=110 (stop 53's library, then this one, twice: the Lightning row before and after on one
+# lease; check each JSON's versions.ampguard_from), then the whole tests/gpu (TESTS=1).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
