@@ -362,6 +362,7 @@ class _SeesGrads(Net):
     def __init__(self, **kw: Any) -> None:
         super().__init__(**kw)
         self.held: list[bool] = []
+        self.before: list[bool] = []  # _OwnBeforeZeroGrad's
 
     def training_step(self, batch: Any, batch_idx: int) -> Any:
         self.held.append(any(p.grad is not None for p in self.parameters()))
@@ -377,6 +378,11 @@ class _BeforeZeroGrad(L.Callback):
 
     def on_before_zero_grad(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self.held.append(any(p.grad is not None for p in pl_module.parameters()))
+
+
+class _OwnBeforeZeroGrad(_SeesGrads):
+    def on_before_zero_grad(self, optimizer: Any) -> None:
+        self.before.append(any(p.grad is not None for p in self.parameters()))
 
 
 class _OwnZeroGrad(_SeesGrads):
@@ -401,12 +407,13 @@ def test_previous_gradients_are_freed_before_training_step_where_lightning_frees
     assert_same(g.params, r.params, "params")
 
 
-@pytest.mark.parametrize("case", ["accumulating", "on_before_zero_grad", "optimizer_zero_grad", "opted out"])
+@pytest.mark.parametrize("case", ["accumulating", "on_before_zero_grad", "module on_before_zero_grad",
+                                  "optimizer_zero_grad", "opted out"])
 def test_previous_gradients_stay_where_something_could_tell(case: str) -> None:
     """Lightning's order is kept where freeing first would show: an accumulation window (the closure of the
     stepping micro-batch zeroes nothing), an ``on_before_zero_grad`` hook (it reads the gradients after
     ``training_step``), the module's own ``optimizer_zero_grad``, and ``free_grads_first=False``."""
-    kind = _OwnZeroGrad if case == "optimizer_zero_grad" else _SeesGrads
+    kind = {"optimizer_zero_grad": _OwnZeroGrad, "module on_before_zero_grad": _OwnBeforeZeroGrad}.get(case, _SeesGrads)
     module, reference = kind(), kind()
     hook = _BeforeZeroGrad()
     plugin = AmpGuardPrecision("bf16-mixed", free_grads_first=case != "opted out")
@@ -416,6 +423,8 @@ def test_previous_gradients_stay_where_something_could_tell(case: str) -> None:
     assert module.held == reference.held and any(module.held), (module.held, reference.held)
     if case == "on_before_zero_grad":
         assert hook.held == [False] + [True] * 5
+    if case == "module on_before_zero_grad":
+        assert module.before == reference.before == [False] + [True] * 5
     assert_same(g.params, r.params, "params")
 
 
