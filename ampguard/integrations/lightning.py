@@ -432,7 +432,7 @@ def _zeroes_in_closure(closure: Any, model: Any) -> bool:
     import lightning.pytorch as pl
     from lightning.pytorch.loops.optimization.automatic import Closure
 
-    if not isinstance(closure, Closure) or closure._zero_grad_fn is None:
+    if not isinstance(closure, Closure) or getattr(closure, "_zero_grad_fn", None) is None:  # private: absent, kept
         return False
     module = type(model)
     if (module.on_before_zero_grad is not pl.LightningModule.on_before_zero_grad
