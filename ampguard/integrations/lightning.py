@@ -434,23 +434,26 @@ def _zeroes_in_closure(closure: Any, model: Any) -> bool:
 
     if not isinstance(closure, Closure) or getattr(closure, "_zero_grad_fn", None) is None:  # private: absent, kept
         return False
-    module = type(model)
-    if (module.on_before_zero_grad is not pl.LightningModule.on_before_zero_grad
-            or module.optimizer_zero_grad is not pl.LightningModule.optimizer_zero_grad):
+    if type(model).optimizer_zero_grad is not pl.LightningModule.optimizer_zero_grad:
         return False
-    trainer = getattr(model, "_trainer", None)
-    callbacks = getattr(trainer, "callbacks", ()) if trainer is not None else ()
-    return not any(type(cb).on_before_zero_grad is not pl.Callback.on_before_zero_grad for cb in callbacks)
+    return not _hook_defined(model, "on_before_zero_grad")
 
 
 def _hooks_read_grads(model: Any) -> bool:
     """Whether an ``on_before_optimizer_step`` hook may read the gradients before the step: the module's own, or a
     callback's (Lightning documents the gradients as unscaled there). Without one, the guard measures them in
     ``step()`` itself, still scaled on the fused fast path (and folds a clip by norm)."""
+    return _hook_defined(model, "on_before_optimizer_step")
+
+
+def _hook_defined(model: Any, name: str) -> bool:
+    """Whether the module or one of its Trainer's callbacks overrides Lightning's hook ``name`` (a no-op in both
+    ``LightningModule`` and ``Callback``)."""
     import lightning.pytorch as pl
 
-    if type(model).on_before_optimizer_step is not pl.LightningModule.on_before_optimizer_step:
+    if getattr(type(model), name) is not getattr(pl.LightningModule, name):
         return True
     trainer = getattr(model, "_trainer", None)
     callbacks = getattr(trainer, "callbacks", ()) if trainer is not None else ()
-    return any(type(cb).on_before_optimizer_step is not pl.Callback.on_before_optimizer_step for cb in callbacks)
+    default = getattr(pl.Callback, name)
+    return any(getattr(type(cb), name) is not default for cb in callbacks)
