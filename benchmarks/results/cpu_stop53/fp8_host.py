@@ -18,7 +18,6 @@ Prints, per arm, the median of its block medians and the median of its per-round
 import argparse
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -27,7 +26,7 @@ sys.path[:0] = [str(root), str(root / "benchmarks"), str(Path(__file__).resolve(
 warnings.filterwarnings("ignore")
 import fp8_cost  # noqa: E402
 import torch  # noqa: E402
-from fp8_stack_host import Part  # noqa: E402  (the taps alone, empty hooks alone: one arm class for both probes)
+from fp8_stack_host import Part, blocks  # noqa: E402  (the arms and their timed blocks: the same for both probes)
 
 from ampguard import fp8 as F  # noqa: E402
 
@@ -54,23 +53,8 @@ def main() -> None:
 
     arms = {"plain": lambda: None, "taps": lambda: Part(model, taps=True), "hooks": lambda: Part(model, taps=False),
             "monitor": lambda: F.Fp8Monitor(model, numerics_every=10)}
-    res: dict[str, list[float]] = {k: [] for k in arms}
+    res = {name: [t * 1e3 for t in ts] for name, ts in blocks(arms, step, args.rounds, args.steps).items()}
     names = list(arms)
-    for r in range(args.rounds + 1):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            mon = arms[name]()
-            for _ in range(2):
-                step(mon, 1)
-            ts = []
-            for i in range(args.steps):
-                t = time.perf_counter()
-                step(mon, 2 * i + 1)  # odd steps: unsampled (numerics_every=10)
-                ts.append(time.perf_counter() - t)
-            if mon is not None:
-                mon.close()
-            if r:  # round 0: warm-up
-                res[name].append(statistics.median(ts) * 1e3)
     for name in names:
         added = [a - b for a, b in zip(res[name], res["plain"])]
         print(f"{name:8s} median step {statistics.median(res[name]):7.3f} ms   added to plain: median "

@@ -14,7 +14,9 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 warnings.filterwarnings("ignore")
@@ -52,6 +54,31 @@ class Part:
             h.remove()
 
 
+def blocks(arms: dict[str, Callable[[], Any]], step: Callable[[Any, int], None], rounds: int,
+           steps: int) -> dict[str, list[float]]:
+    """Paired interleaved blocks: per round (the order of ``arms`` rotated each round; round 0 a warm-up, dropped),
+    each arm made (``arms[name]()``: a monitor, a :class:`Part` or None), two warm steps, ``steps`` timed ones on
+    odd step numbers (unsampled with numerics_every=10; all sampled with 1), closed. Per arm, each block's median
+    step in seconds."""
+    res: dict[str, list[float]] = {k: [] for k in arms}
+    names = list(arms)
+    for r in range(rounds + 1):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            mon = arms[name]()
+            for _ in range(2):
+                step(mon, 1)
+            ts = []
+            for i in range(steps):
+                t = time.perf_counter()
+                step(mon, 2 * i + 1)
+                ts.append(time.perf_counter() - t)
+            if mon is not None:
+                mon.close()
+            if r:  # round 0: warm-up
+                res[name].append(statistics.median(ts))
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=30)
@@ -82,22 +109,8 @@ def main() -> None:
     arms = {"plain": lambda: None, "monitor": lambda: F.Fp8Monitor(model, numerics_every=every)}
     if args.parts:
         arms.update(taps=lambda: Part(model, taps=True), hooks=lambda: Part(model, taps=False))
-    res: dict[str, list[float]] = {k: [] for k in arms}
+    res = {name: [t * 1e6 for t in ts] for name, ts in blocks(arms, step, args.rounds, args.steps).items()}
     names = list(arms)
-    for r in range(args.rounds + 1):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            mon = arms[name]()
-            for _ in range(2):
-                step(mon, 1)
-            ts = []
-            for i in range(args.steps):
-                t = time.perf_counter()
-                step(mon, 2 * i + 1)  # odd steps: unsampled with numerics_every=10; all sampled with 1
-                ts.append(time.perf_counter() - t)
-            if mon is not None:
-                mon.close()
-            if r:  # round 0: warm-up
-                res[name].append(statistics.median(ts) * 1e6)
     print(f"plain {statistics.median(res['plain']):8.0f} us a step ({CASTS} casts, {LAYERS} layers)")
     for name in names[1:]:
         added = [a - b for a, b in zip(res[name], res["plain"])]
