@@ -303,8 +303,9 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         else:  # the guarded parameters, frozen ones aside (their gradient is None: torch's clip skips them too)
             chosen = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
             same = {id(p) for p in chosen if p.requires_grad} == self._pipeline.param_ids()
-        foldable = (same and float(norm_type) == 2.0 and self.config.clip_grad_norm is None
-                    and self.config.zclip is None)
+        reported = (same and float(norm_type) == 2.0 and self.config.clip_grad_norm is None
+                    and self.config.zclip is None)  # the report's clip_coef is this clip's
+        foldable = reported and self._pipeline.fused  # a non-fused optimizer: torch's clip, its values
         clips = math.isfinite(max_norm)  # inf: torch's norm with no clip (what transformers 5 logs every step)
         measured = self._measured
         if measured is None and foldable:
@@ -320,11 +321,11 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             self._measured = first
             if folded is not None:
                 torch.nn.utils.clip_grad_norm_(params, folded)
-            foldable = False
+            reported = False
         self.unscale_()
         total = torch.nn.utils.clip_grad_norm_(chosen, max_norm, norm_type)
         measured = self._measured
-        if foldable and clips and measured.clip_norm is None:  # the report's clip_coef: this clip's
+        if reported and clips and measured.clip_norm is None:  # the report's clip_coef: this clip's
             measured.clip_norm, measured.clip_applied = max_norm, True
         return total
 
@@ -414,6 +415,8 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             consistency.check_outcome(self._outcome, self._step, self._scaler, pipe.params(), self.device, self.config)
         if synced or not self._lagged_reports:
             self._outcome.settle(next_forward=self._step)  # after _end_step: the next forward is this step's
+        elif decided.skipped is not None:  # its skip read by its step (a non-fused optimizer): no guess to undo
+            self._outcome.schedules.step_known(self._step - 1, decided.skipped)
         else:  # its outcome learnt later: the schedulers advance now as if it was taken, undone if it was not
             self._outcome.schedules.step_ahead(self._step - 1)
         return result

@@ -9,15 +9,15 @@ the device (the only places it does; ``docs/design.md``, "One step, and where th
 2. unscale (GradScaler's fused unscale + check), per-tensor norms (one ``torch._foreach_norm``
    per (device, dtype) group; CPU float32: :func:`ampguard.stats.cpu_norms`). No sync.
 3. gather: one collective of ``LOCAL_K`` floats per rank. NCCL: no host sync; gloo/CPU: blocking.
-4. decide, on one of two paths picked once per step (:attr:`StepPipeline.host_decision`):
-   the tensor path (fused optimizers off the CPU: :func:`ampguard.policies.decide` on device,
-   replayed from a CUDA graph on CUDA; no sync) or the host path (the CPU, and non-fused
-   optimizers, whose step must know the skip on the host anyway: the same rule on host floats,
-   :func:`ampguard.policies.decide_host`, bit for bit the same decision, from one copy of the
-   statistics, :class:`ampguard.payload.HostCopy`; off the CPU that copy is the step's one sync,
-   where GradScaler's ``found_inf.item()`` was).
+4. decide, on one of two paths picked once per guard (:attr:`StepPipeline.host_decision`):
+   the tensor path (off the CPU: :func:`ampguard.policies.decide` on device, replayed from a CUDA
+   graph on CUDA; no sync) or the host path (the CPU: the same rule on host floats,
+   :func:`ampguard.policies.decide_host`, bit for bit the same decision; off the CPU, with
+   ``AMPGUARD_UNFUSED_HOST_DECISION=1``, a non-fused optimizer's, from one copy of the statistics,
+   :class:`ampguard.payload.HostCopy`, that step's one sync, as every non-fused step was before stop 55).
 5. clip (``_foreach_mul_``), inner step or skip (the skip folded into GradScaler's ``found_inf``;
-   fused optimizers read it on device), scale update. No sync beyond stage 4's copy.
+   fused optimizers read it on device; a non-fused optimizer's step reads the decision's skip flag
+   first, its one sync, where GradScaler's ``found_inf.item()`` was), scale update.
 
 The fused fast path (on; ``AMPGUARD_FUSED_FAST_PATH=0`` turns it off, tests only; :meth:`StepPipeline.fast_path`
 says when)
@@ -28,6 +28,11 @@ recorded as GradScaler's own; the fused optimizer gets ``grad_scale = scale`` (`
 clip_coef`` when clipping) and ``found_inf = skip``, as ``GradScaler.step`` hands them, and
 unscales, clips and updates in its kernel, or skips there: one read of the gradients before the
 optimizer's pass instead of three, and ``.grad`` afterwards is the plain fused loop's.
+
+Non-fused optimizers off the CPU (:attr:`StepPipeline.unfused_fast`, the same switch) are measured as on the fused
+fast path (the decision in the same replay), and once the skip flag is read, one ``_foreach_mul_`` by GradScaler's
+``1/scale`` unscales their gradients (its values) before the optimizer's own step; a finite gradient whose squares
+overflow float32 is skipped there, conservatively, as on the fused fast path.
 
 Non-fused optimizers on the CPU (:attr:`StepPipeline.norms_first`, the same switch) read the norms
 from the still-scaled gradients too, then unscale them with one ``_foreach_mul_`` by GradScaler's
@@ -126,6 +131,13 @@ class Decision:
     when clipping), made in the step graph's replay, which also wrote the next scale and growth tracker into
     GradScaler's own tensors (:meth:`StepPipeline.update_scale` then clears its per-iteration records only);
     None: made by :meth:`StepPipeline.inner_step`, the scale set by :meth:`StepPipeline.update_scale`."""
+    unscale_by: torch.Tensor | None = None
+    """A non-fused optimizer's :attr:`grad_scale`: GradScaler's ``1/scale`` at the scale this step was measured at,
+    made in the step graph's replay before it wrote the next scale (:meth:`StepPipeline._step_unscaling` unscales
+    the gradients by it); None: off the step graph (the scale is read then), or a fused optimizer."""
+    learnt: bool | None = None
+    """The skip, learnt on the host by a non-fused optimizer's step on the tensor path (its one sync: the flag read
+    before the optimizer steps, where GradScaler's ``found_inf.item()`` was); None before that, and elsewhere."""
     packed: Packed | None = None
     """The step's payload as :func:`~ampguard.payload.pack` makes it without the optional parts (no sampled
     numerics, indicators, parameter check or fp8 rows), made in the same replay as the decision (the step graph);
@@ -135,8 +147,14 @@ class Decision:
 
     @property
     def skipped(self) -> bool | None:
-        """The skip as a host bool on the host path; None on the tensor path (no sync to learn it)."""
-        return None if self.host is None else self.host[Dec.SKIP] > 0
+        """The skip as a host bool on the host path, and on the tensor path once a non-fused optimizer's step learnt
+        it (:attr:`learnt`); None on the tensor path before that, and with a fused optimizer (no sync to learn it)."""
+        return self.learnt if self.host is None else self.host[Dec.SKIP] > 0
+
+    @property
+    def wrote_scale(self) -> bool:
+        """The step graph wrote the next scale and growth tracker into GradScaler's own tensors."""
+        return self.grad_scale is not None or self.unscale_by is not None
 
 
 class StepPipeline:
@@ -174,13 +192,21 @@ class StepPipeline:
         path, then one ``_foreach_mul_`` by ``1/scale`` unscales them (the values GradScaler's unscale gives):
         one read fewer than GradScaler's check-and-unscale followed by the norms (-74 to -137 us a step on
         the CPU MLPs, benchmarks/RESULTS.md, "Stop 36")."""
-        self.host_decision = device.type == "cpu" or not self.fused
+        self.host_decision = device.type == "cpu" or (not self.fused and switches.unfused_host_decision)
         """Decide on host floats (:func:`decide_host`): on CPU, where reading a tensor costs nothing
-        and each tiny tensor op costs microseconds; and for a non-fused optimizer on any device,
-        whose step synchronises anyway (to skip, the host must know the decision): there the
-        gathered statistics come to the host in one copy, which is that step's one sync, instead
-        of GradScaler's ``found_inf.item()`` after a decision taken on device. Fused optimizers
-        off the CPU: the tensor path (no host sync)."""
+        and each tiny tensor op costs microseconds. Off the CPU the tensor path, fused optimizers or not: a non-fused
+        one learns the skip after the decision, in one read of its flag (that step's one sync, where GradScaler's
+        ``found_inf.item()`` was), which the decision in the step graph's replay makes cheaper on the host than the
+        host decision's copy of the statistics and its Python (stop 55); ``AMPGUARD_UNFUSED_HOST_DECISION=1`` gives
+        a non-fused optimizer the host decision, as before stop 55, for benchmarks."""
+        self.unfused_fast = (switches.fused_fast_path and adapter is not None and not self.fused
+                             and not self.host_decision and getattr(backend, "name", None) in _FAST_BACKENDS
+                             and adapter.fast_path_capable())
+        """A non-fused optimizer off the CPU with a GradScaler (each step also asks :meth:`fast_path`): measured as on
+        the fused fast path (the still-scaled gradients' norms, ``found_inf`` from them, the decision in the step
+        graph's replay where :meth:`_decides_through` allows); the skip then learnt on the host, and the gradients
+        unscaled by GradScaler's ``1/scale`` and clipped, each by one ``_foreach_mul_``, before the optimizer's own
+        step (:meth:`_step_unscaling`): the values of the plain loop's ``unscale_`` and ``clip_grad_norm_``."""
         self.host_copies = device.type != "cpu"
         """The host decision reads device tensors: the statistics come over in one copy (:class:`HostCopy`), the
         local vector is made on device and the payload packed from the copy. Off on the CPU, where the host path
@@ -267,7 +293,7 @@ class StepPipeline:
         or, for a non-fused optimizer on the CPU, :attr:`norms_first`; on a local or torch.distributed
         backend with unsharded gradients, the fast path not switched off, and nobody has unscaled
         this iteration."""
-        return ((self.fast_capable or self.norms_first) and not self.backend.grads_sharded
+        return ((self.fast_capable or self.norms_first or self.unfused_fast) and not self.backend.grads_sharded
                 and self.adapter.fast_path_ok(guard, self.optimizer))  # type: ignore[union-attr]
 
     def measure(self, guard: object, *, fast: bool = False, sample: bool = False, decide: bool = False,
@@ -542,7 +568,7 @@ class StepPipeline:
         growth_tracker = view.growth_tracker
         loss, fp8 = self._hold("loss", loss), self._hold("fp8", fp8)
         config = self.config
-        clipping = uses_clipping(config)
+        clipping, fused = uses_clipping(config), self.fused
 
         def measure() -> tuple[Any, ...]:
             norms, found, (total, count) = self._scaled_norms_of(groups, adapter)
@@ -550,8 +576,12 @@ class StepPipeline:
             vector, tracker = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                      scaler=view, grads_sharded=False)
             payload = pack(vector, gathered, norms).vector
-            # the step's grad_scale at this scale, then the next scale and tracker into GradScaler's own tensors
-            grad_scale = scale / vector[Dec.CLIP_COEF].to(scale.device) if clipping else scale.clone()
+            # the step's grad_scale at this scale (a non-fused optimizer's: GradScaler's 1/scale, which unscales its
+            # gradients), then the next scale and tracker into GradScaler's own tensors
+            if not fused:
+                grad_scale = adapter.inv_scale()
+            else:
+                grad_scale = scale / vector[Dec.CLIP_COEF].to(scale.device) if clipping else scale.clone()
             assert tracker is not None  # internal: decided with a scaler
             scale.copy_(vector[Dec.NEXT_SCALE])
             growth_tracker.copy_(tracker)
@@ -562,7 +592,7 @@ class StepPipeline:
         norms, found, total, count, gathered, vector, payload, grad_scale = self._replayed(
             kind, measure, groups, scale, self.step_graph)
         decision = Decision(vector, growth_tracker, packed=Packed(payload, Layout.of(gathered, norms)),
-                            grad_scale=grad_scale)
+                            grad_scale=grad_scale if fused else None, unscale_by=None if fused else grad_scale)
         return norms, found, (total, count), gathered, decision
 
     def _through_unscaled(self, loss: torch.Tensor | None, fp8: torch.Tensor | None = None) -> Measured | None:
@@ -696,25 +726,31 @@ class StepPipeline:
             return False
         skip = decision.vector[Dec.SKIP]
         if measured.scaled:
-            self._step_scaled(decision, skip, measured)
+            if self.fused:
+                self._step_scaled(decision, skip, measured)
+            else:
+                self._step_unscaling(decision, skip, measured)
             return False
         if decision.skipped is not None:
             return self._inner_step_host(decision.skipped, skip, measured)
-        # The tensor decision: a fused optimizer off the CPU (non-fused ones decide on the host,
-        # unless host_decision is turned off, as tests do to run both paths on the same inputs).
+        # The tensor decision: off the CPU (and on the CPU where tests turn host_decision off)
         inner = self.optimizer
-        if self.adapter is not None:
-            self.adapter.force_found_inf(measured.found_inf_per_device, skip)
-            with self.backend.step_context(inner):
-                self.adapter.step(inner)  # fused: found_inf read on device; non-fused: GradScaler's .item()
-            return not self.fused
         if self.fused:
-            self._step_fused(skip, None)
+            if self.adapter is not None:
+                self.adapter.force_found_inf(measured.found_inf_per_device, skip)
+                with self.backend.step_context(inner):
+                    self.adapter.step(inner)  # the kernel reads found_inf on device
+            else:
+                self._step_fused(skip, None)
             return False
-        if not skip.item():  # SYNC: what a non-fused optimizer needs to skip
+        # a non-fused optimizer: GradScaler.step's `if not found_inf.item(): step()`, the flag the decision's skip
+        skipped = decision.learnt = bool(skip.item())  # SYNC: what a non-fused optimizer needs to skip
+        if self.adapter is not None:
+            self.adapter.force_found_inf(measured.found_inf_per_device, skipped)
+        if not skipped:
             with self.backend.step_context(inner):
                 inner.step()
-        return True
+        return False  # the reports need no wait here: the step's skip is known (Decision.learnt)
 
     def _inner_step_host(self, skipped: bool, skip: torch.Tensor, measured: Measured) -> bool:
         """The inner step when the skip is a host bool (CPU): what GradScaler.step does, without
@@ -757,6 +793,30 @@ class StepPipeline:
                 grad_scale = scale / decision.vector[Dec.CLIP_COEF].to(scale.device, non_blocking=True)
         self._step_fused(skip, grad_scale)
 
+    def _step_unscaling(self, decision: Decision, skip: torch.Tensor, measured: Measured) -> None:
+        """A non-fused optimizer's step on the fast path (:attr:`unfused_fast`): the skip read (the step's one sync,
+        where the plain loop's GradScaler reads ``found_inf``), GradScaler's record set to it; the gradients unscaled
+        by one ``_foreach_mul_`` by GradScaler's ``1/scale`` at the scale they were measured at (also on a skipped
+        step: ``.grad`` as the plain loop's ``unscale_`` leaves it), then, on a step taken, clipped by a second
+        (the coefficient ``clip_grad_norm_`` computes, from the same norms: its values) and stepped. The multiplies
+        are queued after the read, so the host waits for the measurement and the decision only."""
+        adapter = self.adapter
+        assert adapter is not None  # internal: unfused_fast needs a GradScaler
+        skipped = decision.learnt = bool(skip.item())  # SYNC: what a non-fused optimizer needs to skip
+        adapter.force_found_inf(measured.found_inf_per_device, skipped)  # a fill: no copy
+        inv = decision.unscale_by if decision.unscale_by is not None else adapter.inv_scale()
+        coef = None if skipped or not uses_clipping(self.config_for(measured)) else decision.vector[Dec.CLIP_COEF]
+        for grads in measured.groups.tensors.values():
+            dev = grads[0].device
+            torch._foreach_mul_(grads, inv if inv.device == dev else inv.to(dev, non_blocking=True))
+            if coef is not None:
+                torch._foreach_mul_(grads, coef if coef.device == dev else coef.to(dev, non_blocking=True))
+        measured.scaled = False
+        if not skipped:
+            inner = self.optimizer
+            with self.backend.step_context(inner):
+                inner.step()
+
     def _step_fused(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
         """A fused optimizer's step (``_step_supports_amp_scaling``): it skips in its kernel."""
         inner = self.optimizer
@@ -777,7 +837,7 @@ class StepPipeline:
         d = decision.vector if decision.host is None else decision.host
         if adapter.shared:
             adapter.contribute(d[Dec.GRAD_NONFINITE] > 0, d[Dec.SKIP] > 0)
-        elif decision.grad_scale is not None:  # the step graph wrote the scale and tracker
+        elif decision.wrote_scale:  # the step graph wrote the scale and tracker
             adapter.updated_in_place()
         else:
             adapter.update(d[Dec.NEXT_SCALE], decision.tracker)

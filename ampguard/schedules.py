@@ -148,6 +148,16 @@ class Schedules:
             self._put_back(self._ahead.pop())
             raise
 
+    def step_known(self, step: int, skipped: bool) -> None:
+        """Right after ``step``'s inner update was queued, its skip read on the host by the step itself (a non-fused
+        optimizer's one sync) and its report not yet decoded: a taken step's advance made now, as :meth:`step_ahead`
+        makes it and known already (:meth:`exact` has nothing to wait for), which the next fixed point keeps; a
+        skipped step holds the LR. The schedulers then show what the eager loop's do between steps."""
+        if skipped or not self.schedulers:
+            return
+        self.step_ahead(step)
+        self._ahead[-1].known = True
+
     def exact(self) -> None:
         """Before a read of a scheduler's own values (``get_last_lr()``): the advance made ahead for the latest
         step settled, waiting for that step's skip flag only (:meth:`ampguard.reporter.Reporter.last_skipped`;

@@ -44,6 +44,15 @@ class Switches:
     optimizer's kernel unscale (and clip) them (:mod:`ampguard.pipeline`). ``AMPGUARD_FUSED_FAST_PATH=0``:
     unscale first, as with any other optimizer."""
 
+    unfused_host_decision: bool = False
+    """A non-fused optimizer off the CPU decides on the host (:func:`ampguard.policies.decide_host`, from one copy of
+    the statistics, that step's one sync), as every one did before stop 55. Off (the default): it takes the tensor
+    decision, as a fused one does, on the fast path where :meth:`ampguard.pipeline.StepPipeline.fast_path` allows
+    (the still-scaled gradients measured, the decision in the step graph's replay), and learns the skip in one read
+    of the decision's flag, where GradScaler's ``found_inf.item()`` was
+    (:attr:`ampguard.pipeline.StepPipeline.unfused_fast`).
+    ``AMPGUARD_UNFUSED_HOST_DECISION=1``: the host decision, for benchmarks that time both in one process."""
+
     report_batch: bool = True
     """Decode, log and export healthy steps' reports in batches of up to :data:`ampguard.reporter.REPORT_BATCH`
     steps (:meth:`ampguard.reporter.Reporter.quiet`); a report that asks for anything is decoded at the next fixed
@@ -52,15 +61,16 @@ class Switches:
 
 
 _SWITCH_VARIABLES = {"cuda_graph": "AMPGUARD_CUDA_GRAPH", "fused_fast_path": "AMPGUARD_FUSED_FAST_PATH",
-                     "step_graph": "AMPGUARD_STEP_GRAPH", "report_batch": "AMPGUARD_REPORT_BATCH"}
+                     "step_graph": "AMPGUARD_STEP_GRAPH", "report_batch": "AMPGUARD_REPORT_BATCH",
+                     "unfused_host_decision": "AMPGUARD_UNFUSED_HOST_DECISION"}
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(Switches)}
 
 
 def implementation_switches(environ: Mapping[str, str] | None = None) -> Switches:
     """The :class:`Switches` from the environment (``os.environ`` unless ``environ`` is given):
-    ``AMPGUARD_CUDA_GRAPH``, ``AMPGUARD_FUSED_FAST_PATH``, ``AMPGUARD_STEP_GRAPH`` and ``AMPGUARD_REPORT_BATCH``,
-    each ``"1"`` (on) or ``"0"`` (off); unset or empty: the field's default (on). Any other value raises
-    ValueError naming the variable."""
+    ``AMPGUARD_CUDA_GRAPH``, ``AMPGUARD_FUSED_FAST_PATH``, ``AMPGUARD_STEP_GRAPH``, ``AMPGUARD_REPORT_BATCH`` and
+    ``AMPGUARD_UNFUSED_HOST_DECISION``, each ``"1"`` (on) or ``"0"`` (off); unset or empty: the field's default. Any
+    other value raises ValueError naming the variable."""
     env = os.environ if environ is None else environ
     values = {}
     for field, variable in _SWITCH_VARIABLES.items():

@@ -103,8 +103,8 @@ fi
 if [ "${HOST:-1}" = 1 ]; then
   timeout -k 5 "${HOST_S:-300}" python benchmarks/host_time.py --device cuda --models ${MODELS:-mlp,gpt2-350m} \
     --optims ${OPTIMS:-fused,foreach} --blocks ${BLOCKS:-10} --steps 30 --profile ${PROFILE:-0} --ops ${OPS:-30} \
-    ${STEP_GRAPH:+--step-graph} ${BATCH:+--batch-arm} --json "$OUT/host_time_$TAG.json" > "$OUT/host_time_$TAG.txt" 2>&1
-  echo "host rc=$?"; grep -v Warning "$OUT/host_time_$TAG.txt" | grep -E "on cuda|graph:|breakdown|^    " | head -60
+    ${STEP_GRAPH:+--step-graph} ${BATCH:+--batch-arm} ${HOST_ARM:+--host-arm} --json "$OUT/host_time_$TAG.json" > "$OUT/host_time_$TAG.txt" 2>&1
+  echo "host rc=$?"; grep -v Warning "$OUT/host_time_$TAG.txt" | grep -E "on cuda|graph:|breakdown|host decision|^    " | head -90
 fi
 # Stop 46 adds FRAMEWORKS=1 (the framework rows), COMPILE=1 (the compiled row) and FP8_EAGER=1 (issue 28's eager
 # figures), none measured on a device since stop 37 (the fp8 ones never whole: its eager runs outlasted their bounds).

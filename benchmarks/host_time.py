@@ -25,6 +25,9 @@ grows with the parameter count. Run::
     python benchmarks/host_time.py --device cpu --models mlp,gpt2-deep --optims fused,foreach --blocks 6 --clock thread
     python benchmarks/host_time.py --device cpu --models mlp-small --optims foreach --batch-arm --clock thread
 
+``--host-arm`` also times the default guard with a non-fused optimizer's decision on the host
+(``AMPGUARD_UNFUSED_HOST_DECISION=1``, how foreach steps ran before stop 55) in the same blocks.
+
 ``--batch-arm`` also times the default guard with each report decoded at its own step (``AMPGUARD_REPORT_BATCH=0``,
 the behaviour before stop 45) in the same blocks: compare the means, since a batch's decode lands on one step in 16.
 """
@@ -122,11 +125,12 @@ class Timers:
 
 def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: int, warmup: int,
         profile: int = 0, ops: int = 0, step_graph: bool = False, pstats_dir: Path | None = None,
-        batch_arm: bool = False) -> dict[str, Any]:
+        batch_arm: bool = False, host_arm: bool = False) -> dict[str, Any]:
     dtype = torch.float16
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     loops = {}
-    variants = ["plain", "guard"] + (["guard-step"] if step_graph else []) + (["guard-perstep"] if batch_arm else [])
+    variants = (["plain", "guard"] + (["guard-step"] if step_graph else []) + (["guard-perstep"] if batch_arm else [])
+                + (["guard-host"] if host_arm else []))
     for variant in variants:
         model, loss_fn = build(model_name, device)
         inner = torch.optim.AdamW(model.parameters(), lr=1e-4, **{optim: True})
@@ -143,9 +147,11 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
                 scaler.update()
             loops[variant] = (fwd_bwd, step, inner.zero_grad, None)
         else:  # guard-step: the step graph on (the default since stop 40); guard: the stages apart (=0);
-            # guard-perstep: the step graph on, each report decoded at its step (AMPGUARD_REPORT_BATCH=0, stop 45)
+            # guard-perstep: the step graph on, each report decoded at its step (AMPGUARD_REPORT_BATCH=0, stop 45);
+            # guard-host: the step graph on, a non-fused optimizer's decision on the host (as before stop 55)
             env = {"AMPGUARD_STEP_GRAPH": "0" if variant == "guard" else "1",
-                   "AMPGUARD_REPORT_BATCH": "0" if variant == "guard-perstep" else "1"}
+                   "AMPGUARD_REPORT_BATCH": "0" if variant == "guard-perstep" else "1",
+                   "AMPGUARD_UNFUSED_HOST_DECISION": "1" if variant == "guard-host" else "0"}
             with mock.patch.dict(os.environ, env):
                 opt = ampguard.wrap(inner, model=model, precision="fp16", exporters=[])
 
@@ -287,6 +293,15 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
         out["guard_perstep"]["added_us"] = out["guard_perstep"]["us"]["median"] - out["plain_us"]["median"]
         out["guard_perstep"]["added_mean_us"] = out["guard_perstep"]["us"]["mean"] - out["plain_us"]["mean"]
         per.close()
+    if host_arm:  # a non-fused optimizer's host decision (before stop 55), in the same blocks
+        host = loops["guard-host"][3]
+        h_stages, h_total = breakdown(*breakdowns["guard-host"])
+        out["guard_host"] = {"us": q(times["guard-host"]), "breakdown_us": h_stages, "breakdown_total_us": h_total,
+                             "breakdown_mean_us": means(*breakdowns["guard-host"]),
+                             "host_decision": host._pipeline.host_decision}
+        out["guard_host"]["added_us"] = out["guard_host"]["us"]["median"] - out["plain_us"]["median"]
+        out["guard_host"]["added_mean_us"] = out["guard_host"]["us"]["mean"] - out["plain_us"]["mean"]
+        host.close()
     guard.close()
     return out
 
@@ -317,6 +332,9 @@ def main() -> int:
     ap.add_argument("--batch-arm", action="store_true",
                     help="also time the default guard with each report decoded at its step (AMPGUARD_REPORT_BATCH=0) "
                          "in the same blocks; compare the means (a batch's decode lands on one step in 16)")
+    ap.add_argument("--host-arm", action="store_true",
+                    help="also time the default guard with a non-fused optimizer's decision on the host "
+                         "(AMPGUARD_UNFUSED_HOST_DECISION=1, every step before stop 55) in the same blocks")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="thread: the thread's CPU time (a CPU run on a busy machine, OMP_NUM_THREADS=1)")
     args = ap.parse_args()
@@ -327,7 +345,7 @@ def main() -> int:
     for model_name in args.models.split(","):
         for optim in args.optims.split(","):
             row = run(model_name, optim, device, args.blocks, args.steps, args.warmup, args.profile, args.ops,
-                      args.step_graph, args.pstats, args.batch_arm)
+                      args.step_graph, args.pstats, args.batch_arm, args.host_arm)
             rows.append(row)
             p, g = row["plain_us"], row["guard_us"]
             print(f"\n{model_name} {optim} on {device}: plain {p['median']:.0f} us (p25 {p['p25']:.0f}, p75 "
@@ -353,6 +371,13 @@ def main() -> int:
                 print(f"  guard, each report decoded at its step: {u['median']:.0f} us (p25 {u['p25']:.0f}, p75 "
                       f"{u['p75']:.0f}); added {st['added_us']:+.0f} us; mean {u['mean']:.0f}, added "
                       f"{st['added_mean_us']:+.0f} us (the batched arm's mean: added {default['added_mean_us']:+.0f})")
+                stage_lines(st)
+            if "guard_host" in row:
+                st = row["guard_host"]
+                u = st["us"]
+                print(f"  guard, the host decision (before stop 55; host_decision={st['host_decision']}): "
+                      f"{u['median']:.0f} us (p25 {u['p25']:.0f}, p75 {u['p75']:.0f}); added {st['added_us']:+.0f} us; "
+                      f"mean {u['mean']:.0f}, added {st['added_mean_us']:+.0f} us")
                 stage_lines(st)
             sys.stdout.flush()
     if args.json:

@@ -1,4 +1,4 @@
-"""Test-wide hygiene.
+"""Test-wide hygiene, and fixtures every suite shares.
 
 A guard that a test drops while forensics is armed keeps the process at the ``force_eager`` compile stance until
 its Localizer is collected (``ampguard.forensics.compile._EagerWhileArmed``): its finalizer puts the stance back.
@@ -11,6 +11,7 @@ import gc
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 
 @pytest.fixture(autouse=True)
@@ -20,3 +21,18 @@ def _drop_armed_forensics() -> Iterator[None]:
 
     if _EagerWhileArmed.armed:
         gc.collect()
+
+
+@pytest.fixture
+def unscale_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many times GradScaler ran its unscale/inf-check kernel (``_unscale_grads_``: both
+    ``unscale_`` and the fused step's ``_check_inf_per_device`` go through it)."""
+    calls: list[int] = []
+    original = torch.amp.GradScaler._unscale_grads_
+
+    def counting(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.amp.GradScaler, "_unscale_grads_", counting)
+    return calls

@@ -48,8 +48,8 @@ def test_resume_bit_for_bit_with_cuda_graph(fused):
                for _ in range(24)]  # 14 steps after the resume: the step graph's keys settle and replay
     model_a, opt_a = _build(fused)
     _train(model_a, opt_a, batches)
-    assert _decided_in_a_graph(opt_a) == fused
-    assert opt_a._pipeline.host_decision == (not fused)
+    assert _decided_in_a_graph(opt_a)  # fused or not, since stop 55 (a non-fused step reads the decision's skip)
+    assert not opt_a._pipeline.host_decision
 
     model_b, opt_b = _build(fused)
     # stops with the allowance spent (6 and 9 overflowed since the growth at step 4): step 10 backs

@@ -59,7 +59,8 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _train(step_graph: bool, batches: list, keep_from: int | None = None,
            precision: str = "fp16", fused: bool = True) -> tuple[list[torch.Tensor], str, _Loop]:
     """``keep_from``: from that step on, every step's loss and gradients are kept alive, so the next step's lie
-    elsewhere (new keys: measured and decided eagerly). ``fused=False``: foreach AdamW, the host decision."""
+    elsewhere (new keys: measured and decided eagerly). ``fused=False``: foreach AdamW (the tensor decision since
+    stop 55: tests/gpu/test_gpu_unfused_fast.py)."""
     # The cached blocks other tests left decide where the gradients lie (stop 44, call a: in the whole tests/gpu
     # run fp16 fused took 8 captures and 10 replays in 24 steps, where alone it took 4 and 17): each run starts
     # with them handed back, as it does alone.
@@ -83,8 +84,8 @@ def _train(step_graph: bool, batches: list, keep_from: int | None = None,
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_the_step_graph_run_is_the_run_without_it_bit_for_bit(precision: str, fused: bool) -> None:
     """fp16 fused: the fast path's graph (the scaled norms, the next scale written); bf16 fused: no GradScaler,
-    the norms of the gradients as they are; foreach: the host decision's graph (after GradScaler's unscale, the
-    norms, the vector and the host copy's vector; found_inf's address in the key), then the one copy."""
+    the norms of the gradients as they are; foreach: since stop 55 the fast path's graph too (the scaled norms, the
+    next scale written, GradScaler's 1/scale kept for the unscale after the skip is read)."""
     batches = _batches(24)
     want, want_reports, plain = _train(False, batches, precision=precision, fused=fused)
     got, reports, loop = _train(True, batches, precision=precision, fused=fused)

@@ -469,9 +469,10 @@ def test_a_fused_optimizer_of_the_older_grad_scaler_protocol_is_stepped_by_grad_
     assert OldFused.seen == [scaler, scaler]
 
 
-def test_the_host_path_is_the_cpu_and_the_synchronising_optimizers_path():
-    """Host decision: on the CPU, and for a non-fused optimizer anywhere (its step syncs anyway);
-    a fused optimizer off the CPU keeps the tensor path (no sync)."""
+def test_the_host_path_is_the_cpus():
+    """Host decision: on the CPU; off the CPU the tensor path, a fused optimizer's (no sync) and, since stop 55, a
+    non-fused one's (its one sync reads the decision's skip flag: tests/unit/test_unfused_fast.py, which also
+    checks ``AMPGUARD_UNFUSED_HOST_DECISION=1``, the host path as before)."""
     model = make_model()
     opt = ampguard.wrap(make_opt(model), model=model, precision="fp16")
     assert opt._pipeline.host_decision is True
@@ -486,8 +487,8 @@ def test_the_host_path_is_the_cpu_and_the_synchronising_optimizers_path():
     assert fused.spikes.count.device == other  # its carried state on the device
     unfused = StepPipeline(optimizer=make_opt(make_model()), adapter=None, backend=LocalBackend(),
                            config=GuardConfig(), device=other)
-    assert unfused.host_decision is True
-    assert unfused.spikes.count.device.type == unfused.scale_state.overflow_run.device.type == "cpu"
+    assert unfused.host_decision is False
+    assert unfused.spikes.count.device == unfused.scale_state.overflow_run.device == other
 
 
 @pytest.mark.parametrize("seed", range(3))

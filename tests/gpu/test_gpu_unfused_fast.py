@@ -1,0 +1,97 @@
+"""On CUDA: a non-fused optimizer (foreach AdamW) on the tensor decision (stop 55, ``StepPipeline.unfused_fast``).
+
+The still-scaled gradients are measured, the decision taken in the step graph's replay (which also writes the next
+scale), the skip read once (the step's one sync, where the plain loop's GradScaler reads ``found_inf``), then the
+gradients unscaled by GradScaler's ``1/scale`` and stepped: bit for bit the plain GradScaler loop through genuine fp16
+overflows, GradScaler's unscale kernel never run, and the same run as the host decision it replaced
+(``AMPGUARD_UNFUSED_HOST_DECISION=1``). Its CPU twin: tests/unit/test_unfused_fast.py. Host time:
+``benchmarks/host_time.py --host-arm``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampguard
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(32, 64, generator=g).cuda(), torch.randint(0, 10, (32,), generator=g).cuda())
+            for _ in range(n)]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10)).cuda()
+
+
+def _run(guarded: bool, batches: list, *, host: bool = False) -> dict[str, Any]:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # the cached blocks other tests left decide where the gradients lie
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=True)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**24)  # the first steps overflow for real
+    opt: Any = inner
+    taken: list[int] = []
+    if guarded:
+        with mock.patch.dict(os.environ, {"AMPGUARD_UNFUSED_HOST_DECISION": "1" if host else "0"}):
+            opt = ampguard.wrap(inner, model=model, precision="fp16", scaler=scaler)
+        pipe = opt._pipeline
+        pipe._step_unscaling = lambda *a, _f=pipe._step_unscaling: taken.append(1) or _f(*a)
+    for x, y in batches:
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        if guarded:
+            opt.backward(loss)
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(inner)
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+    out: dict[str, Any] = {"params": [p.detach().clone() for p in model.parameters()], "scale": scaler.get_scale(),
+                           "taken": len(taken)}
+    if guarded:
+        opt.flush()
+        out["skipped"] = [r.step for r in opt.history if r.skipped]
+        out["reports"] = repr([(r.step, r.skipped, r.reason, r.loss, r.grad_norm, r.loss_scale, r.next_loss_scale)
+                               for r in opt.history])
+        out["graph"] = opt._pipeline.step_graph
+        out["host"] = opt._pipeline.host_decision
+    return out
+
+
+def test_bitwise_the_plain_loop_without_gradscalers_unscale(unscale_calls: list[int]) -> None:
+    batches = _batches(24)
+    plain = _run(False, batches)
+    again = _run(False, batches)
+    if not all(torch.equal(a, b) for a, b in zip(plain["params"], again["params"])):
+        pytest.skip("the plain loop itself is not bitwise reproducible on this device")
+    del unscale_calls[:]  # the plain loops' own
+    got = _run(True, batches)
+    assert not got["host"] and got["taken"] == len(batches) and unscale_calls == []
+    assert got["scale"] == plain["scale"]
+    for i, (a, b) in enumerate(zip(plain["params"], got["params"])):
+        assert torch.equal(a, b), f"parameter {i} differs: max |diff| {(a - b).abs().max().item():.3e}"
+    assert got["skipped"][:1] == [0]  # the first steps overflowed for real
+    graphs = got["graph"]
+    assert graphs.replays >= 12, (graphs.replays, graphs.captures, graphs.misses)
+
+
+def test_the_same_run_as_the_host_decision_it_replaced() -> None:
+    batches = _batches(24)
+    host = _run(True, batches, host=True)
+    tensor = _run(True, batches)
+    assert host["host"] and not tensor["host"] and host["taken"] == 0
+    assert tensor["reports"] == host["reports"]
+    assert all(torch.equal(a, b) for a, b in zip(host["params"], tensor["params"]))
