@@ -91,8 +91,9 @@ class Measured:
     """On a step sampled by ``GuardConfig.numerics_every``: :meth:`ampguard.numerics.Numerics.measure`'s
     vector (zero fractions and headroom), taken before the gradients were unscaled. None otherwise."""
     scaled: bool = False
-    """The fused fast path: the gradients are still scaled, ``found_inf`` comes from the norms,
-    and the fused optimizer unscales (and clips) them in its kernel (:meth:`StepPipeline.measure`)."""
+    """The fast path: the gradients are still scaled, ``found_inf`` comes from the norms, and the fused optimizer
+    unscales (and clips) them in its kernel (:meth:`StepPipeline.measure`), or a non-fused one's step unscales them
+    first (:meth:`StepPipeline._step_unscaling`, which sets this back to False)."""
     clip_norm: float | None = None
     """``GuardedOptimizer.clip_grad_norm_``'s ``max_norm`` this step (None: not called): the decision
     clips to it as to ``GuardConfig.clip_grad_norm`` (on the fast path folded into ``grad_scale``)."""
