@@ -371,10 +371,11 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         if self._fp8 is not None:  # this step's fp8 casts, and whether one was non-finite: on device
             fp8 = self._fp8.collect()
             fp8_bad = self._fp8.nonfinite(fp8)
+        flagged = sentinel.value() if sentinel is not None else None  # once: reading it clears it for the next step
         measured = self._measured
-        if measured is None:  # a local vector of the loss, the measurement and the fp8 flag: on to the decision
-            plain = fresh and sentinel is None and self._params_bad is None
-            measured = self._measure(fast=True, decide=plain, fp8=fp8_bad)
+        if measured is None:  # a local vector of the loss, the measurement and the flags: on to the decision
+            plain = fresh and self._params_bad is None
+            measured = self._measure(fast=True, decide=plain, fp8=fp8_bad, sentinel=flagged)
         if measured.decided is not None:  # measured, gathered and decided in one replay (StepPipeline.measure)
             gathered, decided = measured.gathered, measured.decided
         elif measured.gathered is not None:  # measured and gathered in one replay; the host decision next
@@ -382,7 +383,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
             decided = pipe.decide(gathered, measured)
         else:
             gathered = pipe.gather(measured, self._loss.value(), no_grads=not fresh,
-                                   sentinel=sentinel.value() if sentinel is not None else None, fp8=fp8_bad,
+                                   sentinel=flagged, fp8=fp8_bad,
                                    params_bad=self._params_bad)
             decided = pipe.decide(gathered, measured)  # the decision, and the path it was taken on
         self._params_bad = None
@@ -662,17 +663,18 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
                 "opt.scaler.scale(loss).backward() with the scaler the guard shares. Unscaling unscaled gradients "
                 "would shrink the update by the loss scale. Nothing was changed.")
 
-    def _measure(self, fast: bool = False, decide: bool = False, fp8: torch.Tensor | None = None) -> Any:
+    def _measure(self, fast: bool = False, decide: bool = False, fp8: torch.Tensor | None = None,
+                 sentinel: torch.Tensor | None = None) -> Any:
         """``fast``: from ``step()``, the fused fast path may measure the gradients still scaled
         (never from ``unscale_()``, whose caller wants them unscaled). ``decide``: from ``step()``, and it may go
         on to the local vector and the decision (:meth:`StepPipeline.measure`), with ``fp8``, the fp8 monitor's
-        non-finite flag, in the vector."""
+        non-finite flag, and ``sentinel``, the sentinel's value, in the vector."""
         self.backend.before_unscale(self.optimizer)
         for hook in tuple(self._pre_unscale_hooks.values()):
             hook(self._step)
         pipe = self._pipeline  # numerics_every: an int compare
         return pipe.measure(self, fast=fast, sample=pipe.numerics.sampled(self._step), decide=decide,
-                            loss=self._loss.value() if decide else None, fp8=fp8)
+                            loss=self._loss.value() if decide else None, fp8=fp8, sentinel=sentinel)
 
     def _param_amax(self) -> torch.Tensor:
         """The parameter check's max|p| of every parameter, on device: off the CPU one replay of the captured

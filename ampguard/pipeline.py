@@ -298,7 +298,8 @@ class StepPipeline:
                 and self.adapter.fast_path_ok(guard, self.optimizer))  # type: ignore[union-attr]
 
     def measure(self, guard: object, *, fast: bool = False, sample: bool = False, decide: bool = False,
-                loss: torch.Tensor | None = None, fp8: torch.Tensor | None = None) -> Measured:
+                loss: torch.Tensor | None = None, fp8: torch.Tensor | None = None,
+                sentinel: torch.Tensor | None = None) -> Measured:
         """Unscale (adopting an ``unscale_`` already done this iteration), check and measure the
         gradients: one read. ``guard``: the guarded optimizer (GradScaler may know it by its id).
         ``fast`` (only from ``step()``, never from ``unscale_()``, whose caller wants unscaled
@@ -307,19 +308,21 @@ class StepPipeline:
         (:mod:`ampguard.numerics`) of the still-scaled gradients, before they are unscaled.
 
         ``decide`` (from ``step()``, where the step's local vector would hold nothing but ``loss``, the
-        measurement, ``fp8`` and constants: fresh gradients, no sentinel or parameter flag): on the fused fast
+        measurement, ``fp8``, ``sentinel`` and constants: fresh gradients, no parameter flag): on the fast
         path with the tensor decision, one rank and the local backend, go on to the local vector and the decision
         in the same execution, replayed as one CUDA graph (:meth:`_through_decision`), into
         :attr:`Measured.gathered` and :attr:`Measured.decided`; the same values as :meth:`gather` then
         :meth:`decide`. Without a GradScaler (bf16, fp32) the same from the gradients as they are. Elsewhere, or
         with ``AMPGUARD_STEP_GRAPH`` off, those stay None. ``fp8``: the fp8 monitor's non-finite flag
-        (:meth:`ampguard.fp8.Fp8Monitor.nonfinite`; None: monitoring off), which the step graph reads from its
-        own buffer (:meth:`_hold`)."""
+        (:meth:`ampguard.fp8.Fp8Monitor.nonfinite`; None: monitoring off) and ``sentinel``, the sentinel's value
+        (:meth:`ampguard.forensics.sentinel.Sentinel.value`; None: no sentinel), each of which the step graph reads
+        from its own buffer (:meth:`_hold`)."""
         if self.adapter is not None and self.adapter.shared:
             self.adapter.check_iteration()  # before anything changes: one step per guard and iteration
         if fast and self.fast_path(guard):
             # the tensor decision (a fused optimizer off the CPU): the measurement goes on to it
-            through = (loss, fp8) if decide and not sample and not self.host_decision and self._decides_through(loss) \
+            through = (loss, fp8, sentinel) if decide and not sample and not self.host_decision \
+                and self._decides_through(loss) \
                 else None
             measured = self._measure_scaled(norms_first=self.norms_first, through=through)
             if measured is not None:
@@ -332,7 +335,7 @@ class StepPipeline:
                     measured.scaled = False
                 return measured
         if decide and not sample and self.adapter is None and not self.host_decision and self._decides_through(loss):
-            measured = self._through_unscaled(loss, fp8)  # bf16/fp32: nothing to unscale
+            measured = self._through_unscaled(loss, fp8, sentinel)  # bf16/fp32: nothing to unscale
             if measured is not None:
                 return measured
         numerics = None
@@ -352,7 +355,7 @@ class StepPipeline:
         elif found:
             found_inf = torch.stack([t.to(self.device, non_blocking=True).reshape(()) for t in found.values()]).sum()
         if decide and numerics is None and self.host_decision and self.host_copies and self._decides_through(loss):
-            measured = self._through_host_copy(found, found_inf, loss, fp8)  # a non-fused optimizer off the CPU
+            measured = self._through_host_copy(found, found_inf, loss, fp8, sentinel)  # AMPGUARD_UNFUSED_HOST_DECISION
             if measured is not None:
                 return measured
         groups, (norms, reductions) = self._sparse_tolerant(self._norms, grads_by_device_and_dtype(self.params()))
@@ -433,7 +436,7 @@ class StepPipeline:
             return views, fn(coalesced)
 
     def _measure_scaled(self, norms_first: bool = False,
-                        through: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> Measured | None:
+                        through: tuple[torch.Tensor | None, ...] | None = None) -> Measured | None:
         """The fused fast path's measurement: per-tensor norms of the still-scaled gradients (the
         one read), times ``1/scale`` on device: with a power-of-two scale that is exact, so the
         norms (and the total) are bitwise those of the unscaled gradients, barring float32 over-
@@ -448,7 +451,7 @@ class StepPipeline:
         CPU tensor, and where a scaled norm is not finite (before anything is recorded): GradScaler's
         element check then decides on today's path, as in the plain loop (a finite gradient whose squares
         overflow float32 is stepped on, as torch's ``test_grad_scale_will_not_overflow`` has it); that
-        step reads the gradients twice. ``through``: ``(loss, fp8)``, go on to the decision (:meth:`measure`'s
+        step reads the gradients twice. ``through``: ``(loss, fp8, sentinel)``, go on to the decision (:meth:`measure`'s
         ``decide``, off the host decision only). No sync."""
         adapter = self.adapter
         assert adapter is not None  # internal: fast_path() checked
@@ -525,14 +528,14 @@ class StepPipeline:
 
     def _local_gathered(self, loss: torch.Tensor | None, norms: torch.Tensor, total: torch.Tensor,
                         count: torch.Tensor, found_inf: torch.Tensor | None,
-                        fp8: torch.Tensor | None = None) -> torch.Tensor:
-        """Inside the step graph: the local vector of ``loss``, the measurement and ``fp8`` (the fp8 monitor's
-        non-finite flag, held: None without fp8 monitoring), as :meth:`gather` makes it for a fresh step with no
-        sentinel or parameter flag, by device ops (as they are captured), and the local backend's gather of it
-        (the vector as the one row)."""
+                        fp8: torch.Tensor | None = None, sentinel: torch.Tensor | None = None) -> torch.Tensor:
+        """Inside the step graph: the local vector of ``loss``, the measurement, ``fp8`` (the fp8 monitor's
+        non-finite flag, held: None without fp8 monitoring) and ``sentinel`` (the sentinel's value, held: None
+        without a sentinel), as :meth:`gather` makes it for a fresh step with no parameter flag, by device ops (as
+        they are captured), and the local backend's gather of it (the vector as the one row)."""
         vec = local_vector(loss=loss, tensor_norms=norms, reductions=(total, count), found_inf=found_inf,
                            pre_reduction=self.backend.pre_reduction_flags(), device=self.device, host=False,
-                           fp8=fp8)
+                           fp8=fp8, sentinel=sentinel)
         return self.backend.all_gather(vec).wait()  # type: ignore[no-any-return]
 
     def _replayed_step(self, kind: Any, measure: Callable[[GradGroups], Any],
@@ -551,11 +554,11 @@ class StepPipeline:
             return None  # sparse gradients: measure()'s own path, which measures their values
 
     def _through_decision(self, groups: GradGroups, adapter: GradScalerAdapter, loss: torch.Tensor | None,
-                          fp8: torch.Tensor | None = None
+                          fp8: torch.Tensor | None = None, sentinel: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor,
                                      Decision]:
         """:meth:`_scaled_norms`, then the local vector (:func:`~ampguard.stats.local_vector` of ``loss``, the
-        measurement and ``fp8``, as :meth:`gather` makes it for a fresh step with no sentinel or parameter flag),
+        measurement, ``fp8`` and ``sentinel``, as :meth:`gather` makes it for a fresh step with no parameter flag),
         the local backend's gather (the vector as the one row), the decision (:func:`decide`, as
         :meth:`decide` takes it) and the payload without its optional parts (:attr:`Decision.packed`): one
         execution, replayed from :attr:`step_graph` where the gradients and the scale lie where they lay (the loss
@@ -567,13 +570,13 @@ class StepPipeline:
         scale = adapter.scale
         view = adapter.view()
         growth_tracker = view.growth_tracker
-        loss, fp8 = self._hold("loss", loss), self._hold("fp8", fp8)
+        loss, fp8, sentinel = self._hold("loss", loss), self._hold("fp8", fp8), self._hold("sentinel", sentinel)
         config = self.config
         clipping, fused = uses_clipping(config), self.fused
 
         def measure() -> tuple[Any, ...]:
             norms, found, (total, count) = self._scaled_norms_of(groups, adapter)
-            gathered = self._local_gathered(loss, norms, total, count, found, fp8)
+            gathered = self._local_gathered(loss, norms, total, count, found, fp8, sentinel)
             vector, tracker = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                      scaler=view, grads_sharded=False)
             payload = pack(vector, gathered, norms).vector
@@ -589,30 +592,31 @@ class StepPipeline:
             return norms, found, total, count, gathered, vector, payload, grad_scale
 
         kind = ("decision", view.growth_factor, view.backoff_factor, view.growth_interval,
-                *_addresses(loss, fp8))  # the loss and the fp8 flag held: their buffers (None: no loss, no fp8)
+                *_addresses(loss, fp8, sentinel))  # the loss and the flags held: their buffers (None: not given)
         norms, found, total, count, gathered, vector, payload, grad_scale = self._replayed(
             kind, measure, groups, scale, self.step_graph)
         decision = Decision(vector, growth_tracker, packed=Packed(payload, Layout.of(gathered, norms)),
                             grad_scale=grad_scale if fused else None, unscale_by=None if fused else grad_scale)
         return norms, found, (total, count), gathered, decision
 
-    def _through_unscaled(self, loss: torch.Tensor | None, fp8: torch.Tensor | None = None) -> Measured | None:
+    def _through_unscaled(self, loss: torch.Tensor | None, fp8: torch.Tensor | None = None,
+                          sentinel: torch.Tensor | None = None) -> Measured | None:
         """Without a GradScaler (bf16, fp32): the gradients' norms and their reductions (:meth:`_norms`), the local
         vector, the local backend's gather, the decision and the payload without its optional parts, in one
         execution replayed from :attr:`step_graph` where the gradients lie where they lay, the loss held
         (:meth:`_hold`) (the measurement :meth:`_through_decision` makes on the fast path, with no scale to read or
         write). None where some gradient is sparse (:meth:`_replayed_step`). No sync."""
         config = self.config
-        loss, fp8 = self._hold("loss", loss), self._hold("fp8", fp8)
+        loss, fp8, sentinel = self._hold("loss", loss), self._hold("fp8", fp8), self._hold("sentinel", sentinel)
 
         def measure(groups: GradGroups) -> tuple[Any, ...]:
             norms, (total, count) = self._norms_of(groups)
-            gathered = self._local_gathered(loss, norms, total, count, None, fp8)
+            gathered = self._local_gathered(loss, norms, total, count, None, fp8, sentinel)
             vector, _ = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                scaler=None, grads_sharded=False)
             return norms, total, count, gathered, vector, pack(vector, gathered, norms).vector
 
-        replayed = self._replayed_step(("decision, unscaled", *_addresses(loss, fp8)), measure)
+        replayed = self._replayed_step(("decision, unscaled", *_addresses(loss, fp8, sentinel)), measure)
         if replayed is None:
             return None
         groups, (norms, total, count, gathered, vector, payload) = replayed
@@ -620,7 +624,8 @@ class StepPipeline:
         return Measured({}, None, groups, norms, reductions=(total, count), gathered=gathered, decided=decision)
 
     def _through_host_copy(self, found: dict[torch.device, torch.Tensor], found_inf: torch.Tensor | None,
-                           loss: torch.Tensor | None, fp8: torch.Tensor | None = None) -> Measured | None:
+                           loss: torch.Tensor | None, fp8: torch.Tensor | None = None,
+                           sentinel: torch.Tensor | None = None) -> Measured | None:
         """The host decision's side of the step graph (a non-fused optimizer off the CPU, after GradScaler's own
         unscale): the norms of the unscaled gradients and their reductions, the local vector, the local backend's gather
         and the host copy's vector (:meth:`ampguard.payload.HostCopy.flat`) in one execution, replayed from
@@ -631,13 +636,14 @@ class StepPipeline:
         device = self.device
         view: ScalerView | None = self.adapter.view() if self.adapter is not None else None
         found_in, loss, fp8 = self._hold("found_inf", found_inf), self._hold("loss", loss), self._hold("fp8", fp8)
+        sentinel = self._hold("sentinel", sentinel)
 
         def measure(groups: GradGroups) -> tuple[Any, ...]:
             norms, (total, count) = self._norms_of(groups)
-            gathered = self._local_gathered(loss, norms, total, count, found_in, fp8)
+            gathered = self._local_gathered(loss, norms, total, count, found_in, fp8, sentinel)
             return norms, total, count, gathered, HostCopy.flat(gathered, norms, None, view, device)
 
-        kind = ("host copy", *_addresses(loss, found_in, fp8))
+        kind = ("host copy", *_addresses(loss, found_in, fp8, sentinel))
         replayed = self._replayed_step(kind, measure, None if view is None else view.scale)
         if replayed is None:
             return None

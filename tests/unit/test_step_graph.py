@@ -87,14 +87,15 @@ def _count_through(pipe: Any, graphs: _Graphs) -> None:
 
 
 def _run(step_graph: bool, steps: int = 16, addresses: int = 1, bf16: bool = False, fail: bool = False,
-         fused: bool = True, moving: int = 0) -> tuple[list[torch.Tensor], Any, Any]:
+         fused: bool = True, moving: int = 0, sentinel: bool = False) -> tuple[list[torch.Tensor], Any, Any]:
     """A guarded run. On the CPU a tensor's address is malloc's choice: the gradients are kept (zeroed in place)
     and the kept loss is copied into one of ``addresses`` buffers in turn, so that keys repeat as they do on
     CUDA's caching allocator (a CUDA loop's loss and gradients usually lie where they lay). ``bf16``: no
     GradScaler, a LayerNorm with ``eps=0`` first, and a batch with a constant row at NAN_STEP (its variance 0: a
     genuine NaN). ``fused=False``: foreach AdamW, the host decision as CUDA takes it (``host_copies``), fp16 with
     :class:`_SteadyScaler`. ``moving``: the first ``moving`` steps' gradients kept alive and set to None, so that
-    each of those backwards writes new ones elsewhere (keys that do not repeat)."""
+    each of those backwards writes new ones elsewhere (keys that do not repeat). ``sentinel``: ``sentinel="top"``
+    (its value one more held input of the step graph since stop 55)."""
     model = make_model(0)
     if bf16:
         model = torch.nn.Sequential(torch.nn.LayerNorm(8, eps=0.0, elementwise_affine=False), *model)
@@ -102,7 +103,8 @@ def _run(step_graph: bool, steps: int = 16, addresses: int = 1, bf16: bool = Fal
     scaler = None if bf16 else (torch.amp.GradScaler if fused else _SteadyScaler)("cpu", init_scale=2.0**10,
                                                                                   growth_interval=3)
     with mock.patch.dict(os.environ, {"AMPGUARD_STEP_GRAPH": "1" if step_graph else "0"}):  # read at wrap time
-        opt = ampguard.wrap(inner, model=model, precision="bf16" if bf16 else "fp16", scaler=scaler, config=CONFIG)
+        opt = ampguard.wrap(inner, model=model, precision="bf16" if bf16 else "fp16", scaler=scaler,
+                            config={**CONFIG, "sentinel": "top"} if sentinel else CONFIG)
     pipe = opt._pipeline
     if fused:
         pipe.host_decision = False  # the tensor decision, as on CUDA
@@ -154,6 +156,23 @@ def test_a_run_through_the_step_graph_is_the_run_without_it_bit_for_bit() -> Non
     assert {r.step for r in reports if r.skipped} >= OVERFLOW_STEPS  # genuine overflows, skipped
     assert any(r.clip_coef < 1.0 for r in reports)  # ZClip clipped
     assert any(r.grad_zero_fraction is not None for r in reports)  # sampled numerics steps (the stages apart)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
+def test_a_sentinel_goes_through_the_step_graph_and_names_the_block_on_the_step(bf16: bool) -> None:
+    """``sentinel="top"``: its value (which block's output went non-finite first) is one more of the step graph's
+    held inputs (before stop 55 a sentinel kept every step on the stages apart). The run is the run without the step
+    graph, bit for bit, and a genuine NaN (bf16: LayerNorm with eps=0 over a constant row) or overflow is named
+    where the stages name it, on its own step."""
+    want, plain, _ = _run(step_graph=False, steps=15, bf16=bf16, sentinel=True)
+    got, guarded, graphs = _run(step_graph=True, steps=15, bf16=bf16, sentinel=True)
+    assert graphs.taken >= 10 and graphs.captures >= 1 and graphs.replays >= 8, (graphs.taken, graphs.replays)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _reports(guarded) == _reports(plain)
+    named = [(a.step, a.module, a.phase) for a in guarded.anomalies if a.module is not None]
+    assert named == [(a.step, a.module, a.phase) for a in plain.anomalies if a.module is not None]
+    if bf16:
+        assert (NAN_STEP, "0", "forward") in named  # the LayerNorm, block "0", on the NaN's own step
 
 
 def test_without_a_scaler_the_run_is_the_run_without_it_bit_for_bit() -> None:
