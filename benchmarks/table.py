@@ -112,6 +112,8 @@ CUDA_GROUPS: list[dict[str, Any]] = [
          pairs=[("guard_fused", "plain_fused", 1.000)]),
     dict(name="compile", size="gpt2", variants=["plain_fused", "guard_fused"], compile=True, needs_s=150,
          pairs=[("guard_fused", "plain_fused", 1.005)]),
+    dict(name="sentinel", size="gpt2", variants=["plain_fused", "guard_fused", "guard_sentinel_fused"],
+         pairs=[("guard_sentinel_fused", "guard_fused", 1.005), ("guard_fused", "plain_fused", None)]),
 ]
 CPU_GROUPS: list[dict[str, Any]] = [
     dict(name="mlp-8x512", size="mlp-8x512", variants=[*B8, "plain_unfused", "guard_unfused"],
