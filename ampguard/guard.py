@@ -397,7 +397,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         every = self.config.indicators_every
         sample = (ind.before_step(measured, pipe.params())
                   if ind is not None and every is not None and self._step % every == 0 else None)
-        synced = pipe.inner_step(decided, measured)
+        settles = pipe.inner_step(decided, measured)  # whether its report may be decoded at this step's end
         tail = ind.after_step(sample) if sample is not None else None  # type: ignore[union-attr]
         if self._outcome.schedules.emas:  # on device: torch.where on the skip flag (a host bool on CPU)
             self._outcome.schedules.update_emas(decision, decided.skipped)
@@ -414,7 +414,7 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         every = self.config.consistency_every
         if every is not None and self.backend.world_size > 1 and self._step % every == 0:  # collective
             consistency.check_outcome(self._outcome, self._step, self._scaler, pipe.params(), self.device, self.config)
-        if synced or not self._lagged_reports:
+        if settles or not self._lagged_reports:
             self._outcome.settle(next_forward=self._step)  # after _end_step: the next forward is this step's
         elif decided.skipped is not None:  # its skip read by its step (a non-fused optimizer): no guess to undo
             self._outcome.schedules.step_known(self._step - 1, decided.skipped)

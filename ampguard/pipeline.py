@@ -726,7 +726,10 @@ class StepPipeline:
             torch._foreach_mul_(grads, c)
 
     def inner_step(self, decision: Decision, measured: Measured) -> bool:
-        """Step the inner optimizer unless the decision says skip. Returns whether it synced."""
+        """Step the inner optimizer unless the decision says skip. Returns whether the step's report may be decoded
+        at once (the caller's fixed point then waits for nothing the optimizer queued): a host decision's step that
+        synced, and a non-fused step whose skip read said skipped (its report, queued behind no optimizer kernel,
+        names a non-finite step's cause in time for the next forward's hooks: docs/diagnosis.md)."""
         if not measured.groups.index:
             # No gradient on this rank: the decision skips everywhere (Loc.NO_GRADS), and there is
             # nothing to step here (GradScaler.step would refuse: it recorded no inf check).
@@ -735,9 +738,8 @@ class StepPipeline:
         if measured.scaled:
             if self.fused:
                 self._step_scaled(decision, skip, measured)
-            else:
-                self._step_unscaling(decision, skip, measured)
-            return False
+                return False
+            return self._step_unscaling(decision, skip, measured)
         if decision.skipped is not None:
             return self._inner_step_host(decision.skipped, skip, measured)
         # The tensor decision: off the CPU (and on the CPU where tests turn host_decision off)
@@ -757,7 +759,7 @@ class StepPipeline:
         if not skipped:
             with self.backend.step_context(inner):
                 inner.step()
-        return False  # the reports need no wait here: the step's skip is known (Decision.learnt)
+        return skipped  # a step taken: its report decoded later (Decision.learnt tells its skip meanwhile)
 
     def _inner_step_host(self, skipped: bool, skip: torch.Tensor, measured: Measured) -> bool:
         """The inner step when the skip is a host bool (CPU): what GradScaler.step does, without
@@ -800,13 +802,14 @@ class StepPipeline:
                 grad_scale = scale / decision.vector[Dec.CLIP_COEF].to(scale.device, non_blocking=True)
         self._step_fused(skip, grad_scale)
 
-    def _step_unscaling(self, decision: Decision, skip: torch.Tensor, measured: Measured) -> None:
+    def _step_unscaling(self, decision: Decision, skip: torch.Tensor, measured: Measured) -> bool:
         """A non-fused optimizer's step on the fast path (:attr:`unfused_fast`): the skip read (the step's one sync,
         where the plain loop's GradScaler reads ``found_inf``), GradScaler's record set to it; the gradients unscaled
         by one ``_foreach_mul_`` by GradScaler's ``1/scale`` at the scale they were measured at (also on a skipped
         step: ``.grad`` as the plain loop's ``unscale_`` leaves it), then, on a step taken, clipped by a second
         (the coefficient ``clip_grad_norm_`` computes, from the same norms: its values) and stepped. The multiplies
-        are queued after the read, so the host waits for the measurement and the decision only."""
+        are queued after the read, so the host waits for the measurement and the decision only. Returns whether it
+        skipped (:meth:`inner_step`'s answer)."""
         adapter = self.adapter
         assert adapter is not None  # internal: unfused_fast needs a GradScaler
         skipped = decision.learnt = bool(skip.item())  # SYNC: what a non-fused optimizer needs to skip
@@ -823,6 +826,7 @@ class StepPipeline:
             inner = self.optimizer
             with self.backend.step_context(inner):
                 inner.step()
+        return skipped
 
     def _step_fused(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
         """A fused optimizer's step (``_step_supports_amp_scaling``): it skips in its kernel."""

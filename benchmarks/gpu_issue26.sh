@@ -125,6 +125,12 @@ if [ "${FRAMEWORKS:-0}" = 1 ]; then
     fw_run "$TAG"
   fi
 fi
+if [ -n "${TABLE_GROUPS:-}" ]; then  # table.py's CUDA groups by name (foreach, sentinel, b8, ...), side by side
+  timeout -k 5 "${TABLE_S:-120}" python benchmarks/table.py --device cuda --groups "$TABLE_GROUPS" \
+    --blocks ${TABLE_BLOCKS:-20} --budget-s $(( ${TABLE_S:-120} - 25 )) --profile-steps 0 --no-memory --no-syncs \
+    --out "$OUT/table_$TAG.json" > "$OUT/table_$TAG.txt" 2>&1
+  echo "table rc=$?"; grep -v Warning "$OUT/table_$TAG.txt" | grep -E "^\| |done|skipped" | head -30
+fi
 if [ "${COMPILE:-0}" = 1 ]; then
   timeout -k 5 "${COMPILE_S:-110}" python benchmarks/table.py --device cuda --groups compile --blocks 30 \
     --budget-s $(( ${COMPILE_S:-110} - 25 )) --profile-steps 0 --out "$OUT/table_compile_$TAG.json" \

@@ -65,7 +65,7 @@ def test_resume_bit_for_bit_with_cuda_graph(fused):
     _train(model_c, opt_c, batches[10:])
     for a, c in zip(model_a.parameters(), model_c.parameters()):
         assert torch.equal(a, c)
-    assert _decided_in_a_graph(opt_c) == fused, (opt_c._pipeline.step_graph.replays, opt_c._pipeline.step_graph.misses)
+    assert _decided_in_a_graph(opt_c), (opt_c._pipeline.step_graph.replays, opt_c._pipeline.step_graph.misses)
     tail_a = [(r.skipped, r.loss_scale, r.next_loss_scale) for r in list(opt_a.history)[10:]]
     tail_c = [(r.skipped, r.loss_scale, r.next_loss_scale) for r in opt_c.history]
     assert tail_a == tail_c
