@@ -82,6 +82,14 @@
 # was put ahead of PYTHONPATH). The next session, first: FIRST=0 TESTS=0 HOST=0 FRAMEWORKS=1 FW_BASE=1a11178
 # FW_BLOCKS=30 FRAMEWORKS_S=110 (stop 53's library, then this one, twice: the Lightning row before and after on one
 # lease; check each JSON's versions.ampguard_from), then the whole tests/gpu (TESTS=1).
+# Stop 55 (benchmarks/results/gpu_stop55/, RESULTS.md "Stop 55") got one H100 for 389 s after 1400 s of refused starts:
+# a non-fused optimizer's new path (the tensor decision in the step graph, the skip read once) cut foreach's host time
+# (MLP +327 -> +204 us, GPT-2 350M +1117 -> -86 us, one run each); tests/gpu then failed six diagnosis scenarios and
+# the usage-pattern recipe (named a step late), which 58a6c56 fixed on the CPU only. The next session, first:
+# FIRST=0 TESTS=1 HOST=0 (tests/gpu whole on 58a6c56 or later), then FIRST=0 TESTS=0 HOST=1 MODELS=mlp,gpt2-350m
+# OPTIMS=foreach,fused BLOCKS=5 OPS=0 STEP_GRAPH=1 HOST_ARM=1 HOST_S=400 (run 2 of the foreach rows, fused beside
+# them), then FIRST=0 TESTS=0 HOST=0 TABLE_GROUPS=sentinel,foreach TABLE_S=200 TABLE_BLOCKS=30 (the sentinel's 1.005
+# row after 220637c, the hand loop's foreach 1.01 row), then the framework rows above (FW_BASE=1a11178).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
