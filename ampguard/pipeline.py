@@ -233,6 +233,8 @@ class StepPipeline:
         """Steps the step graph was not tried since it missed :data:`STEP_GRAPH_MISSES` runs in a row."""
         self._held: dict[str, torch.Tensor] = {}
         """The step graph's own buffers for its 0-d inputs that somebody else allocates each step (:meth:`_hold`)."""
+        self._scalar: torch.Tensor | None = None
+        """:meth:`_host_scalar`'s buffer."""
         self._clip_configs: dict[float, GuardConfig] = {}
         self.numerics = Numerics(config.numerics_every, device=device,
                                  headroom=adapter is not None and adapter.scaler.is_enabled())
@@ -329,7 +331,7 @@ class StepPipeline:
                 if sample:
                     measured.numerics = self.numerics.measure(measured.groups, self.optimizer.param_groups, None)
                 if self.norms_first:  # a non-fused optimizer steps on unscaled gradients (GradScaler's values)
-                    inv = self.adapter.inv_scale_host()  # type: ignore[union-attr]
+                    inv = self._host_scalar(self.adapter.inv_scale_host())  # type: ignore[union-attr]
                     for grads in measured.groups.tensors.values():
                         torch._foreach_mul_(grads, inv)
                     measured.scaled = False
@@ -510,6 +512,17 @@ class StepPipeline:
         # count > 0 as 0.0 or 1.0 (a count: an integer >= 0): one kernel where gt and a cast are two
         found = count.clamp(max=1.0).to(adapter.scale.device, non_blocking=True).reshape(())
         return norms, found, (total, count)
+
+    def _host_scalar(self, value: float) -> torch.Tensor:
+        """``value`` in a 0-d float32 CPU tensor the pipeline keeps (one fill a step): ``_foreach_mul_`` by a tensor
+        is the same float32 multiply as by a Python float (the float is rounded to float32 first: ``value`` already is)
+        and took 59 us where the float took 78 on mlp-small's 8 gradients on the 2-core CPU (the float is wrapped
+        into a tensor once per gradient; stop 56, ``benchmarks/results/cpu_stop56/``). Used at once, by the caller's
+        multiply: the next call refills it."""
+        buf = self._scalar
+        if buf is None:
+            buf = self._scalar = torch.zeros((), dtype=torch.float32)
+        return buf.fill_(value)
 
     def _hold(self, slot: str, value: torch.Tensor | None) -> torch.Tensor | None:
         """``value``, a float32 0-d tensor that somebody else allocates each step (the loss, which the user's forward
