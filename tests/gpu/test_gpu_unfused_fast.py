@@ -21,6 +21,8 @@ from torch import nn
 
 import ampguard
 
+from ..unit._models import one_step
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
@@ -51,13 +53,7 @@ def _run(guarded: bool, batches: list, *, host: bool = False) -> dict[str, Any]:
     for x, y in batches:
         with torch.autocast("cuda", dtype=torch.float16):
             loss = F.cross_entropy(model(x), y)
-        if guarded:
-            opt.backward(loss)
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(inner)
-            scaler.update()
+        one_step(guarded, opt, scaler, loss)  # opt: the guard, or the inner optimizer itself
         opt.zero_grad(set_to_none=True)
     out: dict[str, Any] = {"params": [p.detach().clone() for p in model.parameters()], "scale": scaler.get_scale(),
                            "taken": len(taken)}
