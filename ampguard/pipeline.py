@@ -766,9 +766,7 @@ class StepPipeline:
                 self._step_fused(skip, None)
             return False
         # a non-fused optimizer: GradScaler.step's `if not found_inf.item(): step()`, the flag the decision's skip
-        skipped = decision.learnt = bool(skip.item())  # SYNC: what a non-fused optimizer needs to skip
-        if self.adapter is not None:
-            self.adapter.force_found_inf(measured.found_inf_per_device, skipped)
+        skipped = self._learn_skip(decision, skip, measured)
         if not skipped:
             with self.backend.step_context(inner):
                 inner.step()
@@ -825,8 +823,7 @@ class StepPipeline:
         skipped (:meth:`inner_step`'s answer)."""
         adapter = self.adapter
         assert adapter is not None  # internal: unfused_fast needs a GradScaler
-        skipped = decision.learnt = bool(skip.item())  # SYNC: what a non-fused optimizer needs to skip
-        adapter.force_found_inf(measured.found_inf_per_device, skipped)  # a fill: no copy
+        skipped = self._learn_skip(decision, skip, measured)
         inv = decision.unscale_by if decision.unscale_by is not None else adapter.inv_scale()
         coef = None if skipped or not uses_clipping(self.config_for(measured)) else decision.vector[Dec.CLIP_COEF]
         for grads in measured.groups.tensors.values():
@@ -839,6 +836,15 @@ class StepPipeline:
             inner = self.optimizer
             with self.backend.step_context(inner):
                 inner.step()
+        return skipped
+
+    def _learn_skip(self, decision: Decision, skip: torch.Tensor, measured: Measured) -> bool:
+        """A non-fused optimizer's step on the tensor decision: the skip flag read (the step's one sync, where the
+        plain loop's GradScaler reads ``found_inf``) into :attr:`Decision.learnt`, and GradScaler's record set to it
+        (a fill: no copy). Returns it."""
+        skipped = decision.learnt = bool(skip.item())  # SYNC: what a non-fused optimizer needs to skip
+        if self.adapter is not None:
+            self.adapter.force_found_inf(measured.found_inf_per_device, skipped)
         return skipped
 
     def _step_fused(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> None:
