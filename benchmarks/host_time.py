@@ -274,34 +274,27 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
     out["measure_graph"] = {"steps": steps_run, "captures": graphs.captures, "replays": graphs.replays}
     out["added_us"] = out["guard_us"]["median"] - out["plain_us"]["median"]
     out["added_mean_us"] = out["guard_us"]["mean"] - out["plain_us"]["mean"]
+
+    def arm(variant: str, **extra: Any) -> dict[str, Any]:
+        """A guarded arm timed in the same blocks: its times, its breakdown, ``extra`` (read before it is closed) and
+        what it adds to the plain step; then the arm closed."""
+        a_stages, a_total = breakdown(*breakdowns[variant])
+        row = {"us": q(times[variant]), "breakdown_us": a_stages, "breakdown_total_us": a_total,
+               "breakdown_mean_us": means(*breakdowns[variant]), **extra}
+        row["added_us"] = row["us"]["median"] - out["plain_us"]["median"]
+        row["added_mean_us"] = row["us"]["mean"] - out["plain_us"]["mean"]
+        loops[variant][3].close()
+        return row
+
     if step_graph:  # the step graph's guard, timed in the same blocks
         stepped = loops["guard-step"][3]
         sg = stepped._pipeline.step_graph
-        s_stages, s_total = breakdown(*breakdowns["guard-step"])
-        out["guard_step"] = {"us": q(times["guard-step"]), "breakdown_us": s_stages, "breakdown_total_us": s_total,
-                             "breakdown_mean_us": means(*breakdowns["guard-step"]),
-                             "step_graph": {"steps": stepped.step_count, "captures": sg.captures,
-                                            "replays": sg.replays}}
-        out["guard_step"]["added_us"] = out["guard_step"]["us"]["median"] - out["plain_us"]["median"]
-        out["guard_step"]["added_mean_us"] = out["guard_step"]["us"]["mean"] - out["plain_us"]["mean"]
-        stepped.close()
+        out["guard_step"] = arm("guard-step", step_graph={"steps": stepped.step_count, "captures": sg.captures,
+                                                          "replays": sg.replays})
     if batch_arm:  # each report decoded at its step, in the same blocks: what the batches save (the mean counts them)
-        per = loops["guard-perstep"][3]
-        p_stages, p_total = breakdown(*breakdowns["guard-perstep"])
-        out["guard_perstep"] = {"us": q(times["guard-perstep"]), "breakdown_us": p_stages,
-                                "breakdown_total_us": p_total, "breakdown_mean_us": means(*breakdowns["guard-perstep"])}
-        out["guard_perstep"]["added_us"] = out["guard_perstep"]["us"]["median"] - out["plain_us"]["median"]
-        out["guard_perstep"]["added_mean_us"] = out["guard_perstep"]["us"]["mean"] - out["plain_us"]["mean"]
-        per.close()
+        out["guard_perstep"] = arm("guard-perstep")
     if host_arm:  # a non-fused optimizer's host decision (before stop 55), in the same blocks
-        host = loops["guard-host"][3]
-        h_stages, h_total = breakdown(*breakdowns["guard-host"])
-        out["guard_host"] = {"us": q(times["guard-host"]), "breakdown_us": h_stages, "breakdown_total_us": h_total,
-                             "breakdown_mean_us": means(*breakdowns["guard-host"]),
-                             "host_decision": host._pipeline.host_decision}
-        out["guard_host"]["added_us"] = out["guard_host"]["us"]["median"] - out["plain_us"]["median"]
-        out["guard_host"]["added_mean_us"] = out["guard_host"]["us"]["mean"] - out["plain_us"]["mean"]
-        host.close()
+        out["guard_host"] = arm("guard-host", host_decision=loops["guard-host"][3]._pipeline.host_decision)
     guard.close()
     return out
 
