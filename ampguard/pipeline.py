@@ -145,6 +145,10 @@ class Decision:
     :meth:`StepPipeline.payload` takes it on a step with none of those parts. A graph's output, rewritten by the
     next replay: the reporter copies it into pinned memory before that (stream order); on the CPU (tests), where
     the reporter keeps a payload as it is, it is cloned."""
+    packed_host: torch.Tensor | None = None
+    """:attr:`packed`'s vector, on the host: a non-fused optimizer's skip read (:meth:`StepPipeline._learn_skip`)
+    copies the whole payload, where it read the one flag (the same one sync), so the reporter has nothing to copy,
+    no event to record, and no optimizer kernel to wait behind. None: not copied."""
 
     @property
     def skipped(self) -> bool | None:
@@ -721,6 +725,8 @@ class StepPipeline:
         if decision.packed is not None and measured.numerics is None and indicators is None and params is None \
                 and fp8 is None:  # made in the step graph's replay, with the decision
             packed = decision.packed  # the graph's output, rewritten by its next replay: CUDA's reporter copies it
+            if decision.packed_host is not None:  # already copied by the skip read: the reporter keeps it as it is
+                return Packed(decision.packed_host, packed.layout)
             return packed if packed.vector.device.type != "cpu" else Packed(packed.vector.clone(), packed.layout)
         return pack(decision.vector, gathered, measured.norms, measured.numerics, indicators, params, fp8,
                     copied=decision.copied)
@@ -841,8 +847,16 @@ class StepPipeline:
     def _learn_skip(self, decision: Decision, skip: torch.Tensor, measured: Measured) -> bool:
         """A non-fused optimizer's step on the tensor decision: the skip flag read (the step's one sync, where the
         plain loop's GradScaler reads ``found_inf``) into :attr:`Decision.learnt`, and GradScaler's record set to it
-        (a fill: no copy). Returns it."""
-        skipped = decision.learnt = bool(skip.item())  # SYNC: what a non-fused optimizer needs to skip
+        (a fill: no copy). Returns it. Where the step graph made the payload (:attr:`Decision.packed`), the read
+        copies the whole payload, whose first floats are the decision (:attr:`Decision.packed_host`): one copy and
+        one wait, as for the flag alone, and the reporter's own copy of it, queued after the optimizer's kernels,
+        is not made."""
+        packed = decision.packed
+        if packed is not None:  # SYNC: the payload's copy, the decision at its head
+            host = decision.packed_host = packed.vector.to("cpu", copy=True)
+            skipped = decision.learnt = bool(host[Dec.SKIP])
+        else:
+            skipped = decision.learnt = bool(skip.item())  # SYNC: what a non-fused optimizer needs to skip
         if self.adapter is not None:
             self.adapter.force_found_inf(measured.found_inf_per_device, skipped)
         return skipped

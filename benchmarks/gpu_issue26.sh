@@ -110,6 +110,18 @@ if [ "${TESTS:-1}" = 1 ]; then  # ~250 s on the H200 at stop 37 (a 200 s bound c
   timeout -k 5 "${TESTS_S:-330}" python -m pytest -q -p no:cacheprovider -rfE tests/gpu > "$OUT/tests_$TAG.txt" 2>&1
   echo "tests rc=$?"; tail -n 15 "$OUT/tests_$TAG.txt"
 fi
+if [ -n "${HOST_BASE:-}" ]; then  # HOST_BASE=REV: that commit's host_time.py and library, then this tree's, in turn
+  rm -rf /tmp/host_base && mkdir -p /tmp/host_base && git archive "$HOST_BASE" ampguard benchmarks | tar -x -C /tmp/host_base
+  for round in ${HOST_ROUNDS:-1 2}; do
+    for side in base this; do
+      root=.; [ "$side" = base ] && root=/tmp/host_base
+      timeout -k 5 "${HOST_S:-150}" python "$root/benchmarks/host_time.py" --device cuda --models ${HB_MODELS:-mlp} \
+        --optims ${HB_OPTIMS:-foreach} --blocks ${HB_BLOCKS:-4} --steps 30 --profile 0 --ops 0 \
+        --json "$OUT/host_${TAG}_${side}$round.json" > "$OUT/host_${TAG}_${side}$round.txt" 2>&1
+      echo "host $side$round rc=$?"; grep -E " on cuda|step graph: [0-9]" "$OUT/host_${TAG}_${side}$round.txt"
+    done
+  done
+fi
 if [ "${HOST:-1}" = 1 ]; then
   timeout -k 5 "${HOST_S:-300}" python benchmarks/host_time.py --device cuda --models ${MODELS:-mlp,gpt2-350m} \
     --optims ${OPTIMS:-fused,foreach} --blocks ${BLOCKS:-10} --steps 30 --profile ${PROFILE:-0} --ops ${OPS:-30} \

@@ -375,6 +375,7 @@ def main() -> int:
             sys.stdout.flush()
     if args.json:
         args.json.write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__, "clock": args.clock,
+                                         "ampguard_from": str(Path(ampguard.__file__).resolve().parent),
                                          "rows": rows}, indent=1))
     return 0
 
