@@ -45,11 +45,15 @@ def _run(guarded: bool, batches: list, *, host: bool = False) -> dict[str, Any]:
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**24)  # the first steps overflow for real
     opt: Any = inner
     taken: list[int] = []
+    kept: list[str | None] = []
     if guarded:
         with mock.patch.dict(os.environ, {"AMPGUARD_UNFUSED_HOST_DECISION": "1" if host else "0"}):
             opt = ampguard.wrap(inner, model=model, precision="fp16", scaler=scaler)
         pipe = opt._pipeline
         pipe._step_unscaling = lambda *a, _f=pipe._step_unscaling: taken.append(1) or _f(*a)
+        rep = opt._reporter  # where each step's payload lies when the reporter gets it (a checked step's aside)
+        rep.enqueue = lambda step, packed, *a, _f=rep.enqueue, **k: (
+            kept.append(None if packed.layout.params else packed.vector.device.type), _f(step, packed, *a, **k))[1]
     for x, y in batches:
         with torch.autocast("cuda", dtype=torch.float16):
             loss = F.cross_entropy(model(x), y)
@@ -64,6 +68,7 @@ def _run(guarded: bool, batches: list, *, host: bool = False) -> dict[str, Any]:
                                for r in opt.history])
         out["graph"] = opt._pipeline.step_graph
         out["host"] = opt._pipeline.host_decision
+        out["kept"] = kept
     return out
 
 
@@ -82,6 +87,9 @@ def test_bitwise_the_plain_loop_without_gradscalers_unscale(unscale_calls: list[
     assert got["skipped"][:1] == [0]  # the first steps overflowed for real
     graphs = got["graph"]
     assert graphs.replays >= 12, (graphs.replays, graphs.captures, graphs.misses)
+    # the skip read brought each step graph's payload to the host (stop 57): the reporter copies none of them
+    kept = got["kept"]
+    assert kept.count("cpu") >= graphs.replays - kept.count(None), kept
 
 
 def test_the_same_run_as_the_host_decision_it_replaced() -> None:

@@ -201,6 +201,42 @@ def test_the_skip_is_known_on_the_host_once_the_step_read_it() -> None:
     assert [r.skipped for r in opt.history] == [False] * 4 + [True, False]
 
 
+def test_the_skip_read_brings_the_step_graphs_payload_with_it() -> None:
+    """Where the step graph made the payload, the skip read copies all of it (the decision at its head), and the
+    reporter keeps that copy as it is: on CUDA no pinned copy of its own, no event, and nothing to wait for behind the
+    optimizer's kernels (stop 57). Each step's report is still the stages' own (the test above)."""
+    model = make_model(0)
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True), model=model,
+                        precision="fp16", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+    graphs = _forced(opt, step_graph=True)
+    pipe, reporter = opt._pipeline, opt._reporter
+    read: list[Any] = []
+    pipe._learn_skip = lambda d, *a, _f=pipe._learn_skip: (_f(d, *a), read.append(d))[0]
+    kept: list[Any] = []
+    reporter.enqueue = lambda step, packed, *a, _f=reporter.enqueue, **k: (kept.append(packed), _f(step, packed, *a,
+                                                                                                   **k))[1]
+    buffers = [torch.zeros(())]
+    with mock.patch.object(LossMeter, "kept", staticmethod(lambda loss: buffers[0].copy_(loss.detach().reshape(())))):
+        for i, (x, y) in enumerate(make_data(8)):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_of(model, x, y) * (2.0**14 if i == 4 else 1.0)
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    opt.flush()
+    assert graphs.replays >= 5 and len(read) == len(kept) == 8
+    plain = 0
+    for step, (decision, packed) in enumerate(zip(read, kept)):
+        assert decision.packed is not None and decision.learnt == (step == 4), step  # made in the step graph
+        if packed.layout.params:  # a parameter check's step: its payload packed anew, with the max|p| after it
+            assert packed.vector is not decision.packed_host
+            continue
+        assert packed.vector is decision.packed_host, step  # the skip read's copy, kept as it is
+        plain += 1
+    assert plain >= 6
+    assert [r.skipped for r in opt.history] == [False] * 4 + [True] + [False] * 3
+
+
 def test_off_the_cpu_by_default_and_the_switch_gives_the_host_decision_back() -> None:
     model = make_model()
     other = torch.device("meta")  # any device but the CPU
