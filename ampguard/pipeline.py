@@ -148,7 +148,8 @@ class Decision:
     packed_host: torch.Tensor | None = None
     """:attr:`packed`'s vector, on the host: a non-fused optimizer's skip read (:meth:`StepPipeline._learn_skip`)
     copies the whole payload, where it read the one flag (the same one sync), so the reporter has nothing to copy,
-    no event to record, and no optimizer kernel to wait behind. None: not copied."""
+    no event to record, and no optimizer kernel to wait behind. None: not copied. Unused on a step whose payload
+    gets more parts after the inner step (a parameter check's, sampled indicators, fp8 rows): packed anew then."""
 
     @property
     def skipped(self) -> bool | None:
