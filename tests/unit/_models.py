@@ -33,6 +33,15 @@ def make_opt(model: torch.nn.Module, kind: str = "adamw") -> torch.optim.Optimiz
     raise ValueError(kind)
 
 
+NON_FUSED = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),  # the for-loop implementation
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+}
+"""The non-fused optimizers the unscaling paths are held to the plain loop with (norms first on the CPU, the tensor
+decision off it), by name."""
+
+
 def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(model(x).float(), y)
 

@@ -17,19 +17,14 @@ import torch
 
 import ampguard
 
-from ._models import assert_same, loss_of, make_data, make_model, snapshot
+from ._models import NON_FUSED, assert_same, loss_of, make_data, make_model, snapshot
 
 INF_STEPS = (5, 11)
-KINDS = {
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2),  # the for-loop implementation on the CPU
-    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
-}
 
 
 def _run(kind: str, data, guarded: bool, *, fast: bool = True, host: bool = True):
     model = make_model()
-    opt = KINDS[kind](model.parameters())
+    opt = NON_FUSED[kind](model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=3)
     if guarded:
         with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_FAST_PATH": "1" if fast else "0"}):  # read at wrap time
@@ -55,7 +50,7 @@ def _run(kind: str, data, guarded: bool, *, fast: bool = True, host: bool = True
 
 
 @pytest.mark.parametrize("host", [True, False], ids=["host-decision", "tensor-decision"])
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(NON_FUSED))
 def test_bitwise_the_plain_loop_and_one_unscale_pass_only_on_non_finite_steps(kind, host, unscale_calls):
     data = make_data(24)
     p_model, p_opt, p_scales, p_grads = _run(kind, data, guarded=False)

@@ -28,15 +28,10 @@ from ampguard.stats import LossMeter
 
 from . import _scenarios as S
 from ._graphs import StandInGraphs
-from ._models import assert_same, loss_of, make_data, make_model, snapshot
+from ._models import NON_FUSED, assert_same, loss_of, make_data, make_model, snapshot
 from .test_diagnosis_scenarios import EXPECTED
 
 OVERFLOW_STEPS = {4, 9, 10}
-KINDS = {
-    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=True),
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),  # the for-loop implementation
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
-}
 MAX_NORM = 0.05  # small enough that most steps clip
 
 
@@ -61,7 +56,7 @@ def _run(kind: str, guarded: bool, *, clip: bool = False, step_graph: bool = Fal
     path; otherwise the CPU's own). ``clip``: torch's ``clip_grad_norm_`` (the guard's ``clip_grad_norm_``)."""
     torch.manual_seed(0)
     model = make_model(0)
-    inner = KINDS[kind](model.parameters())
+    inner = NON_FUSED[kind](model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
     opt: Any = inner
     graphs = None
@@ -111,7 +106,7 @@ def _same_grads(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> Non
 
 
 @pytest.mark.parametrize("step_graph", [False, True], ids=["stages", "step-graph"])
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(NON_FUSED))
 def test_bitwise_the_plain_loop_through_genuine_overflows(kind: str, step_graph: bool,
                                                           unscale_calls: list[int]) -> None:
     plain = _run(kind, guarded=False, step_graph=step_graph)
@@ -128,7 +123,7 @@ def test_bitwise_the_plain_loop_through_genuine_overflows(kind: str, step_graph:
         assert graphs.captures == 1 and graphs.replays >= 10, (graphs.captures, graphs.replays)
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(NON_FUSED))
 def test_torchs_clip_is_not_folded_and_stays_bitwise_the_plain_loop(kind: str, unscale_calls: list[int]) -> None:
     """``opt.clip_grad_norm_`` of a non-fused optimizer: GradScaler's ``unscale_`` and torch's own clip, as the plain
     loop calls them (the coefficient folded into the decision's would be another rounding: docs/design.md); the step
