@@ -96,10 +96,10 @@ def build(name: str, device: torch.device) -> tuple[torch.nn.Module, Callable[[]
 class Timers:
     """perf_counter wrappers set on the instances (shadowing the class's methods)."""
 
-    def __init__(self, guard: Any) -> None:
+    def __init__(self, guard: Any, stages: dict[str, tuple[str, ...]] = STAGES) -> None:
         self.ns: dict[str, list[int]] = {}
         self._undo: list[tuple[Any, str]] = []
-        for path, names in STAGES.items():
+        for path, names in stages.items():
             owner = getattr(guard, path) if path else guard
             for name in names:
                 self._wrap(owner, name, f"{path.strip('_') or 'guard'}.{name}")

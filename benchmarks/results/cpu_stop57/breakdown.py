@@ -58,27 +58,17 @@ def main() -> None:
 
     for _ in range(20):
         one()
-    ns: dict[str, list[int]] = {}
-
-    def wrap(owner: Any, attr: str, label: str) -> None:
-        fn, acc = getattr(owner, attr), ns.setdefault(label, [])
-
-        def timed(*a: Any, **k: Any) -> Any:
-            t0 = clock()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc.append(clock() - t0)
-        setattr(owner, attr, timed)
-
+    H.CLOCK[0] = clock  # host_time.py's timers, on this clock and these functions (never removed: this process ends)
+    timers = H.Timers(opt, stages={})
     for path, names in METHODS.items():
         owner: Any = opt
         for part in filter(None, path.split(".")):
             owner = getattr(owner, part)
         for attr in names:
-            wrap(owner, attr, f"{path or 'guard'}.{attr}")
+            timers._wrap(owner, attr, f"{path or 'guard'}.{attr}")
     for mod, attr in FUNCTIONS:
-        wrap(mod, attr, attr)
+        timers._wrap(mod, attr, attr)
+    ns = timers.ns
     total = [one() for _ in range(steps)]
     graphs = opt._pipeline.step_graph
     print(f"{name}{' (sim)' if '--sim' in sys.argv else ''}: {steps} steps, step() median "
