@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
@@ -51,9 +52,11 @@ def _forced(opt: Any, step_graph: bool) -> Any:
 
 
 def _run(kind: str, guarded: bool, *, clip: bool = False, step_graph: bool = False, steps: int = 16,
-         config: dict[str, Any] | None = None, forced: bool = True) -> dict[str, Any]:
+         config: dict[str, Any] | None = None, forced: bool = True,
+         watch: Callable[[Any], None] | None = None) -> dict[str, Any]:
     """A run of 16 steps, genuine overflows at OVERFLOW_STEPS: torch's plain loop, or guarded (``forced``: on this
-    path; otherwise the CPU's own). ``clip``: torch's ``clip_grad_norm_`` (the guard's ``clip_grad_norm_``)."""
+    path; otherwise the CPU's own). ``clip``: torch's ``clip_grad_norm_`` (the guard's ``clip_grad_norm_``).
+    ``watch``: called with the guard before its first step (spies)."""
     torch.manual_seed(0)
     model = make_model(0)
     inner = NON_FUSED[kind](model.parameters())
@@ -67,6 +70,8 @@ def _run(kind: str, guarded: bool, *, clip: bool = False, step_graph: bool = Fal
         taken: list[int] = []
         pipe = opt._pipeline
         pipe._step_unscaling = lambda *a, _f=pipe._step_unscaling: taken.append(1) or _f(*a)
+        if watch is not None:
+            watch(opt)
     buffers = [torch.zeros(())]
 
     def kept(loss: torch.Tensor) -> torch.Tensor:  # one place for the kept loss, as CUDA's allocator gives it
@@ -200,25 +205,17 @@ def test_the_skip_read_brings_the_step_graphs_payload_with_it() -> None:
     """Where the step graph made the payload, the skip read copies all of it (the decision at its head), and the
     reporter keeps that copy as it is: on CUDA no pinned copy of its own, no event, and nothing to wait for behind the
     optimizer's kernels (stop 57). Each step's report is still the stages' own (the test above)."""
-    model = make_model(0)
-    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True), model=model,
-                        precision="fp16", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
-    graphs = _forced(opt, step_graph=True)
-    pipe, reporter = opt._pipeline, opt._reporter
     read: list[Any] = []
-    pipe._learn_skip = lambda d, *a, _f=pipe._learn_skip: (_f(d, *a), read.append(d))[0]
     kept: list[Any] = []
-    reporter.enqueue = lambda step, packed, *a, _f=reporter.enqueue, **k: (kept.append(packed), _f(step, packed, *a,
-                                                                                                   **k))[1]
-    buffers = [torch.zeros(())]
-    with mock.patch.object(LossMeter, "kept", staticmethod(lambda loss: buffers[0].copy_(loss.detach().reshape(())))):
-        for i, (x, y) in enumerate(make_data(8)):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = loss_of(model, x, y) * (2.0**14 if i == 4 else 1.0)
-            opt.backward(loss)
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-    opt.flush()
+
+    def watch(opt: Any) -> None:
+        pipe, reporter = opt._pipeline, opt._reporter
+        pipe._learn_skip = lambda d, *a, _f=pipe._learn_skip: (_f(d, *a), read.append(d))[0]
+        reporter.enqueue = lambda step, packed, *a, _f=reporter.enqueue, **k: (kept.append(packed),
+                                                                               _f(step, packed, *a, **k))[1]
+
+    got = _run("adamw_foreach", guarded=True, step_graph=True, steps=8, watch=watch)  # overflows at step 4 only
+    graphs, opt = got["graphs"], got["opt"]
     assert graphs.replays >= 5 and len(read) == len(kept) == 8
     plain = 0
     for step, (decision, packed) in enumerate(zip(read, kept)):
