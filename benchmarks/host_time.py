@@ -12,9 +12,10 @@ median never sees it).
 The breakdown wraps the guard's stages (``guard._fresh_grads``, ``outcome.settle``,
 ``pipeline.measure``/``gather``/``decide``/``clip``/``inner_step``/``update_scale``/``payload``,
 ``reporter.enqueue``, ``guard._end_step``) with a timer on the instance; "rest" is the step's time
-outside every stage. The timers cost ~0.2 us each, so the breakdown runs in blocks of its own and
-the headline figures come from unwrapped steps. ``inner_step`` holds the optimizer's own update:
-compare it with the plain row's whole step.
+outside every stage. A stage in brackets, ``(pipeline._learn_skip)``, runs inside one of those (a non-fused step's skip
+read, its one sync, inside ``inner_step``) and is shown beside the sums, not in them. The timers cost ~0.2 us each, so
+the breakdown runs in blocks of its own and the headline figures come from unwrapped steps. ``inner_step`` holds the
+optimizer's own update: compare it with the plain row's whole step.
 
 On the CPU the "device" is the host: every stage's time includes its arithmetic. Use tiny, deep
 models there (``gpt2-deep``: GPT-2's 148 parameter tensors at width 32) to see the Python work that
@@ -61,6 +62,9 @@ STAGES = {  # owner attribute path on the guard -> stage methods timed
     "_pipeline": ("gather", "decide", "clip", "inner_step", "update_scale", "payload"),
     "_reporter": ("enqueue",),
 }
+NESTED = {"_pipeline": ("_learn_skip",)}
+"""Timed inside a stage, so not in its sums: a non-fused step's skip read (its one sync: the wait for the step graph,
+or for the decision, then the copy), inside ``inner_step``; printed as "skip read" (stop 58)."""
 
 
 def build(name: str, device: torch.device) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
@@ -98,6 +102,8 @@ class Timers:
 
     def __init__(self, guard: Any, stages: dict[str, tuple[str, ...]] = STAGES) -> None:
         self.ns: dict[str, list[int]] = {}
+        self.nested: dict[str, list[int]] = {}
+        """Another Timers' figures for stages timed inside these (:data:`NESTED`), shown beside them."""
         self._undo: list[tuple[Any, str]] = []
         for path, names in stages.items():
             owner = getattr(guard, path) if path else guard
@@ -187,10 +193,13 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
     breakdowns = {}
     for variant in names[1:]:
         timers = Timers(loops[variant][3])
+        nested = Timers(loops[variant][3], NESTED)
         broken: list[int] = []
         for _ in range(max(steps, 20)):
             one(variant, broken)
         timers.remove()
+        nested.remove()
+        timers.nested = nested.ns
         breakdowns[variant] = (timers, broken)
     guard = loops["guard"][3]
     timers, broken = breakdowns["guard"]
@@ -258,6 +267,9 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
                   for k, v in timers.ns.items() if v}
         total = statistics.median(broken) / 1e3
         stages["rest"] = total - sum(stages.values())  # no timed stage runs inside another
+        for k, v in timers.nested.items():  # inside a stage: beside the sums, not in them
+            if v:
+                stages[f"({k})"] = statistics.median(v) / 1e3
         return stages, total
 
     def means(timers: Timers, broken: list[int]) -> dict[str, float]:
@@ -266,6 +278,7 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
         n = len(broken)
         out = {k: sum(v) / n / 1e3 for k, v in timers.ns.items() if v}
         out["rest"] = statistics.fmean(broken) / 1e3 - sum(out.values())
+        out.update({f"({k})": sum(v) / n / 1e3 for k, v in timers.nested.items() if v})
         return out
     stages, inner_total = breakdown(timers, broken)
     out = {"model": model_name, "optim": optim, "device": str(device), "plain_us": q(times["plain"]),
