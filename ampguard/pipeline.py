@@ -508,11 +508,14 @@ class StepPipeline:
         measure = functools.partial(self._scaled_norms_of, groups, adapter)
         return self._replayed("scaled", measure, groups, adapter.scale)  # type: ignore[no-any-return]
 
-    def _scaled_norms_of(self, groups: GradGroups, adapter: GradScalerAdapter
+    def _scaled_norms_of(self, groups: GradGroups, adapter: GradScalerAdapter, inv: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """The kernels of :meth:`_scaled_norms` (and of the step graph's fast path), eagerly or under a capture."""
+        """The kernels of :meth:`_scaled_norms` (and of the step graph's fast path), eagerly or under a capture.
+        ``inv``: ``adapter.inv_scale()``, made already (the step graph's, which a non-fused step also unscales by);
+        None: made here."""
         device = self.device
-        norms = per_tensor_norms(groups, device) * adapter.inv_scale().to(device, non_blocking=True)
+        inv = adapter.inv_scale() if inv is None else inv
+        norms = per_tensor_norms(groups, device) * inv.to(device, non_blocking=True)
         total, count = total_and_nonfinite(norms)
         # count > 0 as 0.0 or 1.0 (a count: an integer >= 0): one kernel where gt and a cast are two
         found = count.clamp(max=1.0).to(adapter.scale.device, non_blocking=True).reshape(())
@@ -593,15 +596,17 @@ class StepPipeline:
         clipping, fused = uses_clipping(config), self.fused
 
         def measure() -> tuple[Any, ...]:
-            norms, found, (total, count) = self._scaled_norms_of(groups, adapter)
+            inv = adapter.inv_scale()  # GradScaler's 1/scale at this scale: the norms', and a non-fused step's unscale
+            norms, found, (total, count) = self._scaled_norms_of(groups, adapter, inv)
             gathered = self._local_gathered(loss, norms, total, count, found, fp8, sentinel)
             vector, tracker = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                      scaler=view, grads_sharded=False)
             payload = pack(vector, gathered, norms).vector
             # the step's grad_scale at this scale (a non-fused optimizer's: GradScaler's 1/scale, which unscales its
-            # gradients), then the next scale and tracker into GradScaler's own tensors
+            # gradients: the one the norms were multiplied by, made before the scale is written), then the next scale
+            # and tracker into GradScaler's own tensors
             if not fused:
-                grad_scale = adapter.inv_scale()
+                grad_scale = inv
             else:
                 grad_scale = scale / vector[Dec.CLIP_COEF].to(scale.device) if clipping else scale.clone()
             assert tracker is not None  # internal: decided with a scaler

@@ -43,16 +43,19 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def census_guard(precision: str) -> tuple[ampguard.GuardedOptimizer, Callable[[], None]]:
+def census_guard(precision: str, fused: bool = True) -> tuple[ampguard.GuardedOptimizer, Callable[[], None]]:
     """A guard whose steps take the tensor decision on the CPU (forced as tests/unit/test_fast_path.py does: the
-    decision CUDA runs), fused AdamW over 12 gradients, and its training step, after 5 steps. Also
+    decision CUDA runs), fused AdamW over 12 gradients (``fused=False``: foreach AdamW, on the path CUDA takes for
+    it, forced as tests/unit/test_unfused_fast.py does), and its training step, after 5 steps. Also
     benchmarks/results/cpu_stop51/decision_ops.py's (the census by aten op)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])  # 12 gradients
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
-    guard = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), model=model,
-                          precision=precision, scaler=scaler)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if fused else {"foreach": True}))
+    guard = ampguard.wrap(inner, model=model, precision=precision, scaler=scaler)
     guard._pipeline.host_decision, guard._lagged_reports = False, True  # the tensor (CUDA) decision, on the CPU
+    if not fused:
+        guard._pipeline.norms_first, guard._pipeline.unfused_fast = False, scaler is not None
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
 
     def step() -> None:
@@ -67,10 +70,10 @@ def census_guard(precision: str) -> tuple[ampguard.GuardedOptimizer, Callable[[]
     return guard, step
 
 
-def _decision_ops(precision: str, method: str) -> collections.Counter[str]:
+def _decision_ops(precision: str, method: str, fused: bool = True) -> collections.Counter[str]:
     """The ops of one step's tensor decision (``method``) (:func:`census_guard`); the norms' own ops (a dot per
     gradient, their stack and sqrt) taken out."""
-    guard, step = census_guard(precision)
+    guard, step = census_guard(precision, fused)
     original = getattr(pipeline.StepPipeline, method)
     mode = _Ops()
     calls = []
@@ -95,12 +98,15 @@ def _decision_ops(precision: str, method: str) -> collections.Counter[str]:
     return +ops
 
 
-@pytest.mark.parametrize(("precision", "method", "most"), [
-    ("bf16", "_through_unscaled", 27),  # 453fd82: 50 (7 where, 6 or, 5 gt, 3 isfinite of 4 ops, 4 constants...)
-    ("fp16", "_through_decision", 62),  # 453fd82: 87
+@pytest.mark.parametrize(("precision", "method", "fused", "most"), [
+    ("bf16", "_through_unscaled", True, 27),  # 453fd82: 50 (7 where, 6 or, 5 gt, 3 isfinite of 4 ops, 4 constants...)
+    ("fp16", "_through_decision", True, 62),  # 453fd82: 87
+    # a non-fused step unscales by the 1/scale the norms were multiplied by (stop 58; 1c330ae: 64, a second
+    # inv_scale's three ops for it: to float64, reciprocal, to float32)
+    ("fp16", "_through_decision", False, 61),
 ])
-def test_the_tensor_decision_launches_few_ops(precision, method, most):
-    ops = _decision_ops(precision, method)
+def test_the_tensor_decision_launches_few_ops(precision, method, fused, most):
+    ops = _decision_ops(precision, method, fused)
     total = sum(ops.values())
     assert total <= most, f"{precision}: {total} ops besides the norms (at most {most}): {dict(ops)}"
     # no constant made inside the step: ops.device_constants keeps them per device
