@@ -95,8 +95,13 @@ def next_scale(
     ``growth`` then also say which way the policy moved the scale.
     """
     lo, hi = f32(min_scale), None if max_scale is None else f32(max_scale)  # as torch rounds them
-    run = o.where(overflow, o.imin(overflow_run + 1, hysteresis), overflow_run)
-    backoff = overflow & (run >= hysteresis)
+    if hysteresis == 1:  # GradScaler's rule, the default: every overflow backs off and sets the run to 1 (the carried
+        # run is a count >= 0, so min(run + 1, 1) is 1): the same values by one op where the general rule takes five
+        run = o.where(overflow, 1, overflow_run)
+        backoff = overflow
+    else:
+        run = o.where(overflow, o.imin(overflow_run + 1, hysteresis), overflow_run)
+        backoff = overflow & (run >= hysteresis)
     backed = o.mul(scale, f32(backoff_factor))
     floor_hit = backoff & (backed <= lo)
     if headroom is not None:  # the headroom policy: no growth timer; a taken sampled step sets the scale

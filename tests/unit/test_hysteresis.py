@@ -105,3 +105,25 @@ def test_a_count_beyond_int32_is_refused_by_name(field):
         ampguard.GuardConfig.from_dict({part: {name: 2**31}} if name else {part: 2**31})
     ok = ampguard.GuardConfig.from_dict({part: {name: 2**31 - 1}} if name else {part: 2**31 - 1})
     assert (getattr(getattr(ok, part), name) if name else getattr(ok, part)) == 2**31 - 1
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_hysteresis_one_carries_the_overflow_run_as_the_general_rule_does(host):
+    """``hysteresis=1`` takes a shorter form of the rule (stop 58: one op on device where the general one takes five);
+    the run it carries is the general rule's, ``min(run + 1, 1)`` after an overflow and 0 after a growth, on the host
+    decision and on the tensor decision (CUDA's, run on the CPU), so a checkpoint saved with it resumes under a
+    larger hysteresis as one saved by the general rule would. Genuine overflows (targets 1e6 times the others)."""
+    def run(big: set[int], n: int, growth_interval: int) -> ampguard.GuardedOptimizer:
+        model = make_model()
+        scaler = torch.amp.GradScaler("cpu", init_scale=INIT, growth_interval=growth_interval)
+        opt = ampguard.wrap(make_opt(model), model=model, precision="fp16", scaler=scaler, config={"hysteresis": 1})
+        opt._pipeline.host_decision = host  # False: the tensor decision, as on CUDA
+        guarded_steps(opt, model, batches(n, big, 1e6))
+        return opt
+
+    after_burst = run({3, 4}, 6, 10_000)
+    assert [r.step for r in after_burst.history if r.scale_backoff] == [3, 4]  # every overflow backs off
+    assert after_burst.state_dict()["ampguard"]["overflow_run"] == 1
+    grown = run({3}, 10, 3)  # the overflow at 3, then three clean steps grow the scale at 6: the run is reset
+    assert any(r.scale_growth for r in grown.history if r.step > 3)
+    assert grown.state_dict()["ampguard"]["overflow_run"] == 0
