@@ -192,7 +192,11 @@ def follow(path: str | os.PathLike[str], *, run_id: str | None = None, interval:
     Ctrl-C (SIGINT, in the main thread) sets a flag the loop reads between its steps, rather than raising
     KeyboardInterrupt wherever the interpreter happens to be: an interrupt inside importlib's module lock or
     an I/O call can leave a lock held, and the summary printed next then waits on it for ever (a `report
-    --follow` under test once outlived 60 s after its SIGINT). The handler is put back on return."""
+    --follow` under test once outlived 60 s after its SIGINT). The flag is a plain value, and the handler takes no
+    lock: a handler runs between any two bytecodes of the main thread, also while the wait holds its own lock (stop
+    58: the flag was a ``threading.Event``, whose ``set()`` from inside its own ``wait()`` waited on the Event's lock
+    for ever). The wait is cut into naps of at most :data:`_NAP_S`, so a Ctrl-C ends it within one. The handler is
+    put back on return."""
     try:
         from rich.console import Console
         from rich.live import Live
@@ -210,14 +214,14 @@ def follow(path: str | os.PathLike[str], *, run_id: str | None = None, interval:
     s: RunSummary | None = None
     warned: set[str] = set()
     rc = 0
-    stop = threading.Event()
+    stop = [False]  # Ctrl-C: set by the handler, read by the loop and its naps (no lock: see above)
     previous: Any = None
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+        previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.__setitem__(0, True))
     try:
         if live is not None:
             live.start(refresh=True)
-        while not stop.is_set():
+        while not stop[0]:
             sizes = _sizes(root)
             if sizes != seen:
                 seen, last_change = sizes, clock()
@@ -242,10 +246,7 @@ def follow(path: str | os.PathLike[str], *, run_id: str | None = None, interval:
                       "every rank): stopped following", file=sys.stderr)
                 rc = 1
                 break
-            if sleep is time.sleep:
-                stop.wait(interval)  # returns at once on Ctrl-C
-            else:
-                sleep(interval)
+            _nap(interval, stop, clock, sleep)
     except KeyboardInterrupt:  # the usual way to stop watching (a follow off the main thread): not an error
         pass
     finally:
@@ -256,6 +257,20 @@ def follow(path: str | os.PathLike[str], *, run_id: str | None = None, interval:
     if live is None and s is not None:
         console.print(format_summary(s), markup=False, highlight=False, soft_wrap=True)
     return rc
+
+
+_NAP_S = 0.05
+"""The longest sleep of :func:`follow`'s wait between two reads of its Ctrl-C flag: how late a Ctrl-C may end it."""
+
+
+def _nap(seconds: float, stop: list[bool], clock: Callable[[], float], sleep: Callable[[float], None]) -> None:
+    """``sleep(seconds)`` in naps of at most :data:`_NAP_S`, cut short once ``stop[0]`` is set (a Ctrl-C)."""
+    end = clock() + seconds
+    while not stop[0]:
+        left = end - clock()
+        if left <= 0:
+            return
+        sleep(min(left, _NAP_S))
 
 
 def _status(s: RunSummary) -> str:

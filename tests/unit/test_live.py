@@ -291,3 +291,48 @@ def test_ctrl_c_stops_follow_between_its_steps_not_inside_one(tmp_path, capsys):
     assert signal.getsignal(signal.SIGINT) is before
     text = buf.getvalue()  # the step's status line, then the summary
     assert text.splitlines()[0].endswith("(running)") and "no close record: still running, or killed" in text
+
+
+_WAIT_INTERRUPTED = r"""
+import signal, sys, threading, time
+from ampguard.runlog import command
+
+fired = []
+
+def hook(frame, event, arg):  # SIGINT at follow's first wait, once: inside Condition.wait (an Event's, whose lock
+    # is held there) or as time.sleep begins; its handler then runs at the next bytecode, inside that wait
+    if not fired and ((event == "call" and frame.f_code is threading.Condition.wait.__code__)
+                      or (event == "c_call" and arg is time.sleep)):
+        fired.append(event)
+        signal.raise_signal(signal.SIGINT)
+
+sys.setprofile(hook)
+rc = command.follow(sys.argv[1], interval=0.5, timeout=30)
+sys.setprofile(None)
+print("rc", rc, fired)
+"""
+
+
+def test_ctrl_c_inside_follows_wait_ends_it(tmp_path):
+    """Ctrl-C while follow waits between two reads of the logs, with the wait's own lock held: the SIGINT raised at
+    the wait's first call, so its handler runs inside it. Before stop 58 the flag was a ``threading.Event``: its
+    ``set()``, run by the handler inside that Event's ``wait()``, waited for ever on the lock its own thread held (a
+    `report --follow` under test outlived its SIGINT by 60 s, tests/integration/test_cli.py). Now the handler sets a
+    plain flag, and the wait ends within a nap. In a child process: the failure is a hang."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    _train([JsonlExporter(str(out) + "/", every_step=True)], steps=2, close=False)
+    env = {**__import__("os").environ, "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen([sys.executable, "-c", _WAIT_INTERRUPTED, str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail("follow outlived a SIGINT raised inside its wait by 60 s (a lock the handler waits on)")
+    assert proc.returncode == 0, stderr
+    last = stdout.splitlines()[-1]
+    assert last.startswith("rc 0 [") and last != "rc 0 []", stdout  # interrupted (rc 0), by the hook's signal
