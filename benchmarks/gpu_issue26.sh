@@ -98,6 +98,12 @@
 # c2a7768's payload, both unrun on CUDA), then FIRST=0 TESTS=0 HOST=0 HOST_BASE=eb86e04 (c2a7768's host effect, MLP
 # foreach, eb86e04's library and this tree's in turn, two rounds; HB_MODELS=mlp,gpt2-350m adds the 350M row), then the
 # list above from its second call. $OUT brings back 8 files at most: tar the HOST_BASE files (10 with tests).
+# Stop 58 got no device either (refused starts). Its changes on CUDA's path cut the step graph's kernels (ece8b69: a
+# non-fused step unscales by the norms' 1/scale; 8b9ae21: hysteresis 1 in one op; 712f2c3: the decision vector's one
+# stack; census 64 -> 56 for foreach fp16, 62 -> 57 fused), tested on the CPU only. The next session, first and short:
+# FIRST=0 TESTS=1 HOST=0 (tests/gpu whole) with `python benchmarks/results/cpu_stop58/early_event.py` after it (~20 s:
+# can the step graph hand the host its skip flag before it ends?), then HOST_BASE=eb86e04 as above (c2a7768 and the
+# kernel cuts together; host_time.py now prints the skip read's own time, "(pipeline._learn_skip)").
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
