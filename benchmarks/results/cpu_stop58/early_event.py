@@ -16,10 +16,12 @@ This script times, on a synthetic graph of N chained 0-d kernels whose flag is r
   there (``torch.cuda.Event(external=True)``: an event record node), then the other N-K kernels; replay, then
   ``event.synchronize()`` and the pinned float read.
 
-It checks first that the early read sees each replay's own value (an input changed before each replay), i.e. that the
+The graphs are captured as the guard captures its step graph (``ampguard.decision_graph.captured``). It checks first
+that the early read sees each replay's own value (an input changed before each replay), i.e. that the
 event's synchronize waits for the latest replay's node. The figure is host time from the replay's launch to the flag
 in hand, the device drained before each rep (as benchmarks/host_time.py times a step), median and quartiles, the two
-variants interleaved. Run on the device: python benchmarks/results/cpu_stop58/early_event.py [N K REPS]
+variants interleaved. Run on the device from the repository root: PYTHONPATH=$PWD python
+benchmarks/results/cpu_stop58/early_event.py [N K REPS]
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import sys
 import time
 
 import torch
+
+from ampguard.decision_graph import captured
 
 
 def build(n: int, k: int, early: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor | None,
@@ -55,9 +59,8 @@ def build(n: int, k: int, early: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tens
         for _ in range(3):
             body()
     torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = body()
+    torch.cuda.synchronize()
+    graph, out = captured(body)  # the guard's own capture (a side stream, capture_error_mode="thread_local")
     torch.cuda.synchronize()
     return graph, x_in, out, pinned, event
 
