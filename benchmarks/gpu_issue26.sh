@@ -101,8 +101,8 @@
 # Stop 58 got no device either (refused starts). Its changes on CUDA's path cut the step graph's kernels (ece8b69: a
 # non-fused step unscales by the norms' 1/scale; 8b9ae21: hysteresis 1 in one op; 712f2c3: the decision vector's one
 # stack; census 64 -> 56 for foreach fp16, 62 -> 57 fused), tested on the CPU only. The next session, first and short:
-# FIRST=0 TESTS=1 HOST=0 (tests/gpu whole) with `python benchmarks/results/cpu_stop58/early_event.py` after it (~20 s:
-# can the step graph hand the host its skip flag before it ends?), then HOST_BASE=eb86e04 as above (c2a7768 and the
+# FIRST=0 TESTS=1 HOST=0 EARLY=1 (tests/gpu whole, then benchmarks/results/cpu_stop58/early_event.py, ~20 s: can the
+# step graph hand the host its skip flag before it ends?), then HOST_BASE=eb86e04 as above (c2a7768 and the
 # kernel cuts together; host_time.py now prints the skip read's own time, "(pipeline._learn_skip)").
 set -uo pipefail
 TAG=${1:-now}
@@ -121,6 +121,10 @@ fi
 if [ "${TESTS:-1}" = 1 ]; then  # ~250 s on the H200 at stop 37 (a 200 s bound cut it short): its whole log kept
   timeout -k 5 "${TESTS_S:-330}" python -m pytest -q -p no:cacheprovider -rfE tests/gpu > "$OUT/tests_$TAG.txt" 2>&1
   echo "tests rc=$?"; tail -n 15 "$OUT/tests_$TAG.txt"
+fi
+if [ "${EARLY:-0}" = 1 ]; then  # stop 58's experiment: a flag handed to the host before its graph ends (~20 s)
+  timeout -k 5 "${EARLY_S:-60}" python benchmarks/results/cpu_stop58/early_event.py > "$OUT/early_$TAG.txt" 2>&1
+  echo "early rc=$?"; cat "$OUT/early_$TAG.txt"
 fi
 if [ -n "${HOST_BASE:-}" ]; then  # HOST_BASE=REV: that commit's host_time.py and library, then this tree's, in turn
   rm -rf /tmp/host_base && mkdir -p /tmp/host_base && git archive "$HOST_BASE" ampguard benchmarks | tar -x -C /tmp/host_base
