@@ -64,7 +64,7 @@ STAGES = {  # owner attribute path on the guard -> stage methods timed
 }
 NESTED = {"_pipeline": ("_learn_skip",)}
 """Timed inside a stage, so not in its sums: a non-fused step's skip read (its one sync: the wait for the step graph,
-or for the decision, then the copy), inside ``inner_step``; printed as "skip read" (stop 58)."""
+or for the decision, then the copy), inside ``inner_step``; printed as ``(pipeline._learn_skip)`` (stop 58)."""
 
 
 def build(name: str, device: torch.device) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:

@@ -26,6 +26,8 @@ from ampguard.policies import SpikeState, decide
 from ampguard.scale_rule import ScaleState
 from ampguard.stats import Loc, local_vector
 
+from .test_unfused_fast import _forced
+
 NO_KERNEL = {"view", "reshape", "select", "slice", "unsqueeze", "squeeze", "expand", "as_strided", "alias", "t",
              "detach", "empty", "empty_strided", "lift_fresh", "_unsafe_view", "flatten", "scalar_tensor"}
 """Views and allocations: no kernel of their own."""
@@ -53,9 +55,10 @@ def census_guard(precision: str, fused: bool = True) -> tuple[ampguard.GuardedOp
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if fused else {"foreach": True}))
     guard = ampguard.wrap(inner, model=model, precision=precision, scaler=scaler)
-    guard._pipeline.host_decision, guard._lagged_reports = False, True  # the tensor (CUDA) decision, on the CPU
-    if not fused:
-        guard._pipeline.norms_first, guard._pipeline.unfused_fast = False, scaler is not None
+    if fused:
+        guard._pipeline.host_decision, guard._lagged_reports = False, True  # the tensor (CUDA) decision, on the CPU
+    else:
+        _forced(guard, step_graph=False)  # CUDA's choices for a non-fused optimizer
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
 
     def step() -> None:

@@ -319,12 +319,13 @@ def test_ctrl_c_inside_follows_wait_ends_it(tmp_path):
     ``set()``, run by the handler inside that Event's ``wait()``, waited for ever on the lock its own thread held (a
     `report --follow` under test outlived its SIGINT by 60 s, tests/integration/test_cli.py). Now the handler sets a
     plain flag, and the wait ends within a nap. In a child process: the failure is a hang."""
+    import os
     import subprocess
     import sys
 
     out = tmp_path / "run"
     _train([JsonlExporter(str(out) + "/", every_step=True)], steps=2, close=False)
-    env = {**__import__("os").environ, "PYTHONFAULTHANDLER": "1"}
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.Popen([sys.executable, "-c", _WAIT_INTERRUPTED, str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
