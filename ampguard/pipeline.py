@@ -145,6 +145,10 @@ class Decision:
     :meth:`StepPipeline.payload` takes it on a step with none of those parts. A graph's output, rewritten by the
     next replay: the reporter copies it into pinned memory before that (stream order); on the CPU (tests), where
     the reporter keeps a payload as it is, it is cloned."""
+    early: tuple[torch.Tensor, Any] | None = None
+    """``(flag, event)``: the step graph's early skip flag (``AMPGUARD_EARLY_SKIP``, a non-fused optimizer on CUDA): a
+    pinned 1-element buffer the replay copies the skip into as soon as the rule made it, and the external event it
+    records there; :meth:`StepPipeline._learn_skip` waits on the event, not for the whole graph. None: off."""
     packed_host: torch.Tensor | None = None
     """:attr:`packed`'s vector, on the host: a non-fused optimizer's skip read (:meth:`StepPipeline._learn_skip`)
     copies the whole payload, where it read the one flag (the same one sync), so the reporter has nothing to copy,
@@ -240,6 +244,12 @@ class StepPipeline:
         """The step graph's own buffers for its 0-d inputs that somebody else allocates each step (:meth:`_hold`)."""
         self._scalar: torch.Tensor | None = None
         """:meth:`_host_scalar`'s buffer."""
+        self.early_skip = switches.early_skip and not self.fused and device.type == "cuda"
+        """The step graph hands a non-fused step its skip flag before it ends (``AMPGUARD_EARLY_SKIP``:
+        :attr:`Decision.early`)."""
+        self._early: tuple[torch.Tensor, Any] | None = None
+        """:attr:`Decision.early`'s pinned flag and external event, made once (outside any capture), shared by every
+        graph and eager run: each run's flag is read before the next run is launched."""
         self._clip_configs: dict[float, GuardConfig] = {}
         self.numerics = Numerics(config.numerics_every, device=device,
                                  headroom=adapter is not None and adapter.scaler.is_enabled())
@@ -594,13 +604,14 @@ class StepPipeline:
         loss, fp8, sentinel = self._hold("loss", loss), self._hold("fp8", fp8), self._hold("sentinel", sentinel)
         config = self.config
         clipping, fused = uses_clipping(config), self.fused
+        early, on_skip = self._early_flag()
 
         def measure() -> tuple[Any, ...]:
             inv = adapter.inv_scale()  # GradScaler's 1/scale at this scale: the norms', and a non-fused step's unscale
             norms, found, (total, count) = self._scaled_norms_of(groups, adapter, inv)
             gathered = self._local_gathered(loss, norms, total, count, found, fp8, sentinel)
             vector, tracker = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
-                                     scaler=view, grads_sharded=False)
+                                     scaler=view, grads_sharded=False, on_skip=on_skip)
             payload = pack(vector, gathered, norms).vector
             # the step's grad_scale at this scale (a non-fused optimizer's: GradScaler's 1/scale, which unscales its
             # gradients: the one the norms were multiplied by, made before the scale is written), then the next scale
@@ -619,8 +630,27 @@ class StepPipeline:
         norms, found, total, count, gathered, vector, payload, grad_scale = self._replayed(
             kind, measure, groups, scale, self.step_graph)
         decision = Decision(vector, growth_tracker, packed=Packed(payload, Layout.of(gathered, norms)),
-                            grad_scale=grad_scale if fused else None, unscale_by=None if fused else grad_scale)
+                            grad_scale=grad_scale if fused else None, unscale_by=None if fused else grad_scale,
+                            early=early)
         return norms, found, (total, count), gathered, decision
+
+    def _early_flag(self) -> tuple[tuple[torch.Tensor, Any] | None, Callable[[torch.Tensor], None] | None]:
+        """``(early, on_skip)`` for the step graph's decision: with :attr:`early_skip` on, the pinned flag and external
+        event (:attr:`Decision.early`, made here on first use: never inside a capture) and the rule's ``on_skip``,
+        which copies the skip into the flag (a device-to-host copy node) and records the event after it (an event
+        record node: ``torch.cuda.Event(external=True)``); eagerly, the same copy and record on the current stream.
+        ``(None, None)`` with it off."""
+        if not self.early_skip:
+            return None, None
+        if self._early is None:
+            self._early = (torch.zeros(1, dtype=torch.bool, pin_memory=True), torch.cuda.Event(external=True))
+        flag, event = early = self._early
+
+        def on_skip(skip: torch.Tensor) -> None:
+            flag.copy_(skip.reshape(1), non_blocking=True)
+            event.record()
+
+        return early, on_skip
 
     def _through_unscaled(self, loss: torch.Tensor | None, fp8: torch.Tensor | None = None,
                           sentinel: torch.Tensor | None = None) -> Measured | None:
@@ -631,19 +661,20 @@ class StepPipeline:
         write). None where some gradient is sparse (:meth:`_replayed_step`). No sync."""
         config = self.config
         loss, fp8, sentinel = self._hold("loss", loss), self._hold("fp8", fp8), self._hold("sentinel", sentinel)
+        early, on_skip = self._early_flag()
 
         def measure(groups: GradGroups) -> tuple[Any, ...]:
             norms, (total, count) = self._norms_of(groups)
             gathered = self._local_gathered(loss, norms, total, count, None, fp8, sentinel)
             vector, _ = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
-                               scaler=None, grads_sharded=False)
+                               scaler=None, grads_sharded=False, on_skip=on_skip)
             return norms, total, count, gathered, vector, pack(vector, gathered, norms).vector
 
         replayed = self._replayed_step(("decision, unscaled", *_addresses(loss, fp8, sentinel)), measure)
         if replayed is None:
             return None
         groups, (norms, total, count, gathered, vector, payload) = replayed
-        decision = Decision(vector, None, packed=Packed(payload, Layout.of(gathered, norms)))
+        decision = Decision(vector, None, packed=Packed(payload, Layout.of(gathered, norms)), early=early)
         return Measured({}, None, groups, norms, reductions=(total, count), gathered=gathered, decided=decision)
 
     def _through_host_copy(self, found: dict[torch.device, torch.Tensor], found_inf: torch.Tensor | None,
@@ -858,7 +889,11 @@ class StepPipeline:
         one wait, as for the flag alone, and the reporter's own copy of it, queued after the optimizer's kernels,
         is not made."""
         packed = decision.packed
-        if packed is not None:  # SYNC: the payload's copy, the decision at its head
+        if decision.early is not None:  # SYNC: the flag the replay copied as soon as it was made (the graph goes on)
+            flag, event = decision.early
+            event.synchronize()
+            skipped = decision.learnt = bool(flag.tolist()[0])  # the reporter copies the payload after the step
+        elif packed is not None:  # SYNC: the payload's copy, the decision at its head
             host = decision.packed_host = packed.vector.to("cpu", copy=True)
             skipped = decision.learnt = bool(host[Dec.SKIP])
         else:

@@ -16,6 +16,8 @@ on either execution of :mod:`ampguard.ops`:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -145,10 +147,12 @@ def rule(
     scale_state: ScaleState,
     scaler: ScalerView | None,
     grads_sharded: bool,
+    on_skip: Callable[[Any], None] | None = None,
 ) -> tuple[Value, Value | None]:
     """Decision vector from the gathered local vectors, on tensors or host values (``o``); stores
     the new ``spikes`` and ``scale_state`` in place. Returns ``(decision, new_growth_tracker)``
-    (the tracker is None without a scaler)."""
+    (the tracker is None without a scaler). ``on_skip``: called with the step's skip flag as soon as it is made,
+    before the reason, the statistics and the scale rule (the step graph's early flag: ``AMPGUARD_EARLY_SKIP``)."""
     g = gathered
     world = g.shape[0]
     cmax, csum = o.columns(g)
@@ -188,6 +192,8 @@ def rule(
     # A detector that is off costs no op: its flag stays o.false (on tensors, each op is a kernel of every step)
     spike = (grad_spike | loss_spike) if grad_on and loss_on else grad_spike if grad_on else loss_spike
     skip = (blocked | spike) if spikes_on and config.spikes.action == "skip" else blocked
+    if on_skip is not None:
+        on_skip(skip)
 
     # Indices into stats.REASONS, in order of precedence.
     cases = [(loss_bad, 1.0), (fp8_bad, 6.0), (grad_bad, 2.0), (no_grads, 5.0)]
@@ -304,10 +310,11 @@ def _zclip(o: Ops, grad_norm: Value, bad: Value, config: GuardConfig,
 
 
 def decide(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeState, scale_state: ScaleState,
-           scaler: ScalerView | None, grads_sharded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+           scaler: ScalerView | None, grads_sharded: bool,
+           on_skip: Callable[[torch.Tensor], None] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`rule` on device tensors (``gathered``'s device). No sync."""
     return rule(TensorOps(gathered.device), gathered, config=config, spikes=spikes,
-                scale_state=scale_state, scaler=scaler, grads_sharded=grads_sharded)
+                scale_state=scale_state, scaler=scaler, grads_sharded=grads_sharded, on_skip=on_skip)
 
 
 def decide_host(gathered: torch.Tensor, *, config: GuardConfig, spikes: SpikeState, scale_state: ScaleState,

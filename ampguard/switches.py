@@ -53,6 +53,15 @@ class Switches:
     (:attr:`ampguard.pipeline.StepPipeline.unfused_fast`).
     ``AMPGUARD_UNFUSED_HOST_DECISION=1``: the host decision, for benchmarks that time both in one process."""
 
+    early_skip: bool = False
+    """A non-fused optimizer on the step graph (CUDA): the graph copies the decision's skip flag into pinned memory and
+    records an external event as soon as the flag is made (:func:`ampguard.policies.rule`'s ``on_skip``), and the skip
+    read waits on that event, not for the whole graph (the rest of the rule, the payload and the scale writes: ~40 of a
+    foreach fp16 step's ~56 small kernels); the reporter then copies the payload after the inner step, as before stop
+    57. Off (the default) until a device has shown that the capture takes the copy and the event and what the wait
+    saves (``benchmarks/results/cpu_stop58/early_event.py``; ``benchmarks/host_time.py --early-arm``).
+    ``AMPGUARD_EARLY_SKIP=1``: on."""
+
     report_batch: bool = True
     """Decode, log and export healthy steps' reports in batches of up to :data:`ampguard.reporter.REPORT_BATCH`
     steps (:meth:`ampguard.reporter.Reporter.quiet`); a report that asks for anything is decoded at the next fixed
@@ -62,15 +71,15 @@ class Switches:
 
 _SWITCH_VARIABLES = {"cuda_graph": "AMPGUARD_CUDA_GRAPH", "fused_fast_path": "AMPGUARD_FUSED_FAST_PATH",
                      "step_graph": "AMPGUARD_STEP_GRAPH", "report_batch": "AMPGUARD_REPORT_BATCH",
-                     "unfused_host_decision": "AMPGUARD_UNFUSED_HOST_DECISION"}
+                     "unfused_host_decision": "AMPGUARD_UNFUSED_HOST_DECISION", "early_skip": "AMPGUARD_EARLY_SKIP"}
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(Switches)}
 
 
 def implementation_switches(environ: Mapping[str, str] | None = None) -> Switches:
     """The :class:`Switches` from the environment (``os.environ`` unless ``environ`` is given):
-    ``AMPGUARD_CUDA_GRAPH``, ``AMPGUARD_FUSED_FAST_PATH``, ``AMPGUARD_STEP_GRAPH``, ``AMPGUARD_REPORT_BATCH`` and
-    ``AMPGUARD_UNFUSED_HOST_DECISION``, each ``"1"`` (on) or ``"0"`` (off); unset or empty: the field's default. Any
-    other value raises ValueError naming the variable."""
+    ``AMPGUARD_CUDA_GRAPH``, ``AMPGUARD_FUSED_FAST_PATH``, ``AMPGUARD_STEP_GRAPH``, ``AMPGUARD_REPORT_BATCH``,
+    ``AMPGUARD_UNFUSED_HOST_DECISION`` and ``AMPGUARD_EARLY_SKIP``, each ``"1"`` (on) or ``"0"`` (off); unset or
+    empty: the field's default. Any other value raises ValueError naming the variable."""
     env = os.environ if environ is None else environ
     values = {}
     for field, variable in _SWITCH_VARIABLES.items():

@@ -29,6 +29,9 @@ grows with the parameter count. Run::
 ``--host-arm`` also times the default guard with a non-fused optimizer's decision on the host
 (``AMPGUARD_UNFUSED_HOST_DECISION=1``, how foreach steps ran before stop 55) in the same blocks.
 
+``--early-arm`` also times the default guard with the step graph's early skip flag (``AMPGUARD_EARLY_SKIP=1``: a
+non-fused step's skip read waits for the flag, not for the whole graph; stop 59) in the same blocks.
+
 ``--batch-arm`` also times the default guard with each report decoded at its own step (``AMPGUARD_REPORT_BATCH=0``,
 the behaviour before stop 45) in the same blocks: compare the means, since a batch's decode lands on one step in 16.
 """
@@ -131,12 +134,12 @@ class Timers:
 
 def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: int, warmup: int,
         profile: int = 0, ops: int = 0, step_graph: bool = False, pstats_dir: Path | None = None,
-        batch_arm: bool = False, host_arm: bool = False) -> dict[str, Any]:
+        batch_arm: bool = False, host_arm: bool = False, early_arm: bool = False) -> dict[str, Any]:
     dtype = torch.float16
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     loops = {}
     variants = (["plain", "guard"] + (["guard-step"] if step_graph else []) + (["guard-perstep"] if batch_arm else [])
-                + (["guard-host"] if host_arm else []))
+                + (["guard-host"] if host_arm else []) + (["guard-early"] if early_arm else []))
     for variant in variants:
         model, loss_fn = build(model_name, device)
         inner = torch.optim.AdamW(model.parameters(), lr=1e-4, **{optim: True})
@@ -154,10 +157,12 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
             loops[variant] = (fwd_bwd, step, inner.zero_grad, None)
         else:  # guard-step: the step graph on (the default since stop 40); guard: the stages apart (=0);
             # guard-perstep: the step graph on, each report decoded at its step (AMPGUARD_REPORT_BATCH=0, stop 45);
-            # guard-host: the step graph on, a non-fused optimizer's decision on the host (as before stop 55)
+            # guard-host: the step graph on, a non-fused optimizer's decision on the host (as before stop 55);
+            # guard-early: the step graph on, its skip flag handed over before the graph ends (stop 59)
             env = {"AMPGUARD_STEP_GRAPH": "0" if variant == "guard" else "1",
                    "AMPGUARD_REPORT_BATCH": "0" if variant == "guard-perstep" else "1",
-                   "AMPGUARD_UNFUSED_HOST_DECISION": "1" if variant == "guard-host" else "0"}
+                   "AMPGUARD_UNFUSED_HOST_DECISION": "1" if variant == "guard-host" else "0",
+                   "AMPGUARD_EARLY_SKIP": "1" if variant == "guard-early" else "0"}
             with mock.patch.dict(os.environ, env):
                 opt = ampguard.wrap(inner, model=model, precision="fp16", exporters=[])
 
@@ -308,6 +313,12 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
         out["guard_perstep"] = arm("guard-perstep")
     if host_arm:  # a non-fused optimizer's host decision (before stop 55), in the same blocks
         out["guard_host"] = arm("guard-host", host_decision=loops["guard-host"][3]._pipeline.host_decision)
+    if early_arm:  # the step graph's early skip flag (stop 59), in the same blocks
+        early = loops["guard-early"][3]
+        sg = early._pipeline.step_graph
+        out["guard_early"] = arm("guard-early", early_skip=early._pipeline.early_skip,
+                                 step_graph={"steps": early.step_count, "captures": sg.captures, "replays": sg.replays,
+                                             "failed": sg.failed})
     guard.close()
     return out
 
@@ -341,6 +352,9 @@ def main() -> int:
     ap.add_argument("--host-arm", action="store_true",
                     help="also time the default guard with a non-fused optimizer's decision on the host "
                          "(AMPGUARD_UNFUSED_HOST_DECISION=1, every step before stop 55) in the same blocks")
+    ap.add_argument("--early-arm", action="store_true",
+                    help="also time the default guard with the step graph's early skip flag (AMPGUARD_EARLY_SKIP=1, "
+                         "stop 59) in the same blocks")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="thread: the thread's CPU time (a CPU run on a busy machine, OMP_NUM_THREADS=1)")
     args = ap.parse_args()
@@ -351,7 +365,7 @@ def main() -> int:
     for model_name in args.models.split(","):
         for optim in args.optims.split(","):
             row = run(model_name, optim, device, args.blocks, args.steps, args.warmup, args.profile, args.ops,
-                      args.step_graph, args.pstats, args.batch_arm, args.host_arm)
+                      args.step_graph, args.pstats, args.batch_arm, args.host_arm, args.early_arm)
             rows.append(row)
             p, g = row["plain_us"], row["guard_us"]
             print(f"\n{model_name} {optim} on {device}: plain {p['median']:.0f} us (p25 {p['p25']:.0f}, p75 "
@@ -384,6 +398,14 @@ def main() -> int:
                 print(f"  guard, the host decision (before stop 55; host_decision={st['host_decision']}): "
                       f"{u['median']:.0f} us (p25 {u['p25']:.0f}, p75 {u['p75']:.0f}); added {st['added_us']:+.0f} us; "
                       f"mean {u['mean']:.0f}, added {st['added_mean_us']:+.0f} us")
+                stage_lines(st)
+            if "guard_early" in row:
+                st = row["guard_early"]
+                u, sg = st["us"], st["step_graph"]
+                print(f"  guard, the early skip flag (early_skip={st['early_skip']}): {u['median']:.0f} us (p25 "
+                      f"{u['p25']:.0f}, p75 {u['p75']:.0f}); added {st['added_us']:+.0f} us; mean {u['mean']:.0f}, "
+                      f"added {st['added_mean_us']:+.0f} us; step graph: {sg['replays']} replays, {sg['captures']} "
+                      f"captures in {sg['steps']} steps, failed={sg['failed']}")
                 stage_lines(st)
             sys.stdout.flush()
     if args.json:

@@ -5,12 +5,13 @@ scale), the skip read once (the step's one sync, where the plain loop's GradScal
 gradients unscaled by GradScaler's ``1/scale`` and stepped: bit for bit the plain GradScaler loop through genuine fp16
 overflows, GradScaler's unscale kernel never run, and the same run as the host decision it replaced
 (``AMPGUARD_UNFUSED_HOST_DECISION=1``). Its CPU twin: tests/unit/test_unfused_fast.py. Host time:
-``benchmarks/host_time.py --host-arm``.
+``benchmarks/host_time.py --host-arm``; the early skip flag (``AMPGUARD_EARLY_SKIP=1``): ``--early-arm``.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 from unittest import mock
 
@@ -37,7 +38,7 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10)).cuda()
 
 
-def _run(guarded: bool, batches: list, *, host: bool = False) -> dict[str, Any]:
+def _run(guarded: bool, batches: list, *, host: bool = False, early: bool = False) -> dict[str, Any]:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # the cached blocks other tests left decide where the gradients lie
     model = _model()
@@ -47,7 +48,8 @@ def _run(guarded: bool, batches: list, *, host: bool = False) -> dict[str, Any]:
     taken: list[int] = []
     kept: list[str | None] = []
     if guarded:
-        with mock.patch.dict(os.environ, {"AMPGUARD_UNFUSED_HOST_DECISION": "1" if host else "0"}):
+        with mock.patch.dict(os.environ, {"AMPGUARD_UNFUSED_HOST_DECISION": "1" if host else "0",
+                                          "AMPGUARD_EARLY_SKIP": "1" if early else "0"}):
             opt = ampguard.wrap(inner, model=model, precision="fp16", scaler=scaler)
         pipe = opt._pipeline
         pipe._step_unscaling = lambda *a, _f=pipe._step_unscaling: taken.append(1) or _f(*a)
@@ -69,6 +71,7 @@ def _run(guarded: bool, batches: list, *, host: bool = False) -> dict[str, Any]:
         out["graph"] = opt._pipeline.step_graph
         out["host"] = opt._pipeline.host_decision
         out["kept"] = kept
+        out["early"] = opt._pipeline.early_skip
     return out
 
 
@@ -99,3 +102,22 @@ def test_the_same_run_as_the_host_decision_it_replaced() -> None:
     assert host["host"] and not tensor["host"] and host["taken"] == 0
     assert tensor["reports"] == host["reports"]
     assert all(torch.equal(a, b) for a, b in zip(host["params"], tensor["params"]))
+
+
+def test_the_early_skip_flag_replays_and_reads_each_steps_own_skip() -> None:
+    """``AMPGUARD_EARLY_SKIP=1`` (stop 59): the step graph copies its skip flag into pinned memory and records an
+    external event as soon as the rule made it, and the skip read waits on that event. The capture takes both (no
+    warning, the graph replayed), and the run is the default path's, bit for bit, through the genuine overflows of
+    its first steps: each read saw its own step's flag. Its CPU twin: tests/unit/test_early_skip.py."""
+    batches = _batches(24)
+    default = _run(True, batches)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # a failed capture warns, and runs eagerly for the rest of the run
+        early = _run(True, batches, early=True)
+    assert not [str(w.message) for w in caught if "capture" in str(w.message)]
+    assert early["early"] and not default["early"]
+    assert early["reports"] == default["reports"] and early["scale"] == default["scale"]
+    assert all(torch.equal(a, b) for a, b in zip(default["params"], early["params"]))
+    graphs = early["graph"]
+    assert not graphs.failed and graphs.replays >= 12, (graphs.replays, graphs.captures, graphs.misses)
+    assert early["skipped"][:1] == [0]

@@ -53,10 +53,11 @@ def _forced(opt: Any, step_graph: bool) -> Any:
 
 def _run(kind: str, guarded: bool, *, clip: bool = False, step_graph: bool = False, steps: int = 16,
          config: dict[str, Any] | None = None, forced: bool = True,
-         watch: Callable[[Any], None] | None = None) -> dict[str, Any]:
+         watch: Callable[[Any], None] | None = None, factors: dict[int, float] | None = None) -> dict[str, Any]:
     """A run of 16 steps, genuine overflows at OVERFLOW_STEPS: torch's plain loop, or guarded (``forced``: on this
     path; otherwise the CPU's own). ``clip``: torch's ``clip_grad_norm_`` (the guard's ``clip_grad_norm_``).
-    ``watch``: called with the guard before its first step (spies)."""
+    ``watch``: called with the guard before its first step (spies). ``factors``: other steps' losses times these."""
+    times = {i: 2.0**14 for i in OVERFLOW_STEPS} | (factors or {})
     torch.manual_seed(0)
     model = make_model(0)
     inner = NON_FUSED[kind](model.parameters())
@@ -81,7 +82,7 @@ def _run(kind: str, guarded: bool, *, clip: bool = False, step_graph: bool = Fal
     with mock.patch.object(LossMeter, "kept", staticmethod(kept)):
         for i, (x, y) in enumerate(make_data(steps)):
             with torch.autocast("cpu", dtype=torch.float16):
-                loss = loss_of(model, x, y) * (2.0**14 if i in OVERFLOW_STEPS else 1.0)
+                loss = loss_of(model, x, y) * times.get(i, 1.0)
             scales.append(scaler.get_scale())
             if guarded:
                 opt.backward(loss)

@@ -1,0 +1,71 @@
+"""Stop 59: how many of a non-fused fp16 step's step-graph ops come before the early skip flag's copy and event
+(AMPGUARD_EARLY_SKIP=1), counted on the CPU as tests/unit/test_decision_kernels.py counts them (each op a kernel on
+CUDA; the norms are a dot each here, one _foreach_norm there). The rest of the graph is what the skip read no longer
+waits for. Run from the repository root:
+PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/results/cpu_stop59/early_census.py
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ampguard.pipeline as pipeline
+from tests.unit.test_decision_kernels import NO_KERNEL, census_guard
+
+
+class Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seq: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.overloadpacket.__name__
+        if name not in NO_KERNEL:
+            self.seq.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class Event:
+    def __init__(self, mode: Ops) -> None:
+        self.mode, self.at = mode, None
+
+    def record(self) -> None:
+        self.at = len(self.mode.seq)
+
+    def synchronize(self) -> None:
+        pass
+
+
+def main() -> None:
+    guard, step = census_guard("fp16", fused=False)
+    pipe = guard._pipeline
+    mode = Ops()
+    event = Event(mode)
+    pipe.early_skip, pipe._early = True, (torch.zeros(1, dtype=torch.bool), event)
+    original = pipeline.StepPipeline._through_decision
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with mode:
+            return original(self, *args, **kwargs)
+
+    pipeline.StepPipeline._through_decision = counted
+    try:
+        step()
+    finally:
+        pipeline.StepPipeline._through_decision = original
+        guard.close()
+    seq = mode.seq
+    assert event.at is not None, "the early flag was not handed over"
+    dots = seq.count("dot")
+    before, after = seq[: event.at], seq[event.at :]
+    print(f"fp16 foreach step graph: {len(seq)} ops ({dots} dots, one _foreach_norm on CUDA); "
+          f"{len(before)} up to the early flag's copy (its copy_ the last), {len(after)} after it")
+    print("before:", dict(collections.Counter(before)))
+    print("after: ", dict(collections.Counter(after)))
+
+
+if __name__ == "__main__":
+    main()
