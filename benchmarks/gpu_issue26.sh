@@ -131,10 +131,14 @@ if [ -n "${HOST_BASE:-}" ]; then  # HOST_BASE=REV: that commit's host_time.py an
   for round in ${HOST_ROUNDS:-1 2}; do
     for side in base this; do
       root=.; [ "$side" = base ] && root=/tmp/host_base
+      # --step-graph: its arm is the default guard ("guard" alone is the stages apart, AMPGUARD_STEP_GRAPH=0, since
+      # f9ac1b6); HB_EARLY=1 adds this tree's early-flag arm (--early-arm, stop 59; the base's script has none)
+      early=; [ "$side" = this ] && [ "${HB_EARLY:-0}" = 1 ] && early=--early-arm
       timeout -k 5 "${HOST_S:-150}" python "$root/benchmarks/host_time.py" --device cuda --models ${HB_MODELS:-mlp} \
-        --optims ${HB_OPTIMS:-foreach} --blocks ${HB_BLOCKS:-4} --steps 30 --profile 0 --ops 0 \
+        --optims ${HB_OPTIMS:-foreach} --blocks ${HB_BLOCKS:-4} --steps 30 --profile 0 --ops 0 --step-graph $early \
         --json "$OUT/host_${TAG}_${side}$round.json" > "$OUT/host_${TAG}_${side}$round.txt" 2>&1
-      echo "host $side$round rc=$?"; grep -E " on cuda|step graph: [0-9]" "$OUT/host_${TAG}_${side}$round.txt"
+      echo "host $side$round rc=$?"; grep -E " on cuda|guard with the step graph|the early skip flag|_learn_skip" \
+        "$OUT/host_${TAG}_${side}$round.txt"
     done
   done
 fi
