@@ -104,6 +104,11 @@
 # FIRST=0 TESTS=1 HOST=0 EARLY=1 (tests/gpu whole, then benchmarks/results/cpu_stop58/early_event.py, ~20 s: can the
 # step graph hand the host its skip flag before it ends?), then HOST_BASE=eb86e04 as above (c2a7768 and the
 # kernel cuts together; host_time.py now prints the skip read's own time, "(pipeline._learn_skip)").
+# Stop 59 built the early skip flag (AMPGUARD_EARLY_SKIP=1, off by default: c407387), and found that HOST_BASE timed the
+# stages apart ("guard" alone is AMPGUARD_STEP_GRAPH=0 since f9ac1b6): it now passes --step-graph. The next call, first:
+# FIRST=0 TESTS=1 HOST=0 EARLY=1 (tests/gpu whole, test_gpu_unfused_fast.py's early-flag capture test among them, then
+# early_event.py), then FIRST=0 TESTS=0 HOST=0 HOST_BASE=eb86e04 HB_EARLY=1 HB_OPTIMS=foreach,fused HOST_S=120 (c2a7768
+# and stop 58's cuts against eb86e04, and the early flag beside the default, two rounds), then the list above.
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
