@@ -27,14 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from .scaling import ScalerView
 from .stats import DECISION_K, LOCAL_K
 
-__all__ = ["HostCopy", "Layout", "Packed", "Unpacked", "pack", "unpacked_on_host"]
+__all__ = ["HostCopy", "Landing", "Layout", "Packed", "Unpacked", "pack", "unpacked_on_host"]
 
 
 class Layout(NamedTuple):
@@ -112,11 +112,46 @@ class Unpacked(NamedTuple):
     """The fp8 casts' rows, flattened (5 floats a cast, :meth:`ampguard.fp8.Fp8Monitor.collect`), or empty."""
 
 
+class Landing:
+    """A step graph's payload copied to the host by the graph itself (``AMPGUARD_EARLY_SKIP``, stop 59): each run of
+    the graph copies the payload into ``pinned`` (a device-to-host copy node) and records ``event`` (an external event
+    node) after it, so the host launches no copy and records no event a step. Every run overwrites ``pinned``: its
+    floats are copied into ``host``, the step's own CPU tensor, before the next run is launched (:meth:`synchronize`,
+    by the pipeline; the graph's end passed long before on a step that launched its optimizer, forward and backward
+    since) or when the reporter reads them first. The reporter takes a landing where it takes a copy's event
+    (:meth:`query`, :meth:`synchronize`) and reads ``host``."""
+
+    __slots__ = ("event", "host", "landed", "pinned")
+
+    def __init__(self, pinned: torch.Tensor, event: Any) -> None:
+        self.pinned, self.event = pinned, event
+        self.host = torch.empty(pinned.shape, dtype=pinned.dtype)
+        self.landed = False
+
+    def query(self) -> bool:
+        """Whether ``host`` holds the payload: copied now if the graph has passed its copy (no wait)."""
+        if not self.landed and self.event.query():
+            self._land()
+        return self.landed
+
+    def synchronize(self) -> None:
+        """``host`` filled, after a wait for the graph's copy if it is still on its way."""
+        if not self.landed:
+            self.event.synchronize()
+            self._land()
+
+    def _land(self) -> None:
+        self.host.copy_(self.pinned)
+        self.landed = True
+
+
 class Packed(NamedTuple):
     """A step's payload: the vector (on device, or on the host after a host decision) and its header."""
 
     vector: torch.Tensor
     layout: Layout
+    landing: Landing | None = None
+    """Where the step graph copies ``vector`` (then ``landing.host``) to the host itself; None: the reporter copies."""
 
 
 def pack(decision: torch.Tensor, gathered: torch.Tensor, norms: torch.Tensor, numerics: torch.Tensor | None = None,

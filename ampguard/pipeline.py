@@ -57,7 +57,7 @@ from .backends.base import Backend
 from .config import GuardConfig
 from .decision_graph import DecisionGraph, MeasureGraph
 from .numerics import Numerics
-from .payload import HostCopy, Layout, Packed, Unpacked, pack, unpacked_on_host
+from .payload import HostCopy, Landing, Layout, Packed, Unpacked, pack, unpacked_on_host
 from .policies import SpikeState, decide, decide_host, uses_clipping
 from .scaling import GradScalerAdapter, ScalerView, ScaleState
 from .stats import (
@@ -149,6 +149,9 @@ class Decision:
     """``(flag, event)``: the step graph's early skip flag (``AMPGUARD_EARLY_SKIP``, a non-fused optimizer on CUDA): a
     pinned 1-element buffer the replay copies the skip into as soon as the rule made it, and the external event it
     records there; :meth:`StepPipeline._learn_skip` waits on the event, not for the whole graph. None: off."""
+    landing: Landing | None = None
+    """Where the step graph copied :attr:`packed` to the host itself, with the early flag (``AMPGUARD_EARLY_SKIP``):
+    the reporter reads its host tensor, no copy of its own launched. None: off."""
     packed_host: torch.Tensor | None = None
     """:attr:`packed`'s vector, on the host: a non-fused optimizer's skip read (:meth:`StepPipeline._learn_skip`)
     copies the whole payload, where it read the one flag (the same one sync), so the reporter has nothing to copy,
@@ -250,6 +253,11 @@ class StepPipeline:
         self._early: tuple[torch.Tensor, Any] | None = None
         """:attr:`Decision.early`'s pinned flag and external event, made once (outside any capture), shared by every
         graph and eager run: each run's flag is read before the next run is launched."""
+        self._landing_slots: dict[int, tuple[torch.Tensor, Any]] = {}
+        """With the early flag: the payload's pinned buffer and external event by payload size (:class:`Landing`),
+        made outside any capture, shared by every graph and eager run of that size."""
+        self._landing: Landing | None = None
+        """The last run's landing, filled before the next run overwrites its pinned buffer."""
         self._clip_configs: dict[float, GuardConfig] = {}
         self.numerics = Numerics(config.numerics_every, device=device,
                                  headroom=adapter is not None and adapter.scaler.is_enabled())
@@ -605,6 +613,7 @@ class StepPipeline:
         config = self.config
         clipping, fused = uses_clipping(config), self.fused
         early, on_skip = self._early_flag()
+        slot = self._landing_slot(groups) if early is not None else None
 
         def measure() -> tuple[Any, ...]:
             inv = adapter.inv_scale()  # GradScaler's 1/scale at this scale: the norms', and a non-fused step's unscale
@@ -613,6 +622,9 @@ class StepPipeline:
             vector, tracker = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                      scaler=view, grads_sharded=False, on_skip=on_skip)
             payload = pack(vector, gathered, norms).vector
+            if slot is not None:  # the payload to the host by the graph itself (a copy node, an event record node)
+                slot[0].copy_(payload, non_blocking=True)
+                slot[1].record()
             # the step's grad_scale at this scale (a non-fused optimizer's: GradScaler's 1/scale, which unscales its
             # gradients: the one the norms were multiplied by, made before the scale is written), then the next scale
             # and tracker into GradScaler's own tensors
@@ -631,7 +643,7 @@ class StepPipeline:
             kind, measure, groups, scale, self.step_graph)
         decision = Decision(vector, growth_tracker, packed=Packed(payload, Layout.of(gathered, norms)),
                             grad_scale=grad_scale if fused else None, unscale_by=None if fused else grad_scale,
-                            early=early)
+                            early=early, landing=self._landed(slot))
         return norms, found, (total, count), gathered, decision
 
     def _early_flag(self) -> tuple[tuple[torch.Tensor, Any] | None, Callable[[torch.Tensor], None] | None]:
@@ -652,6 +664,31 @@ class StepPipeline:
 
         return early, on_skip
 
+    def _landing_slot(self, groups: GradGroups) -> tuple[torch.Tensor, Any]:
+        """The pinned buffer and external event the step graph copies its payload into (:class:`Landing`), for a
+        payload of ``groups``' norms (made on first use, outside any capture); the last run's landing filled first,
+        before this run overwrites the buffer."""
+        if self._landing is not None:
+            self._landing.synchronize()  # the previous graph's end: passed, on any step that launched work since
+            self._landing = None
+        size = Layout(1, len(groups.index)).size
+        slot = self._landing_slots.get(size)
+        if slot is None:
+            slot = self._landing_slots[size] = self._new_slot(size)
+        return slot
+
+    @staticmethod
+    def _new_slot(size: int) -> tuple[torch.Tensor, Any]:
+        """A pinned float32 buffer of ``size`` and an external event (a graph records an event record node for it)."""
+        return torch.empty(size, dtype=torch.float32, pin_memory=True), torch.cuda.Event(external=True)
+
+    def _landed(self, slot: tuple[torch.Tensor, Any] | None) -> Landing | None:
+        """This run's :class:`Landing` (None without a slot), remembered to be filled before the next run."""
+        if slot is None:
+            return None
+        landing = self._landing = Landing(*slot)
+        return landing
+
     def _through_unscaled(self, loss: torch.Tensor | None, fp8: torch.Tensor | None = None,
                           sentinel: torch.Tensor | None = None) -> Measured | None:
         """Without a GradScaler (bf16, fp32): the gradients' norms and their reductions (:meth:`_norms`), the local
@@ -662,19 +699,28 @@ class StepPipeline:
         config = self.config
         loss, fp8, sentinel = self._hold("loss", loss), self._hold("fp8", fp8), self._hold("sentinel", sentinel)
         early, on_skip = self._early_flag()
+        slots: list[tuple[torch.Tensor, Any]] = []
 
         def measure(groups: GradGroups) -> tuple[Any, ...]:
             norms, (total, count) = self._norms_of(groups)
             gathered = self._local_gathered(loss, norms, total, count, None, fp8, sentinel)
             vector, _ = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                scaler=None, grads_sharded=False, on_skip=on_skip)
-            return norms, total, count, gathered, vector, pack(vector, gathered, norms).vector
+            payload = pack(vector, gathered, norms).vector
+            if slots:  # the payload to the host by the graph itself (see _through_decision)
+                slots[0][0].copy_(payload, non_blocking=True)
+                slots[0][1].record()
+            return norms, total, count, gathered, vector, payload
+
+        if early is not None:  # the slot for this payload's size, made before any capture
+            slots.append(self._landing_slot(grads_by_device_and_dtype(self.params())))
 
         replayed = self._replayed_step(("decision, unscaled", *_addresses(loss, fp8, sentinel)), measure)
         if replayed is None:
             return None
         groups, (norms, total, count, gathered, vector, payload) = replayed
-        decision = Decision(vector, None, packed=Packed(payload, Layout.of(gathered, norms)), early=early)
+        decision = Decision(vector, None, packed=Packed(payload, Layout.of(gathered, norms)), early=early,
+                            landing=self._landed(slots[0] if slots else None))
         return Measured({}, None, groups, norms, reductions=(total, count), gathered=gathered, decided=decision)
 
     def _through_host_copy(self, found: dict[torch.device, torch.Tensor], found_inf: torch.Tensor | None,
@@ -764,6 +810,8 @@ class StepPipeline:
             packed = decision.packed  # the graph's output, rewritten by its next replay: CUDA's reporter copies it
             if decision.packed_host is not None:  # already copied by the skip read: the reporter keeps it as it is
                 return Packed(decision.packed_host, packed.layout)
+            if decision.landing is not None:  # copied by the graph itself: the reporter reads its host tensor
+                return Packed(decision.landing.host, packed.layout, decision.landing)
             return packed if packed.vector.device.type != "cpu" else Packed(packed.vector.clone(), packed.layout)
         return pack(decision.vector, gathered, measured.norms, measured.numerics, indicators, params, fp8,
                     copied=decision.copied)

@@ -33,7 +33,7 @@ from .forensics.sentinel import Sentinel
 from .fp8 import WIDTH, Fp8Monitor
 from .indicators import Indicators
 from .integrity import listed, nonfinite_names
-from .payload import Layout, Packed, Unpacked
+from .payload import Landing, Layout, Packed, Unpacked
 from .policies import uses_grad_detector
 from .records import Anomaly, Fp8Cast, History, StepReport
 from .stats import REASONS, Dec, Loc, origin_ranks
@@ -176,6 +176,10 @@ class Reporter:
             self._pending.append(_Pending(step, None, None, None, index, batch_ids, packed, skip))
             return
         payload = packed.vector
+        if packed.landing is not None:  # the step graph copies it to the host itself: nothing to launch
+            self._pending.append(_Pending(step, payload, packed.layout, packed.landing, index, batch_ids, None, skip,
+                                          early))
+            return
         if payload.device.type == "cuda":
             free = self._free.get(payload.numel())
             if free:  # a pinned buffer and event whose copy was decoded: reused (no pinned allocation)
@@ -313,9 +317,10 @@ class Reporter:
                     pending.event.synchronize()  # that step's copy only, still in flight: the host is ahead
                 # the one read of the payload: one copy out of the pinned buffer, then the floats (tolist on the pinned
                 # buffer itself took ~1 us an element on the H100's host, 300 us a step for GPT-2 350M's payload)
-                buf = pending.buf if pending.event is None else pending.buf.clone()
+                landed = isinstance(pending.event, Landing)  # the step's own host tensor: read as it is
+                buf = pending.buf if pending.event is None or landed else pending.buf.clone()
                 payload = pending.layout.unpack(buf.tolist())
-                if pending.event is not None:  # read: the buffer and its event serve a later step
+                if pending.event is not None and not landed:  # read: the buffer and its event serve a later step
                     free = self._free.setdefault(pending.buf.numel(), [])
                     if len(free) < _FREE_PER_SIZE:
                         free.append((pending.buf, pending.event))

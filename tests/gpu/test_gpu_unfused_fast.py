@@ -106,9 +106,10 @@ def test_the_same_run_as_the_host_decision_it_replaced() -> None:
 
 def test_the_early_skip_flag_replays_and_reads_each_steps_own_skip() -> None:
     """``AMPGUARD_EARLY_SKIP=1`` (stop 59): the step graph copies its skip flag into pinned memory and records an
-    external event as soon as the rule made it, and the skip read waits on that event. The capture takes both (no
-    warning, the graph replayed), and the run is the default path's, bit for bit, through the genuine overflows of
-    its first steps: each read saw its own step's flag. Its CPU twin: tests/unit/test_early_skip.py."""
+    external event as soon as the rule made it, and the skip read waits on that event; at its end it copies the
+    payload into pinned memory with a second event (the payload's landing). The capture takes them (no warning, the
+    graph replayed), and the run is the default path's, bit for bit, through the genuine overflows of its first
+    steps: each read saw its own step's flag, each report its own payload. Its CPU twin: tests/unit/test_early_skip.py."""
     batches = _batches(24)
     default = _run(True, batches)
     with warnings.catch_warnings(record=True) as caught:
@@ -121,3 +122,6 @@ def test_the_early_skip_flag_replays_and_reads_each_steps_own_skip() -> None:
     graphs = early["graph"]
     assert not graphs.failed and graphs.replays >= 12, (graphs.replays, graphs.captures, graphs.misses)
     assert early["skipped"][:1] == [0]
+    # the graph landed each payload on the host itself (ampguard.payload.Landing): the reporter copies none of them
+    kept = early["kept"]
+    assert kept.count("cpu") >= graphs.replays - kept.count(None), kept

@@ -23,33 +23,46 @@ from ampguard.ops import HOST, TensorOps
 from ampguard.pipeline import StepPipeline
 from ampguard.policies import SpikeState, rule
 from ampguard.scaling import ScaleState
-from ampguard.stats import LOCAL_K, Dec, Loc
+from ampguard.stats import LOCAL_K, Dec, Loc, LossMeter
 
-from ._models import assert_same, make_model
+from . import test_step_graph as SG
+from ._models import assert_same, loss_of, make_data, make_model
 from .test_unfused_fast import OVERFLOW_STEPS, _reports, _run
 
 
 class StandInEvent:
-    """``torch.cuda.Event(external=True)``'s two calls the early flag makes: ``record`` (in the graph: an event record
-    node) and ``synchronize`` (the skip read's wait); each wait notes the flag as it then is."""
+    """``torch.cuda.Event(external=True)``'s calls the early flag and the payload's landing make: ``record`` (in the
+    graph: an event record node), ``query`` and ``synchronize`` (on the CPU the copy has always arrived); each wait
+    notes the buffer's first value as it then is."""
 
-    def __init__(self, flag: torch.Tensor) -> None:
-        self.flag, self.records, self.seen = flag, 0, []
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf, self.records, self.seen = buf, 0, []
 
     def record(self) -> None:
         self.records += 1
 
+    def query(self) -> bool:
+        return True
+
     def synchronize(self) -> None:
-        self.seen.append(bool(self.flag[0]))
+        self.seen.append(bool(self.buf[0]))
 
 
-def _early(events: list[StandInEvent]) -> Any:
+def _early(events: list[StandInEvent], landings: list[StandInEvent] | None = None) -> Any:
     def watch(opt: Any) -> None:
         pipe = opt._pipeline
         flag = torch.zeros(1, dtype=torch.bool)  # pinned on CUDA
         event = StandInEvent(flag)
         events.append(event)
         pipe.early_skip, pipe._early = True, (flag, event)  # what AMPGUARD_EARLY_SKIP=1 makes on CUDA
+
+        def new_slot(size: int) -> tuple[torch.Tensor, StandInEvent]:  # the payload's pinned buffer and its event
+            buf = torch.zeros(size)
+            landed = StandInEvent(buf)
+            if landings is not None:
+                landings.append(landed)
+            return buf, landed
+        pipe._new_slot = new_slot
     return watch
 
 
@@ -70,16 +83,19 @@ def test_the_skip_read_takes_each_steps_own_early_flag_bitwise_the_plain_loop() 
     assert event.records == 16 + graphs.captures  # every run hands the flag over (the stand-in's capture runs once)
 
 
-def test_the_reporter_copies_the_payload_itself_when_the_read_took_the_flag_only() -> None:
-    """With the early flag the skip read copies no payload (:attr:`Decision.packed_host` stays None): the reporter
-    takes the step graph's payload and copies it itself, after the inner step, as before stop 57 (the reports are the
-    default path's: the test above)."""
+def test_the_graph_lands_the_payload_and_the_reporter_reads_it_as_it_is() -> None:
+    """With the early flag the step graph also copies its payload to the host itself (:class:`ampguard.payload.Landing`:
+    a copy into a pinned buffer and an event recorded after it, nodes of the graph); the skip read copies no payload
+    (:attr:`Decision.packed_host` stays None), and the reporter takes the landing, launching no copy of its own. Each
+    landing is filled before the next run overwrites the buffer: the reports are the default path's bit for bit (the
+    test above, whose reports are decoded from these landings)."""
     events: list[StandInEvent] = []
+    landings: list[StandInEvent] = []
     read: list[Any] = []
     kept: list[Any] = []
 
     def watch(opt: Any) -> None:
-        _early(events)(opt)
+        _early(events, landings)(opt)
         pipe, reporter = opt._pipeline, opt._reporter
         pipe._learn_skip = lambda d, *a, _f=pipe._learn_skip: (_f(d, *a), read.append(d))[0]
         reporter.enqueue = lambda step, packed, *a, _f=reporter.enqueue, **k: (kept.append(packed),
@@ -87,11 +103,19 @@ def test_the_reporter_copies_the_payload_itself_when_the_read_took_the_flag_only
 
     got = _run("adamw_foreach", guarded=True, step_graph=True, steps=8, watch=watch)
     assert len(read) == len(kept) == 8
+    landed = 0
     for step, (decision, packed) in enumerate(zip(read, kept)):
         assert decision.early is not None and decision.packed_host is None, step
         assert decision.learnt == (step in OVERFLOW_STEPS), step
-        # the graph's own payload taken (on CUDA the reporter's pinned copy; here payload() clones it): never the read's
-        assert packed.vector.data_ptr() != decision.packed.vector.data_ptr(), step
+        if packed.layout.params:  # a parameter check's step: packed anew, with the max|p| after it
+            assert packed.landing is None
+            continue
+        assert packed.landing is decision.landing and packed.vector is decision.landing.host, step
+        assert decision.landing.landed, step  # filled: before the next run, or by the reporter's read
+        landed += 1
+    assert landed >= 6
+    (slot_event,) = landings  # one buffer for the one payload size, recorded by every run
+    assert slot_event.records == 8 + got["graphs"].captures
     assert [r.skipped for r in got["opt"].history] == [i in OVERFLOW_STEPS for i in range(8)]
 
 
@@ -166,3 +190,45 @@ def test_off_by_default_off_the_cpu_and_the_switch_is_checked() -> None:
             pytest.raises(ValueError, match="AMPGUARD_EARLY_SKIP='on'"):
         StepPipeline(optimizer=torch.optim.AdamW(model.parameters(), foreach=True), adapter=None,
                      backend=ampguard.backends.LocalBackend(), config=ampguard.GuardConfig(), device=other)
+
+
+def _bf16_foreach(early: bool) -> tuple[list[torch.Tensor], Any, list[StandInEvent], list[StandInEvent]]:
+    """bf16, no GradScaler, foreach AdamW on CUDA's path (the tensor decision in the step graph's replay, its skip
+    read), a genuine NaN at NAN_STEP (LayerNorm with eps=0 over a constant row); ``early``: the early flag on."""
+    model = torch.nn.Sequential(torch.nn.LayerNorm(8, eps=0.0, elementwise_affine=False), *make_model(0))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    with mock.patch.dict(os.environ, {"AMPGUARD_STEP_GRAPH": "1"}):
+        opt = ampguard.wrap(inner, model=model, precision="bf16")
+    pipe = opt._pipeline
+    pipe.host_decision, opt._lagged_reports = False, True  # CUDA's choices, on the CPU
+    pipe.step_graph = SG._Graphs(SG._state(pipe))
+    events: list[StandInEvent] = []
+    landings: list[StandInEvent] = []
+    if early:
+        _early(events, landings)(opt)
+    loss_buf = torch.zeros(())
+    with mock.patch.object(LossMeter, "kept", staticmethod(lambda loss: loss_buf.copy_(loss.detach().reshape(())))):
+        for i, (x, y) in enumerate(make_data(12)):
+            if i == SG.NAN_STEP:
+                x = x.clone()
+                x[0] = 1.0
+            with opt.autocast():
+                loss = loss_of(model, x, y)
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    opt.flush()
+    return [p.detach().clone() for p in model.parameters()], opt, events, landings
+
+
+def test_without_a_scaler_the_early_flag_and_the_landing_are_the_run_without_them() -> None:
+    """The same through the step graph's other decision (``_through_unscaled``: bf16, no GradScaler): each step's
+    read is its own flag (the genuine NaN skipped), the payloads land, the run is the one without them bit for bit."""
+    want, plain, _, _ = _bf16_foreach(early=False)
+    got, guarded, events, landings = _bf16_foreach(early=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _reports(guarded) == _reports(plain)
+    assert guarded.history[SG.NAN_STEP].skipped
+    (event,) = events
+    assert event.seen == [i == SG.NAN_STEP for i in range(12)]
+    assert guarded._pipeline.step_graph.replays >= 8 and len(landings) == 1 and landings[0].records >= 12
