@@ -151,7 +151,7 @@ class Decision:
     records there; :meth:`StepPipeline._learn_skip` waits on the event, not for the whole graph. None: off."""
     landing: Landing | None = None
     """Where the step graph copied :attr:`packed` to the host itself, with the early flag (``AMPGUARD_EARLY_SKIP``):
-    the reporter reads its host tensor, no copy of its own launched. None: off."""
+    the reporter reads its floats, no copy of its own launched. None: off."""
     packed_host: torch.Tensor | None = None
     """:attr:`packed`'s vector, on the host: a non-fused optimizer's skip read (:meth:`StepPipeline._learn_skip`)
     copies the whole payload, where it read the one flag (the same one sync), so the reporter has nothing to copy,
@@ -254,10 +254,12 @@ class StepPipeline:
         """:attr:`Decision.early`'s pinned flag and external event, made once (outside any capture), shared by every
         graph and eager run: each run's flag is read before the next run is launched."""
         self._landing_slots: dict[int, tuple[torch.Tensor, Any]] = {}
-        """With the early flag: the payload's pinned buffer and external event by payload size (:class:`Landing`),
-        made outside any capture, shared by every graph and eager run of that size."""
+        """With the early flag: the payload's pinned buffer and external event by its count of norms (which sizes the
+        payload: :class:`Landing`), made outside any capture, shared by every graph and eager run of that size."""
         self._landing: Landing | None = None
         """The last run's landing, filled before the next run overwrites its pinned buffer."""
+        self._early_pair: tuple[tuple[torch.Tensor, Any], Callable[[torch.Tensor], None]] | None = None
+        """:meth:`_early_flag`'s answer, made once."""
         self._clip_configs: dict[float, GuardConfig] = {}
         self.numerics = Numerics(config.numerics_every, device=device,
                                  headroom=adapter is not None and adapter.scaler.is_enabled())
@@ -654,15 +656,17 @@ class StepPipeline:
         ``(None, None)`` with it off."""
         if not self.early_skip:
             return None, None
-        if self._early is None:
-            self._early = (torch.zeros(1, dtype=torch.bool, pin_memory=True), torch.cuda.Event(external=True))
-        flag, event = early = self._early
+        if self._early_pair is None:
+            if self._early is None:
+                self._early = (torch.zeros(1, dtype=torch.bool, pin_memory=True), torch.cuda.Event(external=True))
+            flag, event = early = self._early
 
-        def on_skip(skip: torch.Tensor) -> None:
-            flag.copy_(skip.reshape(1), non_blocking=True)
-            event.record()
+            def on_skip(skip: torch.Tensor) -> None:
+                flag.copy_(skip.reshape(1), non_blocking=True)
+                event.record()
 
-        return early, on_skip
+            self._early_pair = (early, on_skip)
+        return self._early_pair
 
     def _landing_slot(self, groups: GradGroups) -> tuple[torch.Tensor, Any]:
         """The pinned buffer and external event the step graph copies its payload into (:class:`Landing`), for a
@@ -671,10 +675,10 @@ class StepPipeline:
         if self._landing is not None:
             self._landing.synchronize()  # the previous graph's end: passed, on any step that launched work since
             self._landing = None
-        size = Layout(1, len(groups.index)).size
-        slot = self._landing_slots.get(size)
+        norms = len(groups.index)  # the payload's size is the norms' count's (one rank, no optional part)
+        slot = self._landing_slots.get(norms)
         if slot is None:
-            slot = self._landing_slots[size] = self._new_slot(size)
+            slot = self._landing_slots[norms] = self._new_slot(Layout(1, norms).size)
         return slot
 
     @staticmethod
@@ -810,8 +814,8 @@ class StepPipeline:
             packed = decision.packed  # the graph's output, rewritten by its next replay: CUDA's reporter copies it
             if decision.packed_host is not None:  # already copied by the skip read: the reporter keeps it as it is
                 return Packed(decision.packed_host, packed.layout)
-            if decision.landing is not None:  # copied by the graph itself: the reporter reads its host tensor
-                return Packed(decision.landing.host, packed.layout, decision.landing)
+            if decision.landing is not None:  # copied to the host by the graph itself: the reporter reads its floats
+                return Packed(packed.vector, packed.layout, decision.landing)
             return packed if packed.vector.device.type != "cpu" else Packed(packed.vector.clone(), packed.layout)
         return pack(decision.vector, gathered, measured.norms, measured.numerics, indicators, params, fp8,
                     copied=decision.copied)

@@ -177,7 +177,7 @@ class Reporter:
             return
         payload = packed.vector
         if packed.landing is not None:  # the step graph copies it to the host itself: nothing to launch
-            self._pending.append(_Pending(step, payload, packed.layout, packed.landing, index, batch_ids, None, skip,
+            self._pending.append(_Pending(step, None, packed.layout, packed.landing, index, batch_ids, None, skip,
                                           early))
             return
         if payload.device.type == "cuda":
@@ -263,6 +263,13 @@ class Reporter:
         u = p.unpacked
         if u is not None:
             return u.decision, u.rows, u.params
+        if isinstance(p.event, Landing):  # copied by the step graph itself: its floats, once landed
+            if not p.event.query():
+                if not wait:
+                    return None
+                p.event.synchronize()
+            assert p.event.values is not None and p.layout is not None  # internal: landed, enqueued packed
+            return p.layout.head(cast(Sequence[float], p.event.values))
         assert p.buf is not None and p.layout is not None  # internal: enqueued packed
         if p.event is not None and not p.event.query():
             if not wait:
@@ -311,16 +318,20 @@ class Reporter:
             pending = self._pending.popleft()
             self._quiet = max(self._quiet - 1, 0)
             payload = pending.unpacked
+            landing = pending.event if isinstance(pending.event, Landing) else None
+            if landing is not None:  # copied by the step graph itself: its floats, as Python floats
+                landing.synchronize()
+                assert landing.values is not None and pending.layout is not None  # internal: landed, enqueued packed
+                payload = pending.layout.unpack(landing.values[:])
             if payload is None:
                 assert pending.buf is not None and pending.layout is not None  # internal: enqueued packed
                 if pending.event is not None and not pending.event.query():
                     pending.event.synchronize()  # that step's copy only, still in flight: the host is ahead
                 # the one read of the payload: one copy out of the pinned buffer, then the floats (tolist on the pinned
                 # buffer itself took ~1 us an element on the H100's host, 300 us a step for GPT-2 350M's payload)
-                landed = isinstance(pending.event, Landing)  # the step's own host tensor: read as it is
-                buf = pending.buf if pending.event is None or landed else pending.buf.clone()
+                buf = pending.buf if pending.event is None else pending.buf.clone()
                 payload = pending.layout.unpack(buf.tolist())
-                if pending.event is not None and not landed:  # read: the buffer and its event serve a later step
+                if pending.event is not None:  # read: the buffer and its event serve a later step
                     free = self._free.setdefault(pending.buf.numel(), [])
                     if len(free) < _FREE_PER_SIZE:
                         free.append((pending.buf, pending.event))
