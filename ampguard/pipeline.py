@@ -43,6 +43,7 @@ gradient whose squares overflow float32 is stepped on, as in the plain loop.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import inspect
@@ -944,7 +945,8 @@ class StepPipeline:
         if decision.early is not None:  # SYNC: the flag the replay copied as soon as it was made (the graph goes on)
             flag, event = decision.early
             event.synchronize()
-            skipped = decision.learnt = bool(flag.tolist()[0])  # the reporter copies the payload after the step
+            # the byte read in place: no tensor op (stop 59: inside a step each costs the host several µs)
+            skipped = decision.learnt = ctypes.c_bool.from_address(flag.data_ptr()).value
         elif packed is not None:  # SYNC: the payload's copy, the decision at its head
             host = decision.packed_host = packed.vector.to("cpu", copy=True)
             skipped = decision.learnt = bool(host[Dec.SKIP])

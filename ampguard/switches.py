@@ -56,11 +56,13 @@ class Switches:
     early_skip: bool = False
     """A non-fused optimizer on the step graph (CUDA): the graph copies the decision's skip flag into pinned memory and
     records an external event as soon as the flag is made (:func:`ampguard.policies.rule`'s ``on_skip``), and the skip
-    read waits on that event, not for the whole graph (the rest of the rule, the payload and the scale writes: ~40 of a
-    foreach fp16 step's ~56 small kernels); the reporter then copies the payload after the inner step, as before stop
-    57. Off (the default) until a device has shown that the capture takes the copy and the event and what the wait
-    saves (``benchmarks/results/cpu_stop58/early_event.py``; ``benchmarks/host_time.py --early-arm``).
-    ``AMPGUARD_EARLY_SKIP=1``: on."""
+    read waits on that event, not for the whole graph (the rest of the rule, the payload and the scale writes: 34 of
+    the fp16 foreach graph's 71 ops in the CPU's census); at its end the graph also copies the payload into pinned
+    memory with a second event (:class:`ampguard.payload.Landing`), so the reporter launches no copy. On an H100
+    (stop 59, ``benchmarks/RESULTS.md``) the read's wait fell from ~115 to ~40 µs and the MLP foreach step's added host
+    time by 16-19 µs with the landing filled by tensor ops; the ``memmove`` fill since is measured on the CPU only.
+    Off (the default) until tests/gpu has run whole with it on and ``benchmarks/host_time.py --early-arm`` has timed
+    the ``memmove`` fill. ``AMPGUARD_EARLY_SKIP=1``: on."""
 
     report_batch: bool = True
     """Decode, log and export healthy steps' reports in batches of up to :data:`ampguard.reporter.REPORT_BATCH`

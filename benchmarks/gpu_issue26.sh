@@ -109,6 +109,11 @@
 # FIRST=0 TESTS=1 HOST=0 EARLY=1 (tests/gpu whole, test_gpu_unfused_fast.py's early-flag capture test among them, then
 # early_event.py), then FIRST=0 TESTS=0 HOST=0 HOST_BASE=eb86e04 HB_EARLY=1 HB_OPTIMS=foreach,fused HOST_S=120 (c2a7768
 # and stop 58's cuts against eb86e04, and the early flag beside the default, two rounds), then the list above.
+# Stop 59 got one H100 (benchmarks/results/gpu_stop59/, RESULTS.md "Stop 59"): tests/gpu 80 passed on 4206a01; the
+# early flag cut the skip read ~115 -> ~40 us, the graph's landing (b057e19) took the reporter's copy away; bf12803 (the
+# landing by memmove) is unrun. The next session, first: `AMPGUARD_EARLY_SKIP=1 python -m pytest -q tests/gpu` (~270 s:
+# tests/gpu whole with the early flag on), then `python benchmarks/host_time.py --device cuda --models mlp --optims
+# foreach --blocks 8 --steps 30 --step-graph --early-arm` twice (~25 s); if both hold, turn the switch on by default.
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
