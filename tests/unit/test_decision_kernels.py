@@ -22,6 +22,7 @@ import ampguard
 import ampguard.pipeline as pipeline
 from ampguard.config import GuardConfig
 from ampguard.ops import TensorOps, device_constants
+from ampguard.payload import Layout
 from ampguard.policies import SpikeState, decide
 from ampguard.scale_rule import ScaleState
 from ampguard.stats import Loc, local_vector
@@ -155,3 +156,42 @@ def test_the_local_vector_counts_non_finite_norms_as_before():
                        device=torch.device("cpu"), host=False)
     assert vec[Loc.NONFINITE_TENSORS].item() == 2.0 and vec[Loc.LOSS_NONFINITE].item() == 1.0
     assert vec.dtype == torch.float32
+
+
+def test_the_early_skip_flag_comes_before_most_of_the_step_graph():
+    """With ``AMPGUARD_EARLY_SKIP`` the skip read waits for the ops up to the flag's copy only (stop 59: 37 of the fp16
+    foreach step graph's 72 here with the flag's and the landing's copies, the 12 dots one ``_foreach_norm`` on CUDA;
+    benchmarks/results/cpu_stop59/early_census.py): a change that makes the flag later, or the graph longer before
+    it, fails here before a device run shows the wait grow."""
+    guard, step = census_guard("fp16", fused=False)
+    pipe = guard._pipeline
+    mode = _Ops()
+    seen: list[int] = []
+
+    class Event:  # the flag's external event: notes how many ops ran before its record
+        def record(self) -> None:
+            seen.append(sum(mode.ops.values()))
+
+        def synchronize(self) -> None:
+            pass
+
+    pipe.early_skip, pipe._early = True, (torch.zeros(1, dtype=torch.bool), Event())
+    buf, landed = torch.zeros(Layout(1, 12).size), Event()  # census_guard's 12 gradients; made outside the count
+    pipe._new_slot = lambda size: (buf, landed)
+    original = pipeline.StepPipeline._through_decision
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        with mode:
+            return original(self, *args, **kwargs)
+
+    pipeline.StepPipeline._through_decision = counted
+    try:
+        step()
+    finally:
+        pipeline.StepPipeline._through_decision = original
+        guard.close()
+    total = sum(mode.ops.values())
+    assert len(seen) == 2, seen  # the flag's record, then the payload's landing at the graph's end
+    before, landing = seen
+    assert total - landing <= 2, (landing, total)  # the landing's copy: after the payload, before the scale's writes
+    assert before <= 37 and total - before >= 30, (before, total, dict(mode.ops))

@@ -13,6 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampguard.pipeline as pipeline
+from ampguard.payload import Layout
 from tests.unit.test_decision_kernels import NO_KERNEL, census_guard
 
 
@@ -45,6 +46,9 @@ def main() -> None:
     mode = Ops()
     event = Event(mode)
     pipe.early_skip, pipe._early = True, (torch.zeros(1, dtype=torch.bool), event)
+    landing = Event(mode)  # the payload's landing (b057e19): a copy and an event at the graph's end
+    buf = torch.zeros(Layout(1, 12).size)  # census_guard's 12 gradients; made here, outside the count
+    pipe._new_slot = lambda size: (buf, landing)
     original = pipeline.StepPipeline._through_decision
 
     def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
@@ -63,6 +67,8 @@ def main() -> None:
     before, after = seq[: event.at], seq[event.at :]
     print(f"fp16 foreach step graph: {len(seq)} ops ({dots} dots, one _foreach_norm on CUDA); "
           f"{len(before)} up to the early flag's copy (its copy_ the last), {len(after)} after it")
+    print(f"the payload's landing: its copy_ op number {landing.at}, {len(seq) - landing.at} after it (the scale's "
+          "writes)")
     print("before:", dict(collections.Counter(before)))
     print("after: ", dict(collections.Counter(after)))
 
