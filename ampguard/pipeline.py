@@ -251,16 +251,14 @@ class StepPipeline:
         self.early_skip = switches.early_skip and not self.fused and device.type == "cuda"
         """The step graph hands a non-fused step its skip flag before it ends (``AMPGUARD_EARLY_SKIP``:
         :attr:`Decision.early`)."""
-        self._early: tuple[torch.Tensor, Any] | None = None
-        """:attr:`Decision.early`'s pinned flag and external event, made once (outside any capture), shared by every
-        graph and eager run: each run's flag is read before the next run is launched."""
         self._landing_slots: dict[int, tuple[torch.Tensor, Any]] = {}
         """With the early flag: the payload's pinned buffer and external event by its count of norms (which sizes the
         payload: :class:`Landing`), made outside any capture, shared by every graph and eager run of that size."""
         self._landing: Landing | None = None
         """The last run's landing, filled before the next run overwrites its pinned buffer."""
         self._early_pair: tuple[tuple[torch.Tensor, Any], Callable[[torch.Tensor], None]] | None = None
-        """:meth:`_early_flag`'s answer, made once."""
+        """:meth:`_early_flag`'s answer, made once (outside any capture), shared by every graph and eager run: each
+        run's flag is read before the next run is launched."""
         self._clip_configs: dict[float, GuardConfig] = {}
         self.numerics = Numerics(config.numerics_every, device=device,
                                  headroom=adapter is not None and adapter.scaler.is_enabled())
@@ -616,7 +614,10 @@ class StepPipeline:
         config = self.config
         clipping, fused = uses_clipping(config), self.fused
         early, on_skip = self._early_flag()
-        slot = self._landing_slot(groups) if early is not None else None
+        slot = None
+        if early is not None:
+            self._land_last()
+            slot = self._landing_slot(len(groups.index))
 
         def measure() -> tuple[Any, ...]:
             inv = adapter.inv_scale()  # GradScaler's 1/scale at this scale: the norms', and a non-fused step's unscale
@@ -658,9 +659,7 @@ class StepPipeline:
         if not self.early_skip:
             return None, None
         if self._early_pair is None:
-            if self._early is None:
-                self._early = (torch.zeros(1, dtype=torch.bool, pin_memory=True), torch.cuda.Event(external=True))
-            flag, event = early = self._early
+            flag, event = early = self._new_flag()
 
             def on_skip(skip: torch.Tensor) -> None:
                 flag.copy_(skip.reshape(1), non_blocking=True)
@@ -669,14 +668,22 @@ class StepPipeline:
             self._early_pair = (early, on_skip)
         return self._early_pair
 
-    def _landing_slot(self, groups: GradGroups) -> tuple[torch.Tensor, Any]:
-        """The pinned buffer and external event the step graph copies its payload into (:class:`Landing`), for a
-        payload of ``groups``' norms (made on first use, outside any capture); the last run's landing filled first,
-        before this run overwrites the buffer."""
+    @staticmethod
+    def _new_flag() -> tuple[torch.Tensor, Any]:
+        """A pinned one-byte bool buffer and an external event (a graph records an event record node for it)."""
+        return torch.zeros(1, dtype=torch.bool, pin_memory=True), torch.cuda.Event(external=True)
+
+    def _land_last(self) -> None:
+        """The last run's landing filled, before the next run overwrites its pinned buffer."""
         if self._landing is not None:
             self._landing.synchronize()  # the previous graph's end: passed, on any step that launched work since
             self._landing = None
-        norms = len(groups.index)  # the payload's size is the norms' count's (one rank, no optional part)
+
+    def _landing_slot(self, norms: int) -> tuple[torch.Tensor, Any]:
+        """The pinned buffer and external event the step graph copies its payload into (:class:`Landing`), for a
+        payload of ``norms`` per-tensor norms (one rank, no optional part: the count sizes it), made on the first
+        run over those gradients, which is eager (:class:`~ampguard.decision_graph.MeasureGraph` captures a key the
+        second time it sees it)."""
         slot = self._landing_slots.get(norms)
         if slot is None:
             slot = self._landing_slots[norms] = self._new_slot(Layout(1, norms).size)
@@ -704,7 +711,8 @@ class StepPipeline:
         config = self.config
         loss, fp8, sentinel = self._hold("loss", loss), self._hold("fp8", fp8), self._hold("sentinel", sentinel)
         early, on_skip = self._early_flag()
-        slots: list[tuple[torch.Tensor, Any]] = []
+        if early is not None:
+            self._land_last()
 
         def measure(groups: GradGroups) -> tuple[Any, ...]:
             norms, (total, count) = self._norms_of(groups)
@@ -712,20 +720,19 @@ class StepPipeline:
             vector, _ = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                scaler=None, grads_sharded=False, on_skip=on_skip)
             payload = pack(vector, gathered, norms).vector
-            if slots:  # the payload to the host by the graph itself (see _through_decision)
-                slots[0][0].copy_(payload, non_blocking=True)
-                slots[0][1].record()
+            if early is not None:  # the payload to the host by the graph itself (see _through_decision)
+                pinned, event = self._landing_slot(len(groups.index))
+                pinned.copy_(payload, non_blocking=True)
+                event.record()
             return norms, total, count, gathered, vector, payload
-
-        if early is not None:  # the slot for this payload's size, made before any capture
-            slots.append(self._landing_slot(grads_by_device_and_dtype(self.params())))
 
         replayed = self._replayed_step(("decision, unscaled", *_addresses(loss, fp8, sentinel)), measure)
         if replayed is None:
             return None
         groups, (norms, total, count, gathered, vector, payload) = replayed
+        slot = None if early is None else self._landing_slot(len(groups.index))
         decision = Decision(vector, None, packed=Packed(payload, Layout.of(gathered, norms)), early=early,
-                            landing=self._landed(slots[0] if slots else None))
+                            landing=self._landed(slot))
         return Measured({}, None, groups, norms, reductions=(total, count), gathered=gathered, decided=decision)
 
     def _through_host_copy(self, found: dict[torch.device, torch.Tensor], found_inf: torch.Tensor | None,

@@ -11,8 +11,9 @@ host's."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -38,12 +39,34 @@ class _Ops(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
+        self.seq: list[str] = []
+        """The same ops in the order they ran."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = func.overloadpacket.__name__
         if name not in NO_KERNEL:
             self.ops[name] += 1
+            self.seq.append(name)
         return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def counting(method: str, mode: _Ops) -> Iterator[list[int]]:
+    """``StepPipeline.<method>`` run under ``mode`` (its ops counted) inside the block; yields a list its calls append
+    to (empty: it never ran, and the count would test nothing)."""
+    original = getattr(pipeline.StepPipeline, method)
+    calls: list[int] = []
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        with mode:
+            return original(self, *args, **kwargs)
+
+    setattr(pipeline.StepPipeline, method, counted)
+    try:
+        yield calls
+    finally:
+        setattr(pipeline.StepPipeline, method, original)
 
 
 def census_guard(precision: str, fused: bool = True) -> tuple[ampguard.GuardedOptimizer, Callable[[], None]]:
@@ -78,20 +101,11 @@ def _decision_ops(precision: str, method: str, fused: bool = True) -> collection
     """The ops of one step's tensor decision (``method``) (:func:`census_guard`); the norms' own ops (a dot per
     gradient, their stack and sqrt) taken out."""
     guard, step = census_guard(precision, fused)
-    original = getattr(pipeline.StepPipeline, method)
     mode = _Ops()
-    calls = []
-
-    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        with mode:
-            return original(self, *args, **kwargs)
-
-    setattr(pipeline.StepPipeline, method, counted)
     try:
-        step()
+        with counting(method, mode) as calls:
+            step()
     finally:
-        setattr(pipeline.StepPipeline, method, original)
         guard.close()
     assert calls, f"{method} did not run: the count would test nothing"
     ops = mode.ops
@@ -175,21 +189,16 @@ def test_the_early_skip_flag_comes_before_most_of_the_step_graph():
         def synchronize(self) -> None:
             pass
 
-    pipe.early_skip, pipe._early = True, (torch.zeros(1, dtype=torch.bool), Event())
+    flag, event = torch.zeros(1, dtype=torch.bool), Event()
+    pipe.early_skip, pipe._new_flag = True, lambda: (flag, event)
     buf, landed = torch.zeros(Layout(1, 12).size), Event()  # census_guard's 12 gradients; made outside the count
     pipe._new_slot = lambda size: (buf, landed)
-    original = pipeline.StepPipeline._through_decision
-
-    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        with mode:
-            return original(self, *args, **kwargs)
-
-    pipeline.StepPipeline._through_decision = counted
     try:
-        step()
+        with counting("_through_decision", mode) as calls:
+            step()
     finally:
-        pipeline.StepPipeline._through_decision = original
         guard.close()
+    assert calls
     total = sum(mode.ops.values())
     assert len(seen) == 2, seen  # the flag's record, then the payload's landing at the graph's end
     before, landing = seen

@@ -54,7 +54,7 @@ def _early(events: list[StandInEvent], landings: list[StandInEvent] | None = Non
         flag = torch.zeros(1, dtype=torch.bool)  # pinned on CUDA
         event = StandInEvent(flag)
         events.append(event)
-        pipe.early_skip, pipe._early = True, (flag, event)  # what AMPGUARD_EARLY_SKIP=1 makes on CUDA
+        pipe.early_skip, pipe._new_flag = True, lambda: (flag, event)  # what AMPGUARD_EARLY_SKIP=1 makes on CUDA
 
         def new_slot(size: int) -> tuple[torch.Tensor, StandInEvent]:  # the payload's pinned buffer and its event
             buf = torch.zeros(size)

@@ -10,27 +10,13 @@ from __future__ import annotations
 import collections
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-import ampguard.pipeline as pipeline
 from ampguard.payload import Layout
-from tests.unit.test_decision_kernels import NO_KERNEL, census_guard
-
-
-class Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seq: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        name = func.overloadpacket.__name__
-        if name not in NO_KERNEL:
-            self.seq.append(name)
-        return func(*args, **(kwargs or {}))
+from tests.unit.test_decision_kernels import _Ops, census_guard, counting
 
 
 class Event:
-    def __init__(self, mode: Ops) -> None:
+    def __init__(self, mode: _Ops) -> None:
         self.mode, self.at = mode, None
 
     def record(self) -> None:
@@ -43,23 +29,17 @@ class Event:
 def main() -> None:
     guard, step = census_guard("fp16", fused=False)
     pipe = guard._pipeline
-    mode = Ops()
+    mode = _Ops()
     event = Event(mode)
-    pipe.early_skip, pipe._early = True, (torch.zeros(1, dtype=torch.bool), event)
+    flag = torch.zeros(1, dtype=torch.bool)
+    pipe.early_skip, pipe._new_flag = True, lambda: (flag, event)
     landing = Event(mode)  # the payload's landing (b057e19): a copy and an event at the graph's end
     buf = torch.zeros(Layout(1, 12).size)  # census_guard's 12 gradients; made here, outside the count
     pipe._new_slot = lambda size: (buf, landing)
-    original = pipeline.StepPipeline._through_decision
-
-    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        with mode:
-            return original(self, *args, **kwargs)
-
-    pipeline.StepPipeline._through_decision = counted
     try:
-        step()
+        with counting("_through_decision", mode):
+            step()
     finally:
-        pipeline.StepPipeline._through_decision = original
         guard.close()
     seq = mode.seq
     assert event.at is not None, "the early flag was not handed over"

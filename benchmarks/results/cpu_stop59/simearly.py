@@ -12,24 +12,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cpu_stop57"))
 import simcuda
+from standins import force_early
 
 from ampguard.pipeline import StepPipeline
-
-
-class _Event:
-    def record(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
 
 _init = StepPipeline.__init__
 
@@ -37,8 +24,7 @@ _init = StepPipeline.__init__
 def _init_early(self: StepPipeline, **kwargs: Any) -> None:
     _init(self, **kwargs)
     if os.environ.get("AMPGUARD_EARLY_SKIP") == "1" and not self.fused:  # CUDA's early flag, on the CPU
-        self.early_skip, self._early = True, (torch.zeros(1, dtype=torch.bool), _Event())
-        self._new_slot = lambda size: (torch.zeros(size), _Event())  # type: ignore[method-assign]
+        force_early(self)
 
 
 StepPipeline.__init__ = _init_early  # type: ignore[method-assign]
