@@ -70,6 +70,11 @@ NESTED = {"_pipeline": ("_learn_skip",)}
 or for the decision, then the copy), inside ``inner_step``; printed as ``(pipeline._learn_skip)`` (stop 58)."""
 
 
+EXTRA_NESTED: dict[str, tuple[str, ...]] = {}
+"""``--nested``'s stages, timed beside the sums as :data:`NESTED`'s (stop 60: where the early arm's ``_measure``
+goes)."""
+
+
 def build(name: str, device: torch.device) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
     torch.manual_seed(0)
     if name in ("mlp", "mlp-fp8"):  # issue 26's 8x256 MLP; mlp-fp8: its 8 hidden layers as torchao Float8Linear
@@ -109,7 +114,9 @@ class Timers:
         """Another Timers' figures for stages timed inside these (:data:`NESTED`), shown beside them."""
         self._undo: list[tuple[Any, str]] = []
         for path, names in stages.items():
-            owner = getattr(guard, path) if path else guard
+            owner = guard
+            for part in filter(None, path.split(".")):  # a dotted path: an attribute's attribute
+                owner = getattr(owner, part)
             for name in names:
                 self._wrap(owner, name, f"{path.strip('_') or 'guard'}.{name}")
 
@@ -198,7 +205,7 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
     breakdowns = {}
     for variant in names[1:]:
         timers = Timers(loops[variant][3])
-        nested = Timers(loops[variant][3], NESTED)
+        nested = Timers(loops[variant][3], {**NESTED, **EXTRA_NESTED})
         broken: list[int] = []
         for _ in range(max(steps, 20)):
             one(variant, broken)
@@ -355,9 +362,15 @@ def main() -> int:
     ap.add_argument("--early-arm", action="store_true",
                     help="also time the default guard with the step graph's early skip flag (AMPGUARD_EARLY_SKIP=1, "
                          "stop 59) in the same blocks")
+    ap.add_argument("--nested", default="",
+                    help="more stages timed inside others, shown beside the sums: OWNER:NAME,... where OWNER is an "
+                         "attribute path on the guard (e.g. _pipeline:_land_last,_pipeline.step_graph:run)")
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="thread: the thread's CPU time (a CPU run on a busy machine, OMP_NUM_THREADS=1)")
     args = ap.parse_args()
+    for item in filter(None, args.nested.split(",")):
+        owner, _, name = item.partition(":")
+        EXTRA_NESTED[owner] = (*EXTRA_NESTED.get(owner, ()), name)
     if args.clock == "thread":
         CLOCK[0] = time.thread_time_ns
     device = torch.device(args.device)

@@ -18,6 +18,10 @@ copied; its docstring defines the variants and the method). What this adds:
   foreach     GPT-2 124M, 8  plain, guard (``foreach=True`` AdamW)
   350m        GPT-2 350M, 8  plain, guard (24 layers, d=1024, 16 heads)
   compile     GPT-2 124M, 8  plain, guard, each model ``nn.Module.compile()``-d in place (inductor)
+  compile-    GPT-2 124M, 8  the same with ``foreach=True`` AdamW (``compile-foreach``), at batch 16
+  foreach,                   (``compile-b16``) and GPT-2 350M (``compile-350m``): issue 26's other
+  -b16, -350m                compiled rows (stop 60)
+  sentinel    GPT-2 124M, 8  plain, guard, guard with ``sentinel="top"``
   ==========  =============  ====================================================================
 
   CPU (bf16 autocast, GradScaler on): ``mlp-8x512`` (plain, plain2, guard, clip, guard_clip,
@@ -112,6 +116,13 @@ CUDA_GROUPS: list[dict[str, Any]] = [
          pairs=[("guard_fused", "plain_fused", 1.000)]),
     dict(name="compile", size="gpt2", variants=["plain_fused", "guard_fused"], compile=True, needs_s=150,
          pairs=[("guard_fused", "plain_fused", 1.005)]),
+    # issue 26's other compiled rows (stop 60): foreach at most 1.01, 124M at batch 16 and 350M at most 1.000
+    dict(name="compile-foreach", size="gpt2", variants=["plain_unfused", "guard_unfused"], compile=True, needs_s=150,
+         pairs=[("guard_unfused", "plain_unfused", 1.01)]),
+    dict(name="compile-b16", size="gpt2-b16", variants=["plain_fused", "guard_fused"], compile=True, needs_s=150,
+         pairs=[("guard_fused", "plain_fused", 1.000)]),
+    dict(name="compile-350m", size="gpt2-350m", variants=["plain_fused", "guard_fused"], compile=True, needs_s=200,
+         pairs=[("guard_fused", "plain_fused", 1.000)]),
     dict(name="sentinel", size="gpt2", variants=["plain_fused", "guard_fused", "guard_sentinel_fused"],
          pairs=[("guard_sentinel_fused", "guard_fused", 1.005), ("guard_fused", "plain_fused", None)]),
 ]

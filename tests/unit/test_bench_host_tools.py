@@ -7,6 +7,8 @@
 - ``benchmarks/frameworks_cost.py --pstats`` profiles every arm's own loop thread (cProfile sees one thread) and
   prints, per framework, where the guarded arm's host time a step goes beside the plain arm's. The framework rows
   miss by 1-3 ms a step on the H100 while the guard's own ``step()`` adds ~0.1 ms.
+- ``host_time.py --nested OWNER:NAME,...`` times more stages inside others, beside the sums (stop 60: where the early
+  skip flag's extra ``guard._measure`` went on the H100).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def _run(args: list[str], timeout: float) -> str:
 def test_host_time_reports_stage_means_and_the_batched_arms_added_mean(tmp_path):
     out = tmp_path / "rows.json"
     text = _run(["benchmarks/host_time.py", "--device", "cpu", "--models", "mlp", "--optims", "fused", "--blocks", "1",
-                 "--steps", "6", "--warmup", "2", "--step-graph", "--batch-arm", "--json", str(out)], timeout=240)
+                 "--steps", "6", "--warmup", "2", "--step-graph", "--batch-arm", "--json", str(out),
+                 "--nested", "_pipeline:_measure_scaled,_pipeline.adapter:record_found_inf"], timeout=240)
     (row,) = json.loads(out.read_text())["rows"]
     for arm in (row, row["guard_step"], row["guard_perstep"]):
         means = arm["breakdown_mean_us"]
@@ -43,6 +46,12 @@ def test_host_time_reports_stage_means_and_the_batched_arms_added_mean(tmp_path)
     # the per-step arm is compared with the batched (step graph) arm's mean, not the stages-apart arm's
     assert f"(the batched arm's mean: added {step['added_mean_us']:+.0f})" in text
     assert "   mean " in text
+    # --nested (stop 60): stages inside others, an attribute path's method among them, beside the sums
+    for arm in (row, step):
+        nested = arm["breakdown_us"]
+        assert nested["(pipeline._measure_scaled)"] > 0 and nested["(pipeline.adapter.record_found_inf)"] > 0
+        assert nested["rest"] == pytest.approx(arm["breakdown_total_us"] - sum(
+            v for k, v in nested.items() if not k.startswith("(") and k != "rest"))
 
 
 def test_frameworks_cost_pstats_profiles_each_arms_own_thread(tmp_path):
