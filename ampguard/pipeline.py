@@ -58,7 +58,7 @@ from .backends.base import Backend
 from .config import GuardConfig
 from .decision_graph import DecisionGraph, MeasureGraph
 from .numerics import Numerics
-from .payload import HostCopy, Landing, Layout, Packed, Unpacked, pack, unpacked_on_host
+from .payload import HostCopy, Landing, Layout, Packed, Unpacked, pack, pinned_view, unpacked_on_host
 from .policies import SpikeState, decide, decide_host, uses_clipping
 from .scaling import GradScalerAdapter, ScalerView, ScaleState
 from .stats import (
@@ -251,7 +251,7 @@ class StepPipeline:
         self.early_skip = switches.early_skip and not self.fused and device.type == "cuda"
         """The step graph hands a non-fused step its skip flag before it ends (``AMPGUARD_EARLY_SKIP``:
         :attr:`Decision.early`)."""
-        self._landing_slots: dict[int, tuple[torch.Tensor, Any]] = {}
+        self._landing_slots: dict[int, tuple[Any, ...]] = {}
         """With the early flag: the payload's pinned buffer and external event by its count of norms (which sizes the
         payload: :class:`Landing`), made outside any capture, shared by every graph and eager run of that size."""
         self._landing: Landing | None = None
@@ -679,7 +679,7 @@ class StepPipeline:
             self._landing.synchronize()  # the previous graph's end: passed, on any step that launched work since
             self._landing = None
 
-    def _landing_slot(self, norms: int) -> tuple[torch.Tensor, Any]:
+    def _landing_slot(self, norms: int) -> tuple[Any, ...]:
         """The pinned buffer and external event the step graph copies its payload into (:class:`Landing`), for a
         payload of ``norms`` per-tensor norms (one rank, no optional part: the count sizes it), made on the first
         run over those gradients, which is eager (:class:`~ampguard.decision_graph.MeasureGraph` captures a key the
@@ -690,11 +690,13 @@ class StepPipeline:
         return slot
 
     @staticmethod
-    def _new_slot(size: int) -> tuple[torch.Tensor, Any]:
-        """A pinned float32 buffer of ``size`` and an external event (a graph records an event record node for it)."""
-        return torch.empty(size, dtype=torch.float32, pin_memory=True), torch.cuda.Event(external=True)
+    def _new_slot(size: int) -> tuple[Any, ...]:
+        """A pinned float32 buffer of ``size``, an external event (a graph records an event record node for it) and a
+        ctypes view of the buffer (:func:`~ampguard.payload.pinned_view`: each landing's one-call fill)."""
+        pinned = torch.empty(size, dtype=torch.float32, pin_memory=True)
+        return pinned, torch.cuda.Event(external=True), pinned_view(pinned)
 
-    def _landed(self, slot: tuple[torch.Tensor, Any] | None) -> Landing | None:
+    def _landed(self, slot: tuple[Any, ...] | None) -> Landing | None:
         """This run's :class:`Landing` (None without a slot), remembered to be filled before the next run."""
         if slot is None:
             return None
@@ -721,7 +723,7 @@ class StepPipeline:
                                scaler=None, grads_sharded=False, on_skip=on_skip)
             payload = pack(vector, gathered, norms).vector
             if early is not None:  # the payload to the host by the graph itself (see _through_decision)
-                pinned, event = self._landing_slot(len(groups.index))
+                pinned, event = self._landing_slot(len(groups.index))[:2]
                 pinned.copy_(payload, non_blocking=True)
                 event.record()
             return norms, total, count, gathered, vector, payload

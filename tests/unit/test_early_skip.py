@@ -20,6 +20,7 @@ import torch
 
 import ampguard
 from ampguard.ops import HOST, TensorOps
+from ampguard.payload import Landing, pinned_view
 from ampguard.pipeline import StepPipeline
 from ampguard.policies import SpikeState, rule
 from ampguard.scaling import ScaleState
@@ -232,3 +233,19 @@ def test_without_a_scaler_the_early_flag_and_the_landing_are_the_run_without_the
     (event,) = events
     assert event.seen == [i == SG.NAN_STEP for i in range(12)]
     assert guarded._pipeline.step_graph.replays >= 8 and len(landings) == 1 and landings[0].records >= 12
+
+
+def test_a_landing_fills_a_copy_of_its_buffer_through_a_view_made_once() -> None:
+    """The fill (stop 60): one ``from_buffer_copy`` of a ctypes view over the buffer, the view made once a buffer by
+    its owner (``StepPipeline._new_slot``) or on the first fill: the values are the buffer's floats at the fill, bit
+    for bit, and a copy (the next run overwrites the buffer; the landing keeps its step's floats)."""
+    buf = torch.tensor([1.5, float("nan"), -0.0, 3.0e38, float("inf")])
+    view = pinned_view(buf)
+    for given in (view, None):
+        landing = Landing(buf, StandInEvent(buf), given)
+        landing.synchronize()
+        assert landing.values is not None and (given is None or landing.view is view)
+        got = torch.tensor(landing.values[:])
+        assert torch.equal(got.view(torch.int32), buf.view(torch.int32))  # bits: NaN and -0.0 too
+        buf.add_(1.0)  # the next run's payload
+        assert torch.equal(torch.tensor(landing.values[:]).view(torch.int32), got.view(torch.int32))
