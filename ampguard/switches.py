@@ -59,10 +59,11 @@ class Switches:
     read waits on that event, not for the whole graph (the rest of the rule, the payload and the scale writes: 34 of
     the fp16 foreach graph's 71 ops in the CPU's census); at its end the graph also copies the payload into pinned
     memory with a second event (:class:`ampguard.payload.Landing`), so the reporter launches no copy. On an H100
-    (stop 59, ``benchmarks/RESULTS.md``) the read's wait fell from ~115 to ~40 µs and the MLP foreach step's added host
-    time by 16-19 µs with the landing filled by tensor ops; the ``memmove`` fill since is measured on the CPU only.
-    Off (the default) until tests/gpu has run whole with it on and ``benchmarks/host_time.py --early-arm`` has timed
-    the ``memmove`` fill. ``AMPGUARD_EARLY_SKIP=1``: on."""
+    (stops 59 and 60, ``benchmarks/RESULTS.md``) tests/gpu passes whole with it on, and the read's wait falls from
+    ~110 to ~45 µs, but the MLP foreach step's added host time does not: +144 / +155 µs against the default's
+    +133 / +152, its four graph nodes costing ~20 µs a step and each step's copy out of the pinned buffer ~30-40
+    (stop 60, ``cpu_stop60/land_split.py``). Off (the default) until a step pays less with it than without.
+    ``AMPGUARD_EARLY_SKIP=1``: on."""
 
     report_batch: bool = True
     """Decode, log and export healthy steps' reports in batches of up to :data:`ampguard.reporter.REPORT_BATCH`

@@ -114,6 +114,12 @@
 # landing by memmove) is unrun. The next session, first: `AMPGUARD_EARLY_SKIP=1 python -m pytest -q tests/gpu` (~270 s:
 # tests/gpu whole with the early flag on), then `python benchmarks/host_time.py --device cuda --models mlp --optims
 # foreach --blocks 8 --steps 30 --step-graph --early-arm` twice (~25 s); if both hold, turn the switch on by default.
+# Stop 60 (benchmarks/results/gpu_stop60/, RESULTS.md "Stop 60"): tests/gpu 80 passed with AMPGUARD_EARLY_SKIP=1; the
+# early flag +144 / +155 us against the default's +133 / +152 (no net gain: the switch stays off); the landing's fill
+# and the graph nodes split in place (cpu_stop60/land_split.py, host_time.py --nested); issue 26's compiled rows all
+# met twice (table.py --groups compile,compile-foreach,compile-b16,compile-350m). The next session, first, short:
+# `python -m pytest -q tests/gpu/test_gpu_unfused_fast.py` and `python benchmarks/results/cpu_stop60/land_split.py`
+# (0a27064's one-call fill: Landing._land was 16-21 us), then the call 1 host-time command of gpu_stop60/README.md.
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
