@@ -120,6 +120,9 @@
 # met twice (table.py --groups compile,compile-foreach,compile-b16,compile-350m). The next session, first, short:
 # `python -m pytest -q tests/gpu/test_gpu_unfused_fast.py` and `python benchmarks/results/cpu_stop60/land_split.py`
 # (0a27064's one-call fill: Landing._land was 16-21 us), then the call 1 host-time command of gpu_stop60/README.md.
+# Before those, first of all (~90 s): `python benchmarks/results/cpu_stop60/fw_graph_keys.py` (inside the frameworks
+# the graphs replayed on 32-128 of 330 steps at stop 59, against all but the first in the hand loop: which gradients
+# move, and in which of the allocator's pools).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
