@@ -34,6 +34,10 @@ non-fused step's skip read waits for the flag, not for the whole graph; stop 59)
 
 ``--batch-arm`` also times the default guard with each report decoded at its own step (``AMPGUARD_REPORT_BATCH=0``,
 the behaviour before stop 45) in the same blocks: compare the means, since a batch's decode lands on one step in 16.
+
+``--nested OWNER:NAME,...`` times more methods inside the stages, shown in brackets beside the sums: ``OWNER`` is an
+attribute path on the guard (``_pipeline``, ``_pipeline.step_graph``, ``_pipeline.adapter``), ``NAME`` a method of
+it. Stop 60 found the early flag's extra ``_measure`` this way (``_pipeline:_land_last,_pipeline.step_graph:run``).
 """
 
 from __future__ import annotations
