@@ -74,9 +74,12 @@ NESTED = {"_pipeline": ("_learn_skip",)}
 or for the decision, then the copy), inside ``inner_step``; printed as ``(pipeline._learn_skip)`` (stop 58)."""
 
 
-EXTRA_NESTED: dict[str, tuple[str, ...]] = {}
-"""``--nested``'s stages, timed beside the sums as :data:`NESTED`'s (stop 60: where the early arm's ``_measure``
-goes)."""
+def add_nested(spec: str, nested: dict[str, tuple[str, ...]]) -> None:
+    """``--nested OWNER:NAME,...``: each method added to ``nested`` beside those already timed for its owner (stop
+    60: where the early arm's ``_measure`` goes)."""
+    for item in filter(None, spec.split(",")):
+        owner, _, name = item.partition(":")
+        nested[owner] = (*nested.get(owner, ()), name)
 
 
 def build(name: str, device: torch.device) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
@@ -209,7 +212,7 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
     breakdowns = {}
     for variant in names[1:]:
         timers = Timers(loops[variant][3])
-        nested = Timers(loops[variant][3], {**NESTED, **EXTRA_NESTED})
+        nested = Timers(loops[variant][3], NESTED)
         broken: list[int] = []
         for _ in range(max(steps, 20)):
             one(variant, broken)
@@ -372,9 +375,7 @@ def main() -> int:
     ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
                     help="thread: the thread's CPU time (a CPU run on a busy machine, OMP_NUM_THREADS=1)")
     args = ap.parse_args()
-    for item in filter(None, args.nested.split(",")):
-        owner, _, name = item.partition(":")
-        EXTRA_NESTED[owner] = (*EXTRA_NESTED.get(owner, ()), name)
+    add_nested(args.nested, NESTED)
     if args.clock == "thread":
         CLOCK[0] = time.thread_time_ns
     device = torch.device(args.device)
