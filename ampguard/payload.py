@@ -119,11 +119,11 @@ class Landing:
     external event node) after it, so the host launches no copy and records no event a step. Every run overwrites
     ``pinned``: its floats are copied out into :attr:`values`, the step's own, before the next run is launched
     (:meth:`synchronize`, by the pipeline; the graph's end passed long before on a step that launched its optimizer,
-    forward and backward since) or when the reporter reads them first. The copy is one ``memmove`` into a ctypes
-    array: no tensor op (on the H100's host, stop 59, a landing filled by ``torch.empty`` and ``copy_`` put ~55 us
-    into the step; stop 60 timed the new array and ``memmove`` at 16-21 us there, whence one ``from_buffer_copy`` of a
-    view made once a buffer). The reporter takes a landing where it takes a copy's event (:meth:`query`,
-    :meth:`synchronize`) and reads :attr:`values`."""
+    forward and backward since) or when the reporter reads them first. The copy is one ``from_buffer_copy`` of a
+    ctypes view made once a buffer: no tensor op (on the H100's host, stop 59, a landing filled by ``torch.empty`` and
+    ``copy_`` put ~55 us into the step; stop 60 timed a new ctypes array and a ``memmove`` at 16-21 us there). The
+    reporter takes a landing where it takes a copy's event (:meth:`query`, :meth:`synchronize`) and reads
+    :attr:`values`."""
 
     __slots__ = ("event", "pinned", "values", "view")
 

@@ -626,9 +626,8 @@ class StepPipeline:
             vector, tracker = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                      scaler=view, grads_sharded=False, on_skip=on_skip)
             payload = pack(vector, gathered, norms).vector
-            if slot is not None:  # the payload to the host by the graph itself (a copy node, an event record node)
-                slot[0].copy_(payload, non_blocking=True)
-                slot[1].record()
+            if slot is not None:
+                self._to_landing(slot, payload)
             # the step's grad_scale at this scale (a non-fused optimizer's: GradScaler's 1/scale, which unscales its
             # gradients: the one the norms were multiplied by, made before the scale is written), then the next scale
             # and tracker into GradScaler's own tensors
@@ -696,6 +695,14 @@ class StepPipeline:
         pinned = torch.empty(size, dtype=torch.float32, pin_memory=True)
         return pinned, torch.cuda.Event(external=True), pinned_view(pinned)
 
+    @staticmethod
+    def _to_landing(slot: tuple[Any, ...], payload: torch.Tensor) -> None:
+        """The payload to the host by the graph itself, into ``slot``'s pinned buffer (a device-to-host copy node),
+        then ``slot``'s event recorded (an external event record node); eagerly, the same on the current stream."""
+        pinned, event = slot[:2]
+        pinned.copy_(payload, non_blocking=True)
+        event.record()
+
     def _landed(self, slot: tuple[Any, ...] | None) -> Landing | None:
         """This run's :class:`Landing` (None without a slot), remembered to be filled before the next run."""
         if slot is None:
@@ -722,10 +729,8 @@ class StepPipeline:
             vector, _ = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
                                scaler=None, grads_sharded=False, on_skip=on_skip)
             payload = pack(vector, gathered, norms).vector
-            if early is not None:  # the payload to the host by the graph itself (see _through_decision)
-                pinned, event = self._landing_slot(len(groups.index))[:2]
-                pinned.copy_(payload, non_blocking=True)
-                event.record()
+            if early is not None:
+                self._to_landing(self._landing_slot(len(groups.index)), payload)
             return norms, total, count, gathered, vector, payload
 
         replayed = self._replayed_step(("decision, unscaled", *_addresses(loss, fp8, sentinel)), measure)
