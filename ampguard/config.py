@@ -289,8 +289,10 @@ class GuardConfig:
     """Opt-in coarse sentinel (:mod:`ampguard.forensics.sentinel`): ``"top"`` (the model's top-level
     blocks) or module names. One on-device finiteness flag per block output, no host sync, no
     hook inside a block: a non-finite step names its first non-finite block (or the input) in
-    its own report, and the forensics hooks then arm inside that block only. None: off (no hook
-    on healthy steps). Needs ``model``."""
+    its own report, and the forensics hooks then arm inside that block only. With ``"top"``, the
+    last block's output, when it is the model's output (a language model's logits), is read through
+    the loss the guard is given instead of summed (docs/diagnosis.md). None: off (no hook on healthy
+    steps). Needs ``model``."""
 
     escalation: Escalation | None = None
     """The rollback/stop ladder (None: skip and back off only). A dict of

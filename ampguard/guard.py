@@ -371,6 +371,8 @@ class GuardedOptimizer(Readers, InnerOptimizerView):
         if self._fp8 is not None:  # this step's fp8 casts, and whether one was non-finite: on device
             fp8 = self._fp8.collect()
             fp8_bad = self._fp8.nonfinite(fp8)
+        if sentinel is not None:  # the next forward may read the model's output through the loss (a host bool)
+            sentinel.loss_given = self._loss.count > 0
         flagged = sentinel.value() if sentinel is not None else None  # once: reading it clears it for the next step
         measured = self._measured
         if measured is None:  # a local vector of the loss, the measurement and the flags: on to the decision

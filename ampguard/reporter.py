@@ -29,7 +29,7 @@ from .escalation import Ladder, consecutive_diagnosis
 from .exporters.base import MultiExporter
 from .forensics.arming import annotate
 from .forensics.localizer import Finding
-from .forensics.sentinel import Sentinel
+from .forensics.sentinel import UNREAD, Sentinel
 from .fp8 import WIDTH, Fp8Monitor
 from .indicators import Indicators
 from .integrity import listed, nonfinite_names
@@ -520,8 +520,18 @@ class Reporter:
         assert self.sentinel is not None  # internal: called when on
         order = [*ranks, *(r for r in range(len(rows)) if r not in ranks)]
         hit = next(((r, rows[r][Loc.SENTINEL]) for r in order if rows[r][Loc.SENTINEL] >= 0), None)
-        name = self.sentinel.name(hit[1]) if hit is not None else None
-        if hit is None or name is None:
+        if hit is None:  # no watched block non-finite: the last block's output, read through the loss only?
+            tail = next((r for r in order if rows[r][Loc.SENTINEL] == UNREAD and rows[r][Loc.LOSS_NONFINITE] > 0), None)
+            if tail is None:
+                return first
+            last, at = self.sentinel.last, f" on rank {tail}" if self.world_size > 1 else ""
+            self._blocks[step] = last
+            return dataclasses.replace(first, module=last, phase=Phase.FORWARD, detail=(
+                f"{first.detail}. Sentinel{at}: every watched block's output was finite and the loss was not: "
+                f"{last}, the model's last block, or the loss computed from its output (the model's output, read "
+                f"through the loss; forensics hooks arm inside {last})"))
+        name = self.sentinel.name(hit[1])
+        if name is None:
             return first
         where = f" on rank {hit[0]}" if self.world_size > 1 else ""
         if name == "":

@@ -18,6 +18,17 @@ every rank alike, and the fine hooks then arm inside that block only.
 Blocks: ``"top"`` (:func:`top_blocks`: the model's children, the items of its ``ModuleList``s
 and ``ModuleDict``s rather than the lists, descending into children that hold such lists, as
 GPT-2's ``transformer``), or a list of module names in the order they run.
+
+The model's output is read through the loss (``"top"`` only). The last top block of a language model is its head,
+whose output is the logits: on GPT-2 124M at batch 8, 824 MB, whose sum was most of what the sentinel cost
+(benchmarks/RESULTS.md, stop 61). The loss reads every logit already, and the guard checks the loss. So once the
+last block's output has been seen to be the model's own output (a forward hook on the model compares the tensors)
+and the guard has been given the loss, that output is not summed: the step's value then says so (``UNREAD``), and a
+non-finite loss on a step where every watched block's output was finite names the last block, as "that block or
+the loss computed from it". Where the output is not the model's (a head whose output something else consumes), it
+is summed when the model's forward returns, as before. Left out: a logit of ``-inf`` leaves a softmax cross-entropy
+finite, and a NaN logit at an ignored position (``ignore_index``) can leave the loss finite while the gradients are
+not; such a step is still skipped and reported, without the sentinel's name (as without a sentinel).
 """
 
 from __future__ import annotations
@@ -30,7 +41,10 @@ import torch
 from ..module_hooks import Hook
 from .compile import named_user_modules, user_module
 
-__all__ = ["Sentinel", "top_blocks"]
+__all__ = ["Sentinel", "top_blocks", "UNREAD"]
+
+UNREAD = -2.0
+"""A step's value when no watched block was non-finite and the last block's output was read through the loss only."""
 
 _LISTS = (torch.nn.ModuleList, torch.nn.ModuleDict)
 
@@ -76,15 +90,42 @@ class Sentinel:
         self._none = torch.full((), -1.0, dtype=torch.float32, device=device)
         self._codes = torch.arange(0, len(names) + 1, dtype=torch.float32, device=device)
         self._inf = torch.full((), torch.inf, dtype=torch.float32, device=device)
+        self._unread = torch.full((), UNREAD, dtype=torch.float32, device=device)
+        self._tail = len(names) if spec == "top" and len(names) > 1 else None
+        """The last block's slot, whose output may be read through the loss (None: every output summed)."""
+        self.loss_given = False
+        """Set by the guard at each step: it was given this step's loss (``observe_loss`` or ``backward``)."""
+        self._tail_is_output = False  # learned: the last forward returned the last block's output as the model's
+        self._held: torch.Tensor | None = None  # the last block's output in this forward, until the model returns
+        self._skipped_now = False  # this forward did not sum it
+        self._unread_step = False  # a forward of this step did not sum it, and it was the model's output
         self._handles: list[Any] = [root.register_forward_pre_hook(Hook(self._input_hook), prepend=True)]
         for k, name in enumerate(names):
             self._handles.append(table[name].register_forward_hook(Hook(self._output_hook(k + 1))))
+        if self._tail is not None:
+            self._handles.append(root.register_forward_hook(Hook(self._returned)))
 
     def _input_hook(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if torch.is_grad_enabled():
+            self._held, self._skipped_now = None, False
             x = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
             if x is not None:
                 self._mark(0, x)
+
+    def _returned(self, module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
+        """The model's forward returned: was the last block's output its output? If not, and it went unsummed, sum it
+        now (the tensor is still alive: held since the block's hook)."""
+        held, self._held = self._held, None
+        if held is None or not torch.is_grad_enabled():
+            return
+        self._tail_is_output = _returns(out, held)
+        if self._skipped_now:
+            self._skipped_now = False
+            if self._tail_is_output:
+                self._unread_step = True
+            else:
+                assert self._tail is not None  # internal: the hook is registered only with a tail
+                self._mark(self._tail, held)
 
     def _output_hook(self, slot: int) -> Any:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
@@ -92,6 +133,11 @@ class Sentinel:
                 return
             t = out[0] if isinstance(out, (tuple, list)) and out else out
             if isinstance(t, torch.Tensor) and t.is_floating_point():
+                if slot == self._tail:
+                    self._held = t  # compared with the model's output by identity (no data read)
+                    if self.loss_given and self._tail_is_output:  # read through the loss: see the module docstring
+                        self._skipped_now = True
+                        return
                 self._mark(slot, t)
 
         return hook
@@ -111,18 +157,27 @@ class Sentinel:
 
     def clear(self) -> None:
         """Forget what the hooks saw (a replay's forward belongs to no step's report)."""
+        self._unread_step = False
         if self._seen:
             self._sums.zero_()
             self._seen.clear()
 
     def value(self) -> torch.Tensor:
-        """This step's first flagged slot as a float (-1: none; 0: the input; k+1: block k), on
-        device; then the flags are cleared for the next step. No sync."""
+        """This step's first flagged slot as a float (-1: none; :data:`UNREAD`: none, and the last block's output
+        read through the loss only; 0: the input; k+1: block k), on device; then the flags are cleared for the next
+        step. No sync."""
+        none = self._unread if self._unread_step else self._none
         if not self._seen:
-            return self._none
+            self._unread_step = False
+            return none
         first = torch.where(torch.isfinite(self._sums), self._inf, self._codes).min()
         self.clear()  # stream-ordered after the read above
-        return torch.where(torch.isfinite(first), first, self._none)
+        return torch.where(torch.isfinite(first), first, none)
+
+    @property
+    def last(self) -> str:
+        """The last watched block (the one :data:`UNREAD` refers to)."""
+        return self.names[-1]
 
     def name(self, code: float) -> str | None:
         """The block a decoded value names ("" for the model's input), None for none."""
@@ -135,3 +190,16 @@ class Sentinel:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _returns(out: Any, t: torch.Tensor, depth: int = 2) -> bool:
+    """Whether the model's output ``out`` is ``t`` or holds it (in a tuple, a list or a mapping such as
+    ``transformers``' ``ModelOutput``, two levels down at most), the same tensor object. A copy (accelerate's
+    ``convert_outputs_to_fp32`` returns the logits in float32) is not: that block's output is then summed."""
+    if isinstance(out, torch.Tensor):
+        return out is t
+    if depth <= 0:
+        return False
+    if isinstance(out, dict):
+        out = list(out.values())
+    return isinstance(out, (tuple, list)) and any(_returns(o, t, depth - 1) for o in out)

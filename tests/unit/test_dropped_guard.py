@@ -69,7 +69,7 @@ def test_a_dropped_guard_takes_its_sentinel_off_the_model():
     guard = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=0.1), model=model, precision="bf16",
                           config={"sentinel": "top"})
     _train(guard, model, range(2))
-    assert _hooks(model) == 4  # the root's input hook, the three blocks' output hooks
+    assert _hooks(model) == 5  # the root's input and output hooks, the three blocks' output hooks
     alive = weakref.ref(guard)
     del guard
     gc.collect()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampguard
 from ampguard import faults
@@ -44,8 +46,10 @@ def test_off_by_default_and_on_it_hooks_only_the_blocks():
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
                         config={"sentinel": "top"})
     train(opt, model, batches(2))
-    # one forward hook per top-level block, one pre-hook on the model for its input, nothing inside
-    assert hooked(model) == {"": 1, "emb": 1, **{f"blocks.{i}": 1 for i in range(6)}, "head": 1}
+    # one forward hook per top-level block, a pre-hook on the model for its input and a hook for its output
+    # (whether the last block's output is the model's: see test_the_models_output_is_read_through_the_loss), nothing
+    # inside
+    assert hooked(model) == {"": 2, "emb": 1, **{f"blocks.{i}": 1 for i in range(6)}, "head": 1}
     assert all(not r.skipped for r in opt.history)
     opt.close()
     assert hooked(model) == {}
@@ -71,7 +75,8 @@ def test_names_the_block_on_the_same_step_then_arms_inside_it_only(lagged):
             "blocks.2.mlp", "forward", "not_reproduced"), by_step[step]
     inside = {n for n in hooked(model) if n.startswith("blocks.2.") or n == "blocks.2.mlp"}
     outside = {n: c for n, c in hooked(model).items() if n not in inside and n != "blocks.2"}
-    assert inside and all(c == 1 for c in outside.values())  # only the sentinel's hook out there
+    # only the sentinel's hooks out there (on the model: its input's and its output's)
+    assert inside and outside.pop("") == 2 and all(c == 1 for c in outside.values())
 
 
 def test_input_inf_is_named_on_the_same_step():
@@ -121,11 +126,129 @@ def test_a_fault_outside_the_watched_block_widens_the_hooks_to_the_whole_model()
 
 def test_a_replay_leaves_no_flag_for_the_next_step():
     model = lm()
+    # the blocks named (the last one summed too: a non-finite loss with every output finite names nothing)
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
-                        config={"sentinel": "top"})
+                        config={"sentinel": top_blocks(model)})
     faults.inject(opt, faults.output("blocks.1", "nan", steps=[2]),  # fires on step 2 and on its replay
                   faults.loss("nan", steps=[3]))  # step 3: only the loss; no block output is non-finite
     train_lm(opt, model, batches(4), closure=True)
     by_step = {a.step: a for a in opt.anomalies}
     assert (by_step[2].module, by_step[2].phase) == ("blocks.1", "forward")
     assert "Sentinel" not in by_step[3].detail and by_step[3].module is None
+
+
+class Sums(TorchDispatchMode):
+    """The shapes of the tensors summed (``aten.sum``) while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.sum:
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2,
+                                                                n_head=2))
+
+
+def test_the_models_output_is_read_through_the_loss():
+    # GPT-2's logits (the last block's output, the model's output) are most of what the sentinel cost on a real
+    # model (benchmarks/RESULTS.md, stop 61): summed on the first step, where the guard learns that they are the
+    # model's output and that it is given the loss; read through the loss after that. Every other block is summed on
+    # every step. Before: the logits summed on every step.
+    model = gpt2()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
+                        config={"sentinel": "top"})
+    g = torch.Generator().manual_seed(1)
+    logits, hidden, summed = (4, 16, 64), (4, 16, 32), []
+    for _ in range(3):
+        ids = torch.randint(0, 64, (4, 16), generator=g)
+        with Sums() as sums, opt.autocast():
+            loss = model(input_ids=ids, labels=ids).loss
+        summed.append(sums.shapes)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    assert summed[0].count(logits) == 1
+    assert summed[1].count(logits) == summed[2].count(logits) == 0
+    assert all(s.count(hidden) >= 3 for s in summed)  # wte's, each h.k's and ln_f's outputs: still summed
+    assert all(not r.skipped for r in opt.history)
+
+
+def test_an_overflow_in_the_head_is_named_on_its_step_through_the_loss():
+    # a genuine fp16 overflow in Llama's (untied) lm_head: its weight scaled so that the largest logit passes
+    # 65504 (the weight itself stays finite in fp16); the loss, computed from the logits in fp32, is NaN
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, scaler=scaler,
+                        config={"sentinel": "top"})
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        ids = torch.randint(0, 64, (4, 16), generator=g)
+        if step == 2:
+            with torch.no_grad():
+                peak = model(input_ids=ids).logits.float().abs().max().item()
+                model.lm_head.weight.mul_(2 * 65504 / peak)
+                assert model.lm_head.weight.half().isfinite().all()
+        with opt.autocast():
+            out = model(input_ids=ids, labels=ids)
+        if step == 2:
+            assert not out.logits.isfinite().all() and out.logits.dtype == torch.float16
+        opt.backward(out.loss)
+        opt.step()
+        opt.zero_grad()
+        if step == 2:
+            with torch.no_grad():
+                model.lm_head.weight.mul_(peak / (2 * 65504))
+    (a, *_) = [a for a in opt.anomalies if a.step == 2]
+    assert (a.kind, a.module, a.phase) == ("nonfinite_loss", "lm_head", "forward"), a
+    assert "or the loss computed from its output" in a.detail and "model.norm" not in a.detail
+    assert [r.skipped for r in opt.history] == [False, False, True, False]
+
+
+def test_a_nonfinite_loss_alone_is_named_as_the_last_block_or_the_loss():
+    # "top" reads the model's output through the loss: a loss non-finite on its own (every block's output finite)
+    # cannot be told from the head's, and is named as either (a sentinel given the blocks by name sums the last one:
+    # test_a_replay_leaves_no_flag_for_the_next_step)
+    model = lm()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
+                        config={"sentinel": "top"})
+    faults.inject(opt, faults.loss("nan", steps=[3]))
+    train(opt, model, batches(4))
+    (a,) = opt.anomalies
+    assert (a.step, a.module, a.phase) == (3, "head", "forward")
+    assert "head, the model's last block, or the loss computed from its output" in a.detail
+
+
+def test_a_head_whose_output_is_not_the_models_is_summed_on_every_step():
+    class Doubled(torch.nn.Module):  # the model's output is made from the head's: nothing reads the head's but this
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Linear(8, 16)
+            self.head = torch.nn.Sequential(torch.nn.Linear(16, 4))
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.body(x))) * 2
+
+    torch.manual_seed(0)
+    model = Doubled()
+    opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=1e-2), model=model, precision="bf16",
+                        config={"sentinel": "top"})
+    faults.inject(opt, faults.output("head.0", "nan", steps=[2]))
+    for _ in range(3):
+        with Sums() as sums, opt.autocast():
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        assert (4, 4) in sums.shapes  # the head's output: summed (when the model's forward returned)
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    (a,) = opt.anomalies
+    assert (a.step, a.module) == (2, "head") and "first watched block whose output was non-finite" in a.detail
