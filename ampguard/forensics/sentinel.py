@@ -187,6 +187,7 @@ class Sentinel:
         return "" if k == 0 else self.names[k - 1]
 
     def remove(self) -> None:
+        self._held = None
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -273,7 +273,7 @@ def test_find_executable_batch_size_leaves_no_guard_of_a_failed_try_alive():
     # traceback, which CPython keeps until another exception replaces it: not ampguard's reference)
     assert tries[0][2]() is None
     assert acc._ampguard_hooks.open_guards() == [opt.guard]
-    assert hook_count(model) == 4  # the live guard's sentinel only (the root's input, its three blocks' outputs)
+    assert hook_count(model) == 5  # the live guard's sentinel only (the root's input and output, three blocks' outputs)
     assert opt.step_count == 3 and opt.last_report.loss == pytest.approx(loss.item())
     opt.close()
     assert "backward" not in acc.__dict__ and not hasattr(acc, "_ampguard_hooks")
