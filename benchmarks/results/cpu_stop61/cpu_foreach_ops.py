@@ -15,7 +15,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-import overhead as oh  # noqa: E402
+import overhead as oh
 
 STEPS = int(os.environ.get("STEPS", 200))
 
