@@ -123,6 +123,14 @@
 # Before those, first of all (~90 s): `python benchmarks/results/cpu_stop60/fw_graph_keys.py` (inside the frameworks
 # the graphs replayed on 32-128 of 330 steps at stop 59, against all but the first in the hand loop: which gradients
 # move, and in which of the allocator's pools).
+# Stop 61 got no device (thirteen refused or failed starts). It changed what sentinel="top" sums (b7e63c3: the model's
+# own output, the logits, read through the loss). The next session, first, one call (~300 s): table.py's sentinel group
+# with this library and 1d6150e's in turn, twice, then fw_graph_keys.py:
+#   rm -rf /tmp/base && mkdir -p /tmp/base && git archive 1d6150e ampguard benchmarks | tar -x -C /tmp/base
+#   for r in 1 2; do for side in this base; do root=$PWD; [ $side = base ] && root=/tmp/base; (cd $root &&
+#     PYTHONPATH=$root python benchmarks/table.py --device cuda --groups sentinel --blocks 30 --budget-s 62
+#     --profile-steps 0 --no-memory --no-syncs --out $OUT/table_sentinel_$side$r.json); done; done
+# then tests/gpu/test_gpu_diagnosis.py (the sentinel on CUDA), then stop 60's list above (fw_graph_keys.py first).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
