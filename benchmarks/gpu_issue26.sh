@@ -123,7 +123,7 @@
 # Before those, first of all (~90 s): `python benchmarks/results/cpu_stop60/fw_graph_keys.py` (inside the frameworks
 # the graphs replayed on 32-128 of 330 steps at stop 59, against all but the first in the hand loop: which gradients
 # move, and in which of the allocator's pools).
-# Stop 61 got no device (thirteen refused or failed starts). It changed what sentinel="top" sums (b7e63c3: the model's
+# Stop 61 got no device (23 refused or failed starts, 1576 s). It changed what sentinel="top" sums (b7e63c3: the model's
 # own output, the logits, read through the loss). The next session, first, one call (~300 s): table.py's sentinel group
 # with this library and 1d6150e's in turn, twice, then fw_graph_keys.py:
 #   rm -rf /tmp/base && mkdir -p /tmp/base && git archive 1d6150e ampguard benchmarks | tar -x -C /tmp/base
