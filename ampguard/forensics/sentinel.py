@@ -134,7 +134,9 @@ class Sentinel:
             t = out[0] if isinstance(out, (tuple, list)) and out else out
             if isinstance(t, torch.Tensor) and t.is_floating_point():
                 if slot == self._tail:
-                    self._held = t  # compared with the model's output by identity (no data read)
+                    if self._skipped_now and self._held is not None:  # called again in this forward: the earlier
+                        self._mark(slot, self._held)  # output is not the one the model returns
+                    self._held, self._skipped_now = t, False  # compared with the model's output by identity
                     if self.loss_given and self._tail_is_output:  # read through the loss: see the module docstring
                         self._skipped_now = True
                         return

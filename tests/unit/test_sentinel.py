@@ -252,3 +252,33 @@ def test_a_head_whose_output_is_not_the_models_is_summed_on_every_step():
         opt.zero_grad()
     (a,) = opt.anomalies
     assert (a.step, a.module) == (2, "head") and "first watched block whose output was non-finite" in a.detail
+
+
+def test_a_last_block_called_twice_has_its_first_output_summed():
+    class Twice(torch.nn.Module):  # the head applied twice: only its second output is the model's
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = torch.nn.Linear(8, 16)
+            self.head = torch.nn.Sequential(torch.nn.Linear(16, 16))
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.head(self.body(x))))
+
+    torch.manual_seed(0)
+    model = Twice()
+    opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=1e-2), model=model, precision="bf16",
+                        config={"sentinel": "top"})
+    faults.inject(opt, faults.output("head.0", "nan", steps=[2]))
+    heads = []
+    for _ in range(3):
+        with Sums() as sums, opt.autocast():
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        heads.append(sums.shapes.count((4, 16)))
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    # step 0: both outputs summed (and body's); then the first call's only: the second is the model's output.
+    # Before: neither, from step 1, and the NaN of step 2 was named as "the last block, or the loss"
+    assert heads == [3, 2, 2]
+    (a,) = opt.anomalies
+    assert (a.step, a.module) == (2, "head") and "first watched block whose output was non-finite" in a.detail
