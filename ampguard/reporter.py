@@ -520,27 +520,27 @@ class Reporter:
         assert self.sentinel is not None  # internal: called when on
         order = [*ranks, *(r for r in range(len(rows)) if r not in ranks)]
         hit = next(((r, rows[r][Loc.SENTINEL]) for r in order if rows[r][Loc.SENTINEL] >= 0), None)
-        if hit is None:  # no watched block non-finite: the last block's output, read through the loss only?
-            tail = next((r for r in order if rows[r][Loc.SENTINEL] == UNREAD and rows[r][Loc.LOSS_NONFINITE] > 0), None)
-            if tail is None:
+        rank: int | None
+        if hit is not None:
+            rank, name = hit[0], self.sentinel.name(hit[1])
+            if name is None:
                 return first
-            last, at = self.sentinel.last, f" on rank {tail}" if self.world_size > 1 else ""
-            self._blocks[step] = last
-            return dataclasses.replace(first, module=last, phase=Phase.FORWARD, detail=(
-                f"{first.detail}. Sentinel{at}: every watched block's output was finite and the loss was not: "
-                f"{last}, the model's last block, or the loss computed from its output (the model's output, read "
-                f"through the loss; forensics hooks arm inside {last})"))
-        name = self.sentinel.name(hit[1])
-        if name is None:
-            return first
-        where = f" on rank {hit[0]}" if self.world_size > 1 else ""
+            said = f"{name} is the first watched block whose output was non-finite (forensics hooks arm inside it)"
+        else:  # no watched block non-finite: the last block's output, read through the loss only?
+            rank = next((r for r in order if rows[r][Loc.SENTINEL] == UNREAD and rows[r][Loc.LOSS_NONFINITE] > 0), None)
+            if rank is None:
+                return first
+            name = self.sentinel.last
+            said = (f"every watched block's output was finite and the loss was not: {name}, the model's last block, "
+                    f"or the loss computed from its output (the model's output, read through the loss; forensics "
+                    f"hooks arm inside {name})")
+        where = f" on rank {rank}" if self.world_size > 1 else ""
         if name == "":
             return dataclasses.replace(first, module=None, phase=Phase.INPUT, detail=(
                 f"{first.detail}. Sentinel{where}: the model's input was non-finite before any block ran"))
         self._blocks[step] = name
-        return dataclasses.replace(first, module=name, phase=Phase.FORWARD, detail=(
-            f"{first.detail}. Sentinel{where}: {name} is the first watched block whose output was non-finite "
-            "(forensics hooks arm inside it)"))
+        return dataclasses.replace(first, module=name, phase=Phase.FORWARD,
+                                   detail=f"{first.detail}. Sentinel{where}: {said}")
 
     def _anomalies(self, report: StepReport, d: Sequence[float], ranks: tuple[int, ...],
                    bad_params: tuple[str, ...], rows: list[Sequence[float]]) -> list[Anomaly]:
