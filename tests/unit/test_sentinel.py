@@ -282,3 +282,69 @@ def test_a_last_block_called_twice_has_its_first_output_summed():
     assert heads == [3, 2, 2]
     (a,) = opt.anomalies
     assert (a.step, a.module) == (2, "head") and "first watched block whose output was non-finite" in a.detail
+
+
+@pytest.fixture
+def compile_state():
+    # another test's guard, armed by an anomaly and never closed, can leave the process at force_eager; other tests'
+    # compiled frames count against the recompile limit
+    torch._dynamo.reset()
+    stance = torch.compiler.set_stance("default")
+    try:
+        yield
+    finally:
+        stance.__exit__(None, None, None)
+        torch._dynamo.reset()
+
+
+def test_under_torch_compile_the_sums_are_in_the_graph_and_a_genuine_overflow_is_named(compile_state):
+    # A compiled Hugging Face GPT-2 with sentinel="top", fp16 with a GradScaler. The hooks trace into the model's one
+    # graph (dynamo's FX graph, recorded by a backend that runs it as traced): no graph break. The guard learns on
+    # step 0 that the logits are the model's output; the one recompile that follows (on the guard's loss_given)
+    # drops their sum from the graph. A genuine fp16 overflow in transformer.h.1's MLP (c_fc's weight scaled so that
+    # its output passes 65504) is named on its step. Until stop 62 the sentinel had not been run under compile.
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, loss_type="ForCausalLM"))
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recorded(gm: torch.fx.GraphModule, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(model, backend=recorded)
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=compiled,
+                        scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8), config={"sentinel": "top"})
+    g = torch.Generator().manual_seed(1)
+    fc, summed = model.transformer.h[1].mlp.c_fc, []
+    try:
+        for step in range(5):
+            ids = torch.randint(0, 64, (4, 16), generator=g)
+            before = len(graphs)
+            if step == 3:
+                with torch.no_grad():
+                    peak = fc(model.transformer.h[1].ln_2(model.transformer.wte(ids))).abs().max().item()
+                    fc.weight.mul_(4 * 65504 / peak)
+                    assert fc.weight.half().isfinite().all()
+            with opt.autocast():
+                out = compiled(input_ids=ids)
+            loss = torch.nn.functional.cross_entropy(out.logits.float().reshape(-1, 64), ids.reshape(-1))
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            if step == 3:
+                with torch.no_grad():
+                    fc.weight.mul_(peak / (4 * 65504))
+            summed.append([[tuple(n.args[0].meta["example_value"].shape) for n in gm.graph.nodes
+                            if n.op == "call_function" and n.target is torch.sum] for gm in graphs[before:]])
+        opt.flush()
+        # step 0: one graph, with every top block's sum (wte, wpe, h.0, h.1, ln_f, and lm_head's logits); step 1: the
+        # one recompile, the logits read through the loss; steps 2-4 reuse it (3 and 4: the armed hooks run eagerly)
+        assert [len(s) for s in summed] == [1, 1, 0, 0, 0]
+        assert summed[0][0].count((4, 16, 64)) == 1 and len(summed[0][0]) == 7
+        assert summed[1][0].count((4, 16, 64)) == 0 and len(summed[1][0]) == 6
+        (a, *_) = [a for a in opt.anomalies if a.step == 3]
+        assert (a.kind, a.module, a.phase) == ("nonfinite_loss", "transformer.h.1", "forward"), a
+        assert [r.skipped for r in opt.history] == [False, False, False, True, False]
+    finally:
+        opt.close()
