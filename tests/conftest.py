@@ -24,6 +24,20 @@ def _drop_armed_forensics() -> Iterator[None]:
 
 
 @pytest.fixture
+def compile_state() -> Iterator[None]:
+    """Dynamo reset, at the default stance, before and after the test: another test's guard, armed by an anomaly and
+    never closed, can leave the process at ``force_eager``, and other tests' compiled frames (``nn.Sequential.forward``)
+    count against the recompile limit, past which dynamo runs a frame eagerly."""
+    torch._dynamo.reset()
+    stance = torch.compiler.set_stance("default")
+    try:
+        yield
+    finally:
+        stance.__exit__(None, None, None)
+        torch._dynamo.reset()
+
+
+@pytest.fixture
 def unscale_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many times GradScaler ran its unscale/inf-check kernel (``_unscale_grads_``: both
     ``unscale_`` and the fused step's ``_check_inf_per_device`` go through it)."""

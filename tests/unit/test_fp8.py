@@ -144,20 +144,13 @@ def test_an_unsampled_step_measures_the_same_amax_and_scale_with_one_reduction_a
         assert unsampled[:, 3:].isnan().all() and not sampled[:, 3].isnan().any()
 
 
-def test_a_compiled_model_keeps_one_graph_and_every_cast_is_still_checked():
+def test_a_compiled_model_keeps_one_graph_and_every_cast_is_still_checked(compile_state):
     """Inside torch.compile a gradient hook would break the graph (dynamo cannot trace a hook that writes the
     monitor's state): there the grad_output amax comes back as the gradient of a probe (a pure autograd function),
     so the graph stays one graph, every cast is measured with the eager values, the gradients are bitwise the
     eager ones, nothing recompiles per step, and a NaN in the batch is still flagged. (aot_eager: the compiled
     autograd graphs, without a C++ build.)"""
-    torch._dynamo.reset()  # other tests compiled nn.Sequential.forward: past its recompile limit dynamo runs eager
-    # and a guard of another test, armed by an anomaly and never closed, holds the process at force_eager
-    stance = torch.compiler.set_stance("default")
-    try:
-        _compiled_monitor_checks()
-    finally:
-        stance.__exit__(None, None, None)
-        torch._dynamo.reset()
+    _compiled_monitor_checks()
 
 
 def _compiled_monitor_checks():

@@ -31,17 +31,7 @@ _ROWWISE_PROBES = collections.Counter({(str(aten.amax.default), (_BATCH, 1)): 1,
 fc1's (grad_weight's cast, 32 columns)."""
 
 
-@pytest.fixture(autouse=True)
-def _compile_state():
-    # Another test's guard, armed by an anomaly and never closed, can leave the process at force_eager; and other
-    # tests compiled nn.Sequential.forward (past its recompile limit dynamo would run it eagerly).
-    torch._dynamo.reset()
-    stance = torch.compiler.set_stance("default")
-    try:
-        yield
-    finally:
-        stance.__exit__(None, None, None)
-        torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("compile_state")
 
 
 def _recording_backend(graphs: dict[str, list[torch.fx.GraphModule]]):

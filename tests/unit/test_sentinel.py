@@ -284,19 +284,6 @@ def test_a_last_block_called_twice_has_its_first_output_summed():
     assert (a.step, a.module) == (2, "head") and "first watched block whose output was non-finite" in a.detail
 
 
-@pytest.fixture
-def compile_state():
-    # another test's guard, armed by an anomaly and never closed, can leave the process at force_eager; other tests'
-    # compiled frames count against the recompile limit
-    torch._dynamo.reset()
-    stance = torch.compiler.set_stance("default")
-    try:
-        yield
-    finally:
-        stance.__exit__(None, None, None)
-        torch._dynamo.reset()
-
-
 def test_under_torch_compile_the_sums_are_in_the_graph_and_a_genuine_overflow_is_named(compile_state):
     # A compiled Hugging Face GPT-2 with sentinel="top", fp16 with a GradScaler. The hooks trace into the model's one
     # graph (dynamo's FX graph, recorded by a backend that runs it as traced): no graph break. The guard learns on
