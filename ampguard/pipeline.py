@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -248,6 +249,10 @@ class StepPipeline:
         """The step graph's own buffers for its 0-d inputs that somebody else allocates each step (:meth:`_hold`)."""
         self._scalar: torch.Tensor | None = None
         """:meth:`_host_scalar`'s buffer."""
+        self.fused_rule = switches.fused_rule
+        """The step graph's :meth:`_tail` compiled into a few kernels (``AMPGUARD_FUSED_RULE``, :meth:`_decided`)."""
+        self._compiled_tail: Callable[..., Any] | None = None
+        self._compile_failed = False
         self.early_skip = switches.early_skip and not self.fused and device.type == "cuda"
         """The step graph hands a non-fused step its skip flag before it ends (``AMPGUARD_EARLY_SKIP``:
         :attr:`Decision.early`)."""
@@ -622,10 +627,8 @@ class StepPipeline:
         def measure() -> tuple[Any, ...]:
             inv = adapter.inv_scale()  # GradScaler's 1/scale at this scale: the norms', and a non-fused step's unscale
             norms, found, (total, count) = self._scaled_norms_of(groups, adapter, inv)
-            gathered = self._local_gathered(loss, norms, total, count, found, fp8, sentinel)
-            vector, tracker = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
-                                     scaler=view, grads_sharded=False, on_skip=on_skip)
-            payload = pack(vector, gathered, norms).vector
+            gathered, vector, tracker, payload = self._decided(config, view, loss, norms, total, count, found, fp8,
+                                                               sentinel, on_skip)
             if slot is not None:
                 self._to_landing(slot, payload)
             # the step's grad_scale at this scale (a non-fused optimizer's: GradScaler's 1/scale, which unscales its
@@ -648,6 +651,42 @@ class StepPipeline:
                             grad_scale=grad_scale if fused else None, unscale_by=None if fused else grad_scale,
                             early=early, landing=self._landed(slot))
         return norms, found, (total, count), gathered, decision
+
+    def _tail(self, config: GuardConfig, view: ScalerView | None, loss: torch.Tensor | None, norms: torch.Tensor,
+              total: torch.Tensor, count: torch.Tensor, found: torch.Tensor | None, fp8: torch.Tensor | None,
+              sentinel: torch.Tensor | None, on_skip: Callable[[torch.Tensor], None] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The step graph's part after the norms and their reductions (made before it: a reduction compiled would
+        not keep ``clip_grad_norm_``'s bits): the local vector and the local backend's gather of it
+        (:meth:`_local_gathered`), the decision (:func:`decide`, the carried state written in place) and the payload
+        without its optional parts. Returns ``(gathered, vector, new_growth_tracker, payload)``. No sync."""
+        gathered = self._local_gathered(loss, norms, total, count, found, fp8, sentinel)
+        vector, tracker = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
+                                 scaler=view, grads_sharded=False, on_skip=on_skip)
+        return gathered, vector, tracker, pack(vector, gathered, norms).vector
+
+    def _decided(self, config: GuardConfig, view: ScalerView | None, loss: torch.Tensor | None,
+                 norms: torch.Tensor, total: torch.Tensor, count: torch.Tensor, found: torch.Tensor | None,
+                 fp8: torch.Tensor | None, sentinel: torch.Tensor | None,
+                 on_skip: Callable[[torch.Tensor], None] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """:meth:`_tail`, op by op or, with :attr:`fused_rule` (``AMPGUARD_FUSED_RULE=1``) and no early flag
+        (``on_skip``: its copy and event record sit inside the rule), compiled (:data:`FUSED_RULE_OPTIONS`): the
+        first call compiles (a first sighting of a step graph's key runs eagerly: never inside a capture), later ones
+        run the compiled kernels, captured into the step graph. A compile that fails warns once and leaves the op by
+        op tail for the guard's life."""
+        if on_skip is None and self.fused_rule and not self._compile_failed:
+            if self._compiled_tail is None:
+                self._compiled_tail = torch.compile(self._tail, fullgraph=True, dynamic=False,
+                                                    options=FUSED_RULE_OPTIONS)
+            try:
+                return self._compiled_tail(config, view, loss, norms, total, count, found, fp8, sentinel)
+            except Exception as exc:  # an optimisation: never fail a step over it
+                self._compile_failed = True
+                warnings.warn(f"ampguard: torch.compile of the step's decision failed ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}); taking it op by op (unset "
+                              "AMPGUARD_FUSED_RULE to silence this)", RuntimeWarning, stacklevel=2)
+        return self._tail(config, view, loss, norms, total, count, found, fp8, sentinel, on_skip)
 
     def _early_flag(self) -> tuple[tuple[torch.Tensor, Any] | None, Callable[[torch.Tensor], None] | None]:
         """``(early, on_skip)`` for the step graph's decision: with :attr:`early_skip` on, the pinned flag and external
@@ -725,10 +764,8 @@ class StepPipeline:
 
         def measure(groups: GradGroups) -> tuple[Any, ...]:
             norms, (total, count) = self._norms_of(groups)
-            gathered = self._local_gathered(loss, norms, total, count, None, fp8, sentinel)
-            vector, _ = decide(gathered, config=config, spikes=self.spikes, scale_state=self.scale_state,
-                               scaler=None, grads_sharded=False, on_skip=on_skip)
-            payload = pack(vector, gathered, norms).vector
+            gathered, vector, _, payload = self._decided(config, None, loss, norms, total, count, None, fp8, sentinel,
+                                                         on_skip)
             if early is not None:
                 self._to_landing(self._landing_slot(len(groups.index)), payload)
             return norms, total, count, gathered, vector, payload
@@ -1008,6 +1045,11 @@ not repeat: :meth:`StepPipeline._step_graph_due`). A run's first steps move the 
 (stop 42, ``benchmarks/gpu_graph_keys.py``) fp16 foreach AdamW from a scale that overflows put them in 8 new places
 in its first 8 steps (5 overflowing steps, forensics armed by them, AdamW's state made at its first taken step),
 then in 2 by turns; with 8 here that guard rested from step 8 on and missed the steady loop's start."""
+
+FUSED_RULE_OPTIONS: dict[str, Any] = {"eager_numerics.division_rounding": True,
+                                      "emulate_precision_casts": True}
+"""Inductor's options for the fused rule (``AMPGUARD_FUSED_RULE``): ``/`` as IEEE division rounded to nearest (Triton's
+own is approximate) and no fp fusion (a multiply-add contracted into one rounding): the op-by-op rule's bits."""
 
 STEP_GRAPH_REST = 50
 """Steps a guard that stopped taking the step graph runs the stages apart before it tries again."""

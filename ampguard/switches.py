@@ -65,6 +65,16 @@ class Switches:
     (stop 60, ``cpu_stop60/land_split.py``). Off (the default) until a step pays less with it than without.
     ``AMPGUARD_EARLY_SKIP=1``: on."""
 
+    fused_rule: bool = False
+    """The step graph's local vector, decision and payload (``StepPipeline._tail``: ~45 small ops, each a kernel of
+    the graph) compiled by ``torch.compile`` (inductor, ``fullgraph``) into a few kernels, with division rounded to
+    nearest and no multiply-add contraction (``torch._inductor.config.eager_numerics.division_rounding``,
+    ``emulate_precision_casts``), so that its bits are the op-by-op rule's; compiled on the first step that runs it
+    (outside any capture), captured into the step graph after that. Not with the early skip flag, whose copy and
+    event record sit inside the rule. A compile that fails warns once and leaves the op-by-op rule. Off (the default)
+    until a device has measured it (``benchmarks/results/cpu_stop62/fused_rule.py``: its kernels, device time and
+    bits). ``AMPGUARD_FUSED_RULE=1``: on."""
+
     report_batch: bool = True
     """Decode, log and export healthy steps' reports in batches of up to :data:`ampguard.reporter.REPORT_BATCH`
     steps (:meth:`ampguard.reporter.Reporter.quiet`); a report that asks for anything is decoded at the next fixed
@@ -74,15 +84,16 @@ class Switches:
 
 _SWITCH_VARIABLES = {"cuda_graph": "AMPGUARD_CUDA_GRAPH", "fused_fast_path": "AMPGUARD_FUSED_FAST_PATH",
                      "step_graph": "AMPGUARD_STEP_GRAPH", "report_batch": "AMPGUARD_REPORT_BATCH",
-                     "unfused_host_decision": "AMPGUARD_UNFUSED_HOST_DECISION", "early_skip": "AMPGUARD_EARLY_SKIP"}
+                     "unfused_host_decision": "AMPGUARD_UNFUSED_HOST_DECISION", "early_skip": "AMPGUARD_EARLY_SKIP",
+                     "fused_rule": "AMPGUARD_FUSED_RULE"}
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(Switches)}
 
 
 def implementation_switches(environ: Mapping[str, str] | None = None) -> Switches:
     """The :class:`Switches` from the environment (``os.environ`` unless ``environ`` is given):
     ``AMPGUARD_CUDA_GRAPH``, ``AMPGUARD_FUSED_FAST_PATH``, ``AMPGUARD_STEP_GRAPH``, ``AMPGUARD_REPORT_BATCH``,
-    ``AMPGUARD_UNFUSED_HOST_DECISION`` and ``AMPGUARD_EARLY_SKIP``, each ``"1"`` (on) or ``"0"`` (off); unset or
-    empty: the field's default. Any other value raises ValueError naming the variable."""
+    ``AMPGUARD_UNFUSED_HOST_DECISION``, ``AMPGUARD_EARLY_SKIP`` and ``AMPGUARD_FUSED_RULE``, each ``"1"`` (on) or
+    ``"0"`` (off); unset or empty: the field's default. Any other value raises ValueError naming the variable."""
     env = os.environ if environ is None else environ
     values = {}
     for field, variable in _SWITCH_VARIABLES.items():

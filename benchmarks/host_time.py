@@ -32,6 +32,9 @@ grows with the parameter count. Run::
 ``--early-arm`` also times the default guard with the step graph's early skip flag (``AMPGUARD_EARLY_SKIP=1``: a
 non-fused step's skip read waits for the flag, not for the whole graph; stop 59) in the same blocks.
 
+``--fused-rule-arm`` also times the default guard with the step graph's local vector, decision and payload compiled
+(``AMPGUARD_FUSED_RULE=1``: a few kernels where the rule ran ~45; stop 62) in the same blocks.
+
 ``--batch-arm`` also times the default guard with each report decoded at its own step (``AMPGUARD_REPORT_BATCH=0``,
 the behaviour before stop 45) in the same blocks: compare the means, since a batch's decode lands on one step in 16.
 
@@ -148,12 +151,14 @@ class Timers:
 
 def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: int, warmup: int,
         profile: int = 0, ops: int = 0, step_graph: bool = False, pstats_dir: Path | None = None,
-        batch_arm: bool = False, host_arm: bool = False, early_arm: bool = False) -> dict[str, Any]:
+        batch_arm: bool = False, host_arm: bool = False, early_arm: bool = False,
+        fused_rule_arm: bool = False) -> dict[str, Any]:
     dtype = torch.float16
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     loops = {}
     variants = (["plain", "guard"] + (["guard-step"] if step_graph else []) + (["guard-perstep"] if batch_arm else [])
-                + (["guard-host"] if host_arm else []) + (["guard-early"] if early_arm else []))
+                + (["guard-host"] if host_arm else []) + (["guard-early"] if early_arm else [])
+                + (["guard-fused"] if fused_rule_arm else []))
     for variant in variants:
         model, loss_fn = build(model_name, device)
         inner = torch.optim.AdamW(model.parameters(), lr=1e-4, **{optim: True})
@@ -173,10 +178,12 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
             # guard-perstep: the step graph on, each report decoded at its step (AMPGUARD_REPORT_BATCH=0, stop 45);
             # guard-host: the step graph on, a non-fused optimizer's decision on the host (as before stop 55);
             # guard-early: the step graph on, its skip flag handed over before the graph ends (stop 59)
+            # guard-fused: the step graph on, its tail (vector, rule, payload) compiled (AMPGUARD_FUSED_RULE, stop 62)
             env = {"AMPGUARD_STEP_GRAPH": "0" if variant == "guard" else "1",
                    "AMPGUARD_REPORT_BATCH": "0" if variant == "guard-perstep" else "1",
                    "AMPGUARD_UNFUSED_HOST_DECISION": "1" if variant == "guard-host" else "0",
-                   "AMPGUARD_EARLY_SKIP": "1" if variant == "guard-early" else "0"}
+                   "AMPGUARD_EARLY_SKIP": "1" if variant == "guard-early" else "0",
+                   "AMPGUARD_FUSED_RULE": "1" if variant == "guard-fused" else "0"}
             with mock.patch.dict(os.environ, env):
                 opt = ampguard.wrap(inner, model=model, precision="fp16", exporters=[])
 
@@ -333,6 +340,13 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
         out["guard_early"] = arm("guard-early", early_skip=early._pipeline.early_skip,
                                  step_graph={"steps": early.step_count, "captures": sg.captures, "replays": sg.replays,
                                              "failed": sg.failed})
+    if fused_rule_arm:  # the step graph's tail compiled (stop 62), in the same blocks
+        fused = loops["guard-fused"][3]
+        sg = fused._pipeline.step_graph
+        out["guard_fused"] = arm("guard-fused", fused_rule=fused._pipeline.fused_rule,
+                                 compile_failed=fused._pipeline._compile_failed,
+                                 step_graph={"steps": fused.step_count, "captures": sg.captures, "replays": sg.replays,
+                                             "failed": sg.failed})
     guard.close()
     return out
 
@@ -366,6 +380,9 @@ def main() -> int:
     ap.add_argument("--host-arm", action="store_true",
                     help="also time the default guard with a non-fused optimizer's decision on the host "
                          "(AMPGUARD_UNFUSED_HOST_DECISION=1, every step before stop 55) in the same blocks")
+    ap.add_argument("--fused-rule-arm", action="store_true",
+                    help="also time the default guard with the step graph's tail compiled (AMPGUARD_FUSED_RULE=1, "
+                         "stop 62), in the same blocks")
     ap.add_argument("--early-arm", action="store_true",
                     help="also time the default guard with the step graph's early skip flag (AMPGUARD_EARLY_SKIP=1, "
                          "stop 59) in the same blocks")
@@ -383,7 +400,8 @@ def main() -> int:
     for model_name in args.models.split(","):
         for optim in args.optims.split(","):
             row = run(model_name, optim, device, args.blocks, args.steps, args.warmup, args.profile, args.ops,
-                      args.step_graph, args.pstats, args.batch_arm, args.host_arm, args.early_arm)
+                      args.step_graph, args.pstats, args.batch_arm, args.host_arm, args.early_arm,
+                      args.fused_rule_arm)
             rows.append(row)
             p, g = row["plain_us"], row["guard_us"]
             print(f"\n{model_name} {optim} on {device}: plain {p['median']:.0f} us (p25 {p['p25']:.0f}, p75 "
@@ -424,6 +442,15 @@ def main() -> int:
                       f"{u['p25']:.0f}, p75 {u['p75']:.0f}); added {st['added_us']:+.0f} us; mean {u['mean']:.0f}, "
                       f"added {st['added_mean_us']:+.0f} us; step graph: {sg['replays']} replays, {sg['captures']} "
                       f"captures in {sg['steps']} steps, failed={sg['failed']}")
+                stage_lines(st)
+            if "guard_fused" in row:
+                st = row["guard_fused"]
+                u, sg = st["us"], st["step_graph"]
+                print(f"  guard, the fused rule (fused_rule={st['fused_rule']}, compile failed="
+                      f"{st['compile_failed']}): {u['median']:.0f} us (p25 {u['p25']:.0f}, p75 {u['p75']:.0f}); "
+                      f"added {st['added_us']:+.0f} us; "
+                      f"mean {u['mean']:.0f}, added {st['added_mean_us']:+.0f} us; step graph: {sg['replays']} "
+                      f"replays, {sg['captures']} captures in {sg['steps']} steps, failed={sg['failed']}")
                 stage_lines(st)
             sys.stdout.flush()
     if args.json:

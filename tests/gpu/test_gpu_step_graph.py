@@ -125,3 +125,31 @@ def test_the_step_graph_adds_no_host_sync() -> None:
     graphs = guarded.opt._pipeline.step_graph
     before = assert_no_added_sync(guarded, _Plain(fused=True, init_scale=2.0**10), _batches(10), graphs)
     assert graphs.replays > before  # the counted steps replayed the step graph
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_fused_rule_run_is_the_op_by_op_run_bit_for_bit(precision: str, fused: bool) -> None:
+    """``AMPGUARD_FUSED_RULE=1`` (stop 62): the step graph's local vector, decision and payload compiled by inductor
+    (Triton, division rounded to nearest, no fp fusion) and captured; the run is the op-by-op run bit for bit, ZClip's
+    and the z-score detector's square roots included, with the compiled kernels run on most steps (forensics, armed by
+    an overflow, holds compiled frames at force_eager while armed: those steps run the tail op by op)."""
+    from ampguard.forensics.compile import _EagerWhileArmed
+
+    torch._dynamo.reset()
+    batches = _batches(24)
+    want, want_reports, _ = _train(True, batches, precision=precision, fused=fused)
+    calls: list[int] = []
+    compile_ = torch.compile
+
+    def counted(fn, **kwargs):
+        compiled = compile_(fn, **kwargs)
+        return lambda *a: calls.append(int(not _EagerWhileArmed.armed)) or compiled(*a)
+
+    with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "1"}), mock.patch.object(torch, "compile", counted):
+        got, reports, loop = _train(True, batches, precision=precision, fused=fused)
+    assert loop.opt._pipeline.fused_rule and not loop.opt._pipeline._compile_failed
+    assert sum(calls) >= 4, calls  # compiled, not forced eager
+    assert loop.opt._pipeline.step_graph.replays >= 12
+    assert reports == want_reports
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -1,0 +1,92 @@
+"""The fused rule (``AMPGUARD_FUSED_RULE=1``, stop 62): the step graph's local vector, decision and payload
+(``StepPipeline._tail``) compiled by ``torch.compile`` into a few kernels, with division rounded to nearest and no fp
+fusion, instead of ~45 ops each a kernel of the graph. The guarantee is the op-by-op rule's bits. Here on the CPU
+(inductor's C++ backend; the tensor decision forced, as CUDA takes it, and the capture replaced by
+tests/unit/_graphs.py's stand-in): a guarded run through genuine fp16 overflows, the factor detectors and clipping is
+the op-by-op run, weights and every report; a compile that fails warns once and leaves the op-by-op rule. The CUDA
+side (Triton's kernels, their bits on test_host_decision's random rows, and what they save) is
+benchmarks/results/cpu_stop62/fused_rule.py's and tests/gpu/test_gpu_step_graph.py's.
+
+Not with ZClip or the z-score detector on the CPU: their ``sqrt`` of a 0-d tensor is not correctly rounded in CPU
+eager torch (``torch.sqrt(torch.tensor(1.0063227415084839))`` is 1.003156304, the float32 square root rounded to
+nearest 1.0031564236, which inductor's C++ gives), so there the compiled rule is the more exact one and the bits
+differ. CUDA's ``sqrtf`` is correctly rounded in both."""
+
+from __future__ import annotations
+
+import os
+from unittest import mock
+
+import pytest
+import torch
+
+from ampguard import pipeline
+from ampguard.forensics.compile import _EagerWhileArmed
+
+from .test_step_graph import OVERFLOW_STEPS, _reports, _run
+
+CONFIG = {"spikes": {"grad_factor": 3.0, "loss_factor": 2.0, "warmup": 3, "action": "skip"}, "clip_grad_norm": 1.0,
+          "param_norms_every": 1, "numerics_every": 5}
+
+
+@pytest.fixture
+def fused(compile_state, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr("tests.unit.test_step_graph.CONFIG", CONFIG)
+    with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "1"}):  # read at wrap time
+        yield
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
+def test_a_run_with_the_fused_rule_is_the_op_by_op_run_bit_for_bit(fused, bf16: bool) -> None:
+    with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "0"}):
+        want, plain, _ = _run(step_graph=True, steps=15, bf16=bf16)
+    calls: list[int] = []  # each call of the compiled tail: 1 where it ran compiled (no forensics armed)
+    compile_ = torch.compile
+
+    def counted(fn, **kwargs):
+        compiled = compile_(fn, **kwargs)
+        return lambda *a: calls.append(int(not _EagerWhileArmed.armed)) or compiled(*a)
+
+    with mock.patch.object(torch, "compile", counted):
+        got, guarded, graphs = _run(step_graph=True, steps=15, bf16=bf16)
+    assert guarded._pipeline.fused_rule and not guarded._pipeline._compile_failed
+    assert len(calls) >= 10 and graphs.replays >= 8  # the steps took the compiled tail, replayed
+    # compiled up to the first non-finite step, whose forensics holds every compiled frame at force_eager (the
+    # tail too: op by op, the same kernels as without the switch)
+    assert sum(calls) >= 4, calls
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _reports(guarded) == _reports(plain)
+    skipped = {r.step for r in guarded.history if r.skipped}
+    assert skipped >= (set() if bf16 else OVERFLOW_STEPS)
+    assert any(r.clip_coef < 1.0 for r in guarded.history)
+
+
+def test_a_compile_that_fails_warns_once_and_leaves_the_op_by_op_rule(fused) -> None:
+    with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "0"}):
+        want, plain, _ = _run(step_graph=True, steps=8)
+
+    def refused(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no Triton here\nsecond line")
+        return call
+
+    with mock.patch.object(torch, "compile", refused), pytest.warns(RuntimeWarning) as caught:
+        got, guarded, _ = _run(step_graph=True, steps=8)
+    mine = [w for w in caught if "torch.compile of the step's decision failed" in str(w.message)]
+    assert len(mine) == 1
+    assert "no Triton here)" in str(mine[0].message) and "AMPGUARD_FUSED_RULE" in str(mine[0].message)
+    assert guarded._pipeline._compile_failed
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _reports(guarded) == _reports(plain)
+
+
+def test_the_options_keep_division_and_multiply_add_as_eager_does() -> None:
+    # the names the switch relies on exist in this torch's inductor (an unknown option fails the compile: the guard
+    # would then warn and take the op-by-op rule)
+    from torch._inductor import config
+
+    for name, value in pipeline.FUSED_RULE_OPTIONS.items():
+        obj = config
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        assert isinstance(obj, bool) and value is True
