@@ -435,23 +435,16 @@ def main() -> int:
                       f"{u['median']:.0f} us (p25 {u['p25']:.0f}, p75 {u['p75']:.0f}); added {st['added_us']:+.0f} us; "
                       f"mean {u['mean']:.0f}, added {st['added_mean_us']:+.0f} us")
                 stage_lines(st)
-            if "guard_early" in row:
-                st = row["guard_early"]
-                u, sg = st["us"], st["step_graph"]
-                print(f"  guard, the early skip flag (early_skip={st['early_skip']}): {u['median']:.0f} us (p25 "
-                      f"{u['p25']:.0f}, p75 {u['p75']:.0f}); added {st['added_us']:+.0f} us; mean {u['mean']:.0f}, "
-                      f"added {st['added_mean_us']:+.0f} us; step graph: {sg['replays']} replays, {sg['captures']} "
-                      f"captures in {sg['steps']} steps, failed={sg['failed']}")
-                stage_lines(st)
-            if "guard_fused" in row:
-                st = row["guard_fused"]
-                u, sg = st["us"], st["step_graph"]
-                print(f"  guard, the fused rule (fused_rule={st['fused_rule']}, compile failed="
-                      f"{st['compile_failed']}): {u['median']:.0f} us (p25 {u['p25']:.0f}, p75 {u['p75']:.0f}); "
-                      f"added {st['added_us']:+.0f} us; "
-                      f"mean {u['mean']:.0f}, added {st['added_mean_us']:+.0f} us; step graph: {sg['replays']} "
-                      f"replays, {sg['captures']} captures in {sg['steps']} steps, failed={sg['failed']}")
-                stage_lines(st)
+            for key, label, flags in (("guard_early", "the early skip flag", ("early_skip",)),
+                                      ("guard_fused", "the fused rule", ("fused_rule", "compile_failed"))):
+                if key in row:  # an arm on the step graph: its times, then its graph's counts
+                    st = row[key]
+                    u, sg = st["us"], st["step_graph"]
+                    print(f"  guard, {label} ({', '.join(f'{k}={st[k]}' for k in flags)}): {u['median']:.0f} us "
+                          f"(p25 {u['p25']:.0f}, p75 {u['p75']:.0f}); added {st['added_us']:+.0f} us; mean "
+                          f"{u['mean']:.0f}, added {st['added_mean_us']:+.0f} us; step graph: {sg['replays']} replays, "
+                          f"{sg['captures']} captures in {sg['steps']} steps, failed={sg['failed']}")
+                    stage_lines(st)
             sys.stdout.flush()
     if args.json:
         args.json.write_text(json.dumps({"argv": sys.argv, "torch": torch.__version__, "clock": args.clock,
