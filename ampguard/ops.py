@@ -43,7 +43,6 @@ _F32 = struct.Struct("f")
 _pack, _unpack = _F32.pack, _F32.unpack
 
 
-@torch.compiler.assume_constant_result  # under torch.compile (the fused rule): a constant of the trace, not an op
 def f32(x: float) -> float:
     """``x`` rounded to float32 (to nearest, ties to even; overflow to inf; NaN stays NaN), as a
     Python float. One float32 operation is the exact result of its float32 operands rounded

@@ -59,6 +59,7 @@ from .backends.base import Backend
 from .config import GuardConfig
 from .decision_graph import DecisionGraph, MeasureGraph
 from .numerics import Numerics
+from .ops import f32
 from .payload import HostCopy, Landing, Layout, Packed, Unpacked, pack, pinned_view, unpacked_on_host
 from .policies import SpikeState, decide, decide_host, uses_clipping
 from .scaling import GradScalerAdapter, ScalerView, ScaleState
@@ -677,6 +678,9 @@ class StepPipeline:
         op tail for the guard's life."""
         if on_skip is None and self.fused_rule and not self._compile_failed:
             if self._compiled_tail is None:
+                # f32 rounds a Python float through struct, which dynamo cannot trace: a constant of the trace (marked
+                # here, not where it is defined: marking imports torch._dynamo, which importing ampguard must not)
+                torch.compiler.assume_constant_result(f32)
                 self._compiled_tail = torch.compile(self._tail, fullgraph=True, dynamic=False,
                                                     options=FUSED_RULE_OPTIONS)
             try:

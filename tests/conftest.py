@@ -25,16 +25,27 @@ def _drop_armed_forensics() -> Iterator[None]:
 
 @pytest.fixture
 def compile_state() -> Iterator[None]:
-    """Dynamo reset, at the default stance, before and after the test: another test's guard, armed by an anomaly and
-    never closed, can leave the process at ``force_eager``, and other tests' compiled frames (``nn.Sequential.forward``)
-    count against the recompile limit, past which dynamo runs a frame eagerly."""
+    """Dynamo reset, at the default stance, with no forensics counted as armed, for the test; the process's state put
+    back after it. Another test's guard, armed by an anomaly and still alive, keeps ``_EagerWhileArmed`` counting it
+    (a later arming then leaves the stance as it is: a compiled test would see its own armed hooks traced, and no
+    force_eager); other tests' compiled frames (``nn.Sequential.forward``) count against the recompile limit, past
+    which dynamo runs a frame eagerly."""
+    from ampguard.forensics.compile import _EagerWhileArmed
+
+    gc.collect()
+    saved = _EagerWhileArmed.armed, _EagerWhileArmed.stance
+    _EagerWhileArmed.armed, _EagerWhileArmed.stance = 0, None
     torch._dynamo.reset()
     stance = torch.compiler.set_stance("default")
     try:
         yield
     finally:
+        gc.collect()  # the test's own guards, disarmed by their finalizers while the count is the test's
+        if _EagerWhileArmed.stance is not None:  # still armed: the stance it set goes with it
+            _EagerWhileArmed.stance.__exit__(None, None, None)
         stance.__exit__(None, None, None)
         torch._dynamo.reset()
+        _EagerWhileArmed.armed, _EagerWhileArmed.stance = saved
 
 
 @pytest.fixture

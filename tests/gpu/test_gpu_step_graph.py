@@ -129,14 +129,13 @@ def test_the_step_graph_adds_no_host_sync() -> None:
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_the_fused_rule_run_is_the_op_by_op_run_bit_for_bit(precision: str, fused: bool) -> None:
+def test_the_fused_rule_run_is_the_op_by_op_run_bit_for_bit(compile_state, precision: str, fused: bool) -> None:
     """``AMPGUARD_FUSED_RULE=1`` (stop 62): the step graph's local vector, decision and payload compiled by inductor
     (Triton, division rounded to nearest, no fp fusion) and captured; the run is the op-by-op run bit for bit, ZClip's
     and the z-score detector's square roots included, with the compiled kernels run on most steps (forensics, armed by
     an overflow, holds compiled frames at force_eager while armed: those steps run the tail op by op)."""
     from ampguard.forensics.compile import _EagerWhileArmed
 
-    torch._dynamo.reset()
     batches = _batches(24)
     want, want_reports, _ = _train(True, batches, precision=precision, fused=fused)
     calls: list[int] = []
@@ -153,3 +152,4 @@ def test_the_fused_rule_run_is_the_op_by_op_run_bit_for_bit(precision: str, fuse
     assert loop.opt._pipeline.step_graph.replays >= 12
     assert reports == want_reports
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    loop.opt.close()
