@@ -137,7 +137,8 @@ def test_the_fused_rule_run_is_the_op_by_op_run_bit_for_bit(compile_state, preci
     from ampguard.forensics.compile import _EagerWhileArmed
 
     batches = _batches(24)
-    want, want_reports, _ = _train(True, batches, precision=precision, fused=fused)
+    want, want_reports, plain = _train(True, batches, precision=precision, fused=fused)
+    plain.opt.close()  # its forensics disarmed: it would hold the next run at force_eager
     calls: list[int] = []
     compile_ = torch.compile
 

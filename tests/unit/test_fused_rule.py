@@ -40,6 +40,7 @@ def fused(compile_state, monkeypatch: pytest.MonkeyPatch):
 def test_a_run_with_the_fused_rule_is_the_op_by_op_run_bit_for_bit(fused, bf16: bool) -> None:
     with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "0"}):
         want, plain, _ = _run(step_graph=True, steps=15, bf16=bf16)
+    plain.close()  # its forensics, armed by an overflow, disarmed: it would hold the next run at force_eager
     calls: list[int] = []  # each call of the compiled tail: 1 where it ran compiled (no forensics armed)
     compile_ = torch.compile
 
@@ -59,7 +60,7 @@ def test_a_run_with_the_fused_rule_is_the_op_by_op_run_bit_for_bit(fused, bf16: 
     skipped = {r.step for r in guarded.history if r.skipped}
     assert skipped >= (set() if bf16 else OVERFLOW_STEPS)
     assert any(r.clip_coef < 1.0 for r in guarded.history)
-    plain.close(), guarded.close()  # forensics disarmed inside the test (compile_state)
+    guarded.close()  # forensics disarmed inside the test (compile_state)
 
 
 def test_a_compile_that_fails_warns_once_and_leaves_the_op_by_op_rule(fused) -> None:
