@@ -131,6 +131,16 @@
 #     PYTHONPATH=$root python benchmarks/table.py --device cuda --groups sentinel --blocks 30 --budget-s 62
 #     --profile-steps 0 --no-memory --no-syncs --out $OUT/table_sentinel_$side$r.json); done; done
 # then tests/gpu/test_gpu_diagnosis.py (the sentinel on CUDA), then stop 60's list above (fw_graph_keys.py first).
+# Stop 62 (benchmarks/results/gpu_stop62/, RESULTS.md "Stop 62", one H100 lease) ran those: the sentinel 1.019 ->
+# 1.009 (target 1.005); AMPGUARD_FUSED_RULE (the step graph's tail compiled: 48 -> 6 kernels, the MLP foreach row
+# +164 -> +126 us) with 7 of 360 random decisions 1 ulp off (torch.reciprocal under inductor), fixed in 4f9b031 and not
+# run since; the Trainer's small gradients cycle over 18 places (its graph never replays). The device tool returns at
+# most 8 files a call: tar $OUT's files into one. The next session, first, one call (~250 s):
+#   python benchmarks/results/cpu_stop62/fused_rule.py   (bits: 0 of 360 must differ with the options)
+#   AMPGUARD_FUSED_RULE=1 python -m pytest -q tests/gpu   (the whole suite with the switch on)
+#   python benchmarks/host_time.py --device cuda --models mlp,gpt2-350m --optims foreach,fused --blocks 6 --steps 30
+#     --step-graph --fused-rule-arm   (twice; then, if the bits and the suite hold, the switch on by default)
+# then the sentinel's profile (table.py --groups sentinel --profile-steps 5: where its ~0.23 ms goes).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
