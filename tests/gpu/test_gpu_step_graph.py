@@ -154,3 +154,51 @@ def test_the_fused_rule_run_is_the_op_by_op_run_bit_for_bit(compile_state, preci
     assert reports == want_reports
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     loop.opt.close()
+
+
+def test_the_fused_rule_decides_bit_for_bit_on_random_rows(compile_state) -> None:
+    """The fused rule's compiled ``decide`` (inductor with :data:`ampguard.pipeline.FUSED_RULE_OPTIONS`) against the
+    op-by-op one on tests/unit/test_host_decision.py's random configs, carried states and rows (specials included),
+    every output and carried statistic bit for bit; half the configs clip (``clip_grad_norm``). Before ``4f9b031``
+    ``torch.reciprocal``, which inductor 2.11 lowers to an approximate division, put 7 of 360 clip coefficients 1 ulp
+    off on an H100 (benchmarks/results/gpu_stop62/fused_rule.txt)."""
+    import dataclasses
+    import random
+
+    import ampguard.ops as ops_module
+    from ampguard.pipeline import FUSED_RULE_OPTIONS
+    from ampguard.policies import decide
+
+    from ..unit.test_host_decision import DETECTOR_COUNTS, DETECTOR_FLOATS, bits, rand_carried, rand_config, rand_row
+
+    torch.compiler.assume_constant_result(ops_module.f32)  # as the pipeline marks it before it compiles
+    cuda = torch.device("cuda")
+    rng = random.Random(1)
+    differ = []
+    for c in range(6):
+        config = rand_config(rng)
+        if c % 2 and config.zclip is None:
+            config = dataclasses.replace(config, clip_grad_norm=rng.choice([1.0, 0.05, 7.77]))
+        factors = rand_carried(rng)  # one set of the scaler's constants a config: each set compiles once
+        compiled = torch.compile(decide, fullgraph=True, dynamic=False, options=FUSED_RULE_OPTIONS)
+        for _ in range(50):
+            carried = dataclasses.replace(rand_carried(rng), growth_factor=factors.growth_factor,
+                                          backoff_factor=factors.backoff_factor,
+                                          growth_interval=factors.growth_interval)
+            g = torch.tensor([rand_row(rng, p_bad=rng.choice([0.0, 0.2, 0.6]))], dtype=torch.float32, device=cuda)
+            seen = []
+            for fn in (decide, compiled):
+                spikes, state, view = carried.tensors()
+                spikes = type(spikes)(*(getattr(spikes, f.name).to(cuda) for f in dataclasses.fields(spikes)))
+                state = type(state)(*(getattr(state, f.name).to(cuda) for f in dataclasses.fields(state)))
+                if view is not None:
+                    view = dataclasses.replace(view, scale=view.scale.to(cuda),
+                                               growth_tracker=view.growth_tracker.to(cuda))
+                out, tracker = fn(g.clone(), config=config, spikes=spikes, scale_state=state, scaler=view,
+                                  grads_sharded=False)
+                floats = [*out.tolist(), *(getattr(spikes, n).item() for n in DETECTOR_FLOATS)]
+                counts = [*(getattr(spikes, n).item() for n in DETECTOR_COUNTS), state.overflow_run.item()]
+                seen.append(([bits(v) for v in floats], counts + ([] if tracker is None else [tracker.item()])))
+            if seen[0] != seen[1]:
+                differ.append((g.tolist(), config, carried))
+    assert not differ, f"{len(differ)} of 300 decisions differ; the first: {differ[0]}"
