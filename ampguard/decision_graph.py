@@ -118,9 +118,9 @@ class MeasureGraph:
     lies exactly where it lay at capture, which in a steady training loop (``zero_grad(set_to_none=True)``
     included) the caching allocator usually gives back step after step. A key is captured the second
     time it is seen (a first sighting runs eagerly; gradients that move every step are never captured, so
-    they pay no capture), at most :attr:`MAX_GRAPHS` graphs are kept (least recently used dropped), and a
-    capture spends one of at most :attr:`MAX_CAPTURES` credits, which every run earns back at
-    :attr:`CREDIT_PER_RUN` (captures that find no credit: eager). The capture is made on a
+    they pay no capture; :attr:`MAX_KEYS_SEEN` sightings are remembered), at most :attr:`MAX_GRAPHS` graphs are
+    kept (least recently used dropped), and a capture spends one of at most :attr:`MAX_CAPTURES` credits, which
+    every run earns back at :attr:`CREDIT_PER_RUN` (captures that find no credit: eager). The capture is made on a
     side stream with ``capture_error_mode="thread_local"``, without ``torch.cuda.graph``'s synchronize
     and ``empty_cache`` (which would hand the cached blocks back and move the next backward's
     gradients). The replayed values are the eager ones, bit for bit (the same kernels on the same
@@ -131,15 +131,27 @@ class MeasureGraph:
     outputs are the graph's own tensors, rewritten by the next replay: every consumer within the step copies them (the
     gathered vector, the report's payload)."""
 
-    MAX_GRAPHS = 4
-    """Graphs kept. The gradients of a steady CUDA loop take two or three places in turn: on an H100 (stop 42,
-    ``benchmarks/gpu_graph_keys.py``) the bf16 fused step graph and the stages' measurement took three in turn, and
-    two graphs kept, least recently used dropped, captured again every step (7 captures in 24 steps). A graph
-    holds its outputs (a few floats a tensor) and a private pool of the capture's small temporaries."""
-    MAX_CAPTURES = 8
+    MAX_GRAPHS = 24
+    """Graphs kept. The gradients of a steady CUDA loop take a few places in turn, and inside the transformers
+    Trainer many: on an H100 (stop 42, ``benchmarks/gpu_graph_keys.py``) the bf16 fused step graph and the stages'
+    measurement took three in turn, and two graphs kept, least recently used dropped, captured again every step (7
+    captures in 24 steps); inside the Trainer (stop 62, ``benchmarks/results/gpu_stop62/fw_graph_keys.txt``) GPT-2
+    124M's 98 small gradients took 18 places in a cycle of 18 steps, and with 4 kept (16 keys remembered) it never
+    replayed. (Presumably the small blocks the Trainer's loop keeps across a step or two move them: the batch it
+    prefetches, ``num_items_in_batch``, the loss and the clip's norm, which the CPU shows living into the next step,
+    ``benchmarks/results/cpu_stop63/survivors.py``; the CUDA allocator's part is not traced.) A graph holds its
+    outputs (a few floats a tensor: allocated memory, counted in a step's peak) and a private pool of the capture's
+    small temporaries (reserved, not allocated: about one 2 MiB segment of the caching allocator's small pool for a
+    measurement, so ~48 MiB reserved at most, where a loop's gradients take 24 places or more; a loop whose
+    gradients take three holds three)."""
+    MAX_KEYS_SEEN = 4 * MAX_GRAPHS
+    """Keys seen once and remembered for their second sighting (oldest forgotten): more than a cycle's places, so a
+    key comes back before it is forgotten."""
+    MAX_CAPTURES = 32
     """Captures a guard may make in a row (its credits when it starts, and at most): a loop whose gradients take
     more places than :attr:`MAX_GRAPHS` would otherwise capture every step (a capture costs the host more than an
-    eager run)."""
+    eager run). At least :attr:`MAX_GRAPHS`, so that a cycle that fits them is captured in its second turn (with 8,
+    stop 62's cycle of 18 would have taken ~1300 steps to be captured whole, at one capture in 128 runs)."""
     CREDIT_PER_RUN = 1 / 128
     """Credit each run earns back (replayed or eager), up to :attr:`MAX_CAPTURES`: at most one capture in 128 runs
     once the credits are spent. Before stop 44 the credits were for life: a long fp16 run whose gradients moved
@@ -192,7 +204,7 @@ class MeasureGraph:
         if key not in self._seen or self.credit < 1:
             self.misses += 1
             self._seen[key] = None
-            if len(self._seen) > 4 * self.MAX_GRAPHS:
+            if len(self._seen) > self.MAX_KEYS_SEEN:
                 self._seen.popitem(last=False)
             return fn()
         try:
