@@ -144,7 +144,7 @@
 # Stop 63 had no device (135 s of device time when it began). It let MeasureGraph keep 24 graphs and remember 96 keys
 # (2d60f55), for the Trainer's cycle of 18 places. The next session adds to its first call (~20 s):
 #   python -m pytest -q -s tests/gpu/test_gpu_measure_graph.py -k trainer   (the Trainer replays on half its steps)
-#   python benchmarks/results/cpu_stop60/fw_graph_keys.py --frameworks transformers   (replays from the cycle's 3rd turn)
+#   python benchmarks/results/cpu_stop60/fw_graph_keys.py --frameworks transformers --steps 80   (replays from step ~40)
 # and, after the steps above, the framework rows with their graphs' counts (FRAMEWORKS=1).
 set -uo pipefail
 TAG=${1:-now}
