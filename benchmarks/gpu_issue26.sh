@@ -145,7 +145,8 @@
 # (2d60f55), for the Trainer's cycle of 18 places. The next session adds to its first call (~20 s):
 #   python -m pytest -q -s tests/gpu/test_gpu_measure_graph.py -k trainer   (the Trainer replays on half its steps)
 #   python benchmarks/results/cpu_stop60/fw_graph_keys.py --frameworks transformers --steps 80   (replays from step ~40)
-# and, after the steps above, the framework rows with their graphs' counts (FRAMEWORKS=1).
+# and, after the steps above, the framework rows with their graphs' counts (FRAMEWORKS=1). The first call whole, in one
+# script that tars its outputs: benchmarks/results/cpu_stop63/device_first_call.sh.
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
