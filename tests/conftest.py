@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -46,6 +47,24 @@ def compile_state() -> Iterator[None]:
         stance.__exit__(None, None, None)
         torch._dynamo.reset()
         _EagerWhileArmed.armed, _EagerWhileArmed.stance = saved
+
+
+@pytest.fixture
+def compile_calls(compile_state: None, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Each call, during the test, of a function ``torch.compile`` compiled (the fused rule's tail,
+    ``AMPGUARD_FUSED_RULE``): 1 where it ran compiled, 0 where forensics, armed by an anomaly, held compiled frames at
+    force_eager (the tail then runs op by op). With :func:`compile_state`."""
+    from ampguard.forensics.compile import _EagerWhileArmed
+
+    calls: list[int] = []
+    compile_ = torch.compile
+
+    def counted(fn: Any, **kwargs: Any) -> Any:
+        compiled = compile_(fn, **kwargs)
+        return lambda *a: calls.append(int(not _EagerWhileArmed.armed)) or compiled(*a)
+
+    monkeypatch.setattr(torch, "compile", counted)
+    return calls
 
 
 @pytest.fixture

@@ -129,24 +129,18 @@ def test_the_step_graph_adds_no_host_sync() -> None:
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "foreach"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_the_fused_rule_run_is_the_op_by_op_run_bit_for_bit(compile_state, precision: str, fused: bool) -> None:
+def test_the_fused_rule_run_is_the_op_by_op_run_bit_for_bit(compile_calls: list[int], precision: str,
+                                                             fused: bool) -> None:
     """``AMPGUARD_FUSED_RULE=1`` (stop 62): the step graph's local vector, decision and payload compiled by inductor
     (Triton, division rounded to nearest, no fp fusion) and captured; the run is the op-by-op run bit for bit, ZClip's
     and the z-score detector's square roots included, with the compiled kernels run on most steps (forensics, armed by
     an overflow, holds compiled frames at force_eager while armed: those steps run the tail op by op)."""
-    from ampguard.forensics.compile import _EagerWhileArmed
-
     batches = _batches(24)
     want, want_reports, plain = _train(True, batches, precision=precision, fused=fused)
+    assert not compile_calls  # the switch off: nothing compiled
     plain.opt.close()  # its forensics disarmed: it would hold the next run at force_eager
-    calls: list[int] = []
-    compile_ = torch.compile
-
-    def counted(fn, **kwargs):
-        compiled = compile_(fn, **kwargs)
-        return lambda *a: calls.append(int(not _EagerWhileArmed.armed)) or compiled(*a)
-
-    with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "1"}), mock.patch.object(torch, "compile", counted):
+    calls = compile_calls
+    with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "1"}):
         got, reports, loop = _train(True, batches, precision=precision, fused=fused)
     assert loop.opt._pipeline.fused_rule and not loop.opt._pipeline._compile_failed
     assert sum(calls) >= 4, calls  # compiled, not forced eager

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from ampguard import pipeline
-from ampguard.forensics.compile import _EagerWhileArmed
 
 from .test_step_graph import OVERFLOW_STEPS, _reports, _run
 
@@ -37,19 +36,14 @@ def fused(compile_state, monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp16", "bf16"])
-def test_a_run_with_the_fused_rule_is_the_op_by_op_run_bit_for_bit(fused, bf16: bool) -> None:
+def test_a_run_with_the_fused_rule_is_the_op_by_op_run_bit_for_bit(fused, compile_calls: list[int],
+                                                                     bf16: bool) -> None:
     with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "0"}):
         want, plain, _ = _run(step_graph=True, steps=15, bf16=bf16)
+    assert not compile_calls  # the switch off: nothing compiled
     plain.close()  # its forensics, armed by an overflow, disarmed: it would hold the next run at force_eager
-    calls: list[int] = []  # each call of the compiled tail: 1 where it ran compiled (no forensics armed)
-    compile_ = torch.compile
-
-    def counted(fn, **kwargs):
-        compiled = compile_(fn, **kwargs)
-        return lambda *a: calls.append(int(not _EagerWhileArmed.armed)) or compiled(*a)
-
-    with mock.patch.object(torch, "compile", counted):
-        got, guarded, graphs = _run(step_graph=True, steps=15, bf16=bf16)
+    calls = compile_calls  # each call of the compiled tail: 1 where it ran compiled (no forensics armed)
+    got, guarded, graphs = _run(step_graph=True, steps=15, bf16=bf16)
     assert guarded._pipeline.fused_rule and not guarded._pipeline._compile_failed
     assert len(calls) >= 10 and graphs.replays >= 8  # the steps took the compiled tail, replayed
     # compiled up to the first non-finite step, whose forensics holds every compiled frame at force_eager (the
