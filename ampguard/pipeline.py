@@ -43,11 +43,13 @@ gradient whose squares overflow float32 is stepped on, as in the plain loop.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
 import inspect
 import math
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -671,25 +673,36 @@ class StepPipeline:
                  fp8: torch.Tensor | None, sentinel: torch.Tensor | None,
                  on_skip: Callable[[torch.Tensor], None] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """:meth:`_tail`, op by op or, with :attr:`fused_rule` (``AMPGUARD_FUSED_RULE=1``) and no early flag
-        (``on_skip``: its copy and event record sit inside the rule), compiled (:data:`FUSED_RULE_OPTIONS`): the
-        first call compiles (a first sighting of a step graph's key runs eagerly: never inside a capture), later ones
-        run the compiled kernels, captured into the step graph. A compile that fails warns once and leaves the op by
-        op tail for the guard's life."""
-        if on_skip is None and self.fused_rule and not self._compile_failed:
+        """:meth:`_tail`, op by op or, with :attr:`fused_rule` (on by default; ``AMPGUARD_FUSED_RULE=0``: off), on a
+        device of :data:`FUSED_RULE_DEVICES` and no early flag (``on_skip``: its copy and event record sit inside the
+        rule), compiled (:data:`FUSED_RULE_OPTIONS`) from the guard's own copy of the code (:func:`_own_code`): the
+        first call compiles (a first sighting of a step graph's key runs eagerly), later ones run the compiled kernels,
+        captured into the step graph. A capture never compiles: where it would, it takes the tail op by op. A compile
+        that fails warns once and leaves the op by op tail for the guard's life."""
+        if (on_skip is None and self.fused_rule and not self._compile_failed
+                and norms.device.type in FUSED_RULE_DEVICES):
             if self._compiled_tail is None:
                 # f32 rounds a Python float through struct, which dynamo cannot trace: a constant of the trace (marked
                 # here, not where it is defined: marking imports torch._dynamo, which importing ampguard must not)
                 torch.compiler.assume_constant_result(f32)
-                self._compiled_tail = torch.compile(self._tail, fullgraph=True, dynamic=False,
-                                                    options=FUSED_RULE_OPTIONS)
+                self._compiled_tail = torch.compile(_own_code(StepPipeline._tail).__get__(self), fullgraph=True,
+                                                    dynamic=False, options=FUSED_RULE_OPTIONS)
+            capturing = _capturing(norms.device)
             try:
-                return self._compiled_tail(config, view, loss, norms, total, count, found, fp8, sentinel)
+                # inside a capture, only what is compiled already: where the tail would compile there (its first
+                # unforced run, or guards that miss, after earlier runs under forensics' force_eager stance), dynamo
+                # raises before it launches anything, and the capture takes the tail op by op; the next eager run
+                # compiles it
+                with torch.compiler.set_stance("fail_on_recompile") if capturing else contextlib.nullcontext():
+                    return self._compiled_tail(config, view, loss, norms, total, count, found, fp8, sentinel)
             except Exception as exc:  # an optimisation: never fail a step over it
+                if capturing:
+                    return self._tail(config, view, loss, norms, total, count, found, fp8, sentinel)
                 self._compile_failed = True
                 warnings.warn(f"ampguard: torch.compile of the step's decision failed ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}); taking it op by op (unset "
-                              "AMPGUARD_FUSED_RULE to silence this)", RuntimeWarning, stacklevel=2)
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}); taking it op by op, as fast as "
+                              "before this optimisation, with the same bits (AMPGUARD_FUSED_RULE=0 silences this)",
+                              RuntimeWarning, stacklevel=2)
         return self._tail(config, view, loss, norms, total, count, found, fp8, sentinel, on_skip)
 
     def _early_flag(self) -> tuple[tuple[torch.Tensor, Any] | None, Callable[[torch.Tensor], None] | None]:
@@ -1055,6 +1068,12 @@ FUSED_RULE_OPTIONS: dict[str, Any] = {"eager_numerics.division_rounding": True,
 """Inductor's options for the fused rule (``AMPGUARD_FUSED_RULE``): ``/`` as IEEE division rounded to nearest (Triton's
 own is approximate) and no fp fusion (a multiply-add contracted into one rounding): the op-by-op rule's bits."""
 
+FUSED_RULE_DEVICES: tuple[str, ...] = ("cuda",)
+"""Devices whose step graph runs the fused rule (``AMPGUARD_FUSED_RULE``): CUDA, where Triton's kernels were checked
+bit for bit against the op-by-op rule (stop 64). Not the CPU, whose eager ``sqrt`` of a 0-d float32 is not
+correctly rounded (inductor's C++ is: ZClip's and the z-score detector's bits would differ) and whose first step
+would wait seconds on a C++ compile; the CPU's tests add it (tests/unit/test_fused_rule.py)."""
+
 STEP_GRAPH_REST = 50
 """Steps a guard that stopped taking the step graph runs the stages apart before it tries again."""
 
@@ -1063,6 +1082,21 @@ STEP_GRAPH_PROBES = 4
 
 _FAST_BACKENDS = ("local", "torch.distributed")
 """Backends the fast path is taken on (Horovod: today's path; untested there)."""
+
+
+def _capturing(device: torch.device) -> bool:
+    """Is ``device``'s current stream capturing a CUDA graph (the step graph's capture)?"""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` on a copy of its code object. Dynamo keeps its compiled entries, and counts its recompile limit (8), per
+    code object: the fused rule compiled from one shared ``_tail`` took a second entry for each guard whose decision
+    constants differ (another ``clip_grad_norm``, another detector), and the ninth such guard in a process failed
+    (``FailOnRecompileLimitHit``; stop 64, ``tests/gpu`` with the rule on). Each guard's own copy keeps its own
+    entries, which go with the guard."""
+    assert isinstance(fn, types.FunctionType)  # internal: a plain function
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _takes_grad_scaler(optimizer: torch.optim.Optimizer) -> bool:

@@ -65,17 +65,19 @@ class Switches:
     (stop 60, ``cpu_stop60/land_split.py``). Off (the default) until a step pays less with it than without.
     ``AMPGUARD_EARLY_SKIP=1``: on."""
 
-    fused_rule: bool = False
+    fused_rule: bool = True
     """The step graph's local vector, decision and payload (``StepPipeline._tail``: ~45 small ops, each a kernel of
     the graph) compiled by ``torch.compile`` (inductor, ``fullgraph``) into a few kernels, with division rounded to
     nearest and no multiply-add contraction (``torch._inductor.config.eager_numerics.division_rounding``,
     ``emulate_precision_casts``), so that its bits are the op-by-op rule's; compiled on the first step that runs it
-    (outside any capture), captured into the step graph after that. Not with the early skip flag, whose copy and
-    event record sit inside the rule. A compile that fails warns once and leaves the op-by-op rule. On an H100 (stop
-    62, ``benchmarks/results/gpu_stop62/``): 48 kernels, 54.9 us a replay -> 6 kernels, 7.4 us; the MLP foreach step's
-    added host time +164 / +177 -> +126 / +127 us; 7 of 360 random decisions were 1 ulp off in the clip coefficient
-    (inductor's ``reciprocal``), since divided as the constant one (:meth:`ampguard.ops.TensorOps.recip`), which has
-    not run on a device. Off (the default) until it has. ``AMPGUARD_FUSED_RULE=1``: on."""
+    (outside any capture), captured into the step graph after that, each guard on its own copy of the code (dynamo's
+    recompile limit is counted per code object). On CUDA only (:data:`ampguard.pipeline.FUSED_RULE_DEVICES`). Not with
+    the early skip flag, whose copy and event record sit inside the rule. A compile that fails warns once and leaves
+    the op-by-op rule. On an H100 (stops 62 and 64, ``benchmarks/results/gpu_stop62/``, ``gpu_stop64/``): 48 kernels,
+    56 us of device time a replay -> 6 kernels, 12 us; 0 of 360 random decisions differ from the op-by-op rule in any
+    bit since ``TensorOps.recip`` divides the constant one (7 did before); the MLP foreach step's added host time
+    +164 / +177 -> +126 / +127 us (stop 62's lease; +183 -> +157 on stop 64's). On by default since stop 64.
+    ``AMPGUARD_FUSED_RULE=0``: off (the rule op by op)."""
 
     report_batch: bool = True
     """Decode, log and export healthy steps' reports in batches of up to :data:`ampguard.reporter.REPORT_BATCH`

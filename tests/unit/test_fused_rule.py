@@ -15,6 +15,7 @@ differ. CUDA's ``sqrtf`` is correctly rounded in both."""
 from __future__ import annotations
 
 import os
+import warnings
 from unittest import mock
 
 import pytest
@@ -31,6 +32,7 @@ CONFIG = {"spikes": {"grad_factor": 3.0, "loss_factor": 2.0, "warmup": 3, "actio
 @pytest.fixture
 def fused(compile_state, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr("tests.unit.test_step_graph.CONFIG", CONFIG)
+    monkeypatch.setattr(pipeline, "FUSED_RULE_DEVICES", ("cuda", "cpu"))  # CUDA's alone outside the tests
     with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "1"}):  # read at wrap time
         yield
 
@@ -75,6 +77,70 @@ def test_a_compile_that_fails_warns_once_and_leaves_the_op_by_op_rule(fused) -> 
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert _reports(guarded) == _reports(plain)
     plain.close(), guarded.close()
+
+
+def test_guards_with_other_decision_constants_each_compile_their_own_rule(fused, compile_calls: list[int],
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # stop 64, on an H100: tests/gpu with the rule on made one guard after another in one process, each with its own
+    # config; dynamo keeps a code object's entries and counts its recompile limit (8) across them, so the ninth guard's
+    # compile failed (FailOnRecompileLimitHit) and it warned. Here the limit is 1, and three guards differ in their
+    # clip and detectors: with one shared _tail the second guard's compile failed
+    for i, clip in enumerate((1.0, 0.5, 2.0)):
+        config = {**CONFIG, "clip_grad_norm": clip, "spikes": {**CONFIG["spikes"], "loss_factor": 2.0 + i}}
+        monkeypatch.setattr("tests.unit.test_step_graph.CONFIG", config)
+        with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "0"}):
+            want, plain, _ = _run(step_graph=True, steps=6)
+        plain.close()
+        del compile_calls[:]
+        with warnings.catch_warnings(), torch._dynamo.config.patch(recompile_limit=1):
+            warnings.simplefilter("error", RuntimeWarning)  # the failed compile's warning
+            got, guarded, _ = _run(step_graph=True, steps=6)
+        assert not guarded._pipeline._compile_failed, i
+        assert sum(compile_calls) >= 4, (i, compile_calls)  # steps that took the compiled tail
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert _reports(guarded) == _reports(plain)
+        guarded.close()
+
+
+def test_a_capture_never_compiles_the_rule(fused, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the rule's first sighting run under force_eager (forensics armed by an overflow, once anything was compiled in
+    # the process), the stance back to default before the capture (disarmed): without care the capture is where
+    # dynamo compiles the tail, inside a CUDA stream capture. It takes the tail op by op there instead (same bits)
+    from torch._dynamo.utils import counters
+
+    from . import _graphs
+
+    with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "0"}):
+        want, plain, _ = _run(step_graph=True, steps=6)
+    plain.close()
+    inside, compiled_inside = [False], []
+    stance = [torch.compiler.set_stance("force_eager")]
+    capture = _graphs.StandInGraphs._capture
+
+    def disarmed_then_captured(self, fn, device):
+        if stance:
+            stance.pop().__exit__(None, None, None)
+        inside[0], before = True, counters["stats"]["unique_graphs"]
+        try:
+            return capture(self, fn, device)
+        finally:
+            inside[0] = False
+            compiled_inside.append(counters["stats"]["unique_graphs"] - before)
+
+    monkeypatch.setattr(_graphs.StandInGraphs, "_capture", disarmed_then_captured)
+    monkeypatch.setattr(pipeline, "_capturing", lambda device: inside[0])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            got, guarded, graphs = _run(step_graph=True, steps=6)
+    finally:
+        if stance:
+            stance.pop().__exit__(None, None, None)
+    assert compiled_inside and not any(compiled_inside), compiled_inside
+    assert graphs.replays >= 3 and not guarded._pipeline._compile_failed
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert _reports(guarded) == _reports(plain)
+    guarded.close()
 
 
 def test_the_options_keep_division_and_multiply_add_as_eager_does() -> None:
