@@ -673,7 +673,7 @@ class StepPipeline:
                  fp8: torch.Tensor | None, sentinel: torch.Tensor | None,
                  on_skip: Callable[[torch.Tensor], None] | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """:meth:`_tail`, op by op or, with :attr:`fused_rule` (on by default; ``AMPGUARD_FUSED_RULE=0``: off), on a
+        """:meth:`_tail`, op by op or, with :attr:`fused_rule` (``AMPGUARD_FUSED_RULE=1``), on a
         device of :data:`FUSED_RULE_DEVICES` and no early flag (``on_skip``: its copy and event record sit inside the
         rule), compiled (:data:`FUSED_RULE_OPTIONS`) from the guard's own copy of the code (:func:`_own_code`): the
         first call compiles (a first sighting of a step graph's key runs eagerly), later ones run the compiled kernels,
@@ -1070,9 +1070,9 @@ own is approximate) and no fp fusion (a multiply-add contracted into one roundin
 
 FUSED_RULE_DEVICES: tuple[str, ...] = ("cuda",)
 """Devices whose step graph runs the fused rule (``AMPGUARD_FUSED_RULE``): CUDA, where Triton's kernels were checked
-bit for bit against the op-by-op rule (stop 64). Not the CPU, whose eager ``sqrt`` of a 0-d float32 is not
-correctly rounded (inductor's C++ is: ZClip's and the z-score detector's bits would differ) and whose first step
-would wait seconds on a C++ compile; the CPU's tests add it (tests/unit/test_fused_rule.py)."""
+bit for bit against the op-by-op rule (stop 64: 0 of 360 random decisions differ). Not the CPU, whose eager ``sqrt``
+of a 0-d float32 is not correctly rounded (inductor's C++ is: ZClip's and the z-score detector's bits would differ)
+and whose first step would wait seconds on a C++ compile; the CPU's tests add it (tests/unit/test_fused_rule.py)."""
 
 STEP_GRAPH_REST = 50
 """Steps a guard that stopped taking the step graph runs the stages apart before it tries again."""

@@ -136,7 +136,7 @@ def test_the_fused_rule_run_is_the_op_by_op_run_bit_for_bit(compile_calls: list[
     and the z-score detector's square roots included, with the compiled kernels run on most steps (forensics, armed by
     an overflow, holds compiled frames at force_eager while armed: those steps run the tail op by op)."""
     batches = _batches(24)
-    with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "0"}):  # on by default since stop 64
+    with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "0"}):  # whatever the process's setting
         want, want_reports, plain = _train(True, batches, precision=precision, fused=fused)
     assert not compile_calls  # the switch off: nothing compiled
     plain.opt.close()  # its forensics disarmed: it would hold the next run at force_eager

@@ -101,8 +101,8 @@ def test_implementation_switches_come_from_the_environment():
     assert defaults.cuda_graph and defaults.fused_fast_path and defaults.step_graph  # on since it ran on CUDA
     assert not implementation_switches({"AMPGUARD_STEP_GRAPH": "0"}).step_graph
     assert implementation_switches({"AMPGUARD_STEP_GRAPH": ""}).step_graph
-    # the fused rule (stop 62): on since stop 64, when its bits after 4f9b031 ran on an H100 (0 of 360 differ)
-    assert defaults.fused_rule and not implementation_switches({"AMPGUARD_FUSED_RULE": "0"}).fused_rule
+    # the fused rule (stop 62): its bits hold on an H100 (stop 64: 0 of 360 differ); off until tests/gpu passes with it
+    assert not defaults.fused_rule and implementation_switches({"AMPGUARD_FUSED_RULE": "1"}).fused_rule
     with pytest.raises(ValueError, match=r"AMPGUARD_CUDA_GRAPH='false'; allowed: '0' \(off\) or '1'"):
         implementation_switches({"AMPGUARD_CUDA_GRAPH": "false"})
     model = make_model()

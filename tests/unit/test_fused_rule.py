@@ -102,10 +102,13 @@ def test_guards_with_other_decision_constants_each_compile_their_own_rule(fused,
         guarded.close()
 
 
-def test_a_capture_never_compiles_the_rule(fused, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the rule's first sighting run under force_eager (forensics armed by an overflow, once anything was compiled in
-    # the process), the stance back to default before the capture (disarmed): without care the capture is where
-    # dynamo compiles the tail, inside a CUDA stream capture. It takes the tail op by op there instead (same bits)
+@pytest.mark.parametrize("forced", [True, False], ids=["first-sighting-forced-eager", "first-sighting-compiled"])
+def test_a_capture_never_compiles_the_rule(fused, monkeypatch: pytest.MonkeyPatch, forced: bool) -> None:
+    # forced: the rule's first sighting run under force_eager (forensics armed by an overflow, once anything was
+    # compiled in the process), the stance back to default before the capture (disarmed): without care the capture is
+    # where dynamo compiles the tail, inside a CUDA stream capture. It takes the tail op by op there instead (same
+    # bits). Not forced: the first sighting compiled it, and the capture runs the compiled tail (a cache hit under the
+    # capture's fail_on_recompile stance), nothing op by op
     from torch._dynamo.utils import counters
 
     from . import _graphs
@@ -113,13 +116,19 @@ def test_a_capture_never_compiles_the_rule(fused, monkeypatch: pytest.MonkeyPatc
     with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "0"}):
         want, plain, _ = _run(step_graph=True, steps=6)
     plain.close()
-    inside, compiled_inside = [False], []
-    stance = [torch.compiler.set_stance("force_eager")]
+    inside, compiled_inside, op_by_op = [False], [], []
+    stance = [torch.compiler.set_stance("force_eager")] if forced else []
     capture = _graphs.StandInGraphs._capture
+    tail = pipeline.StepPipeline._tail
+
+    def counted_tail(self, *args, **kwargs):  # the op-by-op tail (the compiled one is a copy made before)
+        op_by_op.append(inside[0])
+        return tail(self, *args, **kwargs)
 
     def disarmed_then_captured(self, fn, device):
         if stance:
             stance.pop().__exit__(None, None, None)
+        monkeypatch.setattr(pipeline.StepPipeline, "_tail", counted_tail)
         inside[0], before = True, counters["stats"]["unique_graphs"]
         try:
             return capture(self, fn, device)
@@ -137,6 +146,7 @@ def test_a_capture_never_compiles_the_rule(fused, monkeypatch: pytest.MonkeyPatc
         if stance:
             stance.pop().__exit__(None, None, None)
     assert compiled_inside and not any(compiled_inside), compiled_inside
+    assert any(op_by_op) if forced else not any(op_by_op), op_by_op
     assert graphs.replays >= 3 and not guarded._pipeline._compile_failed
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert _reports(guarded) == _reports(plain)
