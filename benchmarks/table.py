@@ -233,6 +233,7 @@ def profile_variant(v: ov.Variant, device: torch.device, steps: int) -> dict[str
     kernel_us, kernels, cpu_self_us = 0.0, 0, 0.0
     start, end = float("inf"), 0.0
     by_name: dict[str, list[float]] = {}
+    kernel_names: dict[str, list[float]] = {}  # every kernel, none left out (by_name keeps the 60 longest ops)
     for ev in prof.events():
         dt = str(getattr(ev, "device_type", ""))
         if on_cuda and "CUDA" in dt:
@@ -244,6 +245,9 @@ def profile_variant(v: ov.Variant, device: torch.device, steps: int) -> dict[str
                 continue
             kernels += 1
             kernel_us += us
+            k = kernel_names.setdefault(ev.name[:120], [0, 0.0])
+            k[0] += 1
+            k[1] += us
             start, end = min(start, ev.time_range.start), max(end, ev.time_range.end)
         elif "CPU" in dt:
             us = ev.self_cpu_time_total
@@ -256,6 +260,7 @@ def profile_variant(v: ov.Variant, device: torch.device, steps: int) -> dict[str
     out: dict[str, Any] = {"profiled_steps": steps, "ops_per_step": {
         n: [c / steps, t / steps] for n, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:60]}}
     if on_cuda:
+        out["kernels_by_name_per_step"] = {n: [c / steps, t / steps] for n, (c, t) in kernel_names.items()}
         out.update(kernel_ms_per_step=kernel_us / steps / 1e3, kernels_per_step=kernels / steps,
                    gpu_span_ms_per_step=(end - start) / steps / 1e3 if kernels else None)
     else:
