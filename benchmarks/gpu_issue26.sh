@@ -147,6 +147,12 @@
 #   python benchmarks/results/cpu_stop60/fw_graph_keys.py --frameworks transformers --steps 80   (replays from step ~40)
 # and, after the steps above, the framework rows with their graphs' counts (FRAMEWORKS=1). The first call whole, in one
 # script that tars its outputs: benchmarks/results/cpu_stop63/device_first_call.sh.
+# Stop 64 ran that script (benchmarks/results/gpu_stop64/, RESULTS.md "Stop 64", three H100 calls, then no device):
+# the fused rule's bits 0 of 360; the Trainer replays (49 of 64 steps); tests/gpu with the rule on failed 10 of 82
+# (dynamo's recompile limit, counted per code object, hit by the ninth guard sharing _tail; fixed in d03432d on the
+# CPU). The rule stays off by default until the next session's first call passes tests/gpu with it on:
+#   OUT=$OUT bash benchmarks/results/cpu_stop64/device_first_call.sh   (~450 s; then the default turns on)
+# then host_time.py's second run (--fused-rule-arm, as above) and the framework rows (FRAMEWORKS=1).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
