@@ -14,8 +14,10 @@ differ. CUDA's ``sqrtf`` is correctly rounded in both."""
 
 from __future__ import annotations
 
+import gc
 import os
 import warnings
+import weakref
 from unittest import mock
 
 import pytest
@@ -94,12 +96,16 @@ def test_guards_with_other_decision_constants_each_compile_their_own_rule(fused,
         del compile_calls[:]
         with warnings.catch_warnings(), torch._dynamo.config.patch(recompile_limit=1):
             warnings.simplefilter("error", RuntimeWarning)  # the failed compile's warning
-            got, guarded, _ = _run(step_graph=True, steps=6)
+            got, guarded, graphs = _run(step_graph=True, steps=6)
         assert not guarded._pipeline._compile_failed, i
         assert sum(compile_calls) >= 4, (i, compile_calls)  # steps that took the compiled tail
         assert all(torch.equal(a, b) for a, b in zip(got, want))
         assert _reports(guarded) == _reports(plain)
         guarded.close()
+        kept = weakref.ref(guarded._pipeline)  # its own compiled code goes with it (a sweep's guards are freed)
+        del guarded, got, graphs
+        gc.collect()
+        assert kept() is None, i
 
 
 @pytest.mark.parametrize("forced", [True, False], ids=["first-sighting-forced-eager", "first-sighting-compiled"])
