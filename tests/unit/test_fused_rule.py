@@ -159,6 +159,17 @@ def test_a_capture_never_compiles_the_rule(fused, monkeypatch: pytest.MonkeyPatc
     guarded.close()
 
 
+def test_the_switch_leaves_the_cpu_op_by_op(compile_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    # FUSED_RULE_DEVICES (stop 64): the CPU's eager sqrt is not the compiled one's, and a CPU step would wait on a C++
+    # compile; with the switch on, a CPU guard's step graph still takes the rule op by op (before, it compiled)
+    monkeypatch.setattr("tests.unit.test_step_graph.CONFIG", CONFIG)
+    with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "1"}):
+        _, guarded, graphs = _run(step_graph=True, steps=6)
+    assert guarded._pipeline.fused_rule and graphs.replays >= 3
+    assert not compile_calls and guarded._pipeline._compiled_tail is None
+    guarded.close()
+
+
 def test_the_options_keep_division_and_multiply_add_as_eager_does() -> None:
     # the names the switch relies on exist in this torch's inductor (an unknown option fails the compile: the guard
     # would then warn and take the op-by-op rule)
