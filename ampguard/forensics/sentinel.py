@@ -148,6 +148,12 @@ class Sentinel:
         t = t.detach()
         if t.device != self.device:  # e.g. a CPU tensor in a CUDA model: copied, still no sync
             t = t.to(self.device, non_blocking=True)
+        if t.dtype is torch.bfloat16 and t.device.type == "cpu":
+            # the CPU's sum to float32 first copies the whole tensor to float32 (CUDA's reads bf16 and fp16 as they
+            # are); its bf16 sum accumulates in float32 without the copy (5x faster, stop 64) and keeps (all but)
+            # float32's range: a sum non-finite in float32 is non-finite here (fp16's range would not do: fp16 keeps
+            # the copy)
+            t = t.sum()
         if slot in self._seen:  # a second forward in this step (accumulation): add its sum
             self._slots[slot].add_(t.sum(dtype=torch.float32))
         elif t.dim():  # one reduction kernel, straight into the step's buffer
