@@ -354,10 +354,10 @@ def copies_of(shape: tuple[int, ...], counted: list[int]) -> Iterator[None]:
 
 def test_a_bf16_model_on_the_cpu_is_summed_without_a_float32_copy_of_each_output():
     # stop 64: on the CPU, torch.sum(dtype=float32) of a bf16 tensor copies it whole to float32 first (8x1024x768:
-    # 2.9 ms against 0.53 for the bf16 sum, which accumulates in float32 too); CUDA reads it as it is. A GPT-2 in bf16
-    # (its residual stream bf16: under autocast alone it stays float32), the same steps with and without the
-    # sentinel: it adds no float32 copy of a hidden state (before: 5 a forward, one per summed output). Then what the
-    # bf16 sum flags, on bf16 values as a block would output them
+    # 3.0 ms against 0.56 for the bf16 sum, which accumulates in float32 too: cpu_stop64/sentinel_cpu_sum.out); CUDA
+    # reads it as it is. A GPT-2 in bf16 (its residual stream bf16: under autocast alone it stays float32), the same
+    # steps with and without the sentinel: it adds no float32 copy of a hidden state (before: 5 a forward, one per
+    # summed output). Then what the bf16 sum flags, on bf16 values as a block would output them
     copies = []
     for sentinel in (None, "top"):
         model = gpt2().to(torch.bfloat16)
