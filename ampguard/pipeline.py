@@ -696,13 +696,12 @@ class StepPipeline:
                 with torch.compiler.set_stance("fail_on_recompile") if capturing else contextlib.nullcontext():
                     return self._compiled_tail(config, view, loss, norms, total, count, found, fp8, sentinel)
             except Exception as exc:  # an optimisation: never fail a step over it
-                if capturing:
-                    return self._tail(config, view, loss, norms, total, count, found, fp8, sentinel)
-                self._compile_failed = True
-                warnings.warn(f"ampguard: torch.compile of the step's decision failed ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}); taking it op by op, as fast as "
-                              "before this optimisation, with the same bits (AMPGUARD_FUSED_RULE=0 silences this)",
-                              RuntimeWarning, stacklevel=2)
+                if not capturing:  # a capture's miss: this capture op by op, below
+                    self._compile_failed = True
+                    warnings.warn(f"ampguard: torch.compile of the step's decision failed ({type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0] if str(exc) else ''}); taking it op by op, as fast "
+                                  "as before this optimisation, with the same bits (AMPGUARD_FUSED_RULE=0 silences "
+                                  "this)", RuntimeWarning, stacklevel=2)
         return self._tail(config, view, loss, norms, total, count, found, fp8, sentinel, on_skip)
 
     def _early_flag(self) -> tuple[tuple[torch.Tensor, Any] | None, Callable[[torch.Tensor], None] | None]:

@@ -230,33 +230,33 @@ def profile_variant(v: ov.Variant, device: torch.device, steps: int) -> dict[str
         for _ in range(steps):
             v.step()
         ov.sync(device)
-    kernel_us, kernels, cpu_self_us = 0.0, 0, 0.0
+    cpu_self_us = 0.0
     start, end = float("inf"), 0.0
     by_name: dict[str, list[float]] = {}
     kernel_names: dict[str, list[float]] = {}  # every kernel, none left out (by_name keeps the 60 longest ops)
+
+    def tally(table: dict[str, list[float]], name: str, us: float) -> None:
+        e = table.setdefault(name, [0, 0.0])
+        e[0] += 1
+        e[1] += us
+
     for ev in prof.events():
         dt = str(getattr(ev, "device_type", ""))
         if on_cuda and "CUDA" in dt:
             us = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
             if getattr(ev, "is_user_annotation", False):  # a record_function range's GPU span, not a kernel
-                e = by_name.setdefault("[annotation] " + ev.name[:100], [0, 0.0])
-                e[0] += 1
-                e[1] += us
+                tally(by_name, "[annotation] " + ev.name[:100], us)
                 continue
-            kernels += 1
-            kernel_us += us
-            k = kernel_names.setdefault(ev.name[:120], [0, 0.0])
-            k[0] += 1
-            k[1] += us
+            tally(kernel_names, ev.name[:120], us)
             start, end = min(start, ev.time_range.start), max(end, ev.time_range.end)
         elif "CPU" in dt:
             us = ev.self_cpu_time_total
             cpu_self_us += us
         else:
             continue
-        e = by_name.setdefault(ev.name[:120], [0, 0.0])
-        e[0] += 1
-        e[1] += us
+        tally(by_name, ev.name[:120], us)
+    kernels = sum(c for c, _ in kernel_names.values())
+    kernel_us = sum(t for _, t in kernel_names.values())
     out: dict[str, Any] = {"profiled_steps": steps, "ops_per_step": {
         n: [c / steps, t / steps] for n, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:60]}}
     if on_cuda:

@@ -206,4 +206,3 @@ def _random_rows_that_differ() -> list:
             if seen[0] != seen[1]:
                 differ.append((g.tolist(), config, carried))
     return differ
-
