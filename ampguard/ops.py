@@ -34,7 +34,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-__all__ = ["HOST", "DeviceConstants", "HostOps", "Ops", "TensorOps", "device_constants", "f32"]
+__all__ = ["HOST", "DeviceConstants", "HostOps", "Ops", "TensorOps", "capturing", "device_constants", "f32"]
 
 Value = Any
 """A value of a rule: a tensor (:class:`TensorOps`), or a host float, int or bool (:class:`HostOps`)."""
@@ -249,7 +249,10 @@ def device_constants(device: torch.device) -> DeviceConstants:
     value they return or store is a new tensor or a copy), so every step on the device shares them, and a captured
     graph reads them where they lie. Kept only when made outside a CUDA graph capture (a fill recorded in a capture
     runs only in that graph's replays): the step graph and the decision's graph are captured after an eager first
-    run, which makes them; a capture that finds none makes its own, kept with that graph, not here."""
+    run, which makes them; a capture that finds none makes its own, kept with that graph, not here. Nor when made
+    inside a ``torch.compile`` trace (the fused rule's first step, ``AMPGUARD_FUSED_RULE``): they are then constants
+    of the compiled code, and the capture check is not asked there (dynamo cannot trace a query that returns a bool:
+    on an H100 (stop 65) the first guard of a process failed its compile so, warned, and took the rule op by op)."""
     c = _CONSTANTS.get(device)
     if c is None:
         def full(v: float) -> torch.Tensor:
@@ -257,9 +260,14 @@ def device_constants(device: torch.device) -> DeviceConstants:
 
         c = DeviceConstants(full(0.0), full(1.0), full(math.nan), full(-1.0), full(math.inf),
                             torch.zeros((), dtype=torch.bool, device=device))
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not torch.compiler.is_compiling() and not capturing(device):
             _CONSTANTS[device] = c
     return c
+
+
+def capturing(device: torch.device) -> bool:
+    """Is ``device``'s current stream capturing a CUDA graph? Outside a ``torch.compile`` trace only (a bool query)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class TensorOps:

@@ -61,7 +61,7 @@ from .backends.base import Backend
 from .config import GuardConfig
 from .decision_graph import DecisionGraph, MeasureGraph
 from .numerics import Numerics
-from .ops import f32
+from .ops import capturing, f32
 from .payload import HostCopy, Landing, Layout, Packed, Unpacked, pack, pinned_view, unpacked_on_host
 from .policies import SpikeState, decide, decide_host, uses_clipping
 from .scaling import GradScalerAdapter, ScalerView, ScaleState
@@ -256,6 +256,9 @@ class StepPipeline:
         """The step graph's :meth:`_tail` compiled into a few kernels (``AMPGUARD_FUSED_RULE``, :meth:`_decided`)."""
         self._compiled_tail: Callable[..., Any] | None = None
         self._compile_failed = False
+        self.fused_rule_capture_misses = 0
+        """Captures of the step graph whose compiled tail missed dynamo's cache and so recorded the tail op by op (its
+        replays then run the ~45 small kernels the rule would fuse). 0 where the rule ran compiled in every capture."""
         self.early_skip = switches.early_skip and not self.fused and device.type == "cuda"
         """The step graph hands a non-fused step its skip flag before it ends (``AMPGUARD_EARLY_SKIP``:
         :attr:`Decision.early`)."""
@@ -687,16 +690,18 @@ class StepPipeline:
                 torch.compiler.assume_constant_result(f32)
                 self._compiled_tail = torch.compile(_own_code(StepPipeline._tail).__get__(self), fullgraph=True,
                                                     dynamic=False, options=FUSED_RULE_OPTIONS)
-            capturing = _capturing(norms.device)
+            in_capture = capturing(norms.device)
             try:
                 # inside a capture, only what is compiled already: where the tail would compile there (its first
                 # unforced run, or guards that miss, after earlier runs under forensics' force_eager stance), dynamo
                 # raises before it launches anything, and the capture takes the tail op by op; the next eager run
                 # compiles it
-                with torch.compiler.set_stance("fail_on_recompile") if capturing else contextlib.nullcontext():
+                with torch.compiler.set_stance("fail_on_recompile") if in_capture else contextlib.nullcontext():
                     return self._compiled_tail(config, view, loss, norms, total, count, found, fp8, sentinel)
             except Exception as exc:  # an optimisation: never fail a step over it
-                if not capturing:  # a capture's miss: this capture op by op, below
+                if in_capture:  # a capture's miss: this capture op by op, below
+                    self.fused_rule_capture_misses += 1
+                else:
                     self._compile_failed = True
                     warnings.warn(f"ampguard: torch.compile of the step's decision failed ({type(exc).__name__}: "
                                   f"{str(exc).splitlines()[0] if str(exc) else ''}); taking it op by op, as fast "
@@ -1081,11 +1086,6 @@ STEP_GRAPH_PROBES = 4
 
 _FAST_BACKENDS = ("local", "torch.distributed")
 """Backends the fast path is taken on (Horovod: today's path; untested there)."""
-
-
-def _capturing(device: torch.device) -> bool:
-    """Is ``device``'s current stream capturing a CUDA graph (the step graph's capture)?"""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _own_code(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -345,6 +345,7 @@ def run(model_name: str, optim: str, device: torch.device, blocks: int, steps: i
         sg = fused._pipeline.step_graph
         out["guard_fused"] = arm("guard-fused", fused_rule=fused._pipeline.fused_rule,
                                  compile_failed=fused._pipeline._compile_failed,
+                                 capture_misses=fused._pipeline.fused_rule_capture_misses,
                                  step_graph={"steps": fused.step_count, "captures": sg.captures, "replays": sg.replays,
                                              "failed": sg.failed})
     guard.close()
@@ -436,7 +437,8 @@ def main() -> int:
                       f"mean {u['mean']:.0f}, added {st['added_mean_us']:+.0f} us")
                 stage_lines(st)
             for key, label, flags in (("guard_early", "the early skip flag", ("early_skip",)),
-                                      ("guard_fused", "the fused rule", ("fused_rule", "compile_failed"))):
+                                      ("guard_fused", "the fused rule",
+                                       ("fused_rule", "compile_failed", "capture_misses"))):
                 if key in row:  # an arm on the step graph: its times, then its graph's counts
                     st = row[key]
                     u, sg = st["us"], st["step_graph"]

@@ -151,6 +151,42 @@ def test_the_fused_rule_run_is_the_op_by_op_run_bit_for_bit(compile_calls: list[
     loop.opt.close()
 
 
+def test_the_fused_rule_compiles_on_the_first_step_of_a_process(compile_calls: list[int],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stop 65, an H100: with the rule on, the first guard of a process compiled its tail before any eager step had made
+    the device's constants (``ops.device_constants``), which then ran inside the trace and asked
+    ``torch.cuda.is_current_stream_capturing()``, a bool dynamo cannot trace: the compile failed, the guard warned and
+    took the rule op by op for its life (``tests/gpu/test_gpu_host.py`` saw the warning). Here the constants are
+    cleared, as in a fresh process; ``_train`` turns the warning into an error."""
+    from ampguard import ops
+
+    monkeypatch.setattr(ops, "_CONSTANTS", {})
+    with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "1"}):
+        _, _, loop = _train(True, _batches(8))
+    assert loop.opt._pipeline.fused_rule and not loop.opt._pipeline._compile_failed
+    assert compile_calls[:1] == [1], compile_calls  # the first step ran the compiled tail
+    loop.opt.close()
+
+
+def test_a_healthy_loops_captures_hold_the_compiled_rule(compile_calls: list[int]) -> None:
+    """Stop 65: a capture runs the compiled tail under ``fail_on_recompile``, and a cache miss records the tail op by
+    op (``StepPipeline.fused_rule_capture_misses``), silently: host_time.py's fused-rule arm then measures the op-by-op
+    rule (on stop 65's lease it measured no gain, +249 against +240 us). In a healthy loop (no overflow: forensics
+    never holds the first sighting at force_eager) every capture must hit the tail compiled on the eager first
+    sighting."""
+    with mock.patch.dict(os.environ, {"AMPGUARD_FUSED_RULE": "1"}):
+        loop = _Loop(True, config={}, init_scale=2.0**10)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            for x, y in _batches(12):
+                loop.step(x, y)
+    pipe, graphs = loop.opt._pipeline, loop.opt._pipeline.step_graph
+    assert not any(r.skipped for r in loop.opt.history)
+    assert graphs.captures >= 1 and graphs.replays >= 8, (graphs.captures, graphs.replays)
+    assert pipe.fused_rule_capture_misses == 0, (pipe.fused_rule_capture_misses, graphs.captures, compile_calls)
+    loop.opt.close()
+
+
 def test_the_fused_rule_decides_bit_for_bit_on_random_rows(compile_state) -> None:
     """The fused rule's compiled ``decide`` (inductor with :data:`ampguard.pipeline.FUSED_RULE_OPTIONS`) against the
     op-by-op one on tests/unit/test_host_decision.py's random configs, carried states and rows (specials included),

@@ -204,3 +204,30 @@ def test_the_early_skip_flag_comes_before_most_of_the_step_graph():
     before, landing = seen
     assert total - landing <= 2, (landing, total)  # the landing's copy: after the payload, before the scale's writes
     assert before <= 37 and total - before >= 30, (before, total, dict(mode.ops))
+
+
+def test_constants_first_made_inside_a_compile_trace_are_not_kept_and_ask_no_capture(compile_state, monkeypatch):
+    # stop 65, on an H100: the fused rule (AMPGUARD_FUSED_RULE) compiles the step's tail on the first step of a
+    # process, before any eager step made the device's constants; device_constants then ran inside the trace and asked
+    # torch.cuda.is_current_stream_capturing(), a query returning a bool that dynamo cannot trace: the compile failed,
+    # the guard warned and took the rule op by op. Inside a trace the constants are now the compiled code's own: not
+    # kept (a trace's tensors are not the eager ones a later step reads), and no capture query asked. Here the CUDA
+    # query is stood in for by a function dynamo must not trace (dynamo.disable: calling it under fullgraph fails)
+    from ampguard import ops
+
+    cpu = torch.device("cpu")
+    asked: list[torch.device] = []
+
+    @torch._dynamo.disable
+    def query(device: torch.device) -> bool:
+        asked.append(device)
+        return False
+
+    monkeypatch.setattr(ops, "_CONSTANTS", {})
+    monkeypatch.setattr(ops, "capturing", query, raising=False)  # (raising=False: the name is new)
+    traced = torch.compile(lambda x: x * ops.device_constants(cpu).one + ops.device_constants(cpu).zero,
+                           fullgraph=True, backend="eager")
+    assert torch.equal(traced(torch.tensor([2.0, -3.0])), torch.tensor([2.0, -3.0]))
+    assert not asked and cpu not in ops._CONSTANTS  # before: stored from inside the trace
+    kept = ops.device_constants(cpu)  # an eager call makes them, asks, and keeps them
+    assert asked == [cpu] and ops._CONSTANTS[cpu] is kept and ops.device_constants(cpu) is kept

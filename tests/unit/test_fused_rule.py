@@ -143,7 +143,7 @@ def test_a_capture_never_compiles_the_rule(fused, monkeypatch: pytest.MonkeyPatc
             compiled_inside.append(counters["stats"]["unique_graphs"] - before)
 
     monkeypatch.setattr(_graphs.StandInGraphs, "_capture", disarmed_then_captured)
-    monkeypatch.setattr(pipeline, "_capturing", lambda device: inside[0])
+    monkeypatch.setattr(pipeline, "capturing", lambda device: inside[0])
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
@@ -153,6 +153,8 @@ def test_a_capture_never_compiles_the_rule(fused, monkeypatch: pytest.MonkeyPatc
             stance.pop().__exit__(None, None, None)
     assert compiled_inside and not any(compiled_inside), compiled_inside
     assert any(op_by_op) if forced else not any(op_by_op), op_by_op
+    misses = guarded._pipeline.fused_rule_capture_misses  # counted where the capture took the tail op by op
+    assert misses >= 1 if forced else misses == 0, misses
     assert graphs.replays >= 3 and not guarded._pipeline._compile_failed
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert _reports(guarded) == _reports(plain)
