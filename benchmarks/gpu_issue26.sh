@@ -153,6 +153,12 @@
 # CPU). The rule stays off by default until the next session's first call passes tests/gpu with it on:
 #   OUT=$OUT bash benchmarks/results/cpu_stop64/device_first_call.sh   (~450 s; then the default turns on)
 # then host_time.py's second run (--fused-rule-arm, as above) and the framework rows (FRAMEWORKS=1).
+# Stop 65 ran both (benchmarks/results/gpu_stop65/, RESULTS.md "Stop 65", seven H100 calls): tests/gpu with the rule on
+# 79 passed, 2 failed (both failing with it off too; fixed in 16fea5c), a process's first guard failing its compile
+# (fixed in 41b5e5d); the sentinel's kernels named (15 float32 sums, 178 of 183 us); no host-time gain for the rule on
+# that lease; the framework rows noise, each guarded arm capturing once a round. The next session's calls:
+#   PART=1 OUT=$OUT bash benchmarks/results/cpu_stop65/device_next.sh   (~500 s: tests/gpu whole, move_diag.py)
+#   PART=2 OUT=$OUT bash benchmarks/results/cpu_stop65/device_next.sh   (~260 s: host time, the rule's capture misses)
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD

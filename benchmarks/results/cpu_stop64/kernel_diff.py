@@ -16,7 +16,11 @@ def main(argv: list[str]) -> int:
     path = argv[0]
     variant, baseline = (argv[1], argv[2]) if len(argv) >= 3 else ("guard_sentinel_fused", "guard_fused")
     with open(path) as f:
-        runs = json.load(f)["variants"]
+        data = json.load(f)
+    # table.py --out: {"meta", "groups": {group: {"variants": {name: {"profile": ...}}}}} (the first group holding
+    # both variants; stop 65: this read a top-level "variants", which table.py never wrote)
+    runs = next(g["variants"] for g in data["groups"].values()
+                if variant in g["variants"] and baseline in g["variants"])
     a = runs[variant]["profile"]["kernels_by_name_per_step"]
     b = runs[baseline]["profile"]["kernels_by_name_per_step"]
     rows = []

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The next session's device calls, as stop 65 left them. Through the device tool, from the repository root:
+#   PART=1 OUT=$OUT bash benchmarks/results/cpu_stop65/device_next.sh   (~500 s on an H100)
+#     tests/gpu whole with AMPGUARD_FUSED_RULE=1 (83 tests since stop 65: 345 s was too short there), then
+#     move_diag.py (the moving-gradients test's first steps, the gradients' addresses read before zero_grad now).
+#   PART=2 OUT=$OUT bash benchmarks/results/cpu_stop65/device_next.sh   (~260 s)
+#     host_time.py's fused-rule arm, whose line now prints capture_misses: 0 means the captures held the compiled
+#     rule. The rule's default turns on only where part 1 passes whole (the healthy-loop test among it) and part 2
+#     shows the gain with 0 misses (switches.py, tests/unit/test_config.py, the docs).
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
+if [ "${PART:-1}" = 1 ]; then
+  AMPGUARD_FUSED_RULE=1 timeout -k 5 450 python -m pytest -q -p no:cacheprovider -rfE --durations=10 tests/gpu \
+    > "$OUT/tests_rule.txt" 2>&1
+  echo "tests/gpu with the fused rule rc=$?"; tail -n 8 "$OUT/tests_rule.txt"
+  timeout -k 5 90 python benchmarks/results/cpu_stop65/move_diag.py > "$OUT/move_diag.txt" 2>&1
+  echo "move_diag rc=$?"; grep -v Warning "$OUT/move_diag.txt" | head -n 44
+else
+  timeout -k 5 420 python benchmarks/host_time.py --device cuda --models mlp,gpt2-350m --optims foreach,fused \
+    --blocks 6 --steps 30 --step-graph --fused-rule-arm > "$OUT/host_time.txt" 2>&1
+  echo "host_time rc=$?"; grep -E "on cuda|guard with|the fused rule" "$OUT/host_time.txt"
+fi
