@@ -77,9 +77,13 @@ class Switches:
     ``benchmarks/results/gpu_stop62/``, ``gpu_stop64/``): 48 kernels, 56 us of device time a replay -> 6 kernels,
     12 us; 0 of 360 random decisions differ from the op-by-op rule in any bit since ``TensorOps.recip`` divides the
     constant one (7 did before); the MLP foreach step's added host time +164 / +177 -> +126 / +127 us (stop 62's
-    lease; +183 -> +157 on stop 64's). ``tests/gpu`` with it on failed 10 of 82 at stop 64 (a shared code object past
-    dynamo's recompile limit, and a test's own arm), fixed since on the CPU, not yet rerun on a device: off (the
-    default) until the whole ``tests/gpu`` passes with it on. ``AMPGUARD_FUSED_RULE=1``: on."""
+    lease; +183 -> +157 on stop 64's; +240 -> +249, no gain, on stop 65's). ``tests/gpu`` with it on failed 10 of 82 at
+    stop 64 (a shared code object past dynamo's recompile limit, and a test's own arm) and 2 of 81 at stop 65, both
+    failing with it off too; the run also showed a process's first guard failing its compile (the device's constants
+    made inside the trace), fixed since. Off (the default) until the whole ``tests/gpu`` passes with it on and a
+    lease's host-time arm shows its gain with no capture recorded op by op
+    (``StepPipeline.fused_rule_capture_misses``): each guard pays a compile of seconds on its first step.
+    ``AMPGUARD_FUSED_RULE=1``: on."""
 
     report_batch: bool = True
     """Decode, log and export healthy steps' reports in batches of up to :data:`ampguard.reporter.REPORT_BATCH`
