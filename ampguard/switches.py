@@ -85,6 +85,14 @@ class Switches:
     (``StepPipeline.fused_rule_capture_misses``): each guard pays a compile of seconds on its first step.
     ``AMPGUARD_FUSED_RULE=1``: on."""
 
+    sentinel_batch: bool = False
+    """``GuardConfig(sentinel=...)`` on CUDA: the watched block outputs held until the model's forward returns and read
+    by one ``_foreach_norm(ord=1)`` per dtype, instead of one float32 sum (and a memset) each as they come
+    (:mod:`ampguard.forensics.sentinel`). Stop 65's profile of the sentinel (an H100, GPT-2 124M b8): 15 sums of
+    25 MB each at ~2.1 TB/s, 178 of its 183 us a step. Off (the default) until a device measures it against the sums;
+    it holds outputs that autograd would have freed (an embedding's) to the forward's end.
+    ``AMPGUARD_SENTINEL_BATCH=1``: on."""
+
     report_batch: bool = True
     """Decode, log and export healthy steps' reports in batches of up to :data:`ampguard.reporter.REPORT_BATCH`
     steps (:meth:`ampguard.reporter.Reporter.quiet`); a report that asks for anything is decoded at the next fixed
@@ -95,14 +103,15 @@ class Switches:
 _SWITCH_VARIABLES = {"cuda_graph": "AMPGUARD_CUDA_GRAPH", "fused_fast_path": "AMPGUARD_FUSED_FAST_PATH",
                      "step_graph": "AMPGUARD_STEP_GRAPH", "report_batch": "AMPGUARD_REPORT_BATCH",
                      "unfused_host_decision": "AMPGUARD_UNFUSED_HOST_DECISION", "early_skip": "AMPGUARD_EARLY_SKIP",
-                     "fused_rule": "AMPGUARD_FUSED_RULE"}
+                     "fused_rule": "AMPGUARD_FUSED_RULE", "sentinel_batch": "AMPGUARD_SENTINEL_BATCH"}
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(Switches)}
 
 
 def implementation_switches(environ: Mapping[str, str] | None = None) -> Switches:
     """The :class:`Switches` from the environment (``os.environ`` unless ``environ`` is given):
     ``AMPGUARD_CUDA_GRAPH``, ``AMPGUARD_FUSED_FAST_PATH``, ``AMPGUARD_STEP_GRAPH``, ``AMPGUARD_REPORT_BATCH``,
-    ``AMPGUARD_UNFUSED_HOST_DECISION``, ``AMPGUARD_EARLY_SKIP`` and ``AMPGUARD_FUSED_RULE``, each ``"1"`` (on) or
+    ``AMPGUARD_UNFUSED_HOST_DECISION``, ``AMPGUARD_EARLY_SKIP``, ``AMPGUARD_FUSED_RULE`` and
+    ``AMPGUARD_SENTINEL_BATCH``, each ``"1"`` (on) or
     ``"0"`` (off); unset or empty: the field's default. Any other value raises ValueError naming the variable."""
     env = os.environ if environ is None else environ
     values = {}

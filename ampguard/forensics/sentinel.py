@@ -29,6 +29,14 @@ the loss computed from it". Where the output is not the model's (a head whose ou
 is summed when the model's forward returns, as before. Left out: a logit of ``-inf`` leaves a softmax cross-entropy
 finite, and a NaN logit at an ignored position (``ignore_index``) can leave the loss finite while the gradients are
 not; such a step is still skipped and reported, without the sentinel's name (as without a sentinel).
+
+Batched (``AMPGUARD_SENTINEL_BATCH=1``, off by default; CUDA only, :data:`BATCH_DEVICES`): the outputs are held until
+the model's forward returns, then read by one ``_foreach_norm(ord=1)`` per dtype (the sum of absolute values: NaN and
+inf propagate as in the sum, and so does a float32 overflow of finite values) and added into their slots by one
+``_foreach_add_``, where each output took a sum and a memset of its semaphores: on an H100 (stop 65,
+``benchmarks/results/gpu_stop65/sentinel_kernels.txt``) GPT-2 124M's 15 float32 sums read 25 MB each at ~2.1 TB/s
+(178 us a step) where the memory gives 3.35. An output that autograd does not keep (an embedding's, before it is
+added) then lives to the forward's end. Not inside a ``torch.compile`` trace (its sums stay in the graph).
 """
 
 from __future__ import annotations
@@ -39,9 +47,15 @@ from typing import Any
 import torch
 
 from ..module_hooks import Hook
+from ..switches import implementation_switches
 from .compile import named_user_modules, user_module
 
-__all__ = ["Sentinel", "top_blocks", "UNREAD"]
+__all__ = ["BATCH_DEVICES", "Sentinel", "top_blocks", "UNREAD"]
+
+BATCH_DEVICES: tuple[str, ...] = ("cuda",)
+"""Devices whose sentinel batches its reads when ``AMPGUARD_SENTINEL_BATCH=1`` (the module docstring): CUDA, where
+``_foreach_norm`` has its multi-tensor kernel; on the CPU it is a loop of single norms, and each output is summed as
+it comes (the tests add the CPU to check the batched path's names)."""
 
 UNREAD = -2.0
 """A step's value when no watched block was non-finite and the last block's output was read through the loss only."""
@@ -99,14 +113,19 @@ class Sentinel:
         self._held: torch.Tensor | None = None  # the last block's output in this forward, until the model returns
         self._skipped_now = False  # this forward did not sum it
         self._unread_step = False  # a forward of this step did not sum it, and it was the model's output
+        self.batched = implementation_switches().sentinel_batch and device.type in BATCH_DEVICES
+        """Outputs held and read together when the model returns (``AMPGUARD_SENTINEL_BATCH``), not one by one."""
+        self._pending: list[torch.Tensor] = []  # batched: this forward's outputs not yet read
+        self._pending_slots: list[int] = []  # and their slots
         self._handles: list[Any] = [root.register_forward_pre_hook(Hook(self._input_hook), prepend=True)]
         for k, name in enumerate(names):
             self._handles.append(table[name].register_forward_hook(Hook(self._output_hook(k + 1))))
-        if self._tail is not None:
+        if self._tail is not None or self.batched:
             self._handles.append(root.register_forward_hook(Hook(self._returned)))
 
     def _input_hook(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if torch.is_grad_enabled():
+            self.flush()  # batched: an earlier forward that did not return (it raised): what it held is read now
             self._held, self._skipped_now = None, False
             x = next((a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None)
             if x is not None:
@@ -116,16 +135,16 @@ class Sentinel:
         """The model's forward returned: was the last block's output its output? If not, and it went unsummed, sum it
         now (the tensor is still alive: held since the block's hook)."""
         held, self._held = self._held, None
-        if held is None or not torch.is_grad_enabled():
-            return
-        self._tail_is_output = _returns(out, held)
-        if self._skipped_now:
-            self._skipped_now = False
-            if self._tail_is_output:
-                self._unread_step = True
-            else:
-                assert self._tail is not None  # internal: the hook is registered only with a tail
-                self._mark(self._tail, held)
+        if held is not None and torch.is_grad_enabled():
+            self._tail_is_output = _returns(out, held)
+            if self._skipped_now:
+                self._skipped_now = False
+                if self._tail_is_output:
+                    self._unread_step = True
+                else:
+                    assert self._tail is not None  # internal: held only with a tail
+                    self._mark(self._tail, held)
+        self.flush()
 
     def _output_hook(self, slot: int) -> Any:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
@@ -148,6 +167,15 @@ class Sentinel:
         t = t.detach()
         if t.device != self.device:  # e.g. a CPU tensor in a CUDA model: copied, still no sync
             t = t.to(self.device, non_blocking=True)
+        # held only in a forward: a block recomputed inside backward (activation checkpointing) is summed as it comes,
+        # or its output would be held past the backward, to the step
+        if (self.batched and t.dim() and not torch.compiler.is_compiling()
+                and torch._C._current_graph_task_id() == -1):
+            if slot in self._pending_slots:  # a block called twice in one forward: one add per slot and batch
+                self.flush()
+            self._pending.append(t)
+            self._pending_slots.append(slot)
+            return
         if t.dtype is torch.bfloat16 and t.device.type == "cpu":
             # the CPU's sum to float32 first copies the whole tensor to float32 (CUDA's reads bf16 and fp16 as they
             # are); its bf16 sum accumulates in float32 without the copy (5-7x faster: cpu_stop64) and keeps (all but)
@@ -163,8 +191,24 @@ class Sentinel:
             self._slots[slot].copy_(t)
             self._seen.add(slot)
 
+    def flush(self) -> None:
+        """Batched: read the held outputs into their slots, one ``_foreach_norm`` per dtype and one ``_foreach_add_``
+        each (the module docstring), and let go of them. No sync."""
+        if not self._pending:
+            return
+        tensors, slots = self._pending, self._pending_slots
+        self._pending, self._pending_slots = [], []
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        for index in by_dtype.values():
+            norms = torch._foreach_norm([tensors[i] for i in index], 1, dtype=torch.float32)
+            torch._foreach_add_([self._slots[slots[i]] for i in index], norms)
+        self._seen.update(slots)
+
     def clear(self) -> None:
         """Forget what the hooks saw (a replay's forward belongs to no step's report)."""
+        self._pending, self._pending_slots = [], []
         self._unread_step = False
         if self._seen:
             self._sums.zero_()
@@ -174,6 +218,7 @@ class Sentinel:
         """This step's first flagged slot as a float (-1: none; :data:`UNREAD`: none, and the last block's output
         read through the loss only; 0: the input; k+1: block k), on device; then the flags are cleared for the next
         step. No sync."""
+        self.flush()  # batched: a forward whose model's hook did not run (its blocks called directly)
         none = self._unread if self._unread_step else self._none
         if not self._seen:
             self._unread_step = False
@@ -196,6 +241,7 @@ class Sentinel:
 
     def remove(self) -> None:
         self._held = None
+        self._pending, self._pending_slots = [], []
         for h in self._handles:
             h.remove()
         self._handles.clear()

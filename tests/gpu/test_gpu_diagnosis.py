@@ -30,9 +30,13 @@ def test_real_cause_is_named_on_cuda(name, closure):
         assert all(a[4] != "transient" for a in result["anomalies"])  # reproduced: never transient
 
 
-def test_sentinel_names_the_block_in_its_own_step_on_cuda(device="cuda"):
-    """With ``GuardConfig(sentinel="top")`` the block is named in the bad step's own report."""
+@pytest.mark.parametrize("batched", [False, True], ids=["summed", "batched"])
+def test_sentinel_names_the_block_in_its_own_step_on_cuda(batched: bool, monkeypatch: pytest.MonkeyPatch,
+                                                          device: str = "cuda") -> None:
+    """With ``GuardConfig(sentinel="top")`` the block is named in the bad step's own report; batched too
+    (``AMPGUARD_SENTINEL_BATCH=1``, stop 65: the outputs read by one ``_foreach_norm`` when the model returns)."""
     first_bad = min(S.run("attention_overflow", closure=False, device=device)["skipped"])
+    monkeypatch.setenv("AMPGUARD_SENTINEL_BATCH", "1" if batched else "0")  # read when the sentinel is made
     result = S.run("attention_overflow", closure=False, device=device, config={"sentinel": "top"})
     assert min(result["skipped"]) == first_bad
     assert any(a[0] == first_bad and a[2] is not None and a[2].startswith("blocks.0") for a in result["anomalies"]), \

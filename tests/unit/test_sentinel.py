@@ -1,5 +1,9 @@
 """The opt-in coarse sentinel (issue 14, item 4): a block named on the step it goes non-finite,
-without a closure, and the fine hooks then armed inside that block only."""
+without a closure, and the fine hooks then armed inside that block only.
+
+Every test runs twice: the outputs summed as they come, and batched (``AMPGUARD_SENTINEL_BATCH=1``, stop 65: held to
+the model's return and read by one ``_foreach_norm`` per dtype; CUDA's alone outside the tests), which must name the
+same blocks on the same steps."""
 
 from __future__ import annotations
 
@@ -13,10 +17,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampguard
 from ampguard import faults
+from ampguard.forensics import sentinel as sentinel_module
 from ampguard.forensics.sentinel import Sentinel, top_blocks
 
 from .test_forensics import batches, lm
 from .test_forensics import train as train_lm
+
+PER_OUTPUT_ONLY = {"test_a_bf16_model_on_the_cpu_is_summed_without_a_float32_copy_of_each_output"}
+"""The CPU's own sum (its bf16 path): the batched read is CUDA's."""
+
+
+@pytest.fixture(autouse=True, params=["per_output", "batched"])
+def read_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "batched":
+        if request.node.originalname in PER_OUTPUT_ONLY:
+            pytest.skip("the CPU's own sum: batched reads are CUDA's")
+        monkeypatch.setattr(sentinel_module, "BATCH_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setenv("AMPGUARD_SENTINEL_BATCH", "1")  # read when the sentinel is made
+    return request.param
 
 
 def hooked(model: torch.nn.Module) -> dict[str, int]:
@@ -141,15 +159,19 @@ def test_a_replay_leaves_no_flag_for_the_next_step():
 
 
 class Sums(TorchDispatchMode):
-    """The shapes of the tensors summed (``aten.sum``) while it is on."""
+    """The shapes of the tensors summed (``aten.sum``) or read by a batched ``_foreach_norm`` while it is on."""
 
     def __init__(self) -> None:
         super().__init__()
         self.shapes: list[tuple[int, ...]] = []
+        self.batches: list[int] = []  # each _foreach_norm's tensor count
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.overloadpacket is torch.ops.aten.sum:
             self.shapes.append(tuple(args[0].shape))
+        elif func.overloadpacket is torch.ops.aten._foreach_norm:
+            self.shapes.extend(tuple(t.shape) for t in args[0])
+            self.batches.append(len(args[0]))
         return func(*args, **(kwargs or {}))
 
 
@@ -388,3 +410,104 @@ def test_a_bf16_model_on_the_cpu_is_summed_without_a_float32_copy_of_each_output
         code = sentinel.value().item()
         assert (code == 2) is flagged, (value, code)
     sentinel.remove()
+
+
+def test_a_genuine_nan_in_a_block_is_named_on_its_step():
+    # a LayerNorm with eps=0 over a constant row divides 0 by 0: a genuine NaN in block "1"'s output (block "0", a
+    # ReLU, turns a negative row into zeros first: its own output stays finite)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.LayerNorm(8, eps=0.0, elementwise_affine=False),
+                                torch.nn.Linear(8, 4), torch.nn.Linear(4, 1))
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
+                        config={"sentinel": "top"})
+    for step in range(4):
+        x = torch.randn(6, 8)
+        if step == 2:
+            x[3] = -1.0  # after the ReLU, a row of zeros
+        with opt.autocast():
+            loss = model(x).float().pow(2).mean()
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    (a, *_) = [a for a in opt.anomalies if a.step == 2]
+    assert (a.module, a.phase) == ("1", "forward") and "Sentinel" in a.detail, a
+    assert [r.skipped for r in opt.history] == [False, False, True, False]
+    opt.close()
+
+
+def test_batched_reads_are_one_foreach_norm_per_dtype_a_forward(read_mode):
+    # AMPGUARD_SENTINEL_BATCH (stop 65): an H100's profile put 178 of the sentinel's 183 us a step in 15 single sums
+    # (and 15 memsets); batched, the outputs are read together when the model returns, one _foreach_norm per dtype,
+    # and no block output is summed on its own. A GPT-2 under bf16 autocast: its embeddings and residual stream
+    # float32 (wte, wpe, drop, h.0, h.1, ln_f: 6 outputs), the logits read through the loss from step 1
+    model = gpt2()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
+                        config={"sentinel": "top"})
+    g = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(3):
+        ids = torch.randint(0, 64, (4, 16), generator=g)
+        with Sums() as sums, opt.autocast():
+            loss = model(input_ids=ids, labels=ids).loss
+        seen.append((sums.batches, [shape for shape in sums.shapes if shape[:2] == (4, 16)]))
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    opt.close()
+    if read_mode == "batched":
+        assert seen[0][0] == [6, 1], seen[0]  # float32: the six; the logits (bf16) on step 0 alone
+        assert all(batches == [6] for batches, _ in seen[1:]), seen
+        assert all(sorted(shapes)[:5] == [(4, 16, 32)] * 5 for _, shapes in seen[1:]), seen  # wpe's is (1, 16, 32)
+    else:
+        assert all(batches == [] for batches, _ in seen), seen
+
+
+def test_a_checkpointed_blocks_recompute_holds_nothing_past_the_backward(read_mode):
+    # Reentrant activation checkpointing runs each block's forward under no_grad, then again inside the backward with
+    # grad on, where the model's own forward hook never runs: batched, the recomputed outputs were held until the
+    # step's read (stop 65, fails before: 3 held after each backward), keeping alive the activations checkpointing
+    # exists to free. An output made inside a backward is summed as it comes, and the block is named on its step
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Linear(8, 16)
+            self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+                                              for _ in range(3))
+            self.head = torch.nn.Linear(16, 1)
+
+        def forward(self, x):
+            x = self.emb(x)
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=True)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Checkpointed()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model, precision="bf16",
+                        config={"sentinel": "top"})
+    sentinel = opt._forensics.sentinel
+    weight = model.blocks[1][0].weight
+    held = []
+    for step in range(4):
+        if step == 2:  # a bit flipped through an integer view: one weight of blocks.1 becomes NaN, so does its output
+            kept = weight.detach().clone()
+            with torch.no_grad():
+                weight.view(torch.int32)[0, 0] |= 0x7FC00000
+        with opt.autocast():
+            loss = model(torch.randn(4, 8)).float().pow(2).mean()
+        opt.backward(loss)
+        held.append(len(sentinel._pending))
+        if step == 2:
+            with torch.no_grad():
+                weight.copy_(kept)
+        opt.step()
+        opt.zero_grad()
+    opt.flush()
+    assert held == [0, 0, 0, 0], held
+    (a, *_) = [a for a in opt.anomalies if a.step == 2]
+    assert a.module == "blocks.1", a
+    assert [r.skipped for r in opt.history] == [False, False, True, False]
+    opt.close()
