@@ -11,6 +11,8 @@ Variants (each with its own copy of the model, same initial weights, same batch)
   guard_clip       + ``GuardConfig(clip_grad_norm=1.0)``
   guard_sentinel   + ``GuardConfig(sentinel="top")``: one on-device finiteness flag per top-level block output
                    (issue 14's opt-in sentinel); its ratio is against ``guard``, the cost the sentinel adds
+  guard_sentinelbatch  the same with ``AMPGUARD_SENTINEL_BATCH=1`` (stop 65): the outputs read together when the
+                   model returns, one ``_foreach_norm`` per dtype (on CUDA); its ratio is against ``guard`` too
   guard_exporters  + ampguard's PrometheusExporter (serving on 127.0.0.1, any free port) and JsonlExporter
                    when those modules import; each missing one is recorded as unavailable, and a stand-in
                    exporter (the benchmark's own: one JSON line + 4 prometheus_client metrics per step)
@@ -58,6 +60,7 @@ import warnings
 from collections import defaultdict, deque
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -303,14 +306,17 @@ def build_variant(kind: str, fused: bool, ctx: dict[str, Any]) -> Variant:
         return v
 
     cfg = ampguard.GuardConfig(clip_grad_norm=CLIP) if kind == "guard_clip" else ampguard.GuardConfig()
-    if kind == "guard_sentinel":
+    if kind in ("guard_sentinel", "guard_sentinelbatch"):
         cfg = ampguard.GuardConfig(sentinel="top")
     if kind == "guard_numerics":  # issue 17: the sampled zero fraction and headroom (benchmarks/numerics.py)
         cfg = ampguard.GuardConfig(numerics_every=ctx.get("numerics_every", 10))
     exporters: list[Any] = []
     if kind == "guard_exporters":
         exporters, v.info["exporters"] = make_exporters(ctx["tmpdir"])
-    g = ampguard.wrap(opt, model=model, scaler=scaler, precision="fp16", config=cfg, exporters=exporters)
+    reads = ({"AMPGUARD_SENTINEL_BATCH": "1" if kind == "guard_sentinelbatch" else "0"}
+             if kind in ("guard_sentinel", "guard_sentinelbatch") else {})
+    with mock.patch.dict(os.environ, reads):  # read when the sentinel is made: the two sentinel arms differ in it
+        g = ampguard.wrap(opt, model=model, scaler=scaler, precision="fp16", config=cfg, exporters=exporters)
     if kind == "guard_lazy":
         _make_lazy(g)
     if kind == "guard_armed":
@@ -445,6 +451,7 @@ def summarise(variants: list[Variant]) -> dict[str, Any]:
         "guard_lazy": "plain",
         "guard_armed": "plain",
         "guard_sentinel": "guard",
+        "guard_sentinelbatch": "guard",
         "guard_numerics": "guard",
     }
     for name, e in out.items():

@@ -21,7 +21,8 @@ copied; its docstring defines the variants and the method). What this adds:
   compile-    GPT-2 124M, 8  the same with ``foreach=True`` AdamW (``compile-foreach``), at batch 16
   foreach,                   (``compile-b16``) and GPT-2 350M (``compile-350m``): issue 26's other
   -b16, -350m                compiled rows (stop 60)
-  sentinel    GPT-2 124M, 8  plain, guard, guard with ``sentinel="top"``
+  sentinel    GPT-2 124M, 8  plain, guard, guard with ``sentinel="top"``, and that sentinel batched
+                             (``AMPGUARD_SENTINEL_BATCH``, stop 65)
   ==========  =============  ====================================================================
 
   CPU (bf16 autocast, GradScaler on): ``mlp-8x512`` (plain, plain2, guard, clip, guard_clip,
@@ -123,8 +124,10 @@ CUDA_GROUPS: list[dict[str, Any]] = [
          pairs=[("guard_fused", "plain_fused", 1.000)]),
     dict(name="compile-350m", size="gpt2-350m", variants=["plain_fused", "guard_fused"], compile=True, needs_s=200,
          pairs=[("guard_fused", "plain_fused", 1.000)]),
-    dict(name="sentinel", size="gpt2", variants=["plain_fused", "guard_fused", "guard_sentinel_fused"],
-         pairs=[("guard_sentinel_fused", "guard_fused", 1.005), ("guard_fused", "plain_fused", None)]),
+    dict(name="sentinel", size="gpt2", variants=["plain_fused", "guard_fused", "guard_sentinel_fused",
+                                                 "guard_sentinelbatch_fused"],
+         pairs=[("guard_sentinel_fused", "guard_fused", 1.005), ("guard_sentinelbatch_fused", "guard_fused", 1.005),
+                ("guard_sentinelbatch_fused", "guard_sentinel_fused", None), ("guard_fused", "plain_fused", None)]),
 ]
 CPU_GROUPS: list[dict[str, Any]] = [
     dict(name="mlp-8x512", size="mlp-8x512", variants=[*B8, "plain_unfused", "guard_unfused"],
