@@ -511,3 +511,33 @@ def test_a_checkpointed_blocks_recompute_holds_nothing_past_the_backward(read_mo
     assert a.module == "blocks.1", a
     assert [r.skipped for r in opt.history] == [False, False, True, False]
     opt.close()
+
+
+class Ops(TorchDispatchMode):
+    """The ops run while it is on, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_steps_value_takes_seven_ops():
+    # stop 65: each op of Sentinel.value() is a kernel launched from the host on every step (outside the step graph);
+    # torch.isfinite took four of them twice (12 ops in all, before). (x - x) == 0 is isfinite in two, and the first
+    # flagged code is compared with inf once: 7. The values are the same: -1 for none, the first flagged slot
+    sentinel = Sentinel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), ["0", "1"],
+                        torch.device("cpu"))
+    for marks, want in (([], -1.0), ([(1, 1.0)], -1.0), ([(1, 1.0), (2, float("nan"))], 2.0),
+                        ([(2, float("inf")), (1, float("-inf"))], 1.0), ([(0, float("nan")), (2, 1.0)], 0.0)):
+        for slot, value in marks:
+            sentinel._mark(slot, torch.full((3,), value))
+        sentinel.flush()  # batched: read when the model returns, which this test does not call
+        with Ops() as ops:
+            got = sentinel.value()
+        assert got.item() == want, (marks, got)
+        assert len(ops.ops) == (7 if marks else 0), ops.ops
+    sentinel.remove()
