@@ -41,6 +41,13 @@ block of the same round). What is timed is the loop between block edges: forward
 optimizer and scheduler steps, the framework's per-step bookkeeping and data loading; not the setup
 before the first step.
 
+``--isolate`` (stop 65): each arm in its own process, started with ``spawn``, the rounds as above with the turns
+handed over a pipe. In one process the six loops share the CUDA caching allocator, and each loop's gradients took
+new places between its turns: on an H100 (stop 65, ``benchmarks/results/gpu_stop65/frameworks_now.txt``) every
+guarded arm captured its graph again every round (23 captures in 23 rounds), so each of its timed blocks held a capture
+and eager first sightings that a single training loop pays once. Apart, each loop's allocations are its own. Each
+process builds the same model from the same seed; the accelerate sync count stays in the controller.
+
 On CUDA also (before the timing, with fresh models): host-device syncs per accelerate step, counted
 per step over 4 steps after 12 warm-up steps (``torch.cuda.set_sync_debug_mode("warn")`` warnings plus
 ``torch.cuda.Event.synchronize`` calls, which the debug mode does not see) for the plain loop, the
@@ -220,6 +227,97 @@ class Arm:
             self._go.set()
             self._parked.wait(timeout)
             self._thread.join(timeout)
+
+
+class IsolatedArm:
+    """``--isolate``: the controller's side of an :class:`Arm` that runs in its own process (:func:`_isolated`): the
+    same ``run_block``/``end`` and the fields the summary reads."""
+
+    def __init__(self, name: str, framework: str, guarded: bool, block: int, device: torch.device,
+                 setup: dict[str, Any]) -> None:
+        import multiprocessing
+
+        self.name, self.framework, self.guarded = name, framework, guarded
+        self.times: list[float | None] = []
+        self.steps = 0
+        self.finished = False
+        self.error: str | None = None
+        self.entry: dict[str, Any] = {}
+        """The guard's figures, as :func:`guard_entry` makes them in the arm's process."""
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_isolated, args=(child, name, framework, guarded, block, str(device), setup),
+                                 name=name, daemon=True)
+        self._proc.start()  # the arms' processes build their loops side by side: wait_ready() waits for one
+
+    def wait_ready(self) -> None:
+        kind, detail = self._conn.recv()  # "ready", or "error" with the builder's traceback
+        if kind != "ready":
+            self.error, self.finished = detail, True
+            self._proc.join(30)
+
+    def run_block(self) -> float | None:
+        if self.finished:
+            return None
+        self._conn.send("go")
+        t = self._conn.recv()
+        if t is None:
+            self.finished = True
+        return t
+
+    def end(self, timeout: float = 120.0) -> None:
+        if self._proc.is_alive():
+            self._conn.send("end")
+            if self._conn.poll(timeout):
+                self.steps, error, self.entry = self._conn.recv()
+                self.error = self.error or error
+            self._proc.join(timeout)
+        self.finished = True
+
+
+def _isolated(conn: Any, name: str, framework: str, guarded: bool, block: int, device_name: str,
+              setup: dict[str, Any]) -> None:
+    """An arm's process (``--isolate``): build the model and the loop as the controller would, then run a block
+    on each "go" (its time back, None once the loop has ended) until "end" (its steps, error and guard figures)."""
+    device = torch.device(device_name)
+    try:
+        base = build_model(setup["size"], device)
+        ctx: dict[str, Any] = {"device": device, "size": setup["size"], "tmpdir": tempfile.mkdtemp(prefix=name),
+                               "total_steps": setup["total_steps"],
+                               "dataset": Tokens(setup["total_steps"] * setup["size"]["batch"], setup["size"])}
+        if framework.startswith(("accelerate", "transformers")):
+            _fresh_accelerate_state()
+        arm = Arm(name, framework, guarded, block, device)
+        BUILDERS[framework](arm, base, ctx)
+    except Exception:
+        conn.send(("error", traceback.format_exc()[-3000:]))
+        return
+    conn.send(("ready", None))
+    while True:
+        msg = conn.recv()
+        if msg == "go":
+            conn.send(arm.run_block())
+            continue
+        arm.end()
+        conn.send((arm.steps, arm.error, guard_entry(arm)))
+        return
+
+
+def guard_entry(arm: Arm) -> dict[str, Any]:
+    """An arm's end: its steps and final loss scale; a guarded arm's steps, skips and graphs' counts (its guard
+    closed)."""
+    scaler = arm.info.get("scaler")
+    entry: dict[str, Any] = {"steps": arm.steps, "pid": os.getpid(),
+                             "final_loss_scale": float(scaler.get_scale()) if scaler is not None else None}
+    guard = arm.info.get("guard")
+    if guard is not None:
+        entry.update(guard_steps=guard.step_count, skipped_steps=guard.skipped_steps)
+        pipe = guard._pipeline  # the graphs' counts: a measurement run eagerly costs the host ~2.6 us a tensor
+        for name, graphs in (("measure_graph", pipe.measure_graph), ("step_graph", pipe.step_graph)):
+            entry[name] = {"captures": graphs.captures, "replays": graphs.replays}
+        if not guard._closed:
+            guard.close()
+    return entry
 
 
 # ---------------------------------------------------------------------------------------- the arms
@@ -544,11 +642,16 @@ def main(argv: list[str] | None = None) -> int:
                          "seconds since start (default 300)")
     ap.add_argument("--no-syncs", action="store_true", help="skip the accelerate sync count (CUDA only anyway)")
     ap.add_argument("--out", default=None, help="write the JSON results here")
+    ap.add_argument("--isolate", action="store_true",
+                    help="each arm in its own process (the module docstring): loops that do not move one another's "
+                         "memory")
     ap.add_argument("--pstats", default=None,
                     help="run each arm's loop under cProfile, dump <arm>.pstats here and print where each guarded "
                          "arm's host time goes beside its plain arm's, per optimizer step (profiled timings are not "
                          "the figures: take those from a run without it)")
     args = ap.parse_args(argv)
+    if args.isolate and args.pstats:
+        ap.error("--pstats profiles the arms' threads in this process: not with --isolate")
     t_start = time.perf_counter()
 
     def elapsed() -> str:
@@ -586,8 +689,10 @@ def main(argv: list[str] | None = None) -> int:
         "precision": "fp16 (GradScaler on)",
         "block_steps": block, "timed_rounds": blocks, "warmup_rounds": warmup, "budget_s": args.budget_s,
         "frameworks": frameworks,
-        "method": "one thread per framework loop, one runs at a time; rounds of one block per arm in rotated order; "
-                  "device synchronised at block edges; warm-up rounds discarded; median of block time / block",
+        "method": ("one process" if args.isolate else "one thread") + " per framework loop, one runs at a time; "
+                  "rounds of one block per arm in rotated order; device synchronised at block edges; warm-up rounds "
+                  "discarded; median of block time / block",
+        "isolate": args.isolate, "pid": os.getpid(),
     }
     print(json.dumps({k: meta[k] for k in ("command", "device", "versions")}), flush=True)
     results: dict[str, Any] = {"meta": meta}
@@ -614,10 +719,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if any(f.startswith(("accelerate", "transformers")) for f in frameworks):
         _fresh_accelerate_state()
-    arms: list[Arm] = []
+    arms: list[Any] = []  # Arm, or IsolatedArm with --isolate
     for fw in frameworks:
         for guarded in (False, True):
-            arm = Arm(f"{fw}_{'guarded' if guarded else 'plain'}", fw, guarded, block, device)
+            name = f"{fw}_{'guarded' if guarded else 'plain'}"
+            if args.isolate:
+                arms.append(IsolatedArm(name, fw, guarded, block, device, {"size": size, "total_steps": total_steps}))
+                continue
+            arm = Arm(name, fw, guarded, block, device)
             try:
                 BUILDERS[fw](arm, copy.deepcopy(base), ctx)
             except Exception:
@@ -627,6 +736,11 @@ def main(argv: list[str] | None = None) -> int:
                 import cProfile
                 arm.profile = cProfile.Profile()
             arms.append(arm)
+    for arm in arms:
+        if isinstance(arm, IsolatedArm):
+            arm.wait_ready()
+            if arm.error:
+                print(f"{elapsed()} {arm.name}: could not be built:\n{arm.error}", flush=True)
     del base
     gc.collect()
     print(f"{elapsed()} {len(arms)} arms built; {rounds} rounds of {block} steps each", flush=True)
@@ -656,18 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     results.update(summarise(arms, warmup))
     guards: dict[str, Any] = {}
     for arm in arms:
-        scaler = arm.info.get("scaler")
-        entry: dict[str, Any] = {"steps": arm.steps,
-                                 "final_loss_scale": float(scaler.get_scale()) if scaler is not None else None}
-        guard = arm.info.get("guard")
-        if guard is not None:
-            entry.update(guard_steps=guard.step_count, skipped_steps=guard.skipped_steps)
-            pipe = guard._pipeline  # the graphs' counts: a measurement run eagerly costs the host ~2.6 us a tensor
-            for name, graphs in (("measure_graph", pipe.measure_graph), ("step_graph", pipe.step_graph)):
-                entry[name] = {"captures": graphs.captures, "replays": graphs.replays}
-            if not guard._closed:
-                guard.close()
-        guards[arm.name] = entry
+        guards[arm.name] = arm.entry if isinstance(arm, IsolatedArm) else guard_entry(arm)
     results["guards"] = guards
     meta["wall_s"] = time.perf_counter() - t_start
     save()

@@ -159,6 +159,8 @@
 # that lease; the framework rows noise, each guarded arm capturing once a round. The next session's calls:
 #   PART=1 OUT=$OUT bash benchmarks/results/cpu_stop65/device_next.sh   (~500 s: tests/gpu whole, move_diag.py)
 #   PART=2 OUT=$OUT bash benchmarks/results/cpu_stop65/device_next.sh   (~260 s: host time, the rule's capture misses)
+#   PART=3 (the sentinel batched, twice) and PART=4 (the framework rows with each arm in its own process, FW_ISOLATE=1,
+#   and as before, in one call: frameworks_cost.py --isolate, stop 65)
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
@@ -208,6 +210,7 @@ fi
 fw_run() {  # fw_run NAME [PYTHONPATH]: the framework rows, the library from PYTHONPATH (default: this tree)
   PYTHONPATH=${2:-$PYTHONPATH} timeout -k 5 "${FRAMEWORKS_S:-130}" python benchmarks/frameworks_cost.py --device cuda \
     --frameworks ${FW_LIST:-accelerate,transformers,lightning} --blocks ${FW_BLOCKS:-20} ${FW_BLOCK:+--block $FW_BLOCK} \
+    ${FW_ISOLATE:+--isolate} \
     --budget-s $(( ${FRAMEWORKS_S:-130} - 20 )) \
     --out "$OUT/frameworks_$1.json" > "$OUT/frameworks_$1.txt" 2>&1
   echo "frameworks $1 rc=$?"; grep -A5 "^framework " "$OUT/frameworks_$1.txt"; grep -A4 "host syncs per step" "$OUT/frameworks_$1.txt"

@@ -76,3 +76,22 @@ def test_frameworks_cost_pstats_profiles_each_arms_own_thread(tmp_path):
     waits = text.split("lightning: calls a step that may wait for the device, lightning_guarded:")[1].splitlines()[0]
     # the CPU's host decision reads its values with Tensor.item(), a C method pstats names "<method 'item' of ...>"
     assert "<method 'item' of 'torch._C.TensorBase' objects>" in waits, waits
+
+
+def test_frameworks_cost_isolate_runs_each_arm_in_its_own_process(tmp_path):
+    # stop 65: in one process the arms' loops share the CUDA caching allocator, and on an H100 each guarded loop's
+    # gradients moved between its turns (a capture every round); --isolate gives each loop a process of its own, the
+    # rounds and the figures as before (CPU: the harness, not the cost)
+    pytest.importorskip("lightning")
+    out = tmp_path / "isolated.json"
+    _run(["benchmarks/frameworks_cost.py", "--device", "cpu", "--quick", "--frameworks", "lightning", "--no-syncs",
+          "--blocks", "2", "--isolate", "--out", str(out)], timeout=300)
+    results = json.loads(out.read_text())
+    meta, guards = results["meta"], results["guards"]
+    assert meta["isolate"] and "one process per framework loop" in meta["method"]
+    pids = {guards[name]["pid"] for name in ("lightning_plain", "lightning_guarded")}
+    assert len(pids) == 2 and meta["pid"] not in pids  # each arm in a process of its own
+    guarded = guards["lightning_guarded"]
+    assert guarded["guard_steps"] == guarded["steps"] >= 3 * 3 and guarded["skipped_steps"] == 0
+    assert all(results["timing"][name]["samples"] == 2 for name in ("lightning_plain", "lightning_guarded"))
+    assert results["ratios"]["lightning"]["paired_ratio_median"] > 0

@@ -7,6 +7,8 @@
 #     host_time.py's fused-rule arm, whose line now prints capture_misses: 0 means the captures held the compiled
 #     rule. The rule's default turns on only where part 1 passes whole (the healthy-loop test among it) and part 2
 #     shows the gain with 0 misses (switches.py, tests/unit/test_config.py, the docs).
+#   PART=4 OUT=$OUT bash benchmarks/results/cpu_stop65/device_next.sh   (~560 s)
+#     the framework rows with each arm in its own process (frameworks_cost.py --isolate), then as before.
 #   PART=3 OUT=$OUT bash benchmarks/results/cpu_stop65/device_next.sh   (~400 s)
 #     the sentinel summed and batched (AMPGUARD_SENTINEL_BATCH, stop 65), each over the default guard, twice, with
 #     peak memory; then the batched arm's kernels over the guard's and over the summed sentinel's. The switch turns on
@@ -20,6 +22,15 @@ if [ "${PART:-1}" = 1 ]; then
   echo "tests/gpu with the fused rule rc=$?"; tail -n 8 "$OUT/tests_rule.txt"
   timeout -k 5 90 python benchmarks/results/cpu_stop65/move_diag.py > "$OUT/move_diag.txt" 2>&1
   echo "move_diag rc=$?"; grep -v Warning "$OUT/move_diag.txt" | head -n 44
+elif [ "${PART}" = 4 ]; then
+  # the framework rows with each arm in its own process (--isolate, stop 65: in one process every guarded arm
+  # captured once a round), then as before, in one call: the captures per arm and the ratios side by side
+  for mode in isolated shared; do
+    FIRST=0 TESTS=0 HOST=0 FRAMEWORKS=1 FRAMEWORKS_S=250 FW_BLOCKS=30 FW_ISOLATE=$([ $mode = isolated ] && echo 1) \
+      bash benchmarks/gpu_issue26.sh > "$OUT/fw_$mode.log" 2>&1
+    mv "$OUT/frameworks_now.json" "$OUT/frameworks_$mode.json"; mv "$OUT/frameworks_now.txt" "$OUT/frameworks_$mode.txt"
+    echo "== $mode"; grep -A4 "^framework " "$OUT/frameworks_$mode.txt"; grep "captures" "$OUT/frameworks_$mode.txt"
+  done
 elif [ "${PART}" = 3 ]; then
   for run in 1 2; do
     timeout -k 5 190 python benchmarks/table.py --device cuda --groups sentinel --blocks 24 --budget-s 150 \
