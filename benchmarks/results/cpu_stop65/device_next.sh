@@ -7,12 +7,12 @@
 #     host_time.py's fused-rule arm, whose line now prints capture_misses: 0 means the captures held the compiled
 #     rule. The rule's default turns on only where part 1 passes whole (the healthy-loop test among it) and part 2
 #     shows the gain with 0 misses (switches.py, tests/unit/test_config.py, the docs).
-#   PART=4 OUT=$OUT bash benchmarks/results/cpu_stop65/device_next.sh   (~560 s)
-#     the framework rows with each arm in its own process (frameworks_cost.py --isolate), then as before.
 #   PART=3 OUT=$OUT bash benchmarks/results/cpu_stop65/device_next.sh   (~400 s)
 #     the sentinel summed and batched (AMPGUARD_SENTINEL_BATCH, stop 65), each over the default guard, twice, with
 #     peak memory; then the batched arm's kernels over the guard's and over the summed sentinel's. The switch turns on
 #     where the batched arm is the cheaper in both runs and its peak is the summed one's.
+#   PART=4 OUT=$OUT bash benchmarks/results/cpu_stop65/device_next.sh   (~530 s)
+#     the framework rows with each arm in its own process (frameworks_cost.py --isolate), then as before.
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
