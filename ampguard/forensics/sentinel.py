@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from ..module_hooks import Hook
+from ..ops import TensorOps
 from ..switches import implementation_switches
 from .compile import named_user_modules, user_module
 
@@ -115,8 +116,7 @@ class Sentinel:
         self._unread_step = False  # a forward of this step did not sum it, and it was the model's output
         self.batched = implementation_switches().sentinel_batch and device.type in BATCH_DEVICES
         """Outputs held and read together when the model returns (``AMPGUARD_SENTINEL_BATCH``), not one by one."""
-        self._pending: list[torch.Tensor] = []  # batched: this forward's outputs not yet read
-        self._pending_slots: list[int] = []  # and their slots
+        self._pending: list[tuple[int, torch.Tensor]] = []  # batched: this forward's (slot, output)s not yet read
         self._handles: list[Any] = [root.register_forward_pre_hook(Hook(self._input_hook), prepend=True)]
         for k, name in enumerate(names):
             self._handles.append(table[name].register_forward_hook(Hook(self._output_hook(k + 1))))
@@ -171,10 +171,10 @@ class Sentinel:
         # or its output would be held past the backward, to the step
         if (self.batched and t.dim() and not torch.compiler.is_compiling()
                 and torch._C._current_graph_task_id() == -1):
-            if slot in self._pending_slots:  # a block called twice in one forward: one add per slot and batch
+            # a block called twice in one forward: one add per slot and batch
+            if any(k == slot for k, _ in self._pending):
                 self.flush()
-            self._pending.append(t)
-            self._pending_slots.append(slot)
+            self._pending.append((slot, t))
             return
         if t.dtype is torch.bfloat16 and t.device.type == "cpu":
             # the CPU's sum to float32 first copies the whole tensor to float32 (CUDA's reads bf16 and fp16 as they
@@ -196,19 +196,18 @@ class Sentinel:
         each (the module docstring), and let go of them. No sync."""
         if not self._pending:
             return
-        tensors, slots = self._pending, self._pending_slots
-        self._pending, self._pending_slots = [], []
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, t in enumerate(tensors):
-            by_dtype.setdefault(t.dtype, []).append(i)
-        for index in by_dtype.values():
-            norms = torch._foreach_norm([tensors[i] for i in index], 1, dtype=torch.float32)
-            torch._foreach_add_([self._slots[slots[i]] for i in index], norms)
-        self._seen.update(slots)
+        pending, self._pending = self._pending, []
+        by_dtype: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+        for slot, t in pending:
+            by_dtype.setdefault(t.dtype, []).append((slot, t))
+        for group in by_dtype.values():
+            norms = torch._foreach_norm([t for _, t in group], 1, dtype=torch.float32)
+            torch._foreach_add_([self._slots[slot] for slot, _ in group], norms)
+        self._seen.update(slot for slot, _ in pending)
 
     def clear(self) -> None:
         """Forget what the hooks saw (a replay's forward belongs to no step's report)."""
-        self._pending, self._pending_slots = [], []
+        self._pending = []
         self._unread_step = False
         if self._seen:
             self._sums.zero_()
@@ -223,9 +222,9 @@ class Sentinel:
         if not self._seen:
             self._unread_step = False
             return none
-        # (x - x) == 0 is isfinite(x) in two kernels, not four (ops.TensorOps.isfinite); first is a slot's code or inf,
-        # never NaN, so one comparison with inf tells which
-        first = torch.where((self._sums - self._sums) == 0, self._inf, self._codes).min()
+        # TensorOps.isfinite: two kernels where torch.isfinite is four; first is a slot's code or inf, never NaN, so one
+        # comparison with inf tells which
+        first = torch.where(TensorOps.isfinite(self._sums), self._inf, self._codes).min()
         self.clear()  # stream-ordered after the read above
         return torch.where(first < self._inf, first, none)
 
@@ -243,7 +242,7 @@ class Sentinel:
 
     def remove(self) -> None:
         self._held = None
-        self._pending, self._pending_slots = [], []
+        self._pending = []
         for h in self._handles:
             h.remove()
         self._handles.clear()

@@ -20,6 +20,7 @@ from ampguard import faults
 from ampguard.forensics import sentinel as sentinel_module
 from ampguard.forensics.sentinel import Sentinel, top_blocks
 
+from .test_decision_kernels import _Ops
 from .test_forensics import batches, lm
 from .test_forensics import train as train_lm
 
@@ -513,18 +514,6 @@ def test_a_checkpointed_blocks_recompute_holds_nothing_past_the_backward(read_mo
     opt.close()
 
 
-class Ops(TorchDispatchMode):
-    """The ops run while it is on, by name."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_steps_value_takes_seven_ops():
     # stop 65: each op of Sentinel.value() is a kernel launched from the host on every step (outside the step graph);
     # torch.isfinite took four of them twice (12 ops in all, before). (x - x) == 0 is isfinite in two, and the first
@@ -536,8 +525,8 @@ def test_the_steps_value_takes_seven_ops():
         for slot, value in marks:
             sentinel._mark(slot, torch.full((3,), value))
         sentinel.flush()  # batched: read when the model returns, which this test does not call
-        with Ops() as ops:
+        with _Ops() as ops:  # the kernels (views and allocations left out)
             got = sentinel.value()
         assert got.item() == want, (marks, got)
-        assert len(ops.ops) == (7 if marks else 0), ops.ops
+        assert len(ops.seq) == (7 if marks else 0), ops.seq
     sentinel.remove()
