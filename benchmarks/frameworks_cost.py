@@ -142,6 +142,13 @@ class Tokens(Dataset):  # type: ignore[type-arg]
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+def arms_context(device: torch.device, size: dict[str, int], tmpdir: str, total_steps: int) -> dict[str, Any]:
+    """What the arms' builders read (``BUILDERS``): the device, the model's size, a scratch folder, the steps a loop may
+    take and their tokens. The controller's, and each ``--isolate`` process's own."""
+    return {"device": device, "size": size, "tmpdir": tmpdir, "total_steps": total_steps,
+            "dataset": Tokens(total_steps * size["batch"], size)}
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -282,9 +289,7 @@ def _isolated(conn: Any, name: str, framework: str, guarded: bool, block: int, d
     device = torch.device(device_name)
     try:
         base = build_model(setup["size"], device)
-        ctx: dict[str, Any] = {"device": device, "size": setup["size"], "tmpdir": tempfile.mkdtemp(prefix=name),
-                               "total_steps": setup["total_steps"],
-                               "dataset": Tokens(setup["total_steps"] * setup["size"]["batch"], setup["size"])}
+        ctx = arms_context(device, setup["size"], tempfile.mkdtemp(prefix=name), setup["total_steps"])
         if framework.startswith(("accelerate", "transformers")):
             _fresh_accelerate_state()
         arm = Arm(name, framework, guarded, block, device)
@@ -706,8 +711,7 @@ def main(argv: list[str] | None = None) -> int:
     base = build_model(size, device)
     meta["params"] = sum(p.numel() for p in base.parameters())
     print(f"{elapsed()} GPT-2 built: {meta['params'] / 1e6:.1f}M parameters on {device}", flush=True)
-    ctx: dict[str, Any] = {"device": device, "size": size, "tmpdir": tmpdir, "total_steps": total_steps,
-                           "dataset": Tokens(total_steps * size["batch"], size)}
+    ctx = arms_context(device, size, tmpdir, total_steps)
 
     if on_cuda and "accelerate" in frameworks and not args.no_syncs:
         try:
