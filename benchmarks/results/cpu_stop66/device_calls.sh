@@ -4,7 +4,8 @@
 #   CALL=A OUT=$OUT bash benchmarks/results/cpu_stop66/device_calls.sh   (<= 545 s) device_next.sh PART=1: tests/gpu whole
 #     with AMPGUARD_FUSED_RULE=1, then move_diag.py
 #   CALL=B (<= 575 s; SENT_S=100 FW_S=200: <= 485 s) the sentinel summed and batched over the default guard
-#     (table.py's sentinel group, with peak memory and, in run 1, the kernels), the framework rows with each arm in its own process (--isolate), the sentinel again
+#     (table.py's sentinel group, with peak memory and, in run 1, the kernels), the framework rows with each arm in
+#     its own process (--isolate), the sentinel again
 #   CALL=C (<= 300 s) host_time.py's fused-rule arm on the MLP, fused and foreach, with its capture misses and a cProfile
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
