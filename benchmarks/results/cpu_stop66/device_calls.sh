@@ -22,9 +22,11 @@ B) sentinel 1 5 "${SENT_S:-125}"
      python benchmarks/results/cpu_stop64/kernel_diff.py "$OUT/sentinel_1.json" guard_sentinelbatch_fused "$base" \
        | head -n 12 | tee -a "$OUT/sentinel_kernels.txt"
    done
-   FIRST=0 TESTS=0 HOST=0 FRAMEWORKS=1 FRAMEWORKS_S="${FW_S:-230}" FW_BLOCKS=30 FW_ISOLATE=1 \
-     bash benchmarks/gpu_issue26.sh isolated > "$OUT/fw_isolated.log" 2>&1
-   grep -A4 "^framework " "$OUT/frameworks_isolated.txt"; grep "captures" "$OUT/frameworks_isolated.txt"
+   if [ "${FW_S:-230}" != 0 ]; then  # FW_S=0: no framework rows
+     FIRST=0 TESTS=0 HOST=0 FRAMEWORKS=1 FRAMEWORKS_S="${FW_S:-230}" FW_BLOCKS=30 FW_ISOLATE=1 \
+       bash benchmarks/gpu_issue26.sh isolated > "$OUT/fw_isolated.log" 2>&1
+     grep -A4 "^framework " "$OUT/frameworks_isolated.txt"; grep "captures" "$OUT/frameworks_isolated.txt"
+   fi
    sentinel 2 0 "${SENT_S:-110}" ;;
 C) timeout -k 5 280 python benchmarks/host_time.py --device cuda --models mlp --optims foreach,fused \
      --blocks 6 --steps 30 --step-graph --fused-rule-arm --profile 30 > "$OUT/host_time.txt" 2>&1
