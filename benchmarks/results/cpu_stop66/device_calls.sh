@@ -33,5 +33,5 @@ C) timeout -k 5 280 python benchmarks/host_time.py --device cuda --models mlp --
    echo "host_time rc=$?"; grep -E "on cuda|guard with|the fused rule|_learn_skip|_measure" "$OUT/host_time.txt" ;;
 esac
 # at most 8 files come back: B's ten go back as one tarball
-[ "${CALL:-A}" = B ] && (cd "$OUT" && tar czf call_B.tgz --remove-files -- *.txt *.json *.log)
+[ "${CALL:-A}" = B ] && (cd "$OUT" && shopt -s nullglob && tar czf call_B.tgz --remove-files -- *.txt *.json *.log)
 exit 0
