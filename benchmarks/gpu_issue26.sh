@@ -161,6 +161,11 @@
 #   PART=2 OUT=$OUT bash benchmarks/results/cpu_stop65/device_next.sh   (~260 s: host time, the rule's capture misses)
 #   PART=3 (the sentinel batched, twice) and PART=4 (the framework rows with each arm in its own process, FW_ISOLATE=1,
 #   and as before, in one call: frameworks_cost.py --isolate, stop 65)
+# Stop 66 got no device (16 failed starts: benchmarks/results/cpu_stop66/README.md). The same parts, regrouped into
+# three calls that shrink with the time left; the next session's order:
+#   CALL=B OUT=$OUT bash benchmarks/results/cpu_stop66/device_calls.sh   (~575 s: the sentinel summed and batched, twice,
+#   around the framework rows isolated), then CALL=C (~300 s: MLP host time, the rule's capture misses), then CALL=A
+#   (~545 s: tests/gpu whole with the rule on, move_diag.py)
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
