@@ -35,8 +35,8 @@ fast path (the decision in the same replay), and once the skip flag is read, one
 overflow float32 is skipped there, conservatively, as on the fused fast path.
 
 Non-fused optimizers on the CPU (:attr:`StepPipeline.norms_first`, the same switch) read the norms
-from the still-scaled gradients too, then unscale them with one ``_foreach_mul_`` by GradScaler's
-``1/scale`` (its values) and record GradScaler's stage as its ``unscale_`` would; a step whose scaled
+from the still-scaled gradients too, unscaling each gradient by GradScaler's ``1/scale`` (its values) right
+after its norm, and record GradScaler's stage as its ``unscale_`` would; a step whose scaled
 norms are not all finite is handed to GradScaler's element check (today's path), so a finite
 gradient whose squares overflow float32 is stepped on, as in the plain loop.
 """
@@ -68,6 +68,7 @@ from .scaling import GradScalerAdapter, ScalerView, ScaleState
 from .stats import (
     Dec,
     GradGroups,
+    cpu_norms_unscaling,
     grads_by_device_and_dtype,
     host_tensor,
     local_vector,
@@ -207,9 +208,10 @@ class StepPipeline:
                             and adapter.fast_path_capable())
         """A non-fused optimizer on the CPU (each step also asks :meth:`fast_path`): the norms are read
         from the still-scaled gradients fresh from the backward, ``found_inf`` taken from them as on the fast
-        path, then one ``_foreach_mul_`` by ``1/scale`` unscales them (the values GradScaler's unscale gives):
-        one read fewer than GradScaler's check-and-unscale followed by the norms (-74 to -137 us a step on
-        the CPU MLPs, benchmarks/RESULTS.md, "Stop 36")."""
+        path, and each gradient is multiplied by ``1/scale`` right after its norm (the values GradScaler's
+        unscale gives; :meth:`_measure_scaled`'s ``unscale``): one read fewer than GradScaler's check-and-unscale
+        followed by the norms (-74 to -137 us a step on the CPU MLPs, benchmarks/RESULTS.md, "Stop 36"), and
+        the multiply while the gradient is in cache (-132 to -152 us on mlp-small, "Stop 67")."""
         self.host_decision = device.type == "cpu" or (not self.fused and switches.unfused_host_decision)
         """Decide on host floats (:func:`decide_host`): on CPU, where reading a tensor costs nothing
         and each tiny tensor op costs microseconds. Off the CPU the tensor path, fused optimizers or not: a non-fused
@@ -361,11 +363,12 @@ class StepPipeline:
             through = (loss, fp8, sentinel) if decide and not sample and not self.host_decision \
                 and self._decides_through(loss) \
                 else None
-            measured = self._measure_scaled(norms_first=self.norms_first, through=through)
+            # a sampled step's numerics read the still-scaled gradients: unscaled after them, not with the norms
+            measured = self._measure_scaled(norms_first=self.norms_first, through=through, unscale=not sample)
             if measured is not None:
                 if sample:
                     measured.numerics = self.numerics.measure(measured.groups, self.optimizer.param_groups, None)
-                if self.norms_first:  # a non-fused optimizer steps on unscaled gradients (GradScaler's values)
+                if self.norms_first and measured.scaled:  # a non-fused optimizer steps on unscaled gradients
                     inv = self._host_scalar(self.adapter.inv_scale_host())  # type: ignore[union-attr]
                     for grads in measured.groups.tensors.values():
                         torch._foreach_mul_(grads, inv)
@@ -472,8 +475,8 @@ class StepPipeline:
             views, coalesced = values
             return views, fn(coalesced)
 
-    def _measure_scaled(self, norms_first: bool = False,
-                        through: tuple[torch.Tensor | None, ...] | None = None) -> Measured | None:
+    def _measure_scaled(self, norms_first: bool = False, through: tuple[torch.Tensor | None, ...] | None = None,
+                        unscale: bool = False) -> Measured | None:
         """The fused fast path's measurement: per-tensor norms of the still-scaled gradients (the
         one read), times ``1/scale`` on device: with a power-of-two scale that is exact, so the
         norms (and the total) are bitwise those of the unscaled gradients, barring float32 over-
@@ -488,8 +491,13 @@ class StepPipeline:
         CPU tensor, and where a scaled norm is not finite (before anything is recorded): GradScaler's
         element check then decides on today's path, as in the plain loop (a finite gradient whose squares
         overflow float32 is stepped on, as torch's ``test_grad_scale_will_not_overflow`` has it); that
-        step reads the gradients twice. ``through``: ``(loss, fp8, sentinel)``, go on to the decision (:meth:`measure`'s
-        ``decide``, off the host decision only). No sync."""
+        step reads the gradients twice. ``unscale`` (with ``norms_first`` and a ``1/scale`` of at most 1): unscale
+        each gradient right after its norm is read (:func:`~ampguard.stats.cpu_norms_unscaling`), the
+        :class:`Measured` then not ``scaled``; a step whose norms are not all finite then takes GradScaler's element
+        check on the unscaled gradients, which finds exactly what it finds on the scaled ones (a multiply by
+        ``0 < 1/scale <= 1`` keeps a finite value finite and a non-finite one non-finite), recorded as its
+        ``unscale_`` records it, and today's path adopts that record. ``through``: ``(loss, fp8, sentinel)``, go on
+        to the decision (:meth:`measure`'s ``decide``, off the host decision only). No sync."""
         adapter = self.adapter
         assert adapter is not None  # internal: fast_path() checked
         groups = grads_by_device_and_dtype(self.params())
@@ -499,8 +507,14 @@ class StepPipeline:
             return None
         on_host = self.device.type == "cpu" and through is None  # through: the tensor decision (tests: on the CPU)
         decided = None
+        inv_host = adapter.inv_scale_host() if on_host else 1.0
+        # norms_first: every gradient a float32 CPU tensor, so one group
+        unscaled = on_host and norms_first and unscale and 0.0 < inv_host <= 1.0 and len(groups.tensors) == 1
         try:
-            if on_host:
+            if unscaled:
+                (grads,) = groups.tensors.values()
+                norms = cpu_norms_unscaling(grads, self._host_scalar(inv_host))
+            elif on_host:
                 norms = per_tensor_norms(groups, self.device)
             elif through is not None:  # and the local vector and the decision: one replay from the gradients
                 norms, found_inf, reductions, gathered, decided = self._through_decision(groups, adapter, *through)
@@ -511,11 +525,13 @@ class StepPipeline:
                 raise
             return None  # sparse gradients, which no fused kernel takes: today's path, and torch's own error
         if on_host:  # host floats: the same float32 values, no tensor op to make them
-            norms = norms * adapter.inv_scale_host()
+            norms = norms * inv_host
             bad = not math.isfinite(sum(norms.tolist()))  # a NaN or Inf makes the sum one (norms >= 0, no overflow)
             if norms_first:
-                if bad:
-                    return None  # GradScaler's element check decides (today's path)
+                if bad:  # GradScaler's element check decides (today's path)
+                    if unscaled:  # on the gradients unscaled already: its record, which today's path adopts
+                        adapter.check_unscaled(self.optimizer)
+                    return None
                 found = adapter.record_unscaled(self.optimizer, torch.zeros(()))  # unscaled next, by the caller
             else:
                 found = adapter.record_found_inf(self.optimizer, torch.full((), 1.0 if bad else 0.0))
@@ -524,7 +540,8 @@ class StepPipeline:
         (found_inf,) = found.values()
         if found_inf.device != self.device:
             found_inf = found_inf.to(self.device, non_blocking=True)
-        measured = Measured(found, found_inf, groups, norms, scaled=True, reductions=None if on_host else reductions)
+        measured = Measured(found, found_inf, groups, norms, scaled=not unscaled,
+                            reductions=None if on_host else reductions)
         if decided is not None:
             measured.gathered, measured.decided = gathered, decided
         return measured

@@ -180,6 +180,19 @@ class GradScalerAdapter:
         state["stage"] = type(state["stage"])[_UNSCALED]  # GradScaler's OptState, by name
         return found
 
+    def check_unscaled(self, inner: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """GradScaler's element check (its ``_unscale_grads_``, by 1) on ``inner``'s gradients, which the guard has
+        unscaled already (``StepPipeline.norms_first``, a step whose norms are not all finite), recorded as its
+        ``unscale_`` records it (stage UNSCALED): today's path then adopts the record (:meth:`unscale`). With a
+        ``1/scale`` of at most 1 it finds what the check before the multiply would have. No sync."""
+        scale = self.scale
+        found = self.scaler._unscale_grads_(inner, torch.ones((), dtype=torch.float32, device=scale.device),
+                                            torch.zeros((), dtype=torch.float32, device=scale.device), False)
+        state = self.scaler._per_optimizer_states[id(inner)]
+        state["found_inf_per_device"] = found
+        state["stage"] = type(state["stage"])[_UNSCALED]
+        return found
+
     @staticmethod
     def force_found_inf(found_inf_per_device: dict[torch.device, torch.Tensor], skip: torch.Tensor | bool) -> None:
         """Make GradScaler skip exactly when the guard decided to: ``found_inf := skip`` in place;

@@ -78,3 +78,49 @@ def test_switched_off_it_is_todays_path_with_the_same_result(unscale_calls):
     assert on_scales == off_scales
     # the reported norms too: scaled norms times 1/scale (a power of two) are the unscaled ones, bit for bit
     assert repr([r.grad_norm for r in on_opt.history]) == repr([r.grad_norm for r in off_opt.history])
+
+
+def _overflowing_squares_run(kind: str, guarded: bool):
+    """Gradients of ~1e16, finite, whose squares overflow float32 once scaled by 2**16 (~1e42; unscaled ~1e32 is
+    finite): a real forward in float32 against targets of ~1e16, GradScaler on. The scaled norms come out infinite;
+    the plain loop's element check finds every value finite and steps."""
+    model = make_model()
+    opt = NON_FUSED[kind](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    if guarded:
+        opt = ampguard.wrap(opt, model=model, precision="fp16", scaler=scaler)
+    g = torch.Generator().manual_seed(3)
+    grads, big = [], []
+    for _ in range(4):
+        x, y = torch.randn(4, 8, generator=g), 1e16 * torch.randn(4, 1, generator=g)
+        loss = loss_of(model, x, y)
+        if guarded:
+            opt.backward(loss)
+            scaled = [p.grad.double().square().sum().item() for p in model.parameters()]
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaled = [p.grad.double().square().sum().item() for p in model.parameters()]
+            scaler.step(opt)
+            scaler.update()
+        big.append(max(scaled) > torch.finfo(torch.float32).max)
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.zero_grad(set_to_none=True)
+    return model, opt, grads, big
+
+
+@pytest.mark.parametrize("kind", list(NON_FUSED))
+def test_finite_gradients_whose_scaled_squares_overflow_are_stepped_on_as_in_the_plain_loop(kind, unscale_calls):
+    """The norms read as each gradient is unscaled (stop 67, ``stats.cpu_norms_unscaling``): a step whose scaled norms
+    overflow goes to GradScaler's element check on the gradients unscaled already, which finds nothing, and the step
+    is taken on the values the plain loop steps on (not unscaled twice)."""
+    p_model, p_opt, p_grads, p_big = _overflowing_squares_run(kind, guarded=False)
+    del unscale_calls[:]
+    g_model, g_opt, g_grads, g_big = _overflowing_squares_run(kind, guarded=True)
+    assert p_big == g_big and all(g_big)  # the case is real: every step's scaled squares overflow float32
+    assert all(math.isfinite(r.grad_norm) and not r.skipped for r in g_opt.history)
+    assert_same(snapshot(p_model, p_opt), snapshot(g_model, g_opt.optimizer))
+    for a, b in zip(p_grads, g_grads):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert len(unscale_calls) == len(g_grads)  # GradScaler's element check, once a step
+
