@@ -166,6 +166,12 @@
 #   CALL=B OUT=$OUT bash benchmarks/results/cpu_stop66/device_calls.sh   (~575 s: the sentinel summed and batched, twice,
 #   around the framework rows isolated), then CALL=C (~300 s: MLP host time, the rule's capture misses), then CALL=A
 #   (~545 s: tests/gpu whole with the rule on, move_diag.py)
+# Stop 67 ran B, C, tests/gpu as shipped (84 passed) and B's two halves again on one H100
+# (benchmarks/results/gpu_stop67/). The fused rule gave no host time back: CALL=A is dropped. The next session, first
+# (~60 s), the sentinel arms' peaks, the batch switch's last unmeasured condition (batched was the cheaper in both runs):
+#   python benchmarks/table.py --device cuda --groups none --no-syncs --memory-variants plain_fused,guard_fused,\
+#     guard_sentinel_fused,guard_sentinelbatch_fused,plain_fused#2 --out $OUT/sentinel_memory.json
+# then tests/gpu with torchao's wheel carried (carry [".whl"]; its fp8 module skipped at stop 67).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD

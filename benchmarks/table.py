@@ -408,6 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-backend", default="inductor")
     ap.add_argument("--profile-steps", type=int, default=None, help="profiled steps per variant (0: none)")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--memory-variants", default=",".join(MEMORY_ORDER),
+                    help="comma list of the memory phase's variants, in order (plain_fused among them: the base; "
+                         "'#2' measures a label again), e.g. plain_fused,guard_fused,guard_sentinel_fused,"
+                         "guard_sentinelbatch_fused,plain_fused#2 (stop 67: the sentinel's peaks)")
     ap.add_argument("--no-syncs", action="store_true")
     ap.add_argument("--budget-s", type=float, default=480.0, help="skip the groups left once this is spent")
     ap.add_argument("--commit", default=None, help="the tree's commit (the device copy may have no .git)")
@@ -418,6 +422,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU forward under bf16 autocast (default) or float32 ('off': a host with no bf16 matmul "
                          "units, where emulated bf16 swamps the step; GradScaler stays on)")
     args = ap.parse_args(argv)
+    memory_variants = [label for label in args.memory_variants.split(",") if label]
+    odd = [label for label in memory_variants if not label.split("#")[0].endswith(("_fused", "_unfused"))]
+    if "plain_fused" not in memory_variants or odd:
+        ap.error(f"--memory-variants: labels KIND_fused or KIND_unfused (optionally #N), plain_fused among them "
+                 f"(the base); got {args.memory_variants!r}")
     if args.compare:
         runs = []
         for path in args.compare:
@@ -474,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     if on_cuda and not (args.no_memory and args.no_syncs):
         ctx = make_ctx("gpt2", device, tmpdir, args.compile_backend, args.cpu_autocast)
         for phase, skip, fn in (
-            ("memory", args.no_memory, lambda: memory_phase(MEMORY_ORDER, ctx)),
+            ("memory", args.no_memory, lambda: memory_phase(memory_variants, ctx)),
             ("syncs", args.no_syncs, lambda: ov.sync_phase([("plain", True), ("guard", True), ("guard_clip", True),
                                                              ("guard_exporters", True)], ctx)),
         ):
