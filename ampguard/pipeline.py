@@ -68,6 +68,7 @@ from .scaling import GradScalerAdapter, ScalerView, ScaleState
 from .stats import (
     Dec,
     GradGroups,
+    all_strided,
     cpu_norms_unscaling,
     grads_by_device_and_dtype,
     host_tensor,
@@ -508,8 +509,10 @@ class StepPipeline:
         on_host = self.device.type == "cpu" and through is None  # through: the tensor decision (tests: on the CPU)
         decided = None
         inv_host = adapter.inv_scale_host() if on_host else 1.0
-        # norms_first: every gradient a float32 CPU tensor, so one group
-        unscaled = on_host and norms_first and unscale and 0.0 < inv_host <= 1.0 and len(groups.tensors) == 1
+        # norms_first: every gradient a float32 CPU tensor, so one group; a sparse one goes to today's path (below)
+        # with every gradient as it was: not unscaled as it goes
+        unscaled = (on_host and norms_first and unscale and 0.0 < inv_host <= 1.0 and len(groups.tensors) == 1
+                    and all_strided(next(iter(groups.tensors.values()))))
         try:
             if unscaled:
                 (grads,) = groups.tensors.values()

@@ -34,6 +34,7 @@ except ImportError:  # pragma: no cover
 _IS = operator.is_
 _DTYPE = operator.attrgetter("dtype")
 _IS_CUDA = operator.attrgetter("is_cuda")
+_LAYOUT = operator.attrgetter("layout")
 
 __all__ = [
     "DECISION_K",
@@ -272,6 +273,11 @@ def cpu_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([dot(f, f) for f in [g.flatten() for g in grads]]).sqrt_()
 
 
+def all_strided(tensors: Sequence[torch.Tensor]) -> bool:
+    """Every tensor dense (strided layout): none sparse, whose norms no kernel here takes."""
+    return set(map(_LAYOUT, tensors)) == {torch.strided}
+
+
 def cpu_norms_unscaling(grads: Sequence[torch.Tensor], inv: torch.Tensor) -> torch.Tensor:
     """:func:`cpu_norms` of float32 CPU tensors as they are, each tensor multiplied in place by ``inv`` (a 0-d
     float32 tensor: GradScaler's ``1/scale``) right after its own dot, while it is still in the core's cache: the
@@ -279,7 +285,8 @@ def cpu_norms_unscaling(grads: Sequence[torch.Tensor], inv: torch.Tensor) -> tor
     ``_foreach_mul_(grads, inv)`` after them (on the CPU that op is one ``mul_`` per tensor), for one pass over
     the gradients from main memory instead of two. On mlp-small's 8 gradients right after a backward, on the
     2-core CPU: 276-287 us against 311-320 for the norms then the multiply (stop 67,
-    ``benchmarks/results/cpu_stop67/``)."""
+    ``benchmarks/results/cpu_stop67/``). Dense tensors only (:func:`all_strided`): a sparse one fails its dot after
+    the tensors before it were multiplied."""
     dot = torch.dot
     squares = []
     for g in grads:

@@ -124,3 +124,30 @@ def test_finite_gradients_whose_scaled_squares_overflow_are_stepped_on_as_in_the
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert len(unscale_calls) == len(g_grads)  # GradScaler's element check, once a step
 
+
+
+def test_a_sparse_gradient_after_dense_ones_leaves_them_unscaled_once():
+    """A dense gradient ahead of a sparse one (``nn.Embedding(sparse=True)`` after a ``Linear``, SGD): no norm kernel
+    takes the sparse one, so the step goes to today's path; the dense gradients must not have been unscaled on the
+    way there (stop 67: each gradient is unscaled right after its dot), or today's path unscales them twice. Held
+    to the plain loop, bit for bit."""
+    runs = []
+    for guarded in (False, True):
+        torch.manual_seed(0)
+        lin, emb = torch.nn.Linear(3, 1), torch.nn.Embedding(4, 3, sparse=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+        opt: torch.optim.Optimizer = torch.optim.SGD([*lin.parameters(), *emb.parameters()], lr=0.1)
+        if guarded:
+            opt = ampguard.wrap(opt, model=torch.nn.ModuleList([lin, emb]), precision="fp16", scaler=scaler)
+        for _ in range(3):
+            loss = lin(emb(torch.tensor([0, 1, 0, 3]))).sum()
+            if guarded:
+                opt.backward(loss)
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            opt.zero_grad(set_to_none=True)
+        runs.append([p.detach().clone() for p in (*lin.parameters(), *emb.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
