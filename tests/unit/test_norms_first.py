@@ -17,7 +17,7 @@ import torch
 
 import ampguard
 
-from ._models import NON_FUSED, assert_same, loss_of, make_data, make_model, snapshot
+from ._models import NON_FUSED, assert_same, loss_of, make_data, make_model, one_step, snapshot
 
 INF_STEPS = (5, 11)
 
@@ -140,14 +140,7 @@ def test_a_sparse_gradient_after_dense_ones_leaves_them_unscaled_once():
         if guarded:
             opt = ampguard.wrap(opt, model=torch.nn.ModuleList([lin, emb]), precision="fp16", scaler=scaler)
         for _ in range(3):
-            loss = lin(emb(torch.tensor([0, 1, 0, 3]))).sum()
-            if guarded:
-                opt.backward(loss)
-                opt.step()
-            else:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
+            one_step(guarded, opt, scaler, lin(emb(torch.tensor([0, 1, 0, 3]))).sum())
             opt.zero_grad(set_to_none=True)
         runs.append([p.detach().clone() for p in (*lin.parameters(), *emb.parameters())])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
