@@ -171,7 +171,8 @@
 # (~60 s), the sentinel arms' peaks, the batch switch's last unmeasured condition (batched was the cheaper in both runs):
 #   python benchmarks/table.py --device cuda --groups none --no-syncs --memory-variants plain_fused,guard_fused,\
 #     guard_sentinel_fused,guard_sentinelbatch_fused,plain_fused#2 --out $OUT/sentinel_memory.json
-# then tests/gpu with torchao's wheel carried (carry [".whl"]; its fp8 module skipped at stop 67).
+# then tests/gpu with torchao's wheel carried (carry [".whl"]: .whl/torchao-0.18.0-*.whl, git-ignored, downloaded at stop 67; its
+# fp8 module skipped at stop 67).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
