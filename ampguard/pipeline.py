@@ -69,7 +69,7 @@ from .stats import (
     Dec,
     GradGroups,
     all_strided,
-    cpu_norms_unscaling,
+    cpu_norms,
     grads_by_device_and_dtype,
     host_tensor,
     local_vector,
@@ -493,7 +493,7 @@ class StepPipeline:
         element check then decides on today's path, as in the plain loop (a finite gradient whose squares
         overflow float32 is stepped on, as torch's ``test_grad_scale_will_not_overflow`` has it); that
         step reads the gradients twice. ``unscale`` (with ``norms_first`` and a ``1/scale`` of at most 1): unscale
-        each gradient right after its norm is read (:func:`~ampguard.stats.cpu_norms_unscaling`), the
+        each gradient right after its norm is read (:func:`~ampguard.stats.cpu_norms`'s ``unscale_by``), the
         :class:`Measured` then not ``scaled``; a step whose norms are not all finite then takes GradScaler's element
         check on the unscaled gradients, which finds exactly what it finds on the scaled ones (a multiply by
         ``0 < 1/scale <= 1`` keeps a finite value finite and a non-finite one non-finite), recorded as its
@@ -516,7 +516,7 @@ class StepPipeline:
         try:
             if unscaled:
                 (grads,) = groups.tensors.values()
-                norms = cpu_norms_unscaling(grads, self._host_scalar(inv_host))
+                norms = cpu_norms(grads, unscale_by=self._host_scalar(inv_host))
             elif on_host:
                 norms = per_tensor_norms(groups, self.device)
             elif through is not None:  # and the local vector and the decision: one replay from the gradients

@@ -176,8 +176,7 @@ class GradScalerAdapter:
         optimizer, ``StepPipeline.norms_first``): GradScaler's record is then what its ``unscale_``
         leaves (stage UNSCALED), so its own ``step`` does not unscale them again. No sync."""
         found = self.record_found_inf(inner, found_inf)
-        state = self.scaler._per_optimizer_states[id(inner)]
-        state["stage"] = type(state["stage"])[_UNSCALED]  # GradScaler's OptState, by name
+        self._mark_unscaled(inner)
         return found
 
     def check_unscaled(self, inner: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
@@ -188,10 +187,15 @@ class GradScalerAdapter:
         scale = self.scale
         found = self.scaler._unscale_grads_(inner, torch.ones((), dtype=torch.float32, device=scale.device),
                                             torch.zeros((), dtype=torch.float32, device=scale.device), False)
-        state = self.scaler._per_optimizer_states[id(inner)]
-        state["found_inf_per_device"] = found
-        state["stage"] = type(state["stage"])[_UNSCALED]
+        self.scaler._per_optimizer_states[id(inner)]["found_inf_per_device"] = found
+        self._mark_unscaled(inner)
         return found
+
+    def _mark_unscaled(self, inner: torch.optim.Optimizer) -> None:
+        """GradScaler's stage for ``inner``: UNSCALED, as its ``unscale_`` leaves it (its own ``step`` then unscales
+        nothing)."""
+        state = self.scaler._per_optimizer_states[id(inner)]
+        state["stage"] = type(state["stage"])[_UNSCALED]  # GradScaler's OptState, by name
 
     @staticmethod
     def force_found_inf(found_inf_per_device: dict[torch.device, torch.Tensor], skip: torch.Tensor | bool) -> None:

@@ -256,7 +256,7 @@ def per_tensor_norms(groups: GradGroups, device: torch.device) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def cpu_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
+def cpu_norms(grads: Sequence[torch.Tensor], unscale_by: torch.Tensor | None = None) -> torch.Tensor:
     """L2 norms of float32 CPU tensors as ``sqrt(dot(g, g))`` (BLAS, float32 accumulation).
 
     Why not ``_foreach_norm`` (as ``clip_grad_norm_``): on a 2-core x86 CPU, right after a
@@ -266,34 +266,31 @@ def cpu_norms(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     norm: 2e-6..1e-5 for the dot, 1e-5..4e-5 for ``vector_norm``, on benchmarks/overhead.py's
     models). As with torch's kernels, the squares are summed in float32: a norm above ~1.8e19
     comes out infinite. Scaling by a power of two commutes with it exactly (barring over- or
-    underflow), so the fused fast path's scaled norms times ``1/scale`` are these norms."""
-    # One flat view per gradient, not one per operand; ``flatten`` hands a 1-D tensor back as it is
-    # (``reshape`` builds a view even then: ~1 us a tensor here). The same dot either way.
+    underflow), so the fused fast path's scaled norms times ``1/scale`` are these norms.
+
+    ``unscale_by`` (a 0-d float32 tensor: GradScaler's ``1/scale``): also multiply each tensor in place by it right
+    after its own dot, while it is still in the core's cache: the same norms (each dot reads the values before the
+    multiply) and the same unscaled values as a ``_foreach_mul_(grads, unscale_by)`` after them (on the CPU that op
+    is one ``mul_`` per tensor), for one pass over the gradients from main memory instead of two. On mlp-small's 8
+    gradients right after a backward, on the 2-core CPU: 276-287 us against 311-320 for the norms then the multiply
+    (stop 67, ``benchmarks/results/cpu_stop67/``). Dense tensors only (:func:`all_strided`): a sparse one fails its
+    dot after the tensors before it were multiplied."""
     dot = torch.dot
-    return torch.stack([dot(f, f) for f in [g.flatten() for g in grads]]).sqrt_()
+    if unscale_by is None:
+        # One flat view per gradient, not one per operand; ``flatten`` hands a 1-D tensor back as it is
+        # (``reshape`` builds a view even then: ~1 us a tensor here). The same dot either way.
+        return torch.stack([dot(f, f) for f in [g.flatten() for g in grads]]).sqrt_()
+    squares = []
+    for g in grads:
+        f = g.flatten()
+        squares.append(dot(f, f))
+        g.mul_(unscale_by)
+    return torch.stack(squares).sqrt_()
 
 
 def all_strided(tensors: Sequence[torch.Tensor]) -> bool:
     """Every tensor dense (strided layout): none sparse, whose norms no kernel here takes."""
     return set(map(_LAYOUT, tensors)) == {torch.strided}
-
-
-def cpu_norms_unscaling(grads: Sequence[torch.Tensor], inv: torch.Tensor) -> torch.Tensor:
-    """:func:`cpu_norms` of float32 CPU tensors as they are, each tensor multiplied in place by ``inv`` (a 0-d
-    float32 tensor: GradScaler's ``1/scale``) right after its own dot, while it is still in the core's cache: the
-    same norms (the dots read the values before the multiply) and the same unscaled values as a
-    ``_foreach_mul_(grads, inv)`` after them (on the CPU that op is one ``mul_`` per tensor), for one pass over
-    the gradients from main memory instead of two. On mlp-small's 8 gradients right after a backward, on the
-    2-core CPU: 276-287 us against 311-320 for the norms then the multiply (stop 67,
-    ``benchmarks/results/cpu_stop67/``). Dense tensors only (:func:`all_strided`): a sparse one fails its dot after
-    the tensors before it were multiplied."""
-    dot = torch.dot
-    squares = []
-    for g in grads:
-        f = g.flatten()
-        squares.append(dot(f, f))
-        g.mul_(inv)
-    return torch.stack(squares).sqrt_()
 
 
 _CPU_AMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -111,9 +111,9 @@ def _overflowing_squares_run(kind: str, guarded: bool):
 
 @pytest.mark.parametrize("kind", list(NON_FUSED))
 def test_finite_gradients_whose_scaled_squares_overflow_are_stepped_on_as_in_the_plain_loop(kind, unscale_calls):
-    """The norms read as each gradient is unscaled (stop 67, ``stats.cpu_norms_unscaling``): a step whose scaled norms
-    overflow goes to GradScaler's element check on the gradients unscaled already, which finds nothing, and the step
-    is taken on the values the plain loop steps on (not unscaled twice)."""
+    """The norms read as each gradient is unscaled (stop 67, ``stats.cpu_norms``'s ``unscale_by``): a step whose
+    scaled norms overflow goes to GradScaler's element check on the gradients unscaled already, which finds nothing,
+    and the step is taken on the values the plain loop steps on (not unscaled twice)."""
     p_model, p_opt, p_grads, p_big = _overflowing_squares_run(kind, guarded=False)
     del unscale_calls[:]
     g_model, g_opt, g_grads, g_big = _overflowing_squares_run(kind, guarded=True)
@@ -123,7 +123,6 @@ def test_finite_gradients_whose_scaled_squares_overflow_are_stepped_on_as_in_the
     for a, b in zip(p_grads, g_grads):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert len(unscale_calls) == len(g_grads)  # GradScaler's element check, once a step
-
 
 
 def test_a_sparse_gradient_after_dense_ones_leaves_them_unscaled_once():

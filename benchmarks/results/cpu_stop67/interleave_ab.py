@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Stop 67: the CPU norms-first step with each gradient unscaled right after its dot (``stats.cpu_norms_unscaling``,
-the default now) against the norms then one ``_foreach_mul_`` (the path before, kept by passing ``unscale=False`` to
-``StepPipeline._measure_scaled`` on that guard only), and the plain GradScaler loop, in one process: three models
-alike, paired blocks in turn, the host (thread) time of ``step()`` (the plain loop: ``scaler.step(opt);
-scaler.update()``) after a backward. mlp-small (benchmarks/overhead.py), non-fused (foreach) AdamW, fp16 autocast
-off (as ``table.py --cpu-autocast off``). Run::
+"""Stop 67: the CPU norms-first step with each gradient unscaled right after its dot (``stats.cpu_norms``'s
+``unscale_by``, the default now) against the norms then one ``_foreach_mul_`` (the path before, kept by passing
+``unscale=False`` to ``StepPipeline._measure_scaled`` on that guard only), and the plain GradScaler loop, in one
+process: three models alike, paired blocks in turn, the host (thread) time of ``step()`` (the plain loop:
+``scaler.step(opt); scaler.update()``) after a backward. mlp-small (benchmarks/overhead.py), non-fused (foreach)
+AdamW, fp16 autocast off (as ``table.py --cpu-autocast off``). Run::
 
     PYTHONPATH=$PWD OMP_NUM_THREADS=1 python benchmarks/results/cpu_stop67/interleave_ab.py [BLOCKS] [STEPS]
 """
