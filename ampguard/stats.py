@@ -272,9 +272,9 @@ def cpu_norms(grads: Sequence[torch.Tensor], unscale_by: torch.Tensor | None = N
     after its own dot, while it is still in the core's cache: the same norms (each dot reads the values before the
     multiply) and the same unscaled values as a ``_foreach_mul_(grads, unscale_by)`` after them (on the CPU that op
     is one ``mul_`` per tensor), for one pass over the gradients from main memory instead of two. On mlp-small's 8
-    gradients right after a backward, on the 2-core CPU: 276-287 us against 311-320 for the norms then the multiply
-    (stop 67, ``benchmarks/results/cpu_stop67/``). Dense tensors only (:func:`all_strided`): a sparse one fails its
-    dot after the tensors before it were multiplied."""
+    gradients right after a backward, on the 2-core CPU: 281-302 us against 320-336 for the norms then the multiply
+    (stop 67, ``benchmarks/results/cpu_stop67/interleave_micro.py``, two runs). Dense tensors only
+    (:func:`all_strided`): a sparse one fails its dot after the tensors before it were multiplied."""
     dot = torch.dot
     if unscale_by is None:
         # One flat view per gradient, not one per operand; ``flatten`` hands a 1-D tensor back as it is
