@@ -149,6 +149,14 @@ def arms_context(device: torch.device, size: dict[str, int], tmpdir: str, total_
             "dataset": Tokens(total_steps * size["batch"], size)}
 
 
+CLOCK = ["wall"]
+"""``--clock``: "wall" (``time.perf_counter`` from the controller's go to the block edge, the device synchronised), or
+"thread": the arm's own thread's CPU time over its turn (``time.thread_time``, from the go it woke on to the block
+edge): the loop's host work alone, which another process's time on the core does not enter. On CUDA it includes the
+host's spin in each wait for the device (a sync, an ``item``): the host-bound case, not the device's time. On the CPU
+it is the whole loop's, and quiet (stop 68)."""
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -171,6 +179,7 @@ class Arm:
         self._go = threading.Event()
         self._parked = threading.Event()
         self._t_edge = 0.0
+        self._c_go = self._c_edge = 0.0  # --clock thread: the arm thread's CPU time at its go and at its block edge
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._started = False
         self.profile: Any = None
@@ -180,6 +189,7 @@ class Arm:
     def _main(self) -> None:
         self._go.wait()
         self._go.clear()
+        self._c_go = time.thread_time()
         try:
             if self.profile is not None:
                 self.profile.enable()
@@ -199,11 +209,13 @@ class Arm:
         if self.steps % self.block == 0 and not self.stop:
             sync(self.device)
             self._t_edge = time.perf_counter()
+            self._c_edge = time.thread_time()
             if self.profile is not None:
                 self.profile.disable()
             self._parked.set()
             self._go.wait()
             self._go.clear()
+            self._c_go = time.thread_time()
             if self.profile is not None:
                 self.profile.enable()
         if self.stop and self.profile is not None:
@@ -224,7 +236,9 @@ class Arm:
             self._thread.start()
         self._go.set()
         self._parked.wait()
-        return None if self.finished else self._t_edge - t0
+        if self.finished:
+            return None
+        return self._c_edge - self._c_go if CLOCK[0] == "thread" else self._t_edge - t0
 
     def end(self, timeout: float = 120.0) -> None:
         """Let the loop finish its current step and return (the framework's own teardown runs)."""
@@ -286,6 +300,7 @@ def _isolated(conn: Any, name: str, framework: str, guarded: bool, block: int, d
               setup: dict[str, Any]) -> None:
     """An arm's process (``--isolate``): build the model and the loop as the controller would, then run a block
     on each "go" (its time back, None once the loop has ended) until "end" (its steps, error and guard figures)."""
+    CLOCK[0] = setup.get("clock", "wall")
     device = torch.device(device_name)
     try:
         base = build_model(setup["size"], device)
@@ -647,6 +662,8 @@ def main(argv: list[str] | None = None) -> int:
                          "seconds since start (default 300)")
     ap.add_argument("--no-syncs", action="store_true", help="skip the accelerate sync count (CUDA only anyway)")
     ap.add_argument("--out", default=None, help="write the JSON results here")
+    ap.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                    help="what a block's time is: wall (default), or the arm thread's CPU time over its turn (CLOCK)")
     ap.add_argument("--isolate", action="store_true",
                     help="each arm in its own process (the module docstring): loops that do not move one another's "
                          "memory")
@@ -655,6 +672,7 @@ def main(argv: list[str] | None = None) -> int:
                          "arm's host time goes beside its plain arm's, per optimizer step (profiled timings are not "
                          "the figures: take those from a run without it)")
     args = ap.parse_args(argv)
+    CLOCK[0] = args.clock
     if args.isolate and args.pstats:
         ap.error("--pstats profiles the arms' threads in this process: not with --isolate")
     t_start = time.perf_counter()
@@ -697,6 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         "method": ("one process" if args.isolate else "one thread") + " per framework loop, one runs at a time; "
                   "rounds of one block per arm in rotated order; device synchronised at block edges; warm-up rounds "
                   "discarded; median of block time / block",
+        "clock": args.clock,
         "isolate": args.isolate, "pid": os.getpid(),
     }
     print(json.dumps({k: meta[k] for k in ("command", "device", "versions")}), flush=True)
@@ -728,7 +747,8 @@ def main(argv: list[str] | None = None) -> int:
         for guarded in (False, True):
             name = f"{fw}_{'guarded' if guarded else 'plain'}"
             if args.isolate:
-                arms.append(IsolatedArm(name, fw, guarded, block, device, {"size": size, "total_steps": total_steps}))
+                arms.append(IsolatedArm(name, fw, guarded, block, device,
+                                        {"size": size, "total_steps": total_steps, "clock": args.clock}))
                 continue
             arm = Arm(name, fw, guarded, block, device)
             try:

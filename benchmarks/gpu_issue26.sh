@@ -173,6 +173,10 @@
 #     guard_sentinel_fused,guard_sentinelbatch_fused,plain_fused#2 --out $OUT/sentinel_memory.json
 # then tests/gpu with torchao's wheel carried (carry [".whl"]: .whl/torchao-0.18.0-*.whl, git-ignored, downloaded at stop 67; its
 # fp8 module skipped at stop 67).
+# Stop 68 got no device (none lent: benchmarks/results/cpu_stop68/). The list above stands, in that order; then, if time is
+# left, the framework rows by the arm threads' CPU time beside the wall clock (whether the guarded arms' extra is host
+# work on a host-bound lease): python benchmarks/frameworks_cost.py --device cuda --isolate --clock thread --blocks 30
+#   --no-syncs --out $OUT/frameworks_thread.json (~250 s).
 set -uo pipefail
 TAG=${1:-now}
 export PYTHONPATH=$PWD
