@@ -9,6 +9,7 @@
   miss by 1-3 ms a step on the H100 while the guard's own ``step()`` adds ~0.1 ms.
 - ``host_time.py --nested OWNER:NAME,...`` times more stages inside others, beside the sums (stop 60: where the early
   skip flag's extra ``guard._measure`` went on the H100).
+- ``frameworks_cost.py --clock thread`` reads a block as the arm thread's own CPU time (stop 68).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,3 +97,37 @@ def test_frameworks_cost_isolate_runs_each_arm_in_its_own_process(tmp_path):
     assert guarded["guard_steps"] == guarded["steps"] >= 3 * 3 and guarded["skipped_steps"] == 0
     assert all(results["timing"][name]["samples"] == 2 for name in ("lightning_plain", "lightning_guarded"))
     assert results["ratios"]["lightning"]["paired_ratio_median"] > 0
+
+
+@pytest.mark.parametrize("clock", ["wall", "thread"])
+def test_frameworks_cost_thread_clock_times_the_arms_own_cpu_time(clock):
+    # stop 68: --clock thread reads a block as the arm thread's own CPU time over its turn (time.thread_time), where
+    # the wall clock also counts what the thread did not run (another process on the core; here, a sleep)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import frameworks_cost
+    import torch
+
+    arm = frameworks_cost.Arm("sleeper", "none", False, 2, torch.device("cpu"))
+
+    def body(arm: frameworks_cost.Arm) -> None:
+        while True:
+            time.sleep(0.05)  # not the thread's CPU time
+            deadline = time.thread_time() + 0.01
+            while time.thread_time() < deadline:  # 10 ms of it, spun
+                pass
+            if arm.step_done():
+                return
+
+    arm.body = body
+    saved, frameworks_cost.CLOCK[0] = frameworks_cost.CLOCK[0], clock
+    try:
+        blocks = [arm.run_block() for _ in range(3)]
+        arm.end()
+    finally:
+        frameworks_cost.CLOCK[0] = saved
+    assert arm.error is None and all(b is not None for b in blocks)
+    per_step = [b / 2 for b in blocks]  # type: ignore[operator]
+    if clock == "wall":  # the sleeps counted
+        assert all(t >= 0.059 for t in per_step), per_step
+    else:  # the spins only: ~10 ms a step, never the 50 ms sleeps
+        assert all(0.009 <= t < 0.03 for t in per_step), per_step
