@@ -26,6 +26,8 @@ import torch
 
 import ampguard
 
+from ..unit._models import one_step
+
 pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,13 +63,7 @@ def _run(build, optim: str, guarded: bool, host: bool = True):
         with torch.autocast("cpu", dtype=torch.float16):
             loss = model(input_ids=ids, labels=ids).loss
         scales.append(scaler.get_scale())
-        if guarded:
-            opt.backward(loss)
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+        one_step(guarded, opt, scaler, loss)
         grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
         opt.zero_grad(set_to_none=True)
     scales.append(scaler.get_scale())
