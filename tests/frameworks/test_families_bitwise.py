@@ -1,7 +1,7 @@
 """The guarded loop is the plain GradScaler loop, bit for bit, on the six Hugging Face model families
 (``benchmarks/hf_classification.py``'s builders: GPT-2, Llama, Mistral, Qwen2, BERT, T5 at tiny sizes, from their
 ``transformers`` config classes; no weights downloaded): fused, foreach and for-loop AdamW, SGD with momentum,
-two micro-batches a step, and bf16 without loss scaling.
+two micro-batches a step, and bf16 without loss scaling; and the parameter check on a real eps=0 NaN in each family.
 
 fp16 autocast on the CPU, ``GradScaler("cpu", init_scale=2**18, growth_interval=2)``: the fp16 backward overflows as
 it comes (nothing injected) within the first two steps, the scale backs off to where steps are taken, grows after two
@@ -153,3 +153,34 @@ def test_bf16_without_loss_scaling_is_the_plain_loop_bit_for_bit(families, famil
     got = _run(families[family], optim, guarded=True, precision="bf16")
     assert not any(got[3])
     _assert_same(got, _run(families[family], optim, guarded=False, precision="bf16"))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_adamw_eps0_on_rows_no_batch_reaches_is_caught_and_named(families, family, precision):
+    # a real 0/0: AdamW with eps=0 divides exp_avg by sqrt(exp_avg_sq) + 0, both exactly 0 where a gradient is 0.
+    # Each family has its own such parameters: embedding and position rows the batch never reads (GPT-2's wpe,
+    # Llama's embed_tokens, BERT's position and token-type embeddings), BERT's attention key bias (softmax does not
+    # see a shift), T5's relative-position buckets no pair falls in and its ReLU units dead on this batch. They turn
+    # NaN on the first update from finite gradients; the default parameter check (every 10th step, step 0 among
+    # them) names exactly them on that step and stops the run.
+    torch.manual_seed(0)
+    model, _ = families[family](False)
+    model.train()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=0.0, fused=True)
+    opt = ampguard.wrap(inner, model=model, precision=precision, exporters=[])
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(ampguard.NonFiniteError):
+        for _ in range(3):
+            ids = torch.randint(2, model.config.vocab_size, (2, 8), generator=g)
+            with torch.autocast("cpu", dtype=dtype):
+                loss = model(input_ids=ids, labels=ids).loss
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+    poisoned = tuple(n for n, p in model.named_parameters() if not torch.isfinite(p).all())
+    assert poisoned
+    (anomaly,) = [a for a in opt.anomalies if a.kind == "nonfinite_params"]
+    assert anomaly.step == 0 and set(anomaly.params) == set(poisoned), (anomaly.params, poisoned)
+    opt.close()
