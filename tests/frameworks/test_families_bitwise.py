@@ -1,7 +1,8 @@
 """The guarded loop is the plain GradScaler loop, bit for bit, on the six Hugging Face model families
 (``benchmarks/hf_classification.py``'s builders: GPT-2, Llama, Mistral, Qwen2, BERT, T5 at tiny sizes, from their
 ``transformers`` config classes; no weights downloaded): fused, foreach and for-loop AdamW, SGD with momentum,
-two micro-batches a step, and bf16 without loss scaling; and the parameter check on a real eps=0 NaN in each family.
+two micro-batches a step, and bf16 without loss scaling; clipping by norm against the plain loop's unscale_ and
+clip_grad_norm_; and the parameter check on a real eps=0 NaN in each family.
 
 fp16 autocast on the CPU, ``GradScaler("cpu", init_scale=2**18, growth_interval=2)``: the fp16 backward overflows as
 it comes (nothing injected) within the first two steps, the scale backs off to where steps are taken, grows after two
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import math
 import sys
 from pathlib import Path
 
@@ -184,3 +186,67 @@ def test_adamw_eps0_on_rows_no_batch_reaches_is_caught_and_named(families, famil
     (anomaly,) = [a for a in opt.anomalies if a.kind == "nonfinite_params"]
     assert anomaly.step == 0 and set(anomaly.params) == set(poisoned), (anomaly.params, poisoned)
     opt.close()
+
+
+def _clipped(build, optim: str, guarded: bool, clip: float = 0.5):
+    """Eight fp16 steps through real overflows and growth, clipped by norm: ``opt.clip_grad_norm_`` on the guard, the
+    plain loop's ``scaler.unscale_(opt)`` + ``torch.nn.utils.clip_grad_norm_``. The loss scales, the norms returned,
+    the parameters after each step."""
+    torch.manual_seed(0)
+    model, _ = build(False)
+    model.train()
+    opt = OPTIMIZERS[optim](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**18, growth_interval=2)
+    if guarded:
+        opt = ampguard.wrap(opt, model=model, precision="fp16", scaler=scaler, exporters=[])
+    g = torch.Generator().manual_seed(1)
+    scales, norms, params = [], [], []
+    for _ in range(STEPS):
+        ids = torch.randint(2, model.config.vocab_size, (2, 8), generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(input_ids=ids, labels=ids).loss
+        scales.append(scaler.get_scale())
+        if guarded:
+            opt.backward(loss)
+            norms.append(float(opt.clip_grad_norm_(clip)))
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+        params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    scales.append(scaler.get_scale())
+    if guarded:
+        opt.close()
+    return scales, norms, params
+
+
+@pytest.mark.parametrize("optim", ["fused", "foreach"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_clipping_takes_the_plain_loops_decisions_and_its_clip(families, family, optim):
+    want_scales, want_norms, want_params = _clipped(families[family], optim, guarded=False)
+    got_scales, got_norms, got_params = _clipped(families[family], optim, guarded=True)
+    # the same decisions: which steps overflow (a non-finite norm), and the loss scale after each
+    assert got_scales == want_scales
+    assert any(b < a for a, b in itertools.pairwise(want_scales)), want_scales  # real overflows among the steps
+    taken = [math.isfinite(n) for n in want_norms]
+    assert [math.isfinite(n) for n in got_norms] == taken and any(taken), (got_norms, want_norms)
+    assert min(n for n in want_norms if math.isfinite(n)) > 0.5  # the clip bites on every taken step
+    if optim == "foreach":  # unscaled first, then clipped by clip_grad_norm_'s coefficient: its bits
+        assert got_norms[taken.index(True)] == want_norms[taken.index(True)]
+        for name, want in want_params[-1].items():
+            assert _same_bits(got_params[-1][name], want), name
+        return
+    # Fused: the clip folded into the kernel's grad_scale (scale / coefficient: one rounding where the plain loop's
+    # unscale and clip make two), so the first taken step agrees to float32 rounding. Later steps drift further:
+    # Adam turns a gradient at rounding level (a key projection's bias, which softmax does not see) into a full
+    # +-lr update, so one rounding apart there is an lr apart after the step (up to 5e-5 in the norms by step 6).
+    first = taken.index(True)
+    assert got_norms[first] == pytest.approx(want_norms[first], rel=2e-7)
+    for name, want in want_params[first].items():
+        torch.testing.assert_close(got_params[first][name], want, rtol=1e-5, atol=1e-8)
+    for got, want in zip(got_norms, want_norms):
+        assert not math.isfinite(want) or got == pytest.approx(want, rel=1e-3)
