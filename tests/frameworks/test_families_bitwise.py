@@ -2,7 +2,8 @@
 (``benchmarks/hf_classification.py``'s builders: GPT-2, Llama, Mistral, Qwen2, BERT, T5 at tiny sizes, from their
 ``transformers`` config classes; no weights downloaded): fused, foreach and for-loop AdamW, SGD with momentum,
 two micro-batches a step, and bf16 without loss scaling; clipping by norm against the plain loop's unscale_ and
-clip_grad_norm_; and the parameter check on a real eps=0 NaN in each family.
+clip_grad_norm_; torch's several-optimizers recipe on one GradScaler (a guard on each, the scale shared: each guard
+updating the scale alone fails every family); and the parameter check on a real eps=0 NaN in each family.
 
 fp16 autocast on the CPU, ``GradScaler("cpu", init_scale=2**18, growth_interval=2)``: the fp16 backward overflows as
 it comes (nothing injected) within the first two steps, the scale backs off to where steps are taken, grows after two
@@ -250,3 +251,53 @@ def test_clipping_takes_the_plain_loops_decisions_and_its_clip(families, family,
         torch.testing.assert_close(got_params[first][name], want, rtol=1e-5, atol=1e-8)
     for got, want in zip(got_norms, want_norms):
         assert not math.isfinite(want) or got == pytest.approx(want, rel=1e-3)
+
+
+def _shared(build, guarded: bool):
+    """torch's several-optimizers recipe on one GradScaler: the model's parameters split in two (the first half with
+    a fused AdamW, the rest with a foreach one), ``scaler.scale(loss).backward(); scaler.step(opt0);
+    scaler.step(opt1); scaler.update()``; guarded: one guard on each optimizer, the scaler shared, each guard's
+    ``step()`` (each given the loss by ``observe_loss``). The loss scales and the parameters after each step."""
+    torch.manual_seed(0)
+    model, _ = build(False)
+    model.train()
+    params = list(model.parameters())
+    half = len(params) // 2
+    opts = [OPTIMIZERS["fused"](params[:half]), OPTIMIZERS["foreach"](params[half:])]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**18, growth_interval=2)
+    if guarded:
+        opts = [ampguard.wrap(opts[0], model=model, precision="fp16", scaler=scaler, exporters=[]),
+                ampguard.wrap(opts[1], precision="fp16", scaler=scaler, exporters=[])]
+    g = torch.Generator().manual_seed(1)
+    scales, after = [], []
+    for _ in range(STEPS):
+        ids = torch.randint(2, model.config.vocab_size, (2, 8), generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(input_ids=ids, labels=ids).loss
+        scales.append(scaler.get_scale())
+        for opt in opts if guarded else ():
+            opt.observe_loss(loss)  # the loss each guard reports (the backward is the scaler's, not a guard's)
+        scaler.scale(loss).backward()
+        for opt in opts:
+            opt.step() if guarded else scaler.step(opt)
+        if not guarded:
+            scaler.update()
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        after.append([p.detach().clone() for p in params])
+    scales.append(scaler.get_scale())
+    for opt in opts if guarded else ():
+        opt.close()
+    return scales, after
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_two_guards_on_one_scaler_are_torchs_multi_optimizer_loop(families, family):
+    want_scales, want_after = _shared(families[family], guarded=False)
+    got_scales, got_after = _shared(families[family], guarded=True)
+    pairs = list(itertools.pairwise(want_scales))
+    assert any(b < a for a, b in pairs) and any(b > a for a, b in pairs), want_scales
+    assert got_scales == want_scales
+    for step, (got, want) in enumerate(zip(got_after, want_after)):
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert _same_bits(g, w), f"step {step}: parameter {i} differs"
