@@ -7,6 +7,9 @@ query/key projections of layer 1 are multiplied in place: a lasting state of the
 ``q @ kᵀ`` leaves fp16's range on every forward; nothing is injected. The scenario is
 ``benchmarks/hf_classification.py``, which runs the same on CUDA (and GPT-2 at 124M).
 
+The replay (``opt.step(closure, replay=True)``) and the sentinel (``sentinel="top"``) run on all six families since
+stop 68 (GPT-2 and Llama, and GPT-2 alone, before): each names the block, then the attention, on every family.
+
 Before the recompute ran on copies of its stateful arguments, the attention's saved call held the
 forward's live KV cache (``DynamicCache``, T5's ``EncoderDecoderCache``): each recompute appended
 to it and failed on a shape mismatch, so the cause was None on every step for GPT-2, Llama,
@@ -55,7 +58,7 @@ def test_attention_overflow_is_named_with_its_cause(bench, family):
     assert "non-finite in float16 autocast and finite in fp32" in r["steps"][2]["detail"]
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "bert", "t5"])
 def test_attention_overflow_under_replay_is_named_on_the_first_bad_step(bench, family):
     r = bench.run(family, variant="replay", steps=2)
     assert r["skipped"] == [1]
@@ -63,10 +66,17 @@ def test_attention_overflow_under_replay_is_named_on_the_first_bad_step(bench, f
     assert "persistent" in r["steps"][1]["detail"]
 
 
-def test_attention_overflow_with_the_sentinel_names_the_block_then_the_attention(bench):
-    r = bench.run("gpt2", variant="sentinel", steps=3)
-    assert _named(r["steps"][1]) == ("transformer.h.1", "forward", None)
-    assert _named(r["steps"][2]) == ("transformer.h.1.attn", "forward", "overflow"), r["steps"][2]["detail"]
+BLOCKS = {"gpt2": "transformer.h.1", "llama": "model.layers.1", "mistral": "model.layers.1", "qwen2": "model.layers.1",
+          "bert": "bert.encoder.layer.1", "t5": "decoder.block.1"}
+"""The top block (``sentinel="top"``) that holds each family's growing attention."""
+
+
+@pytest.mark.parametrize("family", list(BLOCKS))
+def test_attention_overflow_with_the_sentinel_names_the_block_then_the_attention(bench, family):
+    r = bench.run(family, variant="sentinel", steps=3)
+    assert r["attention"].startswith(BLOCKS[family] + ".")
+    assert _named(r["steps"][1]) == (BLOCKS[family], "forward", None)
+    assert _named(r["steps"][2]) == (r["attention"], "forward", "overflow"), r["steps"][2]["detail"]
 
 
 def test_the_recompute_leaves_the_runs_kv_cache_as_it_was(bench):
