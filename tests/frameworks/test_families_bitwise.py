@@ -1,7 +1,8 @@
 """The guarded loop is the plain GradScaler loop, bit for bit, on the six Hugging Face model families
 (``benchmarks/hf_classification.py``'s builders: GPT-2, Llama, Mistral, Qwen2, BERT, T5 at tiny sizes, from their
 ``transformers`` config classes; no weights downloaded): fused, foreach and for-loop AdamW, SGD with momentum,
-two micro-batches a step, and bf16 without loss scaling; clipping by norm against the plain loop's unscale_ and
+two micro-batches a step, sampled numerics and indicators (read only: no bit changes), and bf16 without loss
+scaling; clipping by norm against the plain loop's unscale_ and
 clip_grad_norm_; torch's several-optimizers recipe on one GradScaler (a guard on each, the scale shared: each guard
 updating the scale alone fails every family); a checkpoint saved mid-run and loaded into fresh objects, which resumes
 the run bit for bit (the scaler left unrestored fails 10 of the 12); and the parameter check on a real eps=0 NaN in
@@ -59,14 +60,16 @@ OPTIMIZERS = {
 }
 
 
-def _run(build, optim: str, guarded: bool, host: bool = True, accumulate: int = 1, precision: str = "fp16"):
+def _run(build, optim: str, guarded: bool, host: bool = True, accumulate: int = 1, precision: str = "fp16",
+         **config: object):
     torch.manual_seed(0)
     model, _ = build(False)
     model.train()
     opt = OPTIMIZERS[optim](model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**18, growth_interval=2) if precision == "fp16" else None
     if guarded:
-        opt = ampguard.wrap(opt, model=model, precision=precision, scaler=scaler, exporters=[])
+        opt = ampguard.wrap(opt, model=model, precision=precision, scaler=scaler, exporters=[],
+                            config=ampguard.GuardConfig(**config))
         opt._pipeline.host_decision = host  # False: the tensor decision, the path off the CPU (run eagerly here)
     dtype = torch.float16 if precision == "fp16" else torch.bfloat16
     vocab = model.config.vocab_size
@@ -90,14 +93,14 @@ def _run(build, optim: str, guarded: bool, host: bool = True, accumulate: int = 
         grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
         opt.zero_grad(set_to_none=True)
     scales.append(None if scaler is None else scaler.get_scale())
-    skipped = [r.skipped for r in opt.history] if guarded else None
+    reports = list(opt.history) if guarded else None
     state = {f"p.{n}": p.detach().clone() for n, p in model.named_parameters()}
     inner = opt.optimizer if guarded else opt
     for i, st in enumerate(inner.state.values()):
         state.update({f"s.{i}.{k}": v.detach().clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
     if guarded:
         opt.close()
-    return scales, grads, state, skipped
+    return scales, grads, state, reports
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -125,7 +128,8 @@ def _assert_same(got, want) -> None:
 
 def _overflowed_and_grew(run) -> None:
     """The fp16 run is what it says: real overflows skipped (the scale backed off), steps taken, and growth."""
-    scales, _, _, skipped = run
+    scales, _, _, reports = run
+    skipped = [r.skipped for r in reports]
     assert any(skipped) and not all(skipped), skipped
     pairs = list(itertools.pairwise(scales))
     assert any(b < a for a, b in pairs) and any(b > a for a, b in pairs), scales
@@ -153,11 +157,25 @@ def test_other_optimizers_and_accumulation_are_the_plain_loop_bit_for_bit(famili
 
 @pytest.mark.parametrize("optim", ["fused", "foreach"])
 @pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_sampled_numerics_and_indicators_change_no_bit(families, family, optim):
+    # numerics_every=2 (each other step's zero fraction and headroom, read from the still-scaled gradients: on such a
+    # step the foreach path unscales after its norms, not as it goes) and indicators_every=3 (the weights copied
+    # before the update, module norms and update ratios after it): read only, the plain loop's bits
+    got = _run(families[family], optim, guarded=True, numerics_every=2, indicators_every=3)
+    reports = got[3]
+    assert [r.grad_zero_fraction is not None for r in reports] == [r.step % 2 == 0 for r in reports]
+    assert any(r.module_update_ratios for r in reports if r.step % 3 == 0)  # a taken sampled step's ratios
+    _overflowed_and_grew(got)
+    _assert_same(got, _run(families[family], optim, guarded=False))
+
+
+@pytest.mark.parametrize("optim", ["fused", "foreach"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_bf16_without_loss_scaling_is_the_plain_loop_bit_for_bit(families, family, optim):
     # bf16 autocast, no GradScaler: the guard measures and decides, and every step is taken as in loss.backward();
     # opt.step()
     got = _run(families[family], optim, guarded=True, precision="bf16")
-    assert not any(got[3])
+    assert not any(r.skipped for r in got[3])
     _assert_same(got, _run(families[family], optim, guarded=False, precision="bf16"))
 
 
