@@ -15,7 +15,7 @@ import torch
 
 from .config import Escalation
 from .integrity import amax_per_tensor
-from .logs import ADVICE, KIND_OF_REASON, tally
+from .logs import advice_for, tally
 from .records import Anomaly, StepReport
 from .vocab import AnomalyKind
 
@@ -127,8 +127,10 @@ class Ladder:
         return self.pending_rollback
 
     def diagnose(self, report: StepReport, count: int, why: str, anomalies: Sequence[Anomaly]) -> str:
-        return (f"training stopped at step {report.step}: {count} non-finite steps within {self.config.window} steps "
-                f"and {why}. " + _last(report, anomalies))
+        window = self.config.window
+        advice = advice_for(report.reason, [a for a in anomalies if a.step > report.step - window])
+        return (f"training stopped at step {report.step}: {count} non-finite steps within {window} steps "
+                f"and {why}. What to do: {advice}. " + _last(report, anomalies))
 
     @torch.no_grad()
     def take_snapshot(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,
@@ -180,8 +182,9 @@ def _last(report: StepReport, anomalies: Sequence[Anomaly]) -> str:
 def consecutive_diagnosis(report: StepReport, count: int, limit: int, anomalies: Sequence[Anomaly]) -> str:
     """Why training stops after ``count`` skipped steps in a row (``GuardConfig.max_consecutive_skips``
     = ``limit``): what the skips were, what that means, what to do."""
-    seen = tally(a.kind for a in anomalies if a.step > report.step - count) or "none recorded"
-    advice = ADVICE[KIND_OF_REASON.get(str(report.reason), AnomalyKind.NONFINITE_GRAD)]
+    run = [a for a in anomalies if a.step > report.step - count]
+    seen = tally(a.kind for a in run) or "none recorded"
+    advice = advice_for(report.reason, run)
     return (f"{count} consecutive steps skipped (GuardConfig.max_consecutive_skips={limit}): the run cannot learn "
             f"as it is. Anomalies over those steps: {seen}. What to do: {advice}. " + _last(report, anomalies)
             + " opt.anomalies (or `ampguard report` on the event log) has every step; "

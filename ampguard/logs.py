@@ -37,7 +37,7 @@ import logging
 import math
 import warnings
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ import torch
 
 from .metrics import LOSS
 from .records import SKIP_REASONS, Anomaly, RunInfo, StepReport
-from .vocab import AnomalyKind, SkipReason
+from .vocab import AnomalyKind, Cause, Phase, SkipReason
 
 __all__ = ["KEEP", "LEVELS", "REPEAT_EVERY", "SKIP_RATE", "SKIP_WINDOW", "Voice", "logger", "tally"]
 
@@ -110,6 +110,41 @@ KIND_OF_REASON: dict[str, str] = {SkipReason.NONFINITE_LOSS: AnomalyKind.NONFINI
                                    SkipReason.GRAD_SPIKE: AnomalyKind.GRAD_SPIKE,
                                    SkipReason.LOSS_SPIKE: AnomalyKind.LOSS_SPIKE}
 """The anomaly kind whose advice fits a skip reason (non-finite gradients otherwise)."""
+
+
+
+def found_advice(anomaly: Anomaly) -> str | None:
+    """What to do about where forensics localised non-finite values, where that says more than the anomaly kind's
+    advice (:data:`ADVICE`): a module's forward that overflows in the run's low precision and is finite in fp32
+    (no loss scale reaches it: the scale multiplies the loss after the forward), or one that is non-finite in fp32
+    too (its own math or its input). None otherwise (a backward overflow is the loss scale's to handle)."""
+    if anomaly.module is None or anomaly.phase != Phase.FORWARD or anomaly.kind == AnomalyKind.FP8_NONFINITE:
+        return None
+    if anomaly.cause == Cause.OVERFLOW:
+        return (f"module {anomaly.module}'s forward overflows in low precision and is finite in fp32 (forensics "
+                "recomputed it), so no loss scale helps: the scale multiplies the loss after the forward. Run that "
+                "module outside autocast (in fp32), or train in bf16 (precision='bf16'); if it is new, find what grew "
+                "there (its weights or its inputs)")
+    if anomaly.cause == Cause.NAN:
+        return (f"module {anomaly.module}'s forward is non-finite in fp32 too: its own math (a log of 0, a division "
+                "by 0, a square root of a negative) or its input; check that module and this batch")
+    return None
+
+
+def advice_for(reason: object, anomalies: Sequence[Anomaly] = ()) -> str:
+    """What to do about a run of skipped steps, the last one skipped for ``reason`` (a :class:`SkipReason`):
+    :func:`found_advice` of the latest of ``anomalies`` (the run's) that forensics localised, where it has advice;
+    else the advice of the anomaly kind that fits ``reason``. Before stop 68 it was always the latter: a lasting
+    fp16 overflow in an attention's forward (a non-finite loss on every step) was told to check the batch and the
+    loss for a log of 0, while forensics had named the attention."""
+    for anomaly in reversed(anomalies):
+        if anomaly.module is not None and anomaly.kind != AnomalyKind.FP8_NONFINITE:
+            found = found_advice(anomaly)
+            if found is not None:
+                return found
+            break
+    return ADVICE[KIND_OF_REASON.get(str(reason), AnomalyKind.NONFINITE_GRAD)]
+
 
 _MEMORY = Path("(this process: opt.summary())")
 
@@ -226,7 +261,7 @@ class Voice:
             self._say("consecutive", step, logging.WARNING, lambda: (
                 f"{self.consecutive} steps in a row skipped (last: {report.reason}); training stops with "
                 f"NonFiniteError at {self.limit} (GuardConfig.max_consecutive_skips). What to do: "
-                f"{ADVICE[KIND_OF_REASON.get(str(report.reason), AnomalyKind.NONFINITE_GRAD)]}"))
+                f"{advice_for(report.reason, [a for a, _ in self.anomalies if a.step > step - self.consecutive])}"))
 
     def _say_anomaly(self, anomaly: Anomaly, report: StepReport) -> None:
         kind = str(anomaly.kind)
@@ -239,10 +274,11 @@ class Voice:
             key = (anomaly.module, anomaly.phase, anomaly.cause)
             if key not in self._findings:
                 self._findings.add(key)
+                found = found_advice(anomaly)
                 self._log(logging.WARNING, anomaly.step,
                           f"forensics found where the first non-finite value arose: module {anomaly.module or '-'}, "
                           f"phase {anomaly.phase or '-'}, cause {anomaly.cause or '-'} (first seen on this step; "
-                          "opt.anomalies has every step it explains)")
+                          "opt.anomalies has every step it explains)" + (f". What to do: {found}" if found else ""))
 
     def _say(self, key: Any, step: int, level: int, message: str | Callable[[], str]) -> None:
         """Log ``message`` (made only when logged) unless ``key`` was logged less than

@@ -10,6 +10,10 @@ query/key projections of layer 1 are multiplied in place: a lasting state of the
 The replay (``opt.step(closure, replay=True)``) and the sentinel (``sentinel="top"``) run on all six families since
 stop 68 (GPT-2 and Llama, and GPT-2 alone, before): each names the block, then the attention, on every family.
 
+A lasting overflow (the q/k grown, every later forward overflowing) stops the run, at ``max_consecutive_skips`` or
+by the ladder; until stop 68 its advice told the user to check the batch and the loss for a log of 0 while forensics
+had named the attention's forward overflow. It now speaks about that module (``ampguard.logs.advice_for``).
+
 Before the recompute ran on copies of its stateful arguments, the attention's saved call held the
 forward's live KV cache (``DynamicCache``, T5's ``EncoderDecoderCache``): each recompute appended
 to it and failed on a shape mismatch, so the cause was None on every step for GPT-2, Llama,
@@ -88,3 +92,67 @@ def test_the_recompute_leaves_the_runs_kv_cache_as_it_was(bench):
     assert len(before) == len(after) == 2
     for b, a in zip(before, after):
         assert a.shape == b.shape and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def _lasting_overflow(bench, family: str, config):
+    """``family`` trained in fp16 with the q/k grown before step 1, so that every later forward overflows in the
+    attention, until the guard stops the run: (the attention's name, the ``NonFiniteError``)."""
+    import ampguard
+
+    torch.manual_seed(0)
+    model, attention = bench.FAMILIES[family](False)
+    model.train()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-4), model=model, precision="fp16",
+                        scaler=torch.amp.GradScaler("cpu"), exporters=[], config=config)
+    g = torch.Generator().manual_seed(1)
+    with pytest.raises(ampguard.NonFiniteError) as err:
+        for step in range(30):
+            if step == 1:
+                bench.grow_qk(model, attention)
+            ids = torch.randint(2, model.config.vocab_size, (2, 8), generator=g)
+            with opt.autocast():
+                loss = model(input_ids=ids, labels=ids).loss
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+    opt.close()
+    return attention, err.value
+
+
+def _advice(err: Exception) -> str:
+    return str(err).split("What to do: ")[1].split(". Last report")[0]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "mistral", "qwen2", "bert", "t5"])
+def test_a_lasting_attention_overflow_stops_the_run_with_advice_about_that_attention(bench, family, caplog):
+    # After the q/k growth every forward overflows fp16 in the attention; the loss is non-finite whatever the loss
+    # scale (the forward runs before the scale multiplies the loss), so the scale backs off for nothing and the run
+    # stops at max_consecutive_skips. Its advice named the loss and the batch (a log of 0, labels out of range) while
+    # forensics had localised a forward overflow in the attention: it must speak about that module.
+    import ampguard
+
+    with caplog.at_level("WARNING", logger="ampguard"):
+        attention, err = _lasting_overflow(bench, family, ampguard.GuardConfig(max_consecutive_skips=8))
+    advice = _advice(err)
+    assert f"module {attention}'s forward overflows" in advice and "bf16" in advice, advice
+    assert "check this batch" not in advice and "labels out of range" not in advice, advice
+    # the half-way warning and the finding's own message say the same
+    said = [r.getMessage() for r in caplog.records]
+    halfway = next(m for m in said if "steps in a row skipped" in m)
+    assert attention in halfway.split("What to do: ")[1], halfway
+    finding = next(m for m in said if f"forensics found where the first non-finite value arose: module {attention}"
+                   in m)
+    assert "What to do: " in finding and "outside autocast" in finding, finding
+
+
+@pytest.mark.parametrize("family", ["gpt2", "t5"])
+def test_the_ladders_stop_gives_the_same_advice(bench, family):
+    # Escalation(rollback_after=4) with no snapshot yet (snapshot_every=50): the ladder aborts on the fourth
+    # non-finite step; its diagnosis says what to do about the attention forensics localised
+    import ampguard
+
+    attention, err = _lasting_overflow(bench, family,
+                                       ampguard.GuardConfig(escalation=ampguard.Escalation(rollback_after=4)))
+    assert "no snapshot to roll back to" in str(err)
+    advice = _advice(err)
+    assert f"module {attention}'s forward overflows" in advice and "outside autocast" in advice, advice

@@ -134,7 +134,9 @@ def test_forensics_findings_are_said_once(caplog):
         opt.zero_grad()
     found = [r.getMessage() for r in _records(caplog) if r.getMessage().startswith("step 4, rank 0: forensics")]
     assert found == ["step 4, rank 0: forensics found where the first non-finite value arose: module 0, phase "
-                     "forward, cause nan (first seen on this step; opt.anomalies has every step it explains)"]
+                     "forward, cause nan (first seen on this step; opt.anomalies has every step it explains). What to "
+                     "do: module 0's forward is non-finite in fp32 too: its own math (a log of 0, a division by 0, a "
+                     "square root of a negative) or its input; check that module and this batch"]
     assert len([r for r in _records(caplog) if "forensics found" in r.getMessage()]) == 1  # not again at 6
     assert math.isnan(opt.history[4].loss)
 
