@@ -80,3 +80,23 @@ def unscale_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(torch.amp.GradScaler, "_unscale_grads_", counting)
     return calls
+
+
+@pytest.fixture(scope="module")
+def hf_bench() -> Iterator[Any]:
+    """``benchmarks/hf_classification.py`` as a module: its ``FAMILIES`` (GPT-2, Llama, Mistral, Qwen2, BERT, T5 at
+    tiny sizes, from their ``transformers`` config classes), ``grow_qk`` and ``run``. Loaded under a name of its own
+    (the benchmarks folder is not a package), and dropped after the module's tests."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "hf_classification.py"
+    spec = importlib.util.spec_from_file_location("hf_classification_bench", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)

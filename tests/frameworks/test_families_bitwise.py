@@ -21,11 +21,9 @@ Taking out ``check_unscaled`` (stop 67's fix) fails every case with a non-fused 
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import itertools
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,14 +39,8 @@ FAMILY_NAMES = ["gpt2", "llama", "mistral", "qwen2", "bert", "t5"]
 
 
 @pytest.fixture(scope="module")
-def families():
-    spec = importlib.util.spec_from_file_location("hf_families", REPO / "benchmarks" / "hf_classification.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module.FAMILIES
-    sys.modules.pop(spec.name, None)
+def families(hf_bench):
+    return hf_bench.FAMILIES
 
 
 OPTIMIZERS = {

@@ -7,8 +7,6 @@ learning rates, bit for bit."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,14 +34,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def families():
-    spec = importlib.util.spec_from_file_location("hf_trainer_families", REPO / "benchmarks" / "hf_classification.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module.FAMILIES
-    sys.modules.pop(spec.name, None)
+def families(hf_bench):
+    return hf_bench.FAMILIES
 
 
 def _trained(families, family: str, precision: str, out: Path, guarded: bool) -> Trainer:

@@ -23,8 +23,6 @@ hook, was reported as phase ``loss``.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,15 +34,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("hf_classification_bench", REPO / "benchmarks" /
-                                                  "hf_classification.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+def bench(hf_bench):
+    return hf_bench
 
 
 def _named(step: dict) -> tuple:
