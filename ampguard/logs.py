@@ -124,7 +124,7 @@ def found_advice(anomaly: Anomaly) -> str | None:
         return (f"module {anomaly.module}'s forward overflows in low precision and is finite in fp32 (forensics "
                 "recomputed it), so no loss scale helps: the scale multiplies the loss after the forward. Run that "
                 "module outside autocast (in fp32), or train in bf16 (precision='bf16'); if it is new, find what grew "
-                "there (its weights or its inputs)")
+                "there (its weights or its inputs: a learning rate too high grows them)")
     if anomaly.cause == Cause.NAN:
         return (f"module {anomaly.module}'s forward is non-finite in fp32 too: its own math (a log of 0, a division "
                 "by 0, a square root of a negative) or its input; check that module and this batch")
@@ -266,32 +266,36 @@ class Voice:
     def _say_anomaly(self, anomaly: Anomaly, report: StepReport) -> None:
         kind = str(anomaly.kind)
         where = f" (from rank(s) {list(anomaly.ranks)})" if anomaly.ranks else ""
-        advice = ADVICE.get(kind)
-        self._say(kind, anomaly.step, LEVELS.get(kind, logging.WARNING),
-                  lambda: f"{kind}{where}: {anomaly.detail}" + (f". What to do: {advice}" if advice else ""))
+        found = found_advice(anomaly)  # where forensics localised it: about that module, not the kind in general
+        advice = found or ADVICE.get(kind)
+        said = self._say(kind, anomaly.step, LEVELS.get(kind, logging.WARNING),
+                         lambda: f"{kind}{where}: {anomaly.detail}" + (f". What to do: {advice}" if advice else ""))
         if (anomaly.module is not None or anomaly.cause is not None) and kind != AnomalyKind.FP8_NONFINITE:
             # (an fp8 anomaly's module is where the fp8 monitor saw the cast, not a forensics finding)
             key = (anomaly.module, anomaly.phase, anomaly.cause)
             if key not in self._findings:
                 self._findings.add(key)
-                found = found_advice(anomaly)
+                # the finding's advice, unless the anomaly's message said it just now (an anomaly of a kind said in
+                # the last REPEAT_EVERY steps is held back, and its finding is then where the advice is read)
+                tail = f". What to do: {found}" if found and not said else ""
                 self._log(logging.WARNING, anomaly.step,
                           f"forensics found where the first non-finite value arose: module {anomaly.module or '-'}, "
                           f"phase {anomaly.phase or '-'}, cause {anomaly.cause or '-'} (first seen on this step; "
-                          "opt.anomalies has every step it explains)" + (f". What to do: {found}" if found else ""))
+                          "opt.anomalies has every step it explains)" + tail)
 
-    def _say(self, key: Any, step: int, level: int, message: str | Callable[[], str]) -> None:
+    def _say(self, key: Any, step: int, level: int, message: str | Callable[[], str]) -> bool:
         """Log ``message`` (made only when logged) unless ``key`` was logged less than
-        :data:`REPEAT_EVERY` steps ago."""
+        :data:`REPEAT_EVERY` steps ago. Returns whether it was logged (held back: False)."""
         said = self._said.get(key)
         if said is not None and step - said.step < REPEAT_EVERY:
             said.held += 1
-            return
+            return False
         text = message if isinstance(message, str) else message()
         if said is not None and said.held:
             text += f" [{said.held} more like it since step {said.step} not shown]"
         self._said[key] = _Said(step)
         self._log(level, step, text)
+        return True
 
     def say_stop(self, error: BaseException, step: int) -> None:
         """Training stops (the error raised at this fixed point): said at ERROR, always."""

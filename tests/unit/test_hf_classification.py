@@ -147,3 +147,39 @@ def test_the_ladders_stop_gives_the_same_advice(bench, family):
     assert "no snapshot to roll back to" in str(err)
     advice = _advice(err)
     assert f"module {attention}'s forward overflows" in advice and "outside autocast" in advice, advice
+
+
+def test_an_anomaly_localised_on_its_own_step_says_what_to_do_about_its_module(hf_bench, caplog):
+    # opt.step(closure, replay=True) localises the first bad step itself: the non-finite loss's own message (the first
+    # of its kind, so it is said) carries the advice about the attention; the finding's message after it does not
+    # repeat it. Before: that message told the user to check the batch for a log of 0.
+    import ampguard
+
+    torch.manual_seed(0)
+    model, attention = hf_bench.FAMILIES["gpt2"](False)
+    model.train()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-4), model=model, precision="fp16",
+                        scaler=torch.amp.GradScaler("cpu"), exporters=[])
+    g = torch.Generator().manual_seed(1)
+    with caplog.at_level("WARNING", logger="ampguard"):
+        for step in range(2):
+            if step == 1:
+                hf_bench.grow_qk(model, attention)
+            ids = torch.randint(2, model.config.vocab_size, (2, 8), generator=g)
+
+            def closure(ids: torch.Tensor = ids) -> torch.Tensor:
+                opt.zero_grad()
+                with opt.autocast():
+                    loss = model(input_ids=ids, labels=ids).loss
+                opt.backward(loss)
+                return loss
+
+            opt.step(closure, replay=True)
+        opt.flush()
+    said = [r.getMessage() for r in caplog.records]
+    (loss_message,) = [m for m in said if m.startswith("step 1, rank 0: nonfinite_loss")]
+    advice = loss_message.split("What to do: ")[1]
+    assert advice.startswith(f"module {attention}'s forward overflows") and "check this batch" not in advice, advice
+    (finding,) = [m for m in said if "forensics found where" in m]
+    assert f"module {attention}, phase forward, cause overflow" in finding and "What to do" not in finding, finding
+    opt.close()
