@@ -116,9 +116,18 @@ KIND_OF_REASON: dict[str, str] = {SkipReason.NONFINITE_LOSS: AnomalyKind.NONFINI
 def found_advice(anomaly: Anomaly) -> str | None:
     """What to do about where forensics localised non-finite values, where that says more than the anomaly kind's
     advice (:data:`ADVICE`): a module's forward that overflows in the run's low precision and is finite in fp32
-    (no loss scale reaches it: the scale multiplies the loss after the forward), or one that is non-finite in fp32
-    too (its own math or its input). None otherwise (a backward overflow is the loss scale's to handle)."""
-    if anomaly.module is None or anomaly.phase != Phase.FORWARD or anomaly.kind == AnomalyKind.FP8_NONFINITE:
+    (no loss scale reaches it: the scale multiplies the loss after the forward), one that is non-finite in fp32
+    too (its own math or its input), or a module's backward that made NaN/inf of a finite gradient (a derivative
+    with no finite value there, or grown values: the learning rate, an unbounded update). None otherwise (a backward
+    overflow is the loss scale's to handle)."""
+    if anomaly.module is None or anomaly.kind == AnomalyKind.FP8_NONFINITE:
+        return None
+    if anomaly.phase == Phase.BACKWARD and anomaly.cause == Cause.NAN:
+        return (f"module {anomaly.module}'s backward turned a finite incoming gradient into NaN/inf: its math has "
+                "no finite derivative there (a square root or a norm at 0, a division by a value near 0), or what it "
+                "saved in the forward or its weights have grown (a learning rate too high: lower it, or bound the "
+                "update with clip_grad_norm or zclip)")
+    if anomaly.phase != Phase.FORWARD:
         return None
     if anomaly.cause == Cause.OVERFLOW:
         return (f"module {anomaly.module}'s forward overflows in low precision and is finite in fp32 (forensics "

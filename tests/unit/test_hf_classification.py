@@ -95,19 +95,24 @@ def _lasting_overflow(bench, family: str, config):
     model.train()
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-4), model=model, precision="fp16",
                         scaler=torch.amp.GradScaler("cpu"), exporters=[], config=config)
-    g = torch.Generator().manual_seed(1)
     with pytest.raises(ampguard.NonFiniteError) as err:
-        for step in range(30):
-            if step == 1:
-                bench.grow_qk(model, attention)
-            ids = torch.randint(2, model.config.vocab_size, (2, 8), generator=g)
-            with opt.autocast():
-                loss = model(input_ids=ids, labels=ids).loss
-            opt.backward(loss)
-            opt.step()
-            opt.zero_grad()
+        _train(opt, model, 30, lambda step: bench.grow_qk(model, attention) if step == 1 else None)
     opt.close()
     return attention, err.value
+
+
+def _train(opt, model, steps: int, before=None) -> None:
+    """``steps`` guarded steps on random token batches (the same every run); ``before(step)`` first, each step."""
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        if before is not None:
+            before(step)
+        ids = torch.randint(2, model.config.vocab_size, (2, 8), generator=g)
+        with opt.autocast():
+            loss = model(input_ids=ids, labels=ids).loss
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
 
 
 def _advice(err: Exception) -> str:
@@ -182,4 +187,27 @@ def test_an_anomaly_localised_on_its_own_step_says_what_to_do_about_its_module(h
     assert advice.startswith(f"module {attention}'s forward overflows") and "check this batch" not in advice, advice
     (finding,) = [m for m in said if "forensics found where" in m]
     assert f"module {attention}, phase forward, cause overflow" in finding and "What to do" not in finding, finding
+    opt.close()
+
+
+def test_a_backward_that_makes_nan_of_a_finite_gradient_is_advised_about_that_module(hf_bench, caplog):
+    # A learning rate far too high (SGD, lr=50) on Llama: the first update grows the weights, and on step 3 layer 1's
+    # backward turns a finite gradient into NaN. Its message advised "wrap(model=...) lets forensics name the module"
+    # beside forensics' own naming of it; it now says what to do about that module's backward.
+    import ampguard
+
+    torch.manual_seed(0)
+    model, _ = hf_bench.FAMILIES["llama"](False)
+    model.train()
+    opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=50.0), model=model, precision="fp16",
+                        scaler=torch.amp.GradScaler("cpu"), exporters=[])
+    with caplog.at_level("WARNING", logger="ampguard"):
+        _train(opt, model, 4)
+        opt.flush()
+    (anomaly,) = [a for a in opt.anomalies if a.kind == "nonfinite_grad" and a.phase == "backward"]
+    assert (anomaly.module, anomaly.cause) == ("model.layers.1", "nan")
+    (message,) = [r.getMessage() for r in caplog.records if "nonfinite_grad" in r.getMessage()]
+    advice = message.split("What to do: ")[1]
+    assert advice.startswith("module model.layers.1's backward turned a finite incoming gradient into NaN/inf")
+    assert "learning rate" in advice and "wrap(model=...)" not in advice, advice
     opt.close()
