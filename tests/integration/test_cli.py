@@ -242,3 +242,28 @@ def test_demo_leaves_the_callers_environment_as_it_was(tmp_path, monkeypatch, ca
     (run_dir,) = tmp_path.iterdir()
     first = json.loads((run_dir / "events-rank0.jsonl").read_text().splitlines()[0])
     assert run_dir.name in json.dumps(first), first  # the ranks still logged the run's id
+
+
+def test_report_of_a_run_stopped_by_a_lasting_forward_overflow_says_what_to_do_about_that_module(tmp_path, hf_bench):
+    # a real GPT-2 whose attention overflows fp16 on every forward after step 2 (its q/k grown), logged to a JSONL
+    # event log until max_consecutive_skips stops it; `ampguard report` on the log ends unhealthy (exit 3) and, since
+    # stop 68, says what to do about the attention forensics localised, as the run's own stop said
+    import torch
+
+    import ampguard
+    from ampguard.exporters import JsonlExporter
+    from tests.unit._models import hf_steps
+
+    torch.manual_seed(0)
+    model, attention = hf_bench.FAMILIES["gpt2"](False)
+    model.train()
+    opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-4), model=model, precision="fp16",
+                        scaler=torch.amp.GradScaler("cpu"), exporters=[JsonlExporter(tmp_path / "events.jsonl")],
+                        config=ampguard.GuardConfig(max_consecutive_skips=6))
+    with pytest.raises(ampguard.NonFiniteError):
+        hf_steps(opt, model, 20, lambda step: hf_bench.grow_qk(model, attention) if step == 2 else None)
+    opt.close()
+    out = subprocess.run([*CLI, "report", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("ampguard report: what to do: ")]
+    assert f"module {attention}'s forward overflows" in line and "outside autocast" in line, line

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -90,3 +92,19 @@ def one_step(guarded: bool, opt: torch.optim.Optimizer, scaler: torch.amp.GradSc
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
+
+
+def hf_steps(opt: ampguard.GuardedOptimizer, model: torch.nn.Module, steps: int,
+             before: Callable[[int], object] | None = None) -> None:
+    """``steps`` guarded steps of a Hugging Face language model (``benchmarks/hf_classification.py``'s families) on
+    random token batches, the same every run, its own labels; ``before(step)`` first, each step."""
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        if before is not None:
+            before(step)
+        ids = torch.randint(2, model.config.vocab_size, (2, 8), generator=g)
+        with opt.autocast():
+            loss = model(input_ids=ids, labels=ids).loss
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()

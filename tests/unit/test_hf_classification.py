@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ._models import hf_steps
+
 pytest.importorskip("transformers")
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,23 +98,9 @@ def _lasting_overflow(bench, family: str, config):
     opt = ampguard.wrap(torch.optim.AdamW(model.parameters(), lr=1e-4), model=model, precision="fp16",
                         scaler=torch.amp.GradScaler("cpu"), exporters=[], config=config)
     with pytest.raises(ampguard.NonFiniteError) as err:
-        _train(opt, model, 30, lambda step: bench.grow_qk(model, attention) if step == 1 else None)
+        hf_steps(opt, model, 30, lambda step: bench.grow_qk(model, attention) if step == 1 else None)
     opt.close()
     return attention, err.value
-
-
-def _train(opt, model, steps: int, before=None) -> None:
-    """``steps`` guarded steps on random token batches (the same every run); ``before(step)`` first, each step."""
-    g = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        if before is not None:
-            before(step)
-        ids = torch.randint(2, model.config.vocab_size, (2, 8), generator=g)
-        with opt.autocast():
-            loss = model(input_ids=ids, labels=ids).loss
-        opt.backward(loss)
-        opt.step()
-        opt.zero_grad()
 
 
 def _advice(err: Exception) -> str:
@@ -202,7 +190,7 @@ def test_a_backward_that_makes_nan_of_a_finite_gradient_is_advised_about_that_mo
     opt = ampguard.wrap(torch.optim.SGD(model.parameters(), lr=50.0), model=model, precision="fp16",
                         scaler=torch.amp.GradScaler("cpu"), exporters=[])
     with caplog.at_level("WARNING", logger="ampguard"):
-        _train(opt, model, 4)
+        hf_steps(opt, model, 4)
         opt.flush()
     (anomaly,) = [a for a in opt.anomalies if a.kind == "nonfinite_grad" and a.phase == "backward"]
     assert (anomaly.module, anomaly.cause) == ("model.layers.1", "nan")
