@@ -47,7 +47,8 @@ from .metrics import LOSS
 from .records import SKIP_REASONS, Anomaly, RunInfo, StepReport
 from .vocab import AnomalyKind, Cause, Phase, SkipReason
 
-__all__ = ["KEEP", "LEVELS", "REPEAT_EVERY", "SKIP_RATE", "SKIP_WINDOW", "Voice", "logger", "tally"]
+__all__ = ["KEEP", "LEVELS", "REPEAT_EVERY", "SKIP_RATE", "SKIP_WINDOW", "Voice", "advice_for", "found_advice",
+           "latest_found_advice", "logger", "tally"]
 
 logger = logging.getLogger("ampguard")
 """The library's logger (no handler, no level of its own)."""
@@ -112,7 +113,6 @@ KIND_OF_REASON: dict[str, str] = {SkipReason.NONFINITE_LOSS: AnomalyKind.NONFINI
 """The anomaly kind whose advice fits a skip reason (non-finite gradients otherwise)."""
 
 
-
 def found_advice(anomaly: Anomaly) -> str | None:
     """What to do about where forensics localised non-finite values, where that says more than the anomaly kind's
     advice (:data:`ADVICE`): a module's forward that overflows in the run's low precision and is finite in fp32
@@ -140,19 +140,22 @@ def found_advice(anomaly: Anomaly) -> str | None:
     return None
 
 
-def advice_for(reason: object, anomalies: Sequence[Anomaly] = ()) -> str:
-    """What to do about a run of skipped steps, the last one skipped for ``reason`` (a :class:`SkipReason`):
-    :func:`found_advice` of the latest of ``anomalies`` (the run's) that forensics localised, where it has advice;
-    else the advice of the anomaly kind that fits ``reason``. Before stop 68 it was always the latter: a lasting
-    fp16 overflow in an attention's forward (a non-finite loss on every step) was told to check the batch and the
-    loss for a log of 0, while forensics had named the attention."""
+def latest_found_advice(anomalies: Sequence[Anomaly]) -> str | None:
+    """:func:`found_advice` of the latest of ``anomalies`` that forensics localised to a module (an fp8 anomaly's
+    module is where the fp8 monitor saw the cast, not a finding); None where there is none, or it has no advice."""
     for anomaly in reversed(anomalies):
         if anomaly.module is not None and anomaly.kind != AnomalyKind.FP8_NONFINITE:
-            found = found_advice(anomaly)
-            if found is not None:
-                return found
-            break
-    return ADVICE[KIND_OF_REASON.get(str(reason), AnomalyKind.NONFINITE_GRAD)]
+            return found_advice(anomaly)
+    return None
+
+
+def advice_for(reason: object, anomalies: Sequence[Anomaly] = ()) -> str:
+    """What to do about a run of skipped steps, the last one skipped for ``reason`` (a :class:`SkipReason`):
+    :func:`latest_found_advice` of ``anomalies`` (the run's), where it has advice; else the advice of the anomaly
+    kind that fits ``reason``. Before stop 68 it was always the latter: a lasting fp16 overflow in an attention's
+    forward (a non-finite loss on every step) was told to check the batch and the loss for a log of 0, while
+    forensics had named the attention."""
+    return latest_found_advice(anomalies) or ADVICE[KIND_OF_REASON.get(str(reason), AnomalyKind.NONFINITE_GRAD)]
 
 
 _MEMORY = Path("(this process: opt.summary())")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AmpGuardError, BackendUnavailableError
-from ..logs import found_advice
+from ..logs import latest_found_advice
 from .plotting import plot
 from .reading import NoEventsYet, Run, RunLogError, load_run
 from .summary import RunSummary, format_summary, rich_summary, summary
@@ -90,21 +90,11 @@ def _report_once(args: argparse.Namespace, prog: str, console: Any) -> int:
     why = unhealthy_end(run)
     if why is not None:
         print(f"{prog}: the run ended unhealthy: {why}", file=sys.stderr)
-        advice = localised_advice(run)
+        advice = latest_found_advice(run.anomalies)  # what the run's own messages and its stop said (stop 68)
         if advice is not None:
             print(f"{prog}: what to do: {advice}", file=sys.stderr)
         return UNHEALTHY
     return 0
-
-
-def localised_advice(run: Run) -> str | None:
-    """What to do about where forensics last localised the run's non-finite values
-    (:func:`ampguard.logs.found_advice` of the last anomaly that names a module), where that says more than the
-    anomaly's kind: the advice the run's own messages and its stop gave (stop 68). None otherwise."""
-    for anomaly in reversed(run.anomalies):
-        if anomaly.module is not None and anomaly.kind != "fp8_nonfinite":
-            return found_advice(anomaly)
-    return None
 
 
 UNHEALTHY = 3
