@@ -1,11 +1,11 @@
 """The guarded loop is the plain GradScaler loop, bit for bit, on the six Hugging Face model families
 (``benchmarks/hf_classification.py``'s builders: GPT-2, Llama, Mistral, Qwen2, BERT, T5 at tiny sizes, from their
 ``transformers`` config classes; no weights downloaded): fused, foreach and for-loop AdamW, SGD with momentum, two
-micro-batches a step, sampled numerics and indicators (read only: no bit changes), and bf16 without loss scaling;
-clipping by norm against the plain loop's unscale_ and clip_grad_norm_; torch's several-optimizers recipe on one
-GradScaler (a guard on each, the scale shared: each guard updating the scale alone fails every family); a checkpoint
-saved mid-run and loaded into fresh objects, which resumes the run bit for bit (the scaler left unrestored fails 10
-of the 12); and the parameter check on a real eps=0 NaN in each family.
+micro-batches a step, sampled numerics and indicators and the sentinel (read only: no bit changes), and bf16 without
+loss scaling; clipping by norm against the plain loop's unscale_ and clip_grad_norm_; torch's several-optimizers
+recipe on one GradScaler (a guard on each, the scale shared: each guard updating the scale alone fails every family);
+a checkpoint saved mid-run and loaded into fresh objects, which resumes the run bit for bit (the scaler left
+unrestored fails 10 of the 12); and the parameter check on a real eps=0 NaN in each family.
 
 fp16 autocast on the CPU, ``GradScaler("cpu", init_scale=2**18, growth_interval=2)``: the fp16 backward overflows as
 it comes (nothing injected) within the first two steps, the scale backs off to where steps are taken, grows after two
@@ -156,6 +156,16 @@ def test_sampled_numerics_and_indicators_change_no_bit(families, family, optim):
     reports = got[3]
     assert [r.grad_zero_fraction is not None for r in reports] == [r.step % 2 == 0 for r in reports]
     assert any(r.module_update_ratios for r in reports if r.step % 3 == 0)  # a taken sampled step's ratios
+    _overflowed_and_grew(got)
+    _assert_same(got, _run(families[family], optim, guarded=False))
+
+
+@pytest.mark.parametrize("optim", ["fused", "foreach"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_the_sentinel_changes_no_bit(families, family, optim):
+    # sentinel="top": a forward hook on each top block reads its output every step (and the model's own output
+    # through the loss); the run's bits stay the plain loop's
+    got = _run(families[family], optim, guarded=True, sentinel="top")
     _overflowed_and_grew(got)
     _assert_same(got, _run(families[family], optim, guarded=False))
 
