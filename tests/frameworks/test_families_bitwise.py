@@ -126,13 +126,20 @@ def _overflowed_and_grew(run) -> None:
     assert any(b < a for a, b in pairs) and any(b > a for a, b in pairs), scales
 
 
+def _as_the_plain_loop(build, optim: str, *, host: bool = True, accumulate: int = 1, **config: object):
+    """The guarded fp16 run (:func:`_run`, ``config`` its GuardConfig), through real overflows and growth, held bit for
+    bit against the plain loop on the same micro-batches. Returns the guarded run."""
+    got = _run(build, optim, guarded=True, host=host, accumulate=accumulate, **config)
+    _overflowed_and_grew(got)
+    _assert_same(got, _run(build, optim, guarded=False, accumulate=accumulate))
+    return got
+
+
 @pytest.mark.parametrize("host", [True, False], ids=["host-decision", "tensor-decision"])
 @pytest.mark.parametrize("optim", ["fused", "foreach"])
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_the_guarded_loop_is_the_plain_loop_bit_for_bit(families, family, optim, host):
-    got = _run(families[family], optim, guarded=True, host=host)
-    _overflowed_and_grew(got)
-    _assert_same(got, _run(families[family], optim, guarded=False))
+    _as_the_plain_loop(families[family], optim, host=host)
 
 
 @pytest.mark.parametrize(("optim", "accumulate"), [("forloop", 1), ("sgd", 1), ("fused", 2), ("foreach", 2)],
@@ -141,9 +148,7 @@ def test_the_guarded_loop_is_the_plain_loop_bit_for_bit(families, family, optim,
 def test_other_optimizers_and_accumulation_are_the_plain_loop_bit_for_bit(families, family, optim, accumulate):
     # AdamW's for-loop step (GradScaler's found_inf read, then the step), SGD with momentum; two micro-batches a step,
     # each loss divided by two (opt.backward twice, then opt.step; the plain loop's scaler.scale(loss).backward twice)
-    got = _run(families[family], optim, guarded=True, accumulate=accumulate)
-    _overflowed_and_grew(got)
-    _assert_same(got, _run(families[family], optim, guarded=False, accumulate=accumulate))
+    _as_the_plain_loop(families[family], optim, accumulate=accumulate)
 
 
 @pytest.mark.parametrize("optim", ["fused", "foreach"])
@@ -152,12 +157,9 @@ def test_sampled_numerics_and_indicators_change_no_bit(families, family, optim):
     # numerics_every=2 (each other step's zero fraction and headroom, read from the still-scaled gradients: on such a
     # step the foreach path unscales after its norms, not as it goes) and indicators_every=3 (the weights copied
     # before the update, module norms and update ratios after it): read only, the plain loop's bits
-    got = _run(families[family], optim, guarded=True, numerics_every=2, indicators_every=3)
-    reports = got[3]
+    reports = _as_the_plain_loop(families[family], optim, numerics_every=2, indicators_every=3)[3]
     assert [r.grad_zero_fraction is not None for r in reports] == [r.step % 2 == 0 for r in reports]
     assert any(r.module_update_ratios for r in reports if r.step % 3 == 0)  # a taken sampled step's ratios
-    _overflowed_and_grew(got)
-    _assert_same(got, _run(families[family], optim, guarded=False))
 
 
 @pytest.mark.parametrize("optim", ["fused", "foreach"])
@@ -165,9 +167,7 @@ def test_sampled_numerics_and_indicators_change_no_bit(families, family, optim):
 def test_the_sentinel_changes_no_bit(families, family, optim):
     # sentinel="top": a forward hook on each top block reads its output every step (and the model's own output
     # through the loss); the run's bits stay the plain loop's
-    got = _run(families[family], optim, guarded=True, sentinel="top")
-    _overflowed_and_grew(got)
-    _assert_same(got, _run(families[family], optim, guarded=False))
+    _as_the_plain_loop(families[family], optim, sentinel="top")
 
 
 @pytest.mark.parametrize("optim", ["fused", "foreach"])
