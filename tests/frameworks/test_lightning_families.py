@@ -17,6 +17,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from ampguard.integrations.lightning import AmpGuardPrecision
 
 from .test_families_bitwise import FAMILY_NAMES, _same_bits
+from .test_lightning import _one_thread  # noqa: F401  (the fixture: one CPU thread, as there)
 
 pytestmark = pytest.mark.frameworks
 
@@ -57,14 +58,6 @@ def _fit(build: Any, guarded: bool) -> tuple[Any, _After]:
                         num_sanity_val_steps=0, callbacks=[after], accumulate_grad_batches=2, gradient_clip_val=0.5)
     trainer.fit(module, train_dataloaders=loader)
     return plugin, after
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
